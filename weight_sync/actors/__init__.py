@@ -1,0 +1,9 @@
+"""The Ray glue: control-plane calls between the trainer's updater and the workers.
+
+Knows Ray and the wire types; the sockets and collectives stay behind ``weight_sync.transport``.
+"""
+
+from weight_sync.actors.updater import PushResult, WeightUpdater
+from weight_sync.actors.worker import WeightSyncWorker
+
+__all__ = ["PushResult", "WeightSyncWorker", "WeightUpdater"]

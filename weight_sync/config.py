@@ -1,0 +1,109 @@
+"""The one configuration object, validated when it is built.
+
+Every knob lives here so that a bad value fails at construction, in the caller's frame, with a
+message that says what to change -- not minutes later inside a collective on another machine.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MiB = 1 << 20
+
+Backend = Literal["auto", "gloo", "nccl"]
+GroupMode = Literal["auto", "world", "standalone"]
+
+
+class SyncConfig(BaseModel):
+    """How a :class:`~weight_sync.WeightUpdater` moves weights. Frozen: build a new one to change it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    bucket_bytes: int = Field(
+        256 * MiB,
+        description="Largest packed bucket in bytes. Bigger buckets mean fewer collectives; "
+        "memory on each side is bounded by two buckets.",
+    )
+    alignment: int = Field(
+        64,
+        description="Byte alignment of every tensor inside a bucket; a power of two >= 16 so "
+        "that any dtype can be viewed in place on the receiver.",
+    )
+    backend: Backend = Field(
+        "auto",
+        description="Data-plane backend: 'gloo' (CPU buffers), 'nccl' (CUDA buffers) or 'auto' "
+        "(NCCL when the weights are on CUDA and every worker has a GPU, else Gloo).",
+    )
+    group_mode: GroupMode = Field(
+        "auto",
+        description="'world': init_process_group + new_group (the process must have no default "
+        "group); 'standalone': a group on its own store beside any existing default group; "
+        "'auto': 'world' when no member has a default group, else 'standalone'.",
+    )
+    master_addr: str = Field(
+        "127.0.0.1",
+        description="Address the trainer's rendezvous store listens on and workers dial. "
+        "Loopback by default; name the node's address for multi-node groups.",
+    )
+    allow_all_interfaces: bool = Field(
+        False,
+        description="Must be True to listen on a wildcard address (0.0.0.0 or ::).",
+    )
+    rendezvous_timeout_s: float = Field(
+        120.0, gt=0, description="Bound on forming the group (store connect + mesh setup)."
+    )
+    collective_timeout_s: float = Field(
+        300.0, gt=0, description="Bound on any single collective (one bucket's broadcast)."
+    )
+    rpc_timeout_s: float = Field(
+        120.0, gt=0, description="Bound on every control-plane Ray call that is not a transfer."
+    )
+    push_timeout_s: float = Field(
+        900.0, gt=0, description="Bound on the worker side of one whole push, end to end."
+    )
+    max_tensors: int = Field(
+        1_000_000, gt=0, description="Most tensors one push may carry (bounds metadata)."
+    )
+    max_metadata_bytes: int = Field(
+        64 * MiB, gt=0, description="Largest serialized plan a worker accepts."
+    )
+
+    @field_validator("alignment")
+    @classmethod
+    def _alignment_is_power_of_two(cls, value: int) -> int:
+        if value < 16 or value & (value - 1):
+            raise ValueError(
+                f"alignment must be a power of two >= 16 (got {value}); try 64"
+            )
+        return value
+
+    @field_validator("master_addr")
+    @classmethod
+    def _addr_is_not_empty(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("master_addr must name a host or IP address, e.g. '127.0.0.1'")
+        return value.strip()
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> SyncConfig:
+        if self.bucket_bytes < self.alignment:
+            raise ValueError(
+                f"bucket_bytes ({self.bucket_bytes}) must be at least alignment "
+                f"({self.alignment}); buckets of 64 MiB to 1 GiB are typical"
+            )
+        if _is_wildcard(self.master_addr) and not self.allow_all_interfaces:
+            raise ValueError(
+                f"master_addr={self.master_addr!r} listens on every interface; name one "
+                "address, or pass allow_all_interfaces=True if that is really meant"
+            )
+        return self
+
+
+def _is_wildcard(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr).is_unspecified
+    except ValueError:
+        return False

@@ -1,0 +1,213 @@
+"""Typed wire metadata: everything that crosses the control plane.
+
+Only plain data travels: dtype names (not torch objects), shapes, byte offsets. Each message is a
+frozen pydantic model serialised to JSON, so a worker parses untrusted bytes with bounded size and
+strict types instead of unpickling them. A ``SyncPlan`` checks its own geometry on construction:
+a receiver that accepts a plan can be sure no segment writes outside its bucket or its tensor,
+which matters because Gloo aborts the process (SIGABRT) on a short receive buffer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from functools import cached_property
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_NAME_CHARS = 1024
+MAX_DIMS = 32
+TRAINER_RANK = 0  # the trainer is rank 0 of every sync group and the source of every broadcast
+
+# Every dtype a model can hold whose bytes round-trip through a uint8 view.
+_DTYPE_NAMES = (
+    "float64", "float32", "float16", "bfloat16",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "int64", "int32", "int16", "int8",
+    "uint64", "uint32", "uint16", "uint8",
+    "bool", "complex128", "complex64", "complex32",
+)  # fmt: skip
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name) for name in _DTYPE_NAMES if hasattr(torch, name)
+}
+_NAMES_BY_DTYPE = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of ``dtype``; ``TypeError`` for dtypes that cannot travel as bytes."""
+    try:
+        return _NAMES_BY_DTYPE[dtype]
+    except KeyError:
+        raise TypeError(
+            f"dtype {dtype} cannot be sent; supported: {', '.join(DTYPES)}"
+        ) from None
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TensorMeta(_Wire):
+    """One named tensor as the receiver will see it (always contiguous)."""
+
+    name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+    dtype: str
+    shape: tuple[int, ...] = Field(max_length=MAX_DIMS)
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        if value not in DTYPES:
+            raise ValueError(f"unknown dtype {value!r}")
+        return value
+
+    @field_validator("shape")
+    @classmethod
+    def _non_negative(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if any(dim < 0 for dim in value):
+            raise ValueError(f"negative dimension in shape {value}")
+        return value
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> TensorMeta:
+        return cls(name=name, dtype=dtype_name(tensor.dtype), shape=tuple(tensor.shape))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def itemsize(self) -> int:
+        return self.torch_dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+
+class Segment(_Wire):
+    """A run of bytes of one tensor placed inside one bucket."""
+
+    tensor: int = Field(ge=0, description="index into SyncPlan.tensors")
+    tensor_offset: int = Field(ge=0, description="byte offset inside the tensor")
+    bucket_offset: int = Field(ge=0, description="byte offset inside the bucket")
+    nbytes: int = Field(gt=0)
+
+
+class BucketMeta(_Wire):
+    nbytes: int = Field(gt=0)
+    segments: tuple[Segment, ...] = Field(min_length=1)
+
+
+class SyncPlan(_Wire):
+    """Where every byte of every tensor travels. Derived by ``planner.make_plan``."""
+
+    alignment: int = Field(ge=1)
+    tensors: tuple[TensorMeta, ...]
+    buckets: tuple[BucketMeta, ...]
+
+    @model_validator(mode="after")
+    def _geometry_is_sound(self) -> SyncPlan:
+        names = [t.name for t in self.tensors]
+        if len(set(names)) != len(names):
+            raise ValueError("plan has duplicate tensor names")
+        covered = [0] * len(self.tensors)  # bytes of each tensor placed so far, in order
+        for b, bucket in enumerate(self.buckets):
+            end = 0
+            for seg in bucket.segments:
+                if seg.tensor >= len(self.tensors):
+                    raise ValueError(f"bucket {b}: segment names tensor {seg.tensor}, "
+                                     f"plan has {len(self.tensors)}")
+                meta = self.tensors[seg.tensor]
+                if seg.bucket_offset < end or seg.bucket_offset % self.alignment:
+                    raise ValueError(f"bucket {b}: segment at {seg.bucket_offset} overlaps or "
+                                     "is misaligned")
+                end = seg.bucket_offset + seg.nbytes
+                if end > bucket.nbytes:
+                    raise ValueError(f"bucket {b}: segment ends past the bucket")
+                if seg.tensor_offset != covered[seg.tensor]:
+                    raise ValueError(f"tensor {meta.name!r}: segments out of order")
+                if seg.tensor_offset % meta.itemsize or seg.nbytes % meta.itemsize:
+                    raise ValueError(f"tensor {meta.name!r}: split inside an element")
+                covered[seg.tensor] += seg.nbytes
+                if covered[seg.tensor] > meta.nbytes:
+                    raise ValueError(f"tensor {meta.name!r}: segments exceed its size")
+            if end != bucket.nbytes:
+                raise ValueError(f"bucket {b}: declared {bucket.nbytes} bytes, segments fill {end}")
+        for meta, done in zip(self.tensors, covered, strict=True):
+            if done != meta.nbytes:
+                raise ValueError(f"tensor {meta.name!r}: {done} of {meta.nbytes} bytes placed")
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the wire (padding between tensors included)."""
+        return sum(bucket.nbytes for bucket in self.buckets)
+
+    @property
+    def max_bucket_bytes(self) -> int:
+        return max((bucket.nbytes for bucket in self.buckets), default=0)
+
+    @cached_property
+    def digest(self) -> str:
+        """Content hash; lets a sender refer to a plan the receiver already holds."""
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()
+
+
+# ---- control-plane messages -------------------------------------------------------------------
+
+BackendName = Literal["gloo", "nccl"]
+ModeName = Literal["world", "standalone"]
+
+
+class GroupSpec(_Wire):
+    """Everything a member needs to join the dedicated sync group."""
+
+    group_id: str = Field(pattern=r"^[0-9a-f]{8,64}$")
+    address: str = Field(min_length=1, max_length=255)
+    port: int = Field(ge=1, le=65535)
+    world_size: int = Field(ge=2)
+    rank: int = Field(ge=0)
+    backend: BackendName
+    mode: ModeName
+    rendezvous_timeout_s: float = Field(gt=0)
+    collective_timeout_s: float = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _rank_in_world(self) -> GroupSpec:
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} outside world of {self.world_size}")
+        return self
+
+
+class MemberInfo(_Wire):
+    """What a worker tells the trainer before a group is built."""
+
+    has_default_group: bool
+    cuda: bool
+    version: int | None
+    hostname: str
+    pid: int
+
+
+class PrepareRequest(_Wire):
+    """The one metadata message of a push: the version and the plan, or the hash of a cached plan."""
+
+    version: int = Field(ge=1)
+    plan_digest: str = Field(pattern=r"^[0-9a-f]{64}$")
+    plan: SyncPlan | None = None
+
+
+class PrepareReply(_Wire):
+    accepted: bool
+    need_plan: bool = False
+    problems: tuple[str, ...] = ()
+
+
+class ReceiveReport(_Wire):
+    version: int
+    nbytes: int
+    buckets: int
+    seconds: float

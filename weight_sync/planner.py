@@ -1,0 +1,57 @@
+"""Pure planning: named tensor metadata + bucket size -> where every byte travels.
+
+The plan is a deterministic function of its inputs and is sent to receivers whole, so both sides
+agree on bucket boundaries without re-deriving them. Rules:
+
+* tensors keep their order (state-dict order keeps related tensors in the same bucket);
+* each tensor starts at an ``alignment``-aligned offset, so the receiver can view it in place;
+* a tensor that fits in one bucket is never split -- if it does not fit in what is left of the
+  current bucket, a new bucket starts;
+* a tensor larger than a bucket fills what is left of the current bucket and spills over as many
+  buckets as it needs, split on element boundaries;
+* tensors with no bytes get no segment; the receiver materialises them without any transfer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from weight_sync.metadata import BucketMeta, Segment, SyncPlan, TensorMeta
+
+
+def align_up(offset: int, alignment: int) -> int:
+    return -(-offset // alignment) * alignment
+
+
+def make_plan(tensors: Sequence[TensorMeta], bucket_bytes: int, alignment: int) -> SyncPlan:
+    if bucket_bytes < alignment:
+        raise ValueError(f"bucket_bytes ({bucket_bytes}) must be >= alignment ({alignment})")
+    buckets: list[BucketMeta] = []
+    segments: list[Segment] = []
+    used = 0
+
+    def close_bucket() -> None:
+        nonlocal segments, used
+        if segments:
+            buckets.append(BucketMeta(nbytes=used, segments=tuple(segments)))
+        segments, used = [], 0
+
+    for index, meta in enumerate(tensors):
+        remaining, tensor_offset = meta.nbytes, 0
+        if remaining and remaining <= bucket_bytes < align_up(used, alignment) + remaining:
+            close_bucket()  # fits in a bucket of its own, but not in what is left of this one
+        while remaining:
+            start = align_up(used, alignment)
+            room = bucket_bytes - start
+            chunk = min(remaining, room - room % meta.itemsize)
+            if chunk <= 0:
+                close_bucket()
+                continue
+            segments.append(
+                Segment(tensor=index, tensor_offset=tensor_offset, bucket_offset=start, nbytes=chunk)
+            )
+            used = start + chunk
+            tensor_offset += chunk
+            remaining -= chunk
+    close_bucket()
+    return SyncPlan(alignment=alignment, tensors=tuple(tensors), buckets=tuple(buckets))

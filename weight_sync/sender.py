@@ -1,0 +1,88 @@
+"""Trainer side of the data plane: check the state dict, plan, pack, broadcast."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+
+from weight_sync.config import SyncConfig
+from weight_sync.metadata import MAX_NAME_CHARS, SyncPlan, TensorMeta
+from weight_sync.packing import Packer, bucket_buffers
+from weight_sync.planner import make_plan
+from weight_sync.transport import Transport
+
+logger = logging.getLogger(__name__)
+
+StateDict = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+def plan_state_dict(
+    state_dict: StateDict, config: SyncConfig
+) -> tuple[SyncPlan, list[torch.Tensor]]:
+    """Check every entry, then plan. Raises ``TypeError``/``ValueError`` naming the bad entry,
+    before anything is sent anywhere."""
+    items = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
+    metas: list[TensorMeta] = []
+    tensors: list[torch.Tensor] = []
+    seen: set[str] = set()
+    for entry in items:
+        if not (isinstance(entry, tuple) and len(entry) == 2):
+            raise TypeError(f"expected (name, tensor) pairs, got {type(entry).__name__}")
+        name, tensor = entry
+        _check_entry(name, tensor)
+        if name in seen:
+            raise ValueError(f"tensor name {name!r} appears twice")
+        seen.add(name)
+        metas.append(TensorMeta.of(name, tensor))
+        tensors.append(tensor.detach())
+        if len(metas) > config.max_tensors:
+            raise ValueError(
+                f"more than max_tensors={config.max_tensors} tensors; raise the limit in "
+                "SyncConfig or push in parts"
+            )
+    plan = make_plan(metas, config.bucket_bytes, config.alignment)
+    return plan, tensors
+
+
+def _check_entry(name: object, tensor: object) -> None:
+    if not isinstance(name, str):
+        raise TypeError(f"tensor names must be str, got {type(name).__name__} ({name!r})")
+    if not name or len(name) > MAX_NAME_CHARS:
+        raise ValueError(f"tensor name must have 1..{MAX_NAME_CHARS} characters: {name[:80]!r}")
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if type(tensor).__name__ == "DTensor":
+        raise TypeError(
+            f"{name!r} is a DTensor; pass tensor.full_tensor() (sharded sources are not "
+            "supported yet)"
+        )
+    if tensor.layout != torch.strided:
+        raise ValueError(f"{name!r}: only dense tensors can be sent, not {tensor.layout}")
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"{name!r} lives on {tensor.device}; only CPU and CUDA tensors can be sent"
+        )
+
+
+class Sender:
+    """Broadcasts a plan's buckets from this rank: packing bucket k+1 while bucket k is on the wire."""
+
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
+
+    def send(self, plan: SyncPlan, tensors: Sequence[torch.Tensor]) -> None:
+        if not plan.buckets:
+            return
+        packer = Packer(plan, tensors)
+        buffers = bucket_buffers(plan, self._transport.device)
+        pending = None
+        for index in range(len(plan.buckets)):
+            data = packer.pack(index, buffers[index % 2])
+            if pending is not None:
+                pending.wait()
+            pending = self._transport.broadcast(data, src=self._transport.rank)
+        assert pending is not None
+        pending.wait()
+        logger.debug("sent %d buckets, %d bytes", len(plan.buckets), plan.nbytes)

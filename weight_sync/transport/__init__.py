@@ -1,0 +1,11 @@
+"""The data plane: a narrow ``Transport`` protocol and its torch.distributed implementation.
+
+Knows nothing of Ray: membership arrives as a ``GroupSpec``; everything here runs in plain
+processes, which is how the tests exercise it.
+"""
+
+from weight_sync.transport.base import Transport, Work
+from weight_sync.transport.rendezvous import bind_listener
+from weight_sync.transport.torch_group import TorchGroup
+
+__all__ = ["TorchGroup", "Transport", "Work", "bind_listener"]

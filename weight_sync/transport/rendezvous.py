@@ -1,0 +1,65 @@
+"""Rendezvous: the store every member dials to form the group.
+
+The trainer binds its listening socket itself (port 0, the address from the config) and hands the
+open file descriptor to ``TCPStore``. Two things follow: there is no window between picking a
+port and listening on it for another process to steal, and the store listens only where we bound
+(``TCPStore(host, is_master=True)`` alone listens on every interface).
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+from torch.distributed import TCPStore
+
+from weight_sync.errors import SyncTimeoutError, TransportError
+
+
+def bind_listener(address: str) -> socket.socket:
+    """A listening TCP socket on ``address`` at a port the kernel picks."""
+    try:
+        infos = socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise TransportError(f"cannot resolve master_addr {address!r}: {exc}") from exc
+    family, _, _, _, sockaddr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind(sockaddr)
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        raise TransportError(
+            f"cannot listen on {address!r}: {exc}; check that master_addr is an address of "
+            "this node"
+        ) from exc
+    return sock
+
+
+def open_store(
+    address: str, port: int, world_size: int, timeout_s: float, listener: socket.socket | None
+) -> TCPStore:
+    """The master store (given ``listener``, whose descriptor the store takes over) or a client."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        if listener is not None:
+            return TCPStore(
+                address, port, world_size, is_master=True, timeout=timeout,
+                wait_for_workers=False, master_listen_fd=listener.detach(),
+            )  # fmt: skip
+        return TCPStore(address, port, world_size, is_master=False, timeout=timeout)
+    except (RuntimeError, TimeoutError) as exc:
+        kind = SyncTimeoutError if "timeout" in str(exc).lower() else TransportError
+        raise kind(
+            f"cannot reach the rendezvous store at {address}:{port} within {timeout_s}s: "
+            f"{exc}; check that the trainer is alive and the port is reachable"
+        ) from exc
+
+
+def local_address_towards(address: str) -> str:
+    """The local IP the kernel would use to reach ``address``: the interface a member's data
+    sockets should bind to (loopback for a loopback master, the routed NIC otherwise)."""
+    family = socket.getaddrinfo(address, 0)[0][0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((address, 9))  # UDP connect sends nothing; it only picks a route
+        return probe.getsockname()[0]

@@ -1,0 +1,211 @@
+"""The dedicated sync group, built from torch.distributed parts.
+
+Two ways to build it, one way to use it:
+
+* ``world`` -- the textbook path for processes with no torch.distributed world of their own:
+  ``init_process_group`` makes the sync world and ``new_group`` the broadcast group. The library
+  then owns the process's default group and destroys it on close.
+* ``standalone`` -- for processes that already live in a world (an FSDP trainer, a
+  tensor-parallel engine): a ``ProcessGroupGloo``/``ProcessGroupNCCL`` over a ``PrefixStore`` on
+  our own ``TCPStore``. It never reads or touches the default group, and is driven through the
+  group object's own methods (``dist.broadcast(group=...)`` refuses unregistered groups).
+
+Either way the result is a ``ProcessGroup`` whose ``broadcast`` we call directly.
+"""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import logging
+import os
+import socket
+import struct
+
+import torch
+import torch.distributed as dist
+from torch.distributed import PrefixStore, ProcessGroupGloo
+
+from weight_sync.errors import SyncTimeoutError, TransportError
+from weight_sync.metadata import GroupSpec
+from weight_sync.transport.rendezvous import local_address_towards, open_store
+
+logger = logging.getLogger(__name__)
+
+
+class TorchWork:
+    def __init__(self, work: dist.Work, timeout: datetime.timedelta) -> None:
+        self._work = work
+        self._timeout = timeout
+
+    def wait(self) -> None:
+        try:
+            self._work.wait(self._timeout)
+        except RuntimeError as exc:
+            raise _collective_error(exc, self._timeout) from exc
+
+
+class TorchGroup:
+    """A member of the dedicated sync group (implements ``Transport``)."""
+
+    def __init__(
+        self, spec: GroupSpec, pg: dist.ProcessGroup, store: dist.Store, device: torch.device
+    ) -> None:
+        self._spec = spec
+        self._pg: dist.ProcessGroup | None = pg
+        self._store: dist.Store | None = store
+        self._device = device
+        self._timeout = datetime.timedelta(seconds=spec.collective_timeout_s)
+
+    @classmethod
+    def join(cls, spec: GroupSpec, listener: socket.socket | None = None) -> TorchGroup:
+        """Join (rank 0: create, taking over ``listener``) the group that ``spec`` describes.
+
+        Blocks until every member has joined or ``spec.rendezvous_timeout_s`` passes.
+        """
+        assert (listener is not None) == (spec.rank == 0), "rank 0 and only rank 0 listens"
+        store = open_store(
+            spec.address, spec.port, spec.world_size, spec.rendezvous_timeout_s, listener
+        )
+        device = _device_for(spec.backend)
+        rendezvous = datetime.timedelta(seconds=spec.rendezvous_timeout_s)
+        collective = datetime.timedelta(seconds=spec.collective_timeout_s)
+        prefix = f"weight_sync/{spec.group_id}/"
+        try:
+            if spec.mode == "world":
+                pg = _join_world(spec, PrefixStore(prefix, store), rendezvous, collective)
+            elif spec.backend == "gloo":
+                options = ProcessGroupGloo._Options()
+                options._timeout = rendezvous
+                local = local_address_towards(spec.address)
+                options._devices = [ProcessGroupGloo.create_device(hostname=local)]
+                pg = ProcessGroupGloo(PrefixStore(prefix, store), spec.rank, spec.world_size, options)
+                pg.set_timeout(collective)
+            else:
+                from torch.distributed import ProcessGroupNCCL
+
+                options = ProcessGroupNCCL.Options()
+                options._timeout = collective
+                pg = ProcessGroupNCCL(PrefixStore(prefix, store), spec.rank, spec.world_size, options)
+        except RuntimeError as exc:
+            raise _rendezvous_error(exc, spec) from exc
+        logger.info(
+            "joined sync group %s as rank %d/%d (%s, %s) via %s:%d",
+            spec.group_id, spec.rank, spec.world_size, spec.backend, spec.mode,
+            spec.address, spec.port,
+        )  # fmt: skip
+        return cls(spec, pg, store, device)
+
+    @property
+    def rank(self) -> int:
+        return self._spec.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._spec.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def spec(self) -> GroupSpec:
+        return self._spec
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> TorchWork:
+        if self._pg is None:
+            raise TransportError("the sync group is closed; the next push rebuilds it")
+        assert tensor.dtype == torch.uint8 and tensor.is_contiguous()
+        options = dist.BroadcastOptions()
+        options.rootRank = src
+        options.rootTensor = 0
+        options.timeout = self._timeout
+        try:
+            work = self._pg.broadcast([tensor], options)
+        except RuntimeError as exc:
+            raise _collective_error(exc, self._timeout) from exc
+        return TorchWork(work, self._timeout)
+
+    def close(self) -> None:
+        pg, self._pg = self._pg, None
+        if pg is None:
+            return
+        try:
+            if self._spec.mode == "world":
+                dist.destroy_process_group()  # the sync world and every group in it
+            else:
+                pg.shutdown()
+        except RuntimeError as exc:  # a dead peer must not stop us from leaving
+            logger.warning("closing sync group %s: %s", self._spec.group_id, exc)
+        self._store = None  # drops the rank-0 listening socket
+        logger.info("left sync group %s (rank %d)", self._spec.group_id, self._spec.rank)
+
+
+def _join_world(
+    spec: GroupSpec,
+    store: dist.Store,
+    rendezvous: datetime.timedelta,
+    collective: datetime.timedelta,
+) -> dist.ProcessGroup:
+    if dist.is_initialized():
+        raise TransportError(
+            "group_mode='world' needs a process without a torch.distributed default group, "
+            "but this one has one; use group_mode='standalone' (or 'auto')"
+        )
+    if spec.backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
+        # init_process_group gives Gloo no device option: the environment is the only way to
+        # keep its sockets on the interface that reaches the master (loopback by default).
+        interface = _interface_of(local_address_towards(spec.address))
+        if interface is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
+    dist.init_process_group(
+        spec.backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=rendezvous
+    )
+    group = dist.new_group(list(range(spec.world_size)), timeout=collective, backend=spec.backend)
+    assert isinstance(group, dist.ProcessGroup)
+    return group
+
+
+def _device_for(backend: str) -> torch.device:
+    if backend == "gloo":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise TransportError("backend 'nccl' needs a CUDA device in every member process")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _interface_of(ip: str) -> str | None:
+    """The name of the IPv4 interface holding ``ip`` (Linux), or None if unknown."""
+    siocgifaddr = 0x8915
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:
+                packed = fcntl.ioctl(probe.fileno(), siocgifaddr, struct.pack("256s", name[:15].encode()))
+            except OSError:
+                continue
+        if socket.inet_ntoa(packed[20:24]) == ip:
+            return name
+    return None
+
+
+def _collective_error(exc: Exception, timeout: datetime.timedelta) -> Exception:
+    text = str(exc)
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return SyncTimeoutError(
+            f"a broadcast did not finish within {timeout.total_seconds()}s ({text}); a worker "
+            "may be frozen or overloaded -- raise collective_timeout_s or check the workers"
+        )
+    return TransportError(
+        f"a broadcast failed ({text}); a member of the sync group probably died -- check the "
+        "workers' logs. The next push rebuilds the group."
+    )
+
+
+def _rendezvous_error(exc: Exception, spec: GroupSpec) -> Exception:
+    text = str(exc)
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return SyncTimeoutError(
+            f"the sync group did not form within {spec.rendezvous_timeout_s}s ({text}); a "
+            f"worker may not have joined or cannot reach {spec.address}:{spec.port}"
+        )
+    return TransportError(f"could not form the sync group: {text}")
