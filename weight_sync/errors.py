@@ -33,6 +33,9 @@ class PlanMismatchError(WeightSyncError):
             + " | ".join(lines)
         )
 
+    def __reduce__(self) -> tuple:  # survive pickling across Ray actor boundaries
+        return type(self), (self.problems,)
+
 
 class SyncTimeoutError(WeightSyncError, TimeoutError):
     """A bounded wait ran out: rendezvous, a collective, or a control call."""
@@ -44,6 +47,9 @@ class WorkerFailedError(WeightSyncError):
     def __init__(self, message: str, workers: Sequence[int]) -> None:
         self.workers = list(workers)
         super().__init__(message)
+
+    def __reduce__(self) -> tuple:
+        return type(self), (str(self), self.workers)
 
 
 class TransportError(WeightSyncError):

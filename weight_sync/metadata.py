@@ -25,6 +25,7 @@ TRAINER_RANK = 0  # the trainer is rank 0 of every sync group and the source of 
 _DTYPE_NAMES = (
     "float64", "float32", "float16", "bfloat16",
     "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "float4_e2m1fn_x2",
     "int64", "int32", "int16", "int8",
     "uint64", "uint32", "uint16", "uint8",
     "bool", "complex128", "complex64", "complex32",

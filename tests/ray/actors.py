@@ -1,0 +1,78 @@
+"""Actors shared by the Ray tests: a trainer that owns a WeightUpdater, and workers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+import torch
+
+from tests.zoo import BufferModel, zoo
+from weight_sync import PushResult, SyncConfig, WeightSyncWorker, WeightUpdater
+from weight_sync.verify import state_dict_digests
+
+BIG = 300_000  # 1.2 MB tensors: split across the tests' 256 KiB buckets
+
+
+@ray.remote(num_cpus=0)
+class ZooWorker(WeightSyncWorker):
+    """Default load_weights into self.model, whose buffers hold every dtype."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.set_num_threads(1)
+        self.model = BufferModel(zoo(seed, big=BIG))
+
+
+@ray.remote(num_cpus=0)
+class RecordingWorker(WeightSyncWorker):
+    """A custom load_weights (as an inference engine would have), no self.model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.received: dict[str, torch.Tensor] = {}
+        self.calls = 0
+
+    def load_weights(self, weights) -> None:
+        self.calls += 1
+        self.received.update((name, tensor.clone()) for name, tensor in weights)
+
+    def load_calls(self) -> int:
+        return self.calls
+
+    def received_digests(self) -> dict[str, str]:
+        return state_dict_digests(self.received)
+
+
+def mutate(state_dict: dict[str, torch.Tensor], mutation: str) -> dict[str, torch.Tensor]:
+    if mutation == "extra":
+        state_dict["not_in_model"] = torch.zeros(3)
+    elif mutation == "missing":
+        state_dict.pop("float32_matrix")
+    elif mutation == "shape":
+        state_dict["float32_matrix"] = torch.zeros(13, 7)
+    elif mutation == "dtype":
+        state_dict["float32_matrix"] = state_dict["float32_matrix"].double()
+    elif mutation != "none":
+        raise ValueError(mutation)
+    return state_dict
+
+
+@ray.remote(num_cpus=0)
+class Trainer:
+    def __init__(self, workers: list, **config: Any) -> None:
+        torch.set_num_threads(1)
+        self.updater = WeightUpdater(workers, SyncConfig(**config))
+
+    def push_zoo(self, seed: int, mutation: str = "none") -> PushResult:
+        # Built here, so the non-contiguous views really are non-contiguous at the sender.
+        return self.updater.push(mutate(zoo(seed, big=BIG), mutation))
+
+    def push(self, state_dict: Any) -> PushResult:
+        return self.updater.push(state_dict)
+
+    def version(self) -> int:
+        return self.updater.version
+
+    def close(self) -> None:
+        self.updater.close()

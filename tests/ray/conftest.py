@@ -1,0 +1,23 @@
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import ray
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    """One local Ray cluster for every Ray test (starting one costs seconds on 2 cores)."""
+    # Actor classes defined in test modules are imported by reference in the workers.
+    paths = [str(REPO), os.environ.get("PYTHONPATH", "")]
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
+    try:
+        yield
+    finally:
+        ray.shutdown()

@@ -1,0 +1,109 @@
+"""End to end with real Ray actors: a trainer actor pushes to 7 worker actors over Gloo."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import ray
+
+from tests.ray.actors import BIG, RecordingWorker, Trainer, ZooWorker
+from tests.zoo import zoo
+from weight_sync import PlanMismatchError, PushResult
+from weight_sync.verify import state_dict_digests
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("ray_cluster")]
+TIMEOUT = 120
+WORKERS = 7
+
+
+@pytest.fixture(scope="module")
+def fleet(ray_cluster: None) -> Iterator[tuple]:
+    workers = [ZooWorker.remote(seed=100 + i) for i in range(WORKERS)]
+    trainer = Trainer.remote(workers, bucket_bytes=256 << 10)
+    try:
+        yield trainer, workers
+    finally:
+        ray.get(trainer.close.remote(), timeout=TIMEOUT)
+        for actor in [trainer, *workers]:
+            ray.kill(actor)
+
+
+def state(workers: list) -> tuple[list, list]:
+    versions = ray.get([w.weights_version.remote() for w in workers], timeout=TIMEOUT)
+    digests = ray.get([w.weight_sync_digests.remote() for w in workers], timeout=TIMEOUT)
+    return versions, digests
+
+
+def test_pushes_land_bit_exact_with_versions_one_apart(fleet: tuple) -> None:
+    trainer, workers = fleet
+    versions, digests = state(workers)
+    assert versions == [None] * WORKERS
+    assert all(d != state_dict_digests(zoo(1, big=BIG)) for d in digests)
+    for seed in (1, 2):  # the second push carries different values and must land too
+        before = ray.get(trainer.version.remote(), timeout=TIMEOUT)
+        result: PushResult = ray.get(trainer.push_zoo.remote(seed), timeout=TIMEOUT)
+        assert result.version == before + 1
+        assert result.buckets > 1 and result.nbytes >= sum(t.nbytes for t in zoo(seed, big=BIG).values())
+        versions, digests = state(workers)
+        assert versions == [result.version] * WORKERS
+        want = state_dict_digests(zoo(seed, big=BIG))
+        for index, got in enumerate(digests):
+            assert got == want, f"worker {index} differs after push of seed {seed}"
+
+
+@pytest.mark.parametrize(
+    ("mutation", "problem"),
+    [
+        ("extra", "unknown tensor 'not_in_model'"),
+        ("missing", "missing tensor 'float32_matrix'"),
+        ("shape", "'float32_matrix': sent float32[13, 7], model has float32[7, 13]"),
+        ("dtype", "'float32_matrix': sent float64[7, 13], model has float32[7, 13]"),
+    ],
+)
+def test_mismatch_is_refused_before_any_broadcast(fleet: tuple, mutation: str, problem: str) -> None:
+    trainer, workers = fleet
+    ray.get(trainer.push_zoo.remote(3), timeout=TIMEOUT)
+    versions, digests = state(workers)
+    with pytest.raises(PlanMismatchError) as info:
+        ray.get(trainer.push_zoo.remote(4, mutation), timeout=TIMEOUT)
+    assert problem in str(info.value)
+    assert f"worker {WORKERS - 1}:" in str(info.value)  # every worker reports
+    assert state(workers) == (versions, digests)  # nothing changed anywhere
+    assert ray.get(trainer.version.remote(), timeout=TIMEOUT) == versions[0]
+    ray.get(trainer.push_zoo.remote(4), timeout=TIMEOUT)  # and the group is still usable
+    assert state(workers)[1][0] == state_dict_digests(zoo(4, big=BIG))
+
+
+@pytest.mark.parametrize(("bad", "error"), [({"w": "not a tensor"}, TypeError), ({1: None}, TypeError)])
+def test_bad_input_is_a_caller_error(fleet: tuple, bad: dict, error: type) -> None:
+    trainer, workers = fleet
+    versions, _ = state(workers)
+    with pytest.raises(error):
+        ray.get(trainer.push.remote(bad), timeout=TIMEOUT)
+    assert state(workers)[0] == versions
+
+
+def test_empty_state_dict_is_a_no_op(fleet: tuple) -> None:
+    trainer, workers = fleet
+    versions, _ = state(workers)
+    result = ray.get(trainer.push.remote({}), timeout=TIMEOUT)
+    assert (result.version, result.nbytes, result.buckets) == (versions[0], 0, 0)
+    assert state(workers)[0] == versions
+
+
+def test_custom_load_weights_on_a_standalone_group(ray_cluster: None) -> None:
+    workers = [RecordingWorker.remote() for _ in range(2)]
+    trainer = Trainer.remote(workers, bucket_bytes=64 << 10, group_mode="standalone")
+    try:
+        result = ray.get(trainer.push_zoo.remote(5), timeout=TIMEOUT)
+        want = state_dict_digests(zoo(5, big=BIG))
+        for worker in workers:
+            assert ray.get(worker.received_digests.remote(), timeout=TIMEOUT) == want
+            assert ray.get(worker.weights_version.remote(), timeout=TIMEOUT) == result.version
+            # load_weights runs per bucket (plus once for the empty tensors), not per tensor
+            assert ray.get(worker.load_calls.remote(), timeout=TIMEOUT) <= result.buckets + 1
+    finally:
+        ray.get(trainer.close.remote(), timeout=TIMEOUT)
+        for actor in [trainer, *workers]:
+            ray.kill(actor)

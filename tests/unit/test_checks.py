@@ -1,0 +1,88 @@
+"""The checks that run before any collective: the sender's on the state dict, the receiver's on
+the plan."""
+
+import pytest
+import torch
+
+from weight_sync import SyncConfig
+from weight_sync.metadata import PrepareRequest, TensorMeta
+from weight_sync.planner import make_plan
+from weight_sync.receiver import Receiver, check_plan
+from weight_sync.sender import plan_state_dict
+
+
+def expected_of(**tensors: torch.Tensor) -> dict[str, TensorMeta]:
+    return {name: TensorMeta.of(name, tensor) for name, tensor in tensors.items()}
+
+
+def plan_of(**tensors: torch.Tensor):
+    return make_plan(list(expected_of(**tensors).values()), 1024, 64)
+
+
+MODEL = expected_of(w=torch.zeros(4, 4), b=torch.zeros(4))
+
+
+@pytest.mark.parametrize(
+    ("plan", "problems"),
+    [
+        (plan_of(w=torch.zeros(4, 4), b=torch.zeros(4)), []),
+        (plan_of(b=torch.zeros(4), w=torch.zeros(4, 4)), []),  # order does not matter
+        (plan_of(w=torch.zeros(4, 4), b=torch.zeros(4), x=torch.zeros(1)), ["unknown tensor 'x'"]),
+        (plan_of(w=torch.zeros(4, 4)), ["missing tensor 'b'"]),
+        (plan_of(w=torch.zeros(4, 5), b=torch.zeros(4)), ["'w': sent float32[4, 5], model has float32[4, 4]"]),
+        (plan_of(w=torch.zeros(4, 4), b=torch.zeros(4, dtype=torch.float16)), ["'b': sent float16[4], model has float32[4]"]),
+    ],
+)
+def test_check_plan_table(plan, problems: list[str]) -> None:
+    assert check_plan(plan, MODEL) == problems
+
+
+def test_check_plan_accepts_anything_without_a_target() -> None:
+    assert check_plan(plan_of(anything=torch.zeros(3)), None) == []
+
+
+def request(plan, version: int = 1, with_plan: bool = True) -> str:
+    return PrepareRequest(version=version, plan_digest=plan.digest, plan=plan if with_plan else None).model_dump_json()
+
+
+def test_receiver_refuses_oversized_and_malformed_metadata() -> None:
+    receiver = Receiver()
+    receiver._max_metadata_bytes = 100
+    reply = receiver.prepare(request(plan_of(w=torch.zeros(1))), lambda: None)
+    assert not reply.accepted and "exceeds max_metadata_bytes" in reply.problems[0]
+    receiver._max_metadata_bytes = 1 << 20
+    reply = receiver.prepare('{"version": 1, "plan_digest": "x"}', lambda: None)
+    assert not reply.accepted and "malformed metadata" in reply.problems[0]
+    plan = plan_of(w=torch.zeros(1))
+    tampered = request(plan).replace(plan.digest, "0" * 64)
+    assert receiver.prepare(tampered, lambda: None).problems == ("plan does not match its digest",)
+    assert receiver.prepare(request(plan, with_plan=False), lambda: None).need_plan
+    assert receiver.version is None and not receiver.dirty
+
+
+@pytest.mark.parametrize(
+    ("state_dict", "error", "message"),
+    [
+        ({"w": [1.0, 2.0]}, TypeError, "expected a torch.Tensor"),
+        ({3: torch.zeros(1)}, TypeError, "names must be str"),
+        ({"": torch.zeros(1)}, ValueError, "1..1024 characters"),
+        ([("w", torch.zeros(1)), ("w", torch.ones(1))], ValueError, "appears twice"),
+        ([("w", torch.zeros(1), 3)], TypeError, "pairs"),
+        ({"w": torch.zeros(2, device="meta")}, ValueError, "only CPU and CUDA"),
+        ({"w": torch.zeros(2, 2).to_sparse()}, ValueError, "dense"),
+        ({"w": torch.empty(2, dtype=torch.bits16)}, TypeError, "cannot be sent"),
+    ],
+)
+def test_bad_state_dicts_are_refused(state_dict, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        plan_state_dict(state_dict, SyncConfig())
+
+
+def test_too_many_tensors() -> None:
+    with pytest.raises(ValueError, match="max_tensors=3"):
+        plan_state_dict({f"w{i}": torch.zeros(1) for i in range(4)}, SyncConfig(max_tensors=3))
+
+
+def test_parameters_are_detached() -> None:
+    plan, tensors = plan_state_dict({"w": torch.nn.Parameter(torch.ones(3))}, SyncConfig())
+    assert not tensors[0].requires_grad and plan.tensors[0].shape == (3,)

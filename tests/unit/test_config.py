@@ -1,0 +1,41 @@
+import pydantic
+import pytest
+
+from weight_sync import SyncConfig
+
+
+def test_defaults_are_valid_and_frozen() -> None:
+    config = SyncConfig()
+    assert config.master_addr == "127.0.0.1"
+    with pytest.raises(pydantic.ValidationError):
+        config.bucket_bytes = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"alignment": 48}, "power of two"),
+        ({"alignment": 8}, "power of two"),
+        ({"bucket_bytes": 32, "alignment": 64}, "at least alignment"),
+        ({"master_addr": "0.0.0.0"}, "allow_all_interfaces"),
+        ({"master_addr": "::"}, "allow_all_interfaces"),
+        ({"master_addr": "  "}, "master_addr"),
+        ({"rendezvous_timeout_s": 0}, "greater than 0"),
+        ({"push_timeout_s": -1}, "greater than 0"),
+        ({"backend": "mpi"}, "gloo"),
+        ({"group_mode": "shared"}, "standalone"),
+        ({"bucket_sise": 1}, "Extra inputs"),
+    ],
+)
+def test_bad_values_fail_at_construction(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SyncConfig(**kwargs)
+
+
+def test_wildcard_needs_opt_in() -> None:
+    assert SyncConfig(master_addr="0.0.0.0", allow_all_interfaces=True).master_addr == "0.0.0.0"
+
+
+def test_every_field_is_described() -> None:
+    for name, field in SyncConfig.model_fields.items():
+        assert field.description, name

@@ -1,0 +1,76 @@
+import random
+
+import pytest
+
+from weight_sync.metadata import TensorMeta
+from weight_sync.planner import align_up, make_plan
+
+
+def metas(*sizes_and_dtypes: tuple[int, str]) -> list[TensorMeta]:
+    return [TensorMeta(name=f"t{i}", dtype=dtype, shape=(n,)) for i, (n, dtype) in enumerate(sizes_and_dtypes)]
+
+
+def layout(plan) -> list[list[tuple[int, int, int, int]]]:
+    return [
+        [(s.tensor, s.tensor_offset, s.bucket_offset, s.nbytes) for s in bucket.segments]
+        for bucket in plan.buckets
+    ]
+
+
+@pytest.mark.parametrize(
+    ("tensors", "bucket", "align", "expected"),
+    [
+        # packed with alignment padding
+        (metas((3, "uint8"), (5, "uint8")), 64, 16, [[(0, 0, 0, 3), (1, 0, 16, 5)]]),
+        # does not fit in what is left: a new bucket, never split
+        (metas((10, "float32"), (10, "float32")), 64, 16, [[(0, 0, 0, 40)], [(1, 0, 0, 40)]]),
+        # exactly full
+        (metas((8, "float32"), (8, "float32")), 64, 16, [[(0, 0, 0, 32), (1, 0, 32, 32)]]),
+        # larger than a bucket: fills the rest of the current bucket, then spills over
+        (
+            metas((4, "uint8"), (40, "float32")),
+            64, 16,
+            [[(0, 0, 0, 4), (1, 0, 16, 48)], [(1, 48, 0, 64)], [(1, 112, 0, 48)]],
+        ),
+        # split on element boundaries (8-byte elements, 60 bytes of room -> 56)
+        (metas((1, "uint8"), (20, "float64")), 76, 16, [[(0, 0, 0, 1), (1, 0, 16, 56)], [(1, 56, 0, 72)], [(1, 128, 0, 32)]]),
+        # empty tensors get no segment; the bucket after them is unaffected
+        (metas((0, "float32"), (2, "int64"), (0, "bool")), 64, 16, [[(1, 0, 0, 16)]]),
+        # nothing to send at all
+        (metas((0, "float32")), 64, 16, []),
+        (metas(), 64, 16, []),
+    ],
+)
+def test_layout_table(tensors, bucket, align, expected) -> None:
+    assert layout(make_plan(tensors, bucket, align)) == expected
+
+
+def test_plan_is_deterministic_and_keeps_order() -> None:
+    tensors = metas(*[(n, "float32") for n in (100, 7, 3000, 1, 0, 512)])
+    first, second = make_plan(tensors, 1024, 64), make_plan(tensors, 1024, 64)
+    assert first == second and first.digest == second.digest
+    assert [m.name for m in first.tensors] == [m.name for m in tensors]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_plans_cover_every_byte_once(seed: int) -> None:
+    rng = random.Random(seed)
+    dtypes = ["uint8", "float16", "float32", "float64", "complex128", "bool"]
+    tensors = metas(*[(rng.choice([0, 1, 3, 17, 100, 1000, 5000]), rng.choice(dtypes)) for _ in range(40)])
+    bucket = rng.choice([16, 48, 256, 4096, 1 << 20])
+    plan = make_plan(tensors, bucket, 16)  # SyncPlan's own validator checks coverage and order
+    assert all(b.nbytes <= bucket for b in plan.buckets)
+    assert plan.nbytes >= sum(m.nbytes for m in tensors)
+    whole = [m for m in tensors if 0 < m.nbytes <= bucket]
+    single = {s.tensor for b in plan.buckets for s in b.segments if s.nbytes == tensors[s.tensor].nbytes}
+    assert {tensors.index(m) for m in whole} <= single  # a tensor that fits is never split
+
+
+@pytest.mark.parametrize(("offset", "alignment", "expected"), [(0, 64, 0), (1, 64, 64), (64, 64, 64), (65, 16, 80)])
+def test_align_up(offset: int, alignment: int, expected: int) -> None:
+    assert align_up(offset, alignment) == expected
+
+
+def test_bucket_smaller_than_alignment_is_refused() -> None:
+    with pytest.raises(ValueError, match="alignment"):
+        make_plan(metas((1, "uint8")), 8, 16)
