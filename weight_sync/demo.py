@@ -83,6 +83,7 @@ def run_demo(workers: int = 7, steps: int = 5, address: str | None = None,
     """Run the loop and verify every worker; returns a process exit code."""
     started_here = not ray.is_initialized()
     if started_here:
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # the demo talks to loopback only
         if address is None:
             ray.init(num_cpus=os.cpu_count(), include_dashboard=False)
         else:

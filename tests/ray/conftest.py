@@ -16,6 +16,7 @@ def ray_cluster() -> Iterator[None]:
     # Actor classes defined in test modules are imported by reference in the workers.
     paths = [str(REPO), os.environ.get("PYTHONPATH", "")]
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
     try:
         yield

@@ -1,0 +1,19 @@
+import pytest
+
+from weight_sync.cli import main
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"]])
+def test_every_command_has_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: weight-sync" in out and ("--workers" in out or "demo" in out)
+
+
+@pytest.mark.parametrize("argv", [[], ["demo", "--workers", "0"], ["frobnicate"]])
+def test_bad_arguments_exit_with_usage(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
