@@ -23,9 +23,9 @@ class SyncConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     bucket_bytes: int = Field(
-        256 * MiB,
-        description="Largest packed bucket in bytes. Bigger buckets mean fewer collectives; "
-        "memory on each side is bounded by two buckets.",
+        64 * MiB,
+        description="Largest packed bucket in bytes. Bigger buckets mean fewer collectives, "
+        "smaller ones more overlap of packing with sending; each side holds two at a time.",
     )
     alignment: int = Field(
         64,

@@ -144,8 +144,13 @@ class SyncPlan(_Wire):
 
     @property
     def nbytes(self) -> int:
-        """Bytes on the wire (padding between tensors included)."""
+        """Bytes on the wire (alignment padding between tensors included)."""
         return sum(bucket.nbytes for bucket in self.buckets)
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of the tensors themselves."""
+        return sum(meta.nbytes for meta in self.tensors)
 
     @property
     def max_bucket_bytes(self) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist.harness import RankContext, run_ranks
+from tests.distributed.harness import RankContext, run_ranks
 from tests.zoo import zoo
 from weight_sync.metadata import PrepareRequest, TensorMeta
 from weight_sync.packing import Packer, Unpacker, bucket_buffers

@@ -44,7 +44,8 @@ def test_pushes_land_bit_exact_with_versions_one_apart(fleet: tuple) -> None:
         before = ray.get(trainer.version.remote(), timeout=TIMEOUT)
         result: PushResult = ray.get(trainer.push_zoo.remote(seed), timeout=TIMEOUT)
         assert result.version == before + 1
-        assert result.buckets > 1 and result.nbytes >= sum(t.nbytes for t in zoo(seed, big=BIG).values())
+        assert result.buckets > 1 and result.nbytes == sum(t.nbytes for t in zoo(seed, big=BIG).values())
+        assert result.tensors == len(zoo(seed, big=BIG))
         versions, digests = state(workers)
         assert versions == [result.version] * WORKERS
         want = state_dict_digests(zoo(seed, big=BIG))

@@ -34,10 +34,10 @@ class PushResult:
     """What one push moved. ``version`` is now committed on every worker."""
 
     version: int
-    nbytes: int
+    nbytes: int  # bytes of the tensors pushed (alignment padding on the wire not counted)
     buckets: int
-    tensors: int
     seconds: float
+    tensors: int = 0
 
     @property
     def gbps(self) -> float:
@@ -97,7 +97,7 @@ class WeightUpdater:
                 raise WeightSyncError("this WeightUpdater is closed; create a new one")
             if not plan.tensors:
                 logger.info("empty state dict: nothing to push (version stays %d)", self._version)
-                return PushResult(self._version, 0, 0, 0, 0.0)
+                return PushResult(self._version, 0, 0, 0.0)
             start = time.perf_counter()
             group = self._ensure_group(tensors)
             version = self._version + 1
@@ -115,8 +115,8 @@ class WeightUpdater:
                 raise
             self._version = version
             result = PushResult(
-                version, plan.nbytes, len(plan.buckets), len(plan.tensors),
-                time.perf_counter() - start,
+                version, plan.payload_bytes, len(plan.buckets), time.perf_counter() - start,
+                len(plan.tensors),
             )  # fmt: skip
             logger.info(
                 "pushed version %d: %d tensors, %.1f MB in %d buckets, %.3fs (%.2f GB/s)",

@@ -1,0 +1,93 @@
+"""Run a function on N spawned ranks with a hard deadline; every rank is killed on the way out.
+
+Rank 0 binds the ports it needs (port 0, socket kept) and publishes them through a queue, so no
+port is ever guessed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from weight_sync.metadata import GroupSpec
+from weight_sync.transport import bind_listener
+
+Target = Callable[..., Any]
+
+
+class RankContext:
+    """Handed to each rank: who it is, and how to meet the others."""
+
+    def __init__(self, rank: int, world_size: int, ports: mp.Queue, group_id: str) -> None:
+        self.rank, self.world_size = rank, world_size
+        self._ports_queue, self._ports, self.group_id = ports, None, group_id
+        self._listeners: list[socket.socket] = []
+
+    def ports(self, count: int = 1) -> list[int]:
+        """``count`` rendezvous ports, bound by rank 0 (its listeners: see ``listener``)."""
+        if self._ports is None:
+            if self.rank == 0:
+                self._listeners = [bind_listener("127.0.0.1") for _ in range(count)]
+                self._ports = [s.getsockname()[1] for s in self._listeners]
+                for _ in range(self.world_size - 1):
+                    self._ports_queue.put(self._ports)
+            else:
+                self._ports = self._ports_queue.get(timeout=60)
+        return self._ports
+
+    def listener(self, index: int) -> socket.socket | None:
+        return self._listeners[index] if self.rank == 0 else None
+
+    def spec(self, mode: str, port_index: int = 0, **overrides: Any) -> GroupSpec:
+        fields = dict(
+            group_id=self.group_id, address="127.0.0.1", port=self.ports()[port_index],
+            world_size=self.world_size, rank=self.rank, backend="gloo", mode=mode,
+            rendezvous_timeout_s=30, collective_timeout_s=30,
+        )  # fmt: skip
+        fields.update(overrides)
+        return GroupSpec(**fields)
+
+
+def _entry(target: Target, rank: int, world_size: int, ports: mp.Queue, results: mp.Queue,
+           group_id: str, args: tuple) -> None:
+    try:
+        value = target(RankContext(rank, world_size, ports, group_id), *args)
+        results.put((rank, True, value))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(target: Target, world_size: int, *args: Any, timeout_s: float = 90) -> list[Any]:
+    """Results by rank; raises AssertionError with the rank's traceback if any rank failed."""
+    ctx = mp.get_context("spawn")
+    ports, results = ctx.Queue(), ctx.Queue()
+    group_id = socket.gethostname().encode().hex()[:8].ljust(8, "0") + "%08x" % id(ports)
+    procs = [
+        ctx.Process(target=_entry, args=(target, rank, world_size, ports, results, group_id, args), daemon=True)
+        for rank in range(world_size)
+    ]
+    try:
+        for proc in procs:
+            proc.start()
+        out: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        for _ in range(world_size):
+            try:
+                rank, ok, value = results.get(timeout=timeout_s)
+            except queue.Empty:
+                raise AssertionError(f"ranks {sorted(set(range(world_size)) - set(out) - set(errors))} "
+                                     f"did not finish within {timeout_s}s") from None
+            (out if ok else errors)[rank] = value
+        assert not errors, "\n".join(f"--- rank {r}:\n{tb}" for r, tb in sorted(errors.items()))
+        return [out[rank] for rank in range(world_size)]
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
