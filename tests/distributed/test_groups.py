@@ -4,6 +4,8 @@ the real sender and receiver."""
 from __future__ import annotations
 
 import datetime
+import time
+import os
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ import torch.distributed as dist
 
 from tests.distributed.harness import RankContext, run_ranks
 from tests.zoo import zoo
-from weight_sync.errors import TransportError
+from weight_sync.errors import TransportError, WeightSyncError
 from weight_sync.metadata import PrepareRequest, TensorMeta
 from weight_sync.planner import make_plan
 from weight_sync.receiver import Receiver
@@ -103,3 +105,92 @@ def world_mode_refused_rank(ctx: RankContext) -> str:
 def test_world_mode_is_refused_inside_an_existing_world() -> None:
     [message] = run_ranks(world_mode_refused_rank, 1)
     assert "group_mode='standalone'" in message
+
+
+def listening_addresses(pid: int) -> set[str]:
+    """Local addresses of this process's listening TCP sockets (IPv4 and IPv6)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        target = os.readlink(f"/proc/{pid}/fd/{fd}") if os.path.exists(f"/proc/{pid}/fd/{fd}") else ""
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in list(f)[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A = LISTEN
+                    found.add(fields[1].rsplit(":", 1)[0])
+    return found
+
+
+def listeners_rank(ctx: RankContext, mode: str) -> set[str]:
+    group = TorchGroup.join(ctx.spec(mode), ctx.listener(0))
+    addresses = listening_addresses(os.getpid())
+    env_left_behind = "GLOO_SOCKET_IFNAME" in os.environ
+    group.close()
+    assert not env_left_behind
+    return addresses
+
+
+@pytest.mark.parametrize("mode", ["world", "standalone"])
+def test_group_listens_on_loopback_only(mode: str) -> None:
+    loopback = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1 in /proc format
+    for rank, addresses in enumerate(run_ranks(listeners_rank, 2, mode)):
+        assert addresses, f"rank {rank} has no listening socket at all?"
+        assert addresses <= loopback, f"rank {rank} listens on {addresses}"
+
+
+HEARD_WITHIN_S = 8
+
+
+def failing_member_rank(ctx: RankContext, mode: str) -> tuple[str, float]:
+    """Rank 2's load fails on its third bucket; every process stays alive afterwards (as Ray
+    actors do), so only an explicit close can tell the peers."""
+    tensors = zoo(seed=12, big=50_000)
+    plan = make_plan([TensorMeta.of(n, t) for n, t in tensors.items()], 16 << 10, 64)
+    spec = ctx.spec(mode, collective_timeout_s=30)
+    start = time.monotonic()
+    if ctx.rank == 0:
+        group = TorchGroup.join(spec, ctx.listener(0))
+        try:
+            Sender(group).send(plan, list(tensors.values()))
+            outcome = "sent"
+        except WeightSyncError as exc:
+            outcome = type(exc).__name__
+            group.close()  # what WeightUpdater does: leave first, so that the others hear
+        elapsed = time.monotonic() - start
+        time.sleep(HEARD_WITHIN_S + 2)  # alive past the bound: process exit cannot be what tells
+        return outcome, elapsed
+    receiver = Receiver()
+    receiver.join(spec, max_metadata_bytes=1 << 20)
+    request = PrepareRequest(version=1, plan_digest=plan.digest, plan=plan).model_dump_json()
+    assert receiver.prepare(request, lambda: None).accepted
+    calls = []
+
+    def apply(items) -> None:
+        calls.append(len(items))
+        if ctx.rank == 2 and len(calls) == 3:
+            raise RuntimeError("injected")
+
+    try:
+        receiver.receive(1, apply)
+        outcome = "received"
+    except Exception as exc:  # the exception and its traceback stay alive while we sleep
+        outcome = type(exc).__name__
+        elapsed = time.monotonic() - start
+        time.sleep(HEARD_WITHIN_S + 2)
+        assert receiver.version is None and receiver.dirty
+        return outcome, elapsed
+    return outcome, time.monotonic() - start
+
+
+@pytest.mark.parametrize("mode", ["world", "standalone"])
+def test_a_failing_member_makes_every_peer_fail_long_before_the_timeout(mode: str) -> None:
+    results = run_ranks(failing_member_rank, 4, mode)
+    assert results[2][0] == "RuntimeError"
+    assert results[0][0] in ("TransportError", "sent")
+    for rank in (1, 3):
+        assert results[rank][0] == "TransportError", f"rank {rank}: {results[rank]}"
+    # The collective timeout is 30 s; hearing of the failure must not wait for it.
+    assert all(elapsed < HEARD_WITHIN_S for _, elapsed in results), results

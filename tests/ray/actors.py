@@ -44,6 +44,26 @@ class RecordingWorker(WeightSyncWorker):
         return state_dict_digests(self.received)
 
 
+@ray.remote(num_cpus=0)
+class FlakyWorker(ZooWorker.__ray_actor_class__):  # type: ignore[name-defined]
+    """A ZooWorker whose load_weights can be told to fail half-way through the next push."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed)
+        self.fail_after: int | None = None
+
+    def fail_next_push(self, after_calls: int) -> None:
+        self.fail_after = after_calls
+
+    def load_weights(self, weights) -> None:
+        if self.fail_after is not None:
+            if self.fail_after == 0:
+                self.fail_after = None
+                raise RuntimeError("injected load_weights failure")
+            self.fail_after -= 1
+        super().load_weights(weights)
+
+
 def mutate(state_dict: dict[str, torch.Tensor], mutation: str) -> dict[str, torch.Tensor]:
     if mutation == "extra":
         state_dict["not_in_model"] = torch.zeros(3)

@@ -7,9 +7,9 @@ from collections.abc import Iterator
 import pytest
 import ray
 
-from tests.ray.actors import BIG, RecordingWorker, Trainer, ZooWorker
+from tests.ray.actors import BIG, FlakyWorker, RecordingWorker, Trainer, ZooWorker
 from tests.zoo import zoo
-from weight_sync import PlanMismatchError, PushResult
+from weight_sync import PlanMismatchError, PushResult, WorkerFailedError
 from weight_sync.verify import state_dict_digests
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("ray_cluster")]
@@ -104,6 +104,30 @@ def test_custom_load_weights_on_a_standalone_group(ray_cluster: None) -> None:
             assert ray.get(worker.weights_version.remote(), timeout=TIMEOUT) == result.version
             # load_weights runs per bucket (plus once for the empty tensors), not per tensor
             assert ray.get(worker.load_calls.remote(), timeout=TIMEOUT) <= result.buckets + 1
+    finally:
+        ray.get(trainer.close.remote(), timeout=TIMEOUT)
+        for actor in [trainer, *workers]:
+            ray.kill(actor)
+
+
+def test_a_worker_failing_mid_push_leaves_no_one_claiming_the_version(ray_cluster: None) -> None:
+    workers = [FlakyWorker.remote(seed=200 + i) for i in range(3)]
+    trainer = Trainer.remote(workers, bucket_bytes=64 << 10, collective_timeout_s=20, rpc_timeout_s=30)
+    try:
+        first = ray.get(trainer.push_zoo.remote(6), timeout=TIMEOUT)
+        ray.get(workers[1].fail_next_push.remote(2), timeout=TIMEOUT)  # fails on its 3rd bucket
+        with pytest.raises(WorkerFailedError) as info:
+            ray.get(trainer.push_zoo.remote(7), timeout=TIMEOUT)
+        assert 1 in info.value.workers and "injected load_weights failure" in str(info.value)
+        versions, _ = state(workers)
+        assert first.version not in versions  # partly updated weights claim no version
+        assert versions[1] is None
+        assert ray.get(trainer.version.remote(), timeout=TIMEOUT) == first.version
+        again = ray.get(trainer.push_zoo.remote(8), timeout=TIMEOUT)  # a new group, all healthy
+        assert again.version == first.version + 1
+        versions, digests = state(workers)
+        assert versions == [again.version] * 3
+        assert digests == [state_dict_digests(zoo(8, big=BIG))] * 3
     finally:
         ray.get(trainer.close.remote(), timeout=TIMEOUT)
         for actor in [trainer, *workers]:

@@ -8,7 +8,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from weight_sync.errors import SyncTimeoutError, WorkerFailedError
+from weight_sync.errors import SyncTimeoutError, TransportError, WorkerFailedError
 
 
 def gather(refs: Sequence[ray.ObjectRef], what: str, timeout_s: float) -> list[Any]:
@@ -23,6 +23,7 @@ def gather(refs: Sequence[ray.ObjectRef], what: str, timeout_s: float) -> list[A
     done = set(ready)
     results: list[Any] = [None] * len(refs)
     failed: dict[int, str] = {}
+    collateral: list[int] = []  # lost the collective because another member failed
     late: list[int] = []
     for index, ref in enumerate(refs):
         if ref not in done:
@@ -33,12 +34,19 @@ def gather(refs: Sequence[ray.ObjectRef], what: str, timeout_s: float) -> list[A
         except RayActorError as exc:
             failed[index] = f"actor died ({_first_line(exc)})"
         except RayTaskError as exc:
-            failed[index] = _first_line(exc.cause if exc.cause is not None else exc)
+            cause = exc.cause if exc.cause is not None else exc
+            if isinstance(cause, TransportError):
+                collateral.append(index)
+            else:
+                failed[index] = _first_line(cause)
         except GetTimeoutError:
             late.append(index)
-    if failed:
+    if failed or collateral:
         detail = "; ".join(f"worker {i}: {why}" for i, why in sorted(failed.items()))
-        raise WorkerFailedError(f"{what} failed on {len(failed)} worker(s): {detail}", sorted(failed))
+        if collateral:
+            detail += f"{'; ' if detail else ''}worker(s) {collateral} lost the broadcast as a result"
+        workers = sorted([*failed, *collateral])
+        raise WorkerFailedError(f"{what} failed on {len(workers)} worker(s): {detail}", workers)
     if late:
         raise SyncTimeoutError(
             f"{what}: worker(s) {late} did not answer within {timeout_s}s; they may be frozen, "

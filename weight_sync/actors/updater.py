@@ -169,9 +169,11 @@ class WeightUpdater:
         try:
             Sender(group).send(plan, tensors)
         except WeightSyncError as exc:
-            # A collective failed here; the workers' own errors say who is to blame.
+            # Leave first: members blocked on our next bucket then fail at once instead of
+            # waiting out collective_timeout_s, and the workers' own errors say who failed.
+            self._close_group()
             try:
-                gather(receiving, "receive", min(5.0, self._config.rpc_timeout_s))
+                gather(receiving, "receive", self._config.rpc_timeout_s)
             except WeightSyncError as worker_exc:
                 raise worker_exc from exc
             raise
@@ -221,10 +223,13 @@ class WeightUpdater:
         self._known_plans = [None] * len(self._workers)
         return group
 
-    def _teardown(self) -> None:
+    def _close_group(self) -> None:
         group, self._group = self._group, None
         if group is not None:
             group.close()
+
+    def _teardown(self) -> None:
+        self._close_group()
         self._leave_workers()
 
     def _leave_workers(self) -> None:

@@ -21,6 +21,7 @@ import logging
 import os
 import socket
 import struct
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -34,15 +35,33 @@ logger = logging.getLogger(__name__)
 
 
 class TorchWork:
+    """A broadcast in flight.
+
+    A Gloo work handle keeps the group's connections alive, so a handle lingering in an
+    exception's traceback would keep peers blocked on us until their timeout instead of failing
+    at once. The handle is therefore dropped as soon as it has been waited on, and by
+    ``TorchGroup.close`` for handles nobody waited on.
+    """
+
     def __init__(self, work: dist.Work, timeout: datetime.timedelta) -> None:
-        self._work = work
+        self._work: dist.Work | None = work
         self._timeout = timeout
 
     def wait(self) -> None:
+        work, self._work = self._work, None
+        if work is None:
+            raise TransportError("this broadcast was abandoned: the sync group was closed")
         try:
-            self._work.wait(self._timeout)
+            work.wait(self._timeout)
+            return
         except RuntimeError as exc:
-            raise _collective_error(exc, self._timeout) from exc
+            failure = exc
+        finally:
+            del work  # not even this frame may keep it alive in the traceback
+        raise _collective_error(failure, self._timeout) from failure
+
+    def release(self) -> None:
+        self._work = None
 
 
 class TorchGroup:
@@ -56,6 +75,7 @@ class TorchGroup:
         self._store: dist.Store | None = store
         self._device = device
         self._timeout = datetime.timedelta(seconds=spec.collective_timeout_s)
+        self._works: weakref.WeakSet[TorchWork] = weakref.WeakSet()
 
     @classmethod
     def join(cls, spec: GroupSpec, listener: socket.socket | None = None) -> TorchGroup:
@@ -124,12 +144,18 @@ class TorchGroup:
             work = self._pg.broadcast([tensor], options)
         except RuntimeError as exc:
             raise _collective_error(exc, self._timeout) from exc
-        return TorchWork(work, self._timeout)
+        handle = TorchWork(work, self._timeout)
+        self._works.add(handle)
+        return handle
 
     def close(self) -> None:
+        """Leave the group so that peers notice at once: every handle to it is released, since
+        Gloo keeps its connections open while any work handle lives."""
         pg, self._pg = self._pg, None
         if pg is None:
             return
+        for handle in list(self._works):
+            handle.release()
         try:
             if self._spec.mode == "world":
                 dist.destroy_process_group()  # the sync world and every group in it
@@ -152,16 +178,25 @@ def _join_world(
             "group_mode='world' needs a process without a torch.distributed default group, "
             "but this one has one; use group_mode='standalone' (or 'auto')"
         )
+    interface = None
     if spec.backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
         # init_process_group gives Gloo no device option: the environment is the only way to
         # keep its sockets on the interface that reaches the master (loopback by default).
+        # Gloo reads it while the groups form, so it is set for exactly that long.
         interface = _interface_of(local_address_towards(spec.address))
+    if interface is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+    try:
+        dist.init_process_group(
+            spec.backend, store=store, rank=spec.rank, world_size=spec.world_size,
+            timeout=rendezvous,
+        )  # fmt: skip
+        group = dist.new_group(
+            list(range(spec.world_size)), timeout=collective, backend=spec.backend
+        )
+    finally:
         if interface is not None:
-            os.environ["GLOO_SOCKET_IFNAME"] = interface
-    dist.init_process_group(
-        spec.backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=rendezvous
-    )
-    group = dist.new_group(list(range(spec.world_size)), timeout=collective, backend=spec.backend)
+            del os.environ["GLOO_SOCKET_IFNAME"]
     assert isinstance(group, dist.ProcessGroup)
     return group
 
