@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
 import ray
 import torch
@@ -88,8 +87,8 @@ def run_demo(workers: int = 7, steps: int = 5, address: str | None = None,
             ray.init(num_cpus=os.cpu_count(), include_dashboard=False)
         else:
             ray.init(address=address)
-    handles = [DemoWorker.remote(seed=i + 1) for i in range(workers)]
-    trainer = DemoTrainer.remote(handles, bucket_mb * MiB)
+    handles = [DemoWorker.remote(seed=i + 1) for i in range(workers)]  # type: ignore[attr-defined]
+    trainer = DemoTrainer.remote(handles, bucket_mb * MiB)  # type: ignore[attr-defined]
     try:
         print(f"trainer -> {workers} workers, {bucket_mb} MiB buckets, {steps} steps")
         print(f"{'version':>7} {'loss':>7} {'MB':>8} {'buckets':>7} {'seconds':>8} {'GB/s':>6}")

@@ -7,7 +7,7 @@ catch one type and decide whether to retry, replace workers or stop.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
 class WeightSyncError(RuntimeError):
@@ -20,7 +20,7 @@ class PlanMismatchError(WeightSyncError):
     ``problems`` maps worker index -> what that worker could not accept.
     """
 
-    def __init__(self, problems: dict[int, Sequence[str]]) -> None:
+    def __init__(self, problems: Mapping[int, Sequence[str]]) -> None:
         self.problems = {index: list(items) for index, items in problems.items()}
         lines = []
         for index, items in sorted(self.problems.items()):

@@ -14,7 +14,7 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     """SHA-256 of a tensor's dtype, shape and bytes (bit-exact; NaN payloads included)."""
     data = byte_view(tensor.detach().to("cpu").contiguous())
     digest = hashlib.sha256(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
-    digest.update(data.numpy())
+    digest.update(data.numpy().data)
     return digest.hexdigest()
 
 

@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
+import secrets
 import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from weight_sync.metadata import GroupSpec
-from weight_sync.transport import bind_listener
+import torch
+
+from weight_sync.metadata import GroupSpec, PrepareRequest, SyncPlan, TensorMeta
+from weight_sync.receiver import Receiver
+from weight_sync.sender import Sender
+from weight_sync.transport import TorchGroup, bind_listener
 
 Target = Callable[..., Any]
 
@@ -65,7 +70,7 @@ def run_ranks(target: Target, world_size: int, *args: Any, timeout_s: float = 90
     """Results by rank; raises AssertionError with the rank's traceback if any rank failed."""
     ctx = mp.get_context("spawn")
     ports, results = ctx.Queue(), ctx.Queue()
-    group_id = socket.gethostname().encode().hex()[:8].ljust(8, "0") + "%08x" % id(ports)
+    group_id = secrets.token_hex(8)
     procs = [
         ctx.Process(target=_entry, args=(target, rank, world_size, ports, results, group_id, args), daemon=True)
         for rank in range(world_size)
@@ -91,3 +96,35 @@ def run_ranks(target: Target, world_size: int, *args: Any, timeout_s: float = 90
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
+
+
+def send_plan(ctx: RankContext, spec: GroupSpec, plan: SyncPlan, tensors: Sequence[torch.Tensor]) -> None:
+    """Rank 0: form the group, broadcast every bucket of ``plan``, leave."""
+    group = TorchGroup.join(spec, ctx.listener(spec_port_index(ctx, spec)))
+    try:
+        Sender(group).send(plan, tensors)
+    finally:
+        group.close()
+
+
+def receive_plan(spec: GroupSpec, plan: SyncPlan, expected: Mapping[str, TensorMeta] | None = None,
+                 version: int = 1) -> dict[str, torch.Tensor]:
+    """Any other rank: join, prepare, receive and commit ``plan``; returns copies of what arrived."""
+    receiver = Receiver()
+    receiver.join(spec, max_metadata_bytes=1 << 20)
+    try:
+        request = PrepareRequest(version=version, plan_digest=plan.digest, plan=plan).model_dump_json()
+        reply = receiver.prepare(request, lambda: expected)
+        assert reply.accepted, reply.problems
+        got: dict[str, torch.Tensor] = {}
+        receiver.receive(version, lambda items: got.update((n, t.clone()) for n, t in items))
+        assert receiver.version is None and receiver.dirty  # nothing claimed before commit
+        receiver.commit(version)
+        assert receiver.version == version and not receiver.dirty
+        return got
+    finally:
+        receiver.leave()
+
+
+def spec_port_index(ctx: RankContext, spec: GroupSpec) -> int:
+    return ctx.ports().index(spec.port)

@@ -4,14 +4,14 @@ the real sender and receiver."""
 from __future__ import annotations
 
 import datetime
-import time
 import os
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed.harness import RankContext, run_ranks
+from tests.distributed.harness import RankContext, receive_plan, run_ranks, send_plan
 from tests.zoo import zoo
 from weight_sync.errors import TransportError, WeightSyncError
 from weight_sync.metadata import PrepareRequest, TensorMeta
@@ -29,24 +29,11 @@ def push_zoo(ctx: RankContext, mode: str, bucket_bytes: int) -> dict[str, str]:
     """Rank 0 sends the zoo; the others receive it through a Receiver. Returns digests."""
     tensors = zoo(seed=11)
     plan = make_plan([TensorMeta.of(n, t) for n, t in tensors.items()], bucket_bytes, 64)
-    spec = ctx.spec(mode)
     if ctx.rank == 0:
-        group = TorchGroup.join(spec, ctx.listener(0))
-        Sender(group).send(plan, list(tensors.values()))
-        group.close()
+        send_plan(ctx, ctx.spec(mode), plan, list(tensors.values()))
         return state_dict_digests(tensors)
-    receiver = Receiver()
-    receiver.join(spec, max_metadata_bytes=1 << 20)
-    request = PrepareRequest(version=1, plan_digest=plan.digest, plan=plan).model_dump_json()
     expected = {n: TensorMeta.of(n, t) for n, t in tensors.items()}
-    assert receiver.prepare(request, lambda: expected).accepted
-    got: dict[str, torch.Tensor] = {}
-    receiver.receive(1, lambda items: got.update((n, t.clone()) for n, t in items))
-    assert receiver.version is None and receiver.dirty  # nothing claimed before commit
-    receiver.commit(1)
-    assert receiver.version == 1 and not receiver.dirty
-    receiver.leave()
-    return state_dict_digests(got)
+    return state_dict_digests(receive_plan(ctx.spec(mode), plan, expected))
 
 
 def world_mode_rank(ctx: RankContext, bucket_bytes: int) -> tuple[dict[str, str], bool]:

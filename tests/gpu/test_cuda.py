@@ -6,14 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.harness import RankContext, run_ranks
+from tests.distributed.harness import RankContext, receive_plan, run_ranks, send_plan
 from tests.zoo import zoo
-from weight_sync.metadata import PrepareRequest, TensorMeta
+from weight_sync.metadata import TensorMeta
 from weight_sync.packing import Packer, Unpacker, bucket_buffers
 from weight_sync.planner import make_plan
-from weight_sync.receiver import Receiver
-from weight_sync.sender import Sender
-from weight_sync.transport import TorchGroup
 from weight_sync.verify import state_dict_digests
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(240)]
@@ -42,20 +39,10 @@ def test_pack_unpack_on_cuda_buffers_is_bit_exact() -> None:
 def cuda_source_over_gloo(ctx: RankContext) -> dict[str, str]:
     tensors = cuda_zoo(22) if ctx.rank == 0 else {n: t for n, t in zoo(22).items() if t.dtype != torch.complex32}
     plan = make_plan([TensorMeta.of(n, t) for n, t in tensors.items()], 2048, 64)
-    spec = ctx.spec("world")
     if ctx.rank == 0:
-        group = TorchGroup.join(spec, ctx.listener(0))
-        Sender(group).send(plan, list(tensors.values()))  # device -> host copy while packing
-        group.close()
+        send_plan(ctx, ctx.spec("world"), plan, list(tensors.values()))  # device -> host while packing
         return state_dict_digests(tensors)
-    receiver = Receiver()
-    receiver.join(spec, 1 << 20)
-    request = PrepareRequest(version=1, plan_digest=plan.digest, plan=plan).model_dump_json()
-    assert receiver.prepare(request, lambda: None).accepted
-    got: dict[str, torch.Tensor] = {}
-    receiver.receive(1, lambda items: got.update((n, t.clone()) for n, t in items))
-    receiver.leave()
-    return state_dict_digests(got)
+    return state_dict_digests(receive_plan(ctx.spec("world"), plan))
 
 
 def test_cuda_weights_over_gloo() -> None:
@@ -69,19 +56,9 @@ def nccl_rank(ctx: RankContext) -> dict[str, str]:
     plan = make_plan([TensorMeta.of(n, t) for n, t in tensors.items()], 1 << 16, 64)
     spec = ctx.spec("standalone", backend="nccl")
     if ctx.rank == 0:
-        group = TorchGroup.join(spec, ctx.listener(0))
-        Sender(group).send(plan, list(tensors.values()))
-        torch.cuda.synchronize()
-        group.close()
+        send_plan(ctx, spec, plan, list(tensors.values()))
         return state_dict_digests(tensors)
-    receiver = Receiver()
-    receiver.join(spec, 1 << 20)
-    request = PrepareRequest(version=1, plan_digest=plan.digest, plan=plan).model_dump_json()
-    assert receiver.prepare(request, lambda: None).accepted
-    got: dict[str, torch.Tensor] = {}
-    receiver.receive(1, lambda items: got.update((n, t.clone()) for n, t in items))
-    receiver.leave()
-    return state_dict_digests(got)
+    return state_dict_digests(receive_plan(spec, plan))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs (one per rank)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
@@ -90,6 +91,12 @@ class Trainer:
 
     def push(self, state_dict: Any) -> PushResult:
         return self.updater.push(state_dict)
+
+    def push_from_threads(self, seeds: list[int]) -> list[tuple[int, int]]:
+        """Push one zoo per thread, all at once; returns (seed, version) pairs."""
+        with ThreadPoolExecutor(len(seeds)) as pool:
+            results = list(pool.map(lambda seed: self.updater.push(zoo(seed, big=BIG)), seeds))
+        return [(seed, result.version) for seed, result in zip(seeds, results, strict=True)]
 
     def version(self) -> int:
         return self.updater.version

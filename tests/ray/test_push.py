@@ -93,6 +93,17 @@ def test_empty_state_dict_is_a_no_op(fleet: tuple) -> None:
     assert state(workers)[0] == versions
 
 
+def test_concurrent_pushes_are_serialised(fleet: tuple) -> None:
+    trainer, workers = fleet
+    before = ray.get(trainer.version.remote(), timeout=TIMEOUT)
+    pairs = ray.get(trainer.push_from_threads.remote([11, 12, 13]), timeout=TIMEOUT)
+    assert sorted(version for _, version in pairs) == [before + 1, before + 2, before + 3]
+    last_seed = max(pairs, key=lambda pair: pair[1])[0]
+    versions, digests = state(workers)
+    assert versions == [before + 3] * WORKERS  # the last push to run is what every worker holds
+    assert digests == [state_dict_digests(zoo(last_seed, big=BIG))] * WORKERS
+
+
 def test_custom_load_weights_on_a_standalone_group(ray_cluster: None) -> None:
     workers = [RecordingWorker.remote() for _ in range(2)]
     trainer = Trainer.remote(workers, bucket_bytes=64 << 10, group_mode="standalone")

@@ -22,7 +22,16 @@ from ray.actor import ActorHandle
 from weight_sync.actors.calls import gather
 from weight_sync.config import SyncConfig
 from weight_sync.errors import PlanMismatchError, TransportError, WeightSyncError
-from weight_sync.metadata import TRAINER_RANK, GroupSpec, MemberInfo, PrepareReply, PrepareRequest, SyncPlan
+from weight_sync.metadata import (
+    TRAINER_RANK,
+    BackendName,
+    GroupSpec,
+    MemberInfo,
+    ModeName,
+    PrepareReply,
+    PrepareRequest,
+    SyncPlan,
+)
 from weight_sync.sender import Sender, StateDict, plan_state_dict
 from weight_sync.transport import TorchGroup, bind_listener
 
@@ -156,7 +165,7 @@ class WeightUpdater:
     def _prepare_round(self, version: int, plan: SyncPlan, resend: set[int]) -> list[PrepareReply]:
         with_plan = PrepareRequest(version=version, plan_digest=plan.digest, plan=plan).model_dump_json()
         by_hash = PrepareRequest(version=version, plan_digest=plan.digest).model_dump_json()
-        refs = []
+        refs: list[ray.ObjectRef] = []
         for index, worker in enumerate(self._workers):
             cached = self._known_plans[index] == plan.digest and index not in resend
             refs.append(worker._weight_sync_prepare.remote(by_hash if cached else with_plan))
@@ -241,7 +250,9 @@ class WeightUpdater:
             logger.warning("some workers did not leave the sync group cleanly: %s", exc)
 
 
-def _choose_backend(config: SyncConfig, tensors: list[torch.Tensor], infos: list[MemberInfo]) -> str:
+def _choose_backend(
+    config: SyncConfig, tensors: list[torch.Tensor], infos: list[MemberInfo]
+) -> BackendName:
     if config.backend != "auto":
         return config.backend
     on_cuda = any(t.is_cuda for t in tensors)
@@ -249,7 +260,7 @@ def _choose_backend(config: SyncConfig, tensors: list[torch.Tensor], infos: list
     return "nccl" if on_cuda and everyone_has_gpu else "gloo"
 
 
-def _choose_mode(config: SyncConfig, infos: list[MemberInfo]) -> str:
+def _choose_mode(config: SyncConfig, infos: list[MemberInfo]) -> ModeName:
     here = dist.is_available() and dist.is_initialized()
     anyone = here or any(info.has_default_group for info in infos)
     if config.group_mode == "auto":

@@ -22,6 +22,7 @@ import os
 import socket
 import struct
 import weakref
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,14 @@ from weight_sync.metadata import GroupSpec
 from weight_sync.transport.rendezvous import local_address_towards, open_store
 
 logger = logging.getLogger(__name__)
+
+
+class _GroupHandle(Protocol):
+    """What we use of a ProcessGroup, ProcessGroupGloo or ProcessGroupNCCL object."""
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> dist.Work: ...
+
+    def shutdown(self) -> None: ...
 
 
 class TorchWork:
@@ -68,10 +77,10 @@ class TorchGroup:
     """A member of the dedicated sync group (implements ``Transport``)."""
 
     def __init__(
-        self, spec: GroupSpec, pg: dist.ProcessGroup, store: dist.Store, device: torch.device
+        self, spec: GroupSpec, pg: _GroupHandle, store: dist.Store, device: torch.device
     ) -> None:
         self._spec = spec
-        self._pg: dist.ProcessGroup | None = pg
+        self._pg: _GroupHandle | None = pg
         self._store: dist.Store | None = store
         self._device = device
         self._timeout = datetime.timedelta(seconds=spec.collective_timeout_s)
@@ -90,23 +99,15 @@ class TorchGroup:
         device = _device_for(spec.backend)
         rendezvous = datetime.timedelta(seconds=spec.rendezvous_timeout_s)
         collective = datetime.timedelta(seconds=spec.collective_timeout_s)
-        prefix = f"weight_sync/{spec.group_id}/"
+        ours = PrefixStore(f"weight_sync/{spec.group_id}/", store)  # random per group
+        pg: _GroupHandle
         try:
             if spec.mode == "world":
-                pg = _join_world(spec, PrefixStore(prefix, store), rendezvous, collective)
+                pg = _join_world(spec, ours, rendezvous, collective)
             elif spec.backend == "gloo":
-                options = ProcessGroupGloo._Options()
-                options._timeout = rendezvous
-                local = local_address_towards(spec.address)
-                options._devices = [ProcessGroupGloo.create_device(hostname=local)]
-                pg = ProcessGroupGloo(PrefixStore(prefix, store), spec.rank, spec.world_size, options)
-                pg.set_timeout(collective)
+                pg = _gloo_group(spec, ours, rendezvous, collective)
             else:
-                from torch.distributed import ProcessGroupNCCL
-
-                options = ProcessGroupNCCL.Options()
-                options._timeout = collective
-                pg = ProcessGroupNCCL(PrefixStore(prefix, store), spec.rank, spec.world_size, options)
+                pg = _nccl_group(spec, ours, collective)
         except RuntimeError as exc:
             raise _rendezvous_error(exc, spec) from exc
         logger.info(
@@ -199,6 +200,29 @@ def _join_world(
             del os.environ["GLOO_SOCKET_IFNAME"]
     assert isinstance(group, dist.ProcessGroup)
     return group
+
+
+def _gloo_group(
+    spec: GroupSpec,
+    store: dist.Store,
+    rendezvous: datetime.timedelta,
+    collective: datetime.timedelta,
+) -> _GroupHandle:
+    options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._timeout = rendezvous  # bounds the full-mesh connect
+    # Bind the data sockets to the interface that reaches the master (loopback by default).
+    options._devices = [ProcessGroupGloo.create_device(hostname=local_address_towards(spec.address))]
+    group = ProcessGroupGloo(store, spec.rank, spec.world_size, options)
+    group.set_timeout(collective)
+    return cast(_GroupHandle, group)
+
+
+def _nccl_group(spec: GroupSpec, store: dist.Store, collective: datetime.timedelta) -> _GroupHandle:
+    from torch.distributed import ProcessGroupNCCL
+
+    options = ProcessGroupNCCL.Options()
+    options._timeout = collective
+    return cast(_GroupHandle, ProcessGroupNCCL(store, spec.rank, spec.world_size, options))
 
 
 def _device_for(backend: str) -> torch.device:
