@@ -56,6 +56,15 @@ class FlakyWorker(ZooWorker.__ray_actor_class__):  # type: ignore[name-defined]
     def fail_next_push(self, after_calls: int) -> None:
         self.fail_after = after_calls
 
+    def fail_next_commit(self) -> None:
+        self.fail_commit = True
+
+    def _weight_sync_commit(self, version: int) -> None:
+        if getattr(self, "fail_commit", False):
+            self.fail_commit = False
+            raise RuntimeError("injected commit failure")
+        super()._weight_sync_commit(version)
+
     def load_weights(self, weights) -> None:
         if self.fail_after is not None:
             if self.fail_after == 0:

@@ -139,6 +139,16 @@ def test_a_worker_failing_mid_push_leaves_no_one_claiming_the_version(ray_cluste
         versions, digests = state(workers)
         assert versions == [again.version] * 3
         assert digests == [state_dict_digests(zoo(8, big=BIG))] * 3
+
+        # A commit that fails on one worker: the others hold the version, so it is never reused.
+        ray.get(workers[2].fail_next_commit.remote(), timeout=TIMEOUT)
+        with pytest.raises(WorkerFailedError, match="injected commit failure"):
+            ray.get(trainer.push_zoo.remote(9), timeout=TIMEOUT)
+        spent = again.version + 1
+        assert state(workers)[0] == [spent, spent, None]
+        final = ray.get(trainer.push_zoo.remote(10), timeout=TIMEOUT)
+        assert final.version == spent + 1
+        assert state(workers) == ([final.version] * 3, [state_dict_digests(zoo(10, big=BIG))] * 3)
     finally:
         ray.get(trainer.close.remote(), timeout=TIMEOUT)
         for actor in [trainer, *workers]:

@@ -75,7 +75,8 @@ class WeightUpdater:
         self._config = config or SyncConfig()
         self._group: TorchGroup | None = None
         self._known_plans: list[str | None] = [None] * len(self._workers)
-        self._version = 0
+        self._version = 0  # last version committed on every worker
+        self._next_version = 1  # never reused: spent once any worker may have committed it
         self._lock = threading.Lock()
         self._closed = False
 
@@ -109,10 +110,11 @@ class WeightUpdater:
                 return PushResult(self._version, 0, 0, 0.0)
             start = time.perf_counter()
             group = self._ensure_group(tensors)
-            version = self._version + 1
+            version = self._next_version
             try:
                 self._prepare(version, plan)
                 self._transfer(group, version, plan, tensors)
+                self._next_version = version + 1
                 gather(
                     [w._weight_sync_commit.remote(version) for w in self._workers],
                     "commit", self._config.rpc_timeout_s,
@@ -163,12 +165,18 @@ class WeightUpdater:
         self._known_plans = [plan.digest] * len(self._workers)
 
     def _prepare_round(self, version: int, plan: SyncPlan, resend: set[int]) -> list[PrepareReply]:
-        with_plan = PrepareRequest(version=version, plan_digest=plan.digest, plan=plan).model_dump_json()
         by_hash = PrepareRequest(version=version, plan_digest=plan.digest).model_dump_json()
+        with_plan: str | None = None  # serialised only if some worker lacks the plan
         refs: list[ray.ObjectRef] = []
         for index, worker in enumerate(self._workers):
-            cached = self._known_plans[index] == plan.digest and index not in resend
-            refs.append(worker._weight_sync_prepare.remote(by_hash if cached else with_plan))
+            request = by_hash
+            if self._known_plans[index] != plan.digest or index in resend:
+                if with_plan is None:
+                    with_plan = PrepareRequest(
+                        version=version, plan_digest=plan.digest, plan=plan
+                    ).model_dump_json()
+                request = with_plan
+            refs.append(worker._weight_sync_prepare.remote(request))
         return gather(refs, "prepare", self._config.rpc_timeout_s)
 
     def _transfer(
@@ -198,7 +206,9 @@ class WeightUpdater:
             [w._weight_sync_info.remote() for w in self._workers], "probe", config.rpc_timeout_s
         )
         # Versions never go backwards, even across a trainer restart.
-        self._version = max([self._version] + [i.version for i in infos if i.version is not None])
+        held = [info.version for info in infos if info.version is not None]
+        self._version = max([self._version, *held])
+        self._next_version = max(self._next_version, self._version + 1)
         backend = _choose_backend(config, tensors, infos)
         mode = _choose_mode(config, infos)
         listener = bind_listener(config.master_addr)
