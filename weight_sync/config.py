@@ -27,6 +27,12 @@ class SyncConfig(BaseModel):
         description="Largest packed bucket in bytes. Bigger buckets mean fewer collectives, "
         "smaller ones more overlap of packing with sending; each side holds two at a time.",
     )
+    direct_min_bytes: int | None = Field(
+        16 * MiB,
+        description="Contiguous tensors at least this large skip the buckets: each is broadcast "
+        "from its own storage and, where the worker's target allows, straight into it. None "
+        "packs everything.",
+    )
     alignment: int = Field(
         64,
         description="Byte alignment of every tensor inside a bucket; a power of two >= 16 so "
@@ -78,6 +84,13 @@ class SyncConfig(BaseModel):
             raise ValueError(
                 f"alignment must be a power of two >= 16 (got {value}); try 64"
             )
+        return value
+
+    @field_validator("direct_min_bytes")
+    @classmethod
+    def _direct_positive(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError(f"direct_min_bytes must be >= 1 or None (got {value})")
         return value
 
     @field_validator("master_addr")

@@ -98,8 +98,13 @@ class Segment(_Wire):
 
 
 class BucketMeta(_Wire):
+    """One collective. A packed bucket carries segments of several tensors in a staging buffer;
+    a direct bucket is one whole tensor broadcast from (and, where possible, into) its own
+    storage, with no staging copy on either side."""
+
     nbytes: int = Field(gt=0)
     segments: tuple[Segment, ...] = Field(min_length=1)
+    direct: bool = False
 
 
 class SyncPlan(_Wire):
@@ -137,6 +142,10 @@ class SyncPlan(_Wire):
                     raise ValueError(f"tensor {meta.name!r}: segments exceed its size")
             if end != bucket.nbytes:
                 raise ValueError(f"bucket {b}: declared {bucket.nbytes} bytes, segments fill {end}")
+            if bucket.direct and (
+                len(bucket.segments) != 1 or bucket.nbytes != self.tensors[bucket.segments[0].tensor].nbytes
+            ):
+                raise ValueError(f"bucket {b}: a direct bucket must hold exactly one whole tensor")
         for meta, done in zip(self.tensors, covered, strict=True):
             if done != meta.nbytes:
                 raise ValueError(f"tensor {meta.name!r}: {done} of {meta.nbytes} bytes placed")
@@ -153,8 +162,13 @@ class SyncPlan(_Wire):
         return sum(meta.nbytes for meta in self.tensors)
 
     @property
-    def max_bucket_bytes(self) -> int:
-        return max((bucket.nbytes for bucket in self.buckets), default=0)
+    def max_packed_bytes(self) -> int:
+        """Size of the staging buffers a push needs (direct buckets need none)."""
+        return max((b.nbytes for b in self.buckets if not b.direct), default=0)
+
+    @property
+    def packed_buckets(self) -> int:
+        return sum(not b.direct for b in self.buckets)
 
     @cached_property
     def digest(self) -> str:

@@ -6,7 +6,7 @@ element types, but not uint8), and what arrives is bit-for-bit what was sent.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -27,7 +27,7 @@ def typed_view(data: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
 
 
 class Packer:
-    """Fills bucket buffers from the sender's tensors, one bucket at a time.
+    """Fills staging buffers from the sender's tensors, one packed bucket at a time.
 
     A tensor placed whole goes into its bucket with a single ``copy_`` that also handles
     non-contiguous layouts and device transfers. A tensor split across buckets is read as bytes,
@@ -46,6 +46,7 @@ class Packer:
         Alignment padding between tensors is left as it was: it is never read back.
         """
         bucket = self._plan.buckets[bucket_index]
+        assert not bucket.direct, "direct buckets are sent from the tensor itself"
         for seg in bucket.segments:
             meta = self._plan.tensors[seg.tensor]
             dest = out[seg.bucket_offset : seg.bucket_offset + seg.nbytes]
@@ -67,24 +68,47 @@ class Packer:
         return self._split_source[1]
 
 
-class Unpacker:
-    """Turns received buckets back into named tensors.
+def can_land_in(destination: torch.Tensor, meta: TensorMeta, device: torch.device) -> bool:
+    """Whether received bytes for ``meta`` may be written straight into ``destination``."""
+    return (
+        destination.is_contiguous()
+        and destination.dtype == meta.torch_dtype
+        and tuple(destination.shape) == meta.shape
+        and destination.device == device
+    )
 
-    Tensors that arrived whole are returned as views into the bucket buffer (valid until that
-    buffer is reused); tensors split across buckets are reassembled and returned when complete.
+
+class Unpacker:
+    """Turns received bytes back into named tensors.
+
+    ``destinations`` (tensor index -> tensor that passed ``can_land_in``) are written in place
+    and never handed back. Every other tensor is returned for ``load_weights``: a whole one as a
+    view into the receive buffer (valid until that buffer is reused), a split one reassembled in
+    a temporary once its last piece arrives.
     """
 
-    def __init__(self, plan: SyncPlan) -> None:
+    def __init__(self, plan: SyncPlan, destinations: Mapping[int, torch.Tensor]) -> None:
         self._plan = plan
+        self._destinations = destinations
         self._partial: dict[int, torch.Tensor] = {}
 
     def empty_tensors(self, device: torch.device) -> NamedTensors:
         """Tensors with no bytes: they need no transfer, only their shape and dtype."""
         return [
             (meta.name, torch.empty(meta.shape, dtype=meta.torch_dtype, device=device))
-            for meta in self._plan.tensors
-            if meta.nbytes == 0
+            for index, meta in enumerate(self._plan.tensors)
+            if meta.nbytes == 0 and index not in self._destinations
         ]
+
+    def direct_target(self, bucket_index: int, device: torch.device) -> torch.Tensor:
+        """Where a direct bucket is received: its destination's bytes, else a fresh tensor."""
+        bucket = self._plan.buckets[bucket_index]
+        assert bucket.direct
+        index = bucket.segments[0].tensor
+        destination = self._destinations.get(index)
+        if destination is not None:
+            return byte_view(destination)
+        return torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
 
     def unpack(self, bucket_index: int, data: torch.Tensor) -> NamedTensors:
         bucket = self._plan.buckets[bucket_index]
@@ -93,6 +117,14 @@ class Unpacker:
         for seg in bucket.segments:
             meta = self._plan.tensors[seg.tensor]
             piece = data[seg.bucket_offset : seg.bucket_offset + seg.nbytes]
+            destination = self._destinations.get(seg.tensor)
+            if bucket.direct:
+                if destination is None:  # received into a temporary of its own
+                    done.append((meta.name, typed_view(piece, meta)))
+                continue
+            if destination is not None:
+                byte_view(destination)[seg.tensor_offset : seg.tensor_offset + seg.nbytes].copy_(piece)
+                continue
             if seg.nbytes == meta.nbytes:
                 done.append((meta.name, typed_view(piece, meta)))
                 continue
@@ -107,9 +139,27 @@ class Unpacker:
 
 
 def bucket_buffers(plan: SyncPlan, device: torch.device) -> list[torch.Tensor]:
-    """Two reusable buffers (one if the plan has one bucket): one in flight, one being
-    packed or applied. This is all the extra memory a push takes, on either side."""
-    count = min(2, len(plan.buckets))
+    """Two reusable staging buffers (one if the plan has one packed bucket, none if it has
+    none): one in flight, one being packed or applied. With direct buckets landing in place,
+    this is all the extra memory a push takes, on either side."""
+    count = min(2, plan.packed_buckets)
     return [
-        torch.empty(plan.max_bucket_bytes, dtype=torch.uint8, device=device) for _ in range(count)
+        torch.empty(plan.max_packed_bytes, dtype=torch.uint8, device=device) for _ in range(count)
     ]
+
+
+def staging_slots(plan: SyncPlan) -> list[int | None]:
+    """Which staging buffer each bucket uses (None for direct buckets).
+
+    Packed buckets alternate between the two buffers, so a buffer is reused only by the packed
+    bucket after next -- by then the one before it has been sent (sender) or applied (receiver).
+    """
+    slots: list[int | None] = []
+    packed = 0
+    for bucket in plan.buckets:
+        if bucket.direct:
+            slots.append(None)
+        else:
+            slots.append(packed % 2)
+            packed += 1
+    return slots

@@ -9,7 +9,10 @@ agree on bucket boundaries without re-deriving them. Rules:
   current bucket, a new bucket starts;
 * a tensor larger than a bucket fills what is left of the current bucket and spills over as many
   buckets as it needs, split on element boundaries;
-* tensors with no bytes get no segment; the receiver materialises them without any transfer.
+* tensors with no bytes get no segment; the receiver materialises them without any transfer;
+* a tensor flagged ``direct`` gets a bucket of its own, broadcast from its own storage (the
+  caller flags large contiguous tensors already on the transport's device). The packed bucket
+  being filled stays open across it.
 """
 
 from __future__ import annotations
@@ -23,9 +26,16 @@ def align_up(offset: int, alignment: int) -> int:
     return -(-offset // alignment) * alignment
 
 
-def make_plan(tensors: Sequence[TensorMeta], bucket_bytes: int, alignment: int) -> SyncPlan:
+def make_plan(
+    tensors: Sequence[TensorMeta],
+    bucket_bytes: int,
+    alignment: int,
+    direct: Sequence[bool] = (),
+) -> SyncPlan:
     if bucket_bytes < alignment:
         raise ValueError(f"bucket_bytes ({bucket_bytes}) must be >= alignment ({alignment})")
+    if direct and len(direct) != len(tensors):
+        raise ValueError(f"direct has {len(direct)} flags for {len(tensors)} tensors")
     buckets: list[BucketMeta] = []
     segments: list[Segment] = []
     used = 0
@@ -38,6 +48,10 @@ def make_plan(tensors: Sequence[TensorMeta], bucket_bytes: int, alignment: int) 
 
     for index, meta in enumerate(tensors):
         remaining, tensor_offset = meta.nbytes, 0
+        if remaining and direct and direct[index]:
+            whole = Segment(tensor=index, tensor_offset=0, bucket_offset=0, nbytes=remaining)
+            buckets.append(BucketMeta(nbytes=remaining, segments=(whole,), direct=True))
+            continue
         if remaining and remaining <= bucket_bytes < align_up(used, alignment) + remaining:
             close_bucket()  # fits in a bucket of its own, but not in what is left of this one
         while remaining:

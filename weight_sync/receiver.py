@@ -25,7 +25,7 @@ from weight_sync.metadata import (
     SyncPlan,
     TensorMeta,
 )
-from weight_sync.packing import NamedTensors, Unpacker, bucket_buffers
+from weight_sync.packing import NamedTensors, Unpacker, bucket_buffers, can_land_in, staging_slots
 from weight_sync.transport import TorchGroup, Transport, Work
 
 logger = logging.getLogger(__name__)
@@ -117,8 +117,17 @@ class Receiver:
         self._prepared = (request.version, plan)
         return PrepareReply(accepted=True)
 
-    def receive(self, version: int, apply: Apply) -> ReceiveReport:
-        """Take part in the broadcast of a prepared push, applying each bucket as it lands."""
+    def receive(
+        self,
+        version: int,
+        apply: Apply,
+        destinations: Mapping[str, torch.Tensor] | None = None,
+    ) -> ReceiveReport:
+        """Take part in the broadcast of a prepared push, applying each bucket as it lands.
+
+        Tensors named in ``destinations`` that fit (``can_land_in``) are written there in place;
+        the others go through ``apply``.
+        """
         prepared, self._prepared = self._prepared, None
         transport = self._transport
         if prepared is None or prepared[0] != version or transport is None:
@@ -128,7 +137,13 @@ class Receiver:
         start = time.perf_counter()
         self.version, self.dirty, self._received = None, True, None
         try:
-            _stream(transport, plan, apply)
+            landing = {
+                index: destinations[meta.name]
+                for index, meta in enumerate(plan.tensors)
+                if destinations is not None and meta.name in destinations
+                and can_land_in(destinations[meta.name], meta, transport.device)
+            }  # fmt: skip
+            _stream(transport, plan, apply, landing)
         except BaseException:
             self.leave()
             raise
@@ -146,18 +161,25 @@ class Receiver:
         self.version, self.dirty, self._received = version, False, None
 
 
-def _stream(transport: Transport, plan: SyncPlan, apply: Apply) -> None:
+def _stream(
+    transport: Transport, plan: SyncPlan, apply: Apply, landing: Mapping[int, torch.Tensor]
+) -> None:
     """Receive bucket k+1 while applying bucket k."""
-    unpacker = Unpacker(plan)
+    unpacker = Unpacker(plan, landing)
     empties = unpacker.empty_tensors(transport.device)
     if empties:
         apply(empties)
     if not plan.buckets:
         return
     buffers = bucket_buffers(plan, transport.device)
+    slots = staging_slots(plan)
 
     def start(index: int) -> tuple[torch.Tensor, Work]:
-        data = buffers[index % 2][: plan.buckets[index].nbytes]
+        slot = slots[index]
+        if slot is None:
+            data = unpacker.direct_target(index, transport.device)
+        else:
+            data = buffers[slot][: plan.buckets[index].nbytes]
         return data, transport.broadcast(data, src=TRAINER_RANK)
 
     data, pending = start(0)
@@ -166,7 +188,9 @@ def _stream(transport: Transport, plan: SyncPlan, apply: Apply) -> None:
         current = data
         if index + 1 < len(plan.buckets):
             data, pending = start(index + 1)
-        apply(unpacker.unpack(index, current))
+        ready = unpacker.unpack(index, current)
+        if ready:
+            apply(ready)
     if transport.device.type == "cuda":
         torch.cuda.current_stream(transport.device).synchronize()
 

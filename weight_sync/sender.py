@@ -9,7 +9,7 @@ import torch
 
 from weight_sync.config import SyncConfig
 from weight_sync.metadata import MAX_NAME_CHARS, SyncPlan, TensorMeta
-from weight_sync.packing import Packer, bucket_buffers
+from weight_sync.packing import Packer, bucket_buffers, byte_view, staging_slots
 from weight_sync.planner import make_plan
 from weight_sync.transport import Transport
 
@@ -18,11 +18,11 @@ logger = logging.getLogger(__name__)
 StateDict = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
-def plan_state_dict(
+def check_state_dict(
     state_dict: StateDict, config: SyncConfig
-) -> tuple[SyncPlan, list[torch.Tensor]]:
-    """Check every entry, then plan. Raises ``TypeError``/``ValueError`` naming the bad entry,
-    before anything is sent anywhere."""
+) -> tuple[list[TensorMeta], list[torch.Tensor]]:
+    """Check every entry; raises ``TypeError``/``ValueError`` naming the bad entry, before
+    anything is sent anywhere. Returns the entries' metadata and detached tensors, in order."""
     items = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
     metas: list[TensorMeta] = []
     tensors: list[torch.Tensor] = []
@@ -42,8 +42,24 @@ def plan_state_dict(
                 f"more than max_tensors={config.max_tensors} tensors; raise the limit in "
                 "SyncConfig or push in parts"
             )
-    plan = make_plan(metas, config.bucket_bytes, config.alignment)
-    return plan, tensors
+    return metas, tensors
+
+
+def plan_push(
+    metas: Sequence[TensorMeta], tensors: Sequence[torch.Tensor], config: SyncConfig,
+    device: torch.device,
+) -> SyncPlan:
+    """Plan a checked state dict for a transport whose buffers live on ``device``.
+
+    Tensors of at least ``direct_min_bytes`` that are contiguous and already on ``device`` are
+    sent from their own storage; the rest are packed.
+    """
+    threshold = config.direct_min_bytes
+    direct = [
+        threshold is not None and meta.nbytes >= threshold and t.is_contiguous() and t.device == device
+        for meta, t in zip(metas, tensors, strict=True)
+    ]  # fmt: skip
+    return make_plan(metas, config.bucket_bytes, config.alignment, direct)
 
 
 def _check_entry(name: object, tensor: object) -> None:
@@ -77,9 +93,15 @@ class Sender:
             return
         packer = Packer(plan, tensors)
         buffers = bucket_buffers(plan, self._transport.device)
+        slots = staging_slots(plan)
         pending = None
-        for index in range(len(plan.buckets)):
-            data = packer.pack(index, buffers[index % 2])
+        for index, bucket in enumerate(plan.buckets):
+            slot = slots[index]
+            if slot is None:  # direct: the tensor's own bytes go on the wire
+                data = byte_view(tensors[bucket.segments[0].tensor])
+                assert data.device == self._transport.device
+            else:
+                data = packer.pack(index, buffers[slot])
             if pending is not None:
                 pending.wait()
             pending = self._transport.broadcast(data, src=self._transport.rank)

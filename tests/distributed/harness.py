@@ -108,8 +108,10 @@ def send_plan(ctx: RankContext, spec: GroupSpec, plan: SyncPlan, tensors: Sequen
 
 
 def receive_plan(spec: GroupSpec, plan: SyncPlan, expected: Mapping[str, TensorMeta] | None = None,
-                 version: int = 1) -> dict[str, torch.Tensor]:
-    """Any other rank: join, prepare, receive and commit ``plan``; returns copies of what arrived."""
+                 version: int = 1, destinations: Mapping[str, torch.Tensor] | None = None,
+                 ) -> dict[str, torch.Tensor]:
+    """Any other rank: join, prepare, receive and commit ``plan``; returns copies of what went
+    through ``load_weights`` merged with ``destinations`` (where tensors may land in place)."""
     receiver = Receiver()
     receiver.join(spec, max_metadata_bytes=1 << 20)
     try:
@@ -117,11 +119,11 @@ def receive_plan(spec: GroupSpec, plan: SyncPlan, expected: Mapping[str, TensorM
         reply = receiver.prepare(request, lambda: expected)
         assert reply.accepted, reply.problems
         got: dict[str, torch.Tensor] = {}
-        receiver.receive(version, lambda items: got.update((n, t.clone()) for n, t in items))
+        receiver.receive(version, lambda items: got.update((n, t.clone()) for n, t in items), destinations)
         assert receiver.version is None and receiver.dirty  # nothing claimed before commit
         receiver.commit(version)
         assert receiver.version == version and not receiver.dirty
-        return got
+        return {**got, **(destinations or {})}
     finally:
         receiver.leave()
 

@@ -13,11 +13,12 @@ import torch.distributed as dist
 
 from tests.distributed.harness import RankContext, receive_plan, run_ranks, send_plan
 from tests.zoo import zoo
+from weight_sync import SyncConfig
 from weight_sync.errors import TransportError, WeightSyncError
 from weight_sync.metadata import PrepareRequest, TensorMeta
 from weight_sync.planner import make_plan
 from weight_sync.receiver import Receiver
-from weight_sync.sender import Sender
+from weight_sync.sender import Sender, plan_push
 from weight_sync.transport import TorchGroup
 from weight_sync.transport.rendezvous import open_store
 from weight_sync.verify import state_dict_digests
@@ -34,6 +35,27 @@ def push_zoo(ctx: RankContext, mode: str, bucket_bytes: int) -> dict[str, str]:
         return state_dict_digests(tensors)
     expected = {n: TensorMeta.of(n, t) for n, t in tensors.items()}
     return state_dict_digests(receive_plan(ctx.spec(mode), plan, expected))
+
+
+def direct_rank(ctx: RankContext) -> tuple[dict[str, str], int]:
+    """Large contiguous tensors go direct; workers land everything in a 'model' of their own."""
+    tensors = zoo(seed=13, big=40_000)
+    metas = [TensorMeta.of(n, t) for n, t in tensors.items()]
+    config = SyncConfig(bucket_bytes=4096, direct_min_bytes=10_000)
+    plan = plan_push(metas, list(tensors.values()), config, torch.device("cpu"))
+    if ctx.rank == 0:
+        send_plan(ctx, ctx.spec("standalone"), plan, list(tensors.values()))
+        return state_dict_digests(tensors), sum(b.direct for b in plan.buckets)
+    model = {n: torch.zeros_like(t.contiguous()) for n, t in tensors.items()}
+    got = receive_plan(ctx.spec("standalone"), plan, destinations=model)
+    assert all(got[n] is model[n] for n in model)  # every tensor landed in place
+    return state_dict_digests(got), 0
+
+
+def test_direct_buckets_land_in_place() -> None:
+    results = run_ranks(direct_rank, 3)
+    assert results[0][1] >= 2  # the plan really had direct buckets
+    assert results[1][0] == results[2][0] == results[0][0]
 
 
 def world_mode_rank(ctx: RankContext, bucket_bytes: int) -> tuple[dict[str, str], bool]:

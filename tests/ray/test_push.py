@@ -20,7 +20,8 @@ WORKERS = 7
 @pytest.fixture(scope="module")
 def fleet(ray_cluster: None) -> Iterator[tuple]:
     workers = [ZooWorker.remote(seed=100 + i) for i in range(WORKERS)]
-    trainer = Trainer.remote(workers, bucket_bytes=256 << 10)
+    # BIG contiguous tensors go direct and land in the workers' models; the rest are packed.
+    trainer = Trainer.remote(workers, bucket_bytes=256 << 10, direct_min_bytes=512 << 10)
     try:
         yield trainer, workers
     finally:
@@ -106,7 +107,9 @@ def test_concurrent_pushes_are_serialised(fleet: tuple) -> None:
 
 def test_custom_load_weights_on_a_standalone_group(ray_cluster: None) -> None:
     workers = [RecordingWorker.remote() for _ in range(2)]
-    trainer = Trainer.remote(workers, bucket_bytes=64 << 10, group_mode="standalone")
+    # Direct buckets without a destination: received into temporaries, then load_weights.
+    trainer = Trainer.remote(workers, bucket_bytes=64 << 10, direct_min_bytes=100_000,
+                             group_mode="standalone")
     try:
         result = ray.get(trainer.push_zoo.remote(5), timeout=TIMEOUT)
         want = state_dict_digests(zoo(5, big=BIG))

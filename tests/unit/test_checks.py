@@ -8,7 +8,7 @@ from weight_sync import SyncConfig
 from weight_sync.metadata import PrepareRequest, TensorMeta
 from weight_sync.planner import make_plan
 from weight_sync.receiver import Receiver, check_plan
-from weight_sync.sender import plan_state_dict
+from weight_sync.sender import check_state_dict, plan_push
 
 
 def expected_of(**tensors: torch.Tensor) -> dict[str, TensorMeta]:
@@ -75,14 +75,36 @@ def test_receiver_refuses_oversized_and_malformed_metadata() -> None:
 )
 def test_bad_state_dicts_are_refused(state_dict, error: type, message: str) -> None:
     with pytest.raises(error, match=message):
-        plan_state_dict(state_dict, SyncConfig())
+        check_state_dict(state_dict, SyncConfig())
 
 
 def test_too_many_tensors() -> None:
     with pytest.raises(ValueError, match="max_tensors=3"):
-        plan_state_dict({f"w{i}": torch.zeros(1) for i in range(4)}, SyncConfig(max_tensors=3))
+        check_state_dict({f"w{i}": torch.zeros(1) for i in range(4)}, SyncConfig(max_tensors=3))
 
 
 def test_parameters_are_detached() -> None:
-    plan, tensors = plan_state_dict({"w": torch.nn.Parameter(torch.ones(3))}, SyncConfig())
-    assert not tensors[0].requires_grad and plan.tensors[0].shape == (3,)
+    metas, tensors = check_state_dict({"w": torch.nn.Parameter(torch.ones(3))}, SyncConfig())
+    assert not tensors[0].requires_grad and metas[0].shape == (3,)
+
+
+@pytest.mark.parametrize(
+    ("tensor", "min_bytes", "direct"),
+    [
+        (torch.zeros(1024), 4096, True),  # exactly at the threshold
+        (torch.zeros(1023), 4096, False),  # below it: packed
+        (torch.zeros(64, 64).t(), 4096, False),  # not contiguous: packed
+        (torch.zeros(1024), None, False),  # direct transfers switched off
+    ],
+)
+def test_which_tensors_go_direct(tensor: torch.Tensor, min_bytes: int | None, direct: bool) -> None:
+    config = SyncConfig(direct_min_bytes=min_bytes, bucket_bytes=1 << 20)
+    metas, tensors = check_state_dict({"w": tensor}, config)
+    plan = plan_push(metas, tensors, config, torch.device("cpu"))
+    assert plan.buckets[0].direct is direct
+
+
+def test_tensors_on_another_device_are_never_direct() -> None:
+    config = SyncConfig(direct_min_bytes=1)
+    metas, tensors = check_state_dict({"w": torch.zeros(4)}, config)
+    assert not plan_push(metas, tensors, config, torch.device("cuda", 0)).buckets[0].direct

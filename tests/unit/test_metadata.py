@@ -32,7 +32,7 @@ def with_changes(**changes) -> dict:
 
 def test_good_plan_parses() -> None:
     plan = SyncPlan.model_validate(GOOD)
-    assert plan.nbytes == 48 and plan.max_bucket_bytes == 48
+    assert plan.nbytes == 48 and plan.max_packed_bytes == 48 and plan.packed_buckets == 1
 
 
 @pytest.mark.parametrize(
@@ -53,6 +53,10 @@ def test_good_plan_parses() -> None:
         (with_changes(tensors=[t("", 4), t("b", 8)]), "at least 1 character"),
         (with_changes(tensors=[t("a" * 2000, 4), t("b", 8)]), "at most 1024"),
         ({**GOOD, "extra": 1}, "Extra inputs"),
+        (with_changes(buckets=[{"nbytes": 48, "direct": True, "segments": [seg(0, 0, 0, 16), seg(1, 0, 16, 32)]}]), "exactly one whole tensor"),
+        (with_changes(buckets=[{"nbytes": 16, "segments": [seg(0, 0, 0, 16)]},
+                               {"nbytes": 16, "direct": True, "segments": [seg(1, 0, 0, 16)]},
+                               {"nbytes": 16, "segments": [seg(1, 16, 0, 16)]}]), "exactly one whole tensor"),
         (with_changes(buckets=[{"nbytes": 48, "segments": [seg(0, -16, 0, 16), seg(1, 0, 16, 32)]}]), "greater than or equal"),
     ],
 )

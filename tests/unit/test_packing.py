@@ -3,23 +3,42 @@ import torch
 
 from tests.zoo import zoo
 from weight_sync.metadata import TensorMeta
-from weight_sync.packing import Packer, Unpacker, bucket_buffers
+from weight_sync.packing import Packer, Unpacker, bucket_buffers, byte_view, staging_slots
 from weight_sync.planner import make_plan
 from weight_sync.verify import tensor_digest
 
 
-def round_trip(tensors: dict[str, torch.Tensor], bucket_bytes: int, alignment: int = 16) -> dict[str, torch.Tensor]:
-    """Pack every bucket, copy it through a fresh buffer as a wire would, unpack."""
-    plan = make_plan([TensorMeta.of(n, t) for n, t in tensors.items()], bucket_bytes, alignment)
-    packer, unpacker = Packer(plan, list(tensors.values())), Unpacker(plan)
-    send, recv = bucket_buffers(plan, torch.device("cpu")), bucket_buffers(plan, torch.device("cpu"))
-    out = {name: t.clone() for name, t in unpacker.empty_tensors(torch.device("cpu"))}
-    for index in range(len(plan.buckets)):
-        wire = packer.pack(index, send[index % 2])
-        landed = recv[index % 2][: wire.numel()]
+def round_trip(
+    tensors: dict[str, torch.Tensor],
+    bucket_bytes: int,
+    alignment: int = 16,
+    direct_min_bytes: int | None = None,
+    destinations: dict[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Send every bucket through a fresh buffer as a wire would, and unpack: what reaches
+    ``load_weights`` merged with what landed in ``destinations``."""
+    metas = [TensorMeta.of(n, t) for n, t in tensors.items()]
+    direct = [direct_min_bytes is not None and m.nbytes >= direct_min_bytes and t.is_contiguous()
+              for m, t in zip(metas, tensors.values())]
+    plan = make_plan(metas, bucket_bytes, alignment, direct)
+    destinations = destinations or {}
+    landing = {i: destinations[m.name] for i, m in enumerate(metas) if m.name in destinations}
+    cpu = torch.device("cpu")
+    packer, unpacker = Packer(plan, list(tensors.values())), Unpacker(plan, landing)
+    send, recv, slots = bucket_buffers(plan, cpu), bucket_buffers(plan, cpu), staging_slots(plan)
+    out = {name: t.clone() for name, t in unpacker.empty_tensors(cpu)}
+    for index, bucket in enumerate(plan.buckets):
+        slot = slots[index]
+        if slot is None:
+            wire = byte_view(list(tensors.values())[bucket.segments[0].tensor])
+            landed = unpacker.direct_target(index, cpu)
+        else:
+            wire = packer.pack(index, send[slot])
+            landed = recv[slot][: wire.numel()]
         landed.copy_(wire)
         out.update((name, t.clone()) for name, t in unpacker.unpack(index, landed))
-    return out
+    assert not out.keys() & destinations.keys(), "tensors that landed must not be applied again"
+    return {**out, **destinations}
 
 
 @pytest.mark.parametrize("bucket_bytes", [16, 100, 4096, 1 << 20])
@@ -39,7 +58,7 @@ def test_whole_tensors_are_views_into_the_bucket() -> None:
     plan = make_plan([TensorMeta.of(n, t) for n, t in tensors.items()], 1024, 64)
     buffer = bucket_buffers(plan, torch.device("cpu"))[0]
     data = Packer(plan, list(tensors.values())).pack(0, buffer)
-    views = dict(Unpacker(plan).unpack(0, data))
+    views = dict(Unpacker(plan, {}).unpack(0, data))
     assert views["a"].untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
     assert torch.equal(views["a"], tensors["a"]) and torch.equal(views["b"], tensors["b"])
 
@@ -48,7 +67,7 @@ def test_split_tensor_arrives_only_when_complete() -> None:
     big = torch.arange(100, dtype=torch.float32)
     plan = make_plan([TensorMeta.of("big", big)], 64, 16)
     assert len(plan.buckets) == 7
-    packer, unpacker = Packer(plan, [big]), Unpacker(plan)
+    packer, unpacker = Packer(plan, [big]), Unpacker(plan, {})
     buffer = torch.empty(64, dtype=torch.uint8)
     arrived = [unpacker.unpack(i, packer.pack(i, buffer).clone()) for i in range(7)]
     assert [len(a) for a in arrived] == [0, 0, 0, 0, 0, 0, 1]
@@ -68,3 +87,47 @@ def test_non_contiguous_split_source_is_made_contiguous_once() -> None:
         assert packer._split_source is cached  # no second copy of the tensor
     packer.pack(len(plan.buckets) - 1, buffer)
     assert packer._split_source is None  # released after its last piece
+
+
+@pytest.mark.parametrize("direct_min_bytes", [1, 1000, 50_000])
+@pytest.mark.parametrize("land", [False, True])
+def test_zoo_round_trips_with_direct_buckets_and_destinations(direct_min_bytes: int, land: bool) -> None:
+    tensors = zoo(seed=direct_min_bytes)
+    destinations = None
+    if land:  # a model's own storage: contiguous, same dtype and shape
+        destinations = {n: torch.zeros_like(t.contiguous()) for n, t in tensors.items()}
+    out = round_trip(tensors, 256, direct_min_bytes=direct_min_bytes, destinations=destinations)
+    for name, tensor in tensors.items():
+        assert tensor_digest(out[name]) == tensor_digest(tensor), name
+
+
+def test_split_tensor_with_a_destination_is_assembled_in_place() -> None:
+    big = torch.arange(100, dtype=torch.float32)
+    destination = torch.zeros(100)
+    plan = make_plan([TensorMeta.of("big", big)], 64, 16)
+    packer, unpacker = Packer(plan, [big]), Unpacker(plan, {0: destination})
+    buffer = torch.empty(64, dtype=torch.uint8)
+    for index in range(len(plan.buckets)):
+        assert unpacker.unpack(index, packer.pack(index, buffer)) == []
+    assert not unpacker._partial and torch.equal(destination, big)
+
+
+def test_direct_bucket_is_received_straight_into_its_destination() -> None:
+    tensor, destination = torch.arange(50.0), torch.zeros(50)
+    plan = make_plan([TensorMeta.of("t", tensor)], 64, 16, [True])
+    target = Unpacker(plan, {0: destination}).direct_target(0, torch.device("cpu"))
+    assert target.data_ptr() == destination.data_ptr() and target.numel() == 200
+
+
+@pytest.mark.parametrize(
+    ("direct", "slots"),
+    [
+        ([False, False, False], [0, 1, 0]),
+        # the packed bucket holding t1 stays open while the direct t2 goes out
+        ([True, False, True, False, False], [None, None, 0, 1, 0]),
+        ([True, True], [None, None]),
+    ],
+)
+def test_staging_slots_alternate_over_packed_buckets_only(direct: list[bool], slots: list) -> None:
+    plan = make_plan([TensorMeta(name=f"t{i}", dtype="float32", shape=(30,)) for i in range(len(direct))], 120, 16, direct)
+    assert staging_slots(plan) == slots

@@ -45,6 +45,33 @@ def test_layout_table(tensors, bucket, align, expected) -> None:
     assert layout(make_plan(tensors, bucket, align)) == expected
 
 
+@pytest.mark.parametrize(
+    ("tensors", "direct", "expected", "direct_buckets"),
+    [
+        # a direct tensor gets a bucket of its own; the packed bucket stays open across it
+        (
+            metas((3, "uint8"), (100, "float32"), (5, "uint8")),
+            [False, True, False],
+            [[(1, 0, 0, 400)], [(0, 0, 0, 3), (2, 0, 16, 5)]],
+            [True, False],
+        ),
+        # direct ignores bucket_bytes: never split
+        (metas((1000, "float64")), [True], [[(0, 0, 0, 8000)]], [True]),
+        # an empty tensor flagged direct still needs no transfer
+        (metas((0, "float32"), (4, "uint8")), [True, False], [[(1, 0, 0, 4)]], [False]),
+    ],
+)
+def test_direct_layout_table(tensors, direct, expected, direct_buckets) -> None:
+    plan = make_plan(tensors, 64, 16, direct)
+    assert layout(plan) == expected
+    assert [b.direct for b in plan.buckets] == direct_buckets
+
+
+def test_direct_flags_must_match_the_tensors() -> None:
+    with pytest.raises(ValueError, match="2 flags for 1 tensors"):
+        make_plan(metas((1, "uint8")), 64, 16, [True, False])
+
+
 def test_plan_is_deterministic_and_keeps_order() -> None:
     tensors = metas(*[(n, "float32") for n in (100, 7, 3000, 1, 0, 512)])
     first, second = make_plan(tensors, 1024, 64), make_plan(tensors, 1024, 64)

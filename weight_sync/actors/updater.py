@@ -32,7 +32,7 @@ from weight_sync.metadata import (
     PrepareRequest,
     SyncPlan,
 )
-from weight_sync.sender import Sender, StateDict, plan_state_dict
+from weight_sync.sender import Sender, StateDict, check_state_dict, plan_push
 from weight_sync.transport import TorchGroup, bind_listener
 
 logger = logging.getLogger(__name__)
@@ -101,15 +101,16 @@ class WeightUpdater:
         refuse the push (nothing changed anywhere), ``WorkerFailedError``/``SyncTimeoutError``/
         ``TransportError`` when a push fails part-way (those workers stay dirty until a full push).
         """
-        plan, tensors = plan_state_dict(state_dict, self._config)
+        metas, tensors = check_state_dict(state_dict, self._config)
         with self._lock:
             if self._closed:
                 raise WeightSyncError("this WeightUpdater is closed; create a new one")
-            if not plan.tensors:
+            if not metas:
                 logger.info("empty state dict: nothing to push (version stays %d)", self._version)
                 return PushResult(self._version, 0, 0, 0.0)
             start = time.perf_counter()
             group = self._ensure_group(tensors)
+            plan = plan_push(metas, tensors, self._config, group.device)
             version = self._next_version
             try:
                 self._prepare(version, plan)

@@ -66,12 +66,23 @@ class WeightSyncWorker:
         Default: ``self.model``'s state dict when ``load_weights`` is the default one; ``None``
         (accept any push) when ``load_weights`` is overridden.
         """
-        if inspect.unwrap(type(self).load_weights) is not WeightSyncWorker.load_weights:
+        if self._weight_sync_custom_load():
             return None
         return {
             name: TensorMeta.of(name, tensor)
             for name, tensor in self._weight_sync_model().state_dict().items()
         }
+
+    def weight_sync_destinations(self) -> Mapping[str, torch.Tensor] | None:
+        """Tensors that received bytes may be written into directly, skipping ``load_weights``
+        and any staging copy (used where contiguous, same dtype, shape and device).
+
+        Default: ``self.model``'s state dict when ``load_weights`` is the default one, else
+        ``None`` (everything goes through ``load_weights``).
+        """
+        if self._weight_sync_custom_load():
+            return None
+        return self._weight_sync_model().state_dict()
 
     def weight_sync_digests(self) -> dict[str, str]:
         """SHA-256 of every tensor of ``self.model``'s state dict, to compare with the trainer's."""
@@ -98,7 +109,8 @@ class WeightSyncWorker:
 
     def _weight_sync_receive(self, version: int) -> ReceiveReport:
         try:
-            return self._weight_sync_state().receive(version, self.load_weights)
+            state = self._weight_sync_state()
+            return state.receive(version, self.load_weights, self.weight_sync_destinations())
         finally:
             self._weight_sync_targets = None
 
@@ -117,6 +129,9 @@ class WeightSyncWorker:
             receiver = self._weight_sync_receiver = Receiver()
             self._weight_sync_targets = None
         return receiver
+
+    def _weight_sync_custom_load(self) -> bool:
+        return inspect.unwrap(type(self).load_weights) is not WeightSyncWorker.load_weights
 
     def _weight_sync_model(self) -> torch.nn.Module:
         model = getattr(self, "model", None)
