@@ -35,6 +35,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--address", default=None,
         help="Ray cluster to join (e.g. 'auto'); default: start a local one",
     )  # fmt: skip
+    bench = commands.add_parser(
+        "bench",
+        help="measure weight_sync against raw / per_tensor / fanout / object_store",
+        description="On one local (or joined) Ray cluster, push the workloads with every strategy "
+        "on the same trainer and worker actors; writes results.md, results.json and plots.",
+    )
+    bench.add_argument("--workloads", default="W1,W2,W3,W4",
+                       help="comma-separated, from W1 (GPT-2 small), W2 (4,000 x 4 KB), W3 (1 GiB "
+                       "tensor), W4 (mixed dtypes); default all")
+    bench.add_argument("--strategies", default="weight_sync,raw,per_tensor,fanout,object_store",
+                       help="comma-separated; default all")
+    bench.add_argument("--workers", type=_positive, default=7, help="worker actors (default 7)")
+    bench.add_argument("--repeats", type=_positive, default=5,
+                       help="timed transfers per strategy after one warm-up (default 5)")
+    bench.add_argument("--sweep", action="store_true", help="also sweep the bucket size on W1")
+    bench.add_argument("--scaling", action="store_true",
+                       help="also measure 1 / 3 / 7 workers at 16 MB .. 2 GB")
+    bench.add_argument("--out", default="benchmarks/results", help="report folder")
+    bench.add_argument("--address", default=None, help="Ray cluster to join; default: start one")
     return parser
 
 
@@ -48,6 +67,18 @@ def main(argv: list[str] | None = None) -> int:
         from weight_sync.demo import run_demo
 
         return run_demo(args.workers, args.steps, args.address, args.bucket_mb)
+    if args.command == "bench":
+        from pathlib import Path
+
+        from weight_sync.bench.harness import run_bench
+
+        run_bench(
+            workloads=args.workloads.split(","), workers=args.workers, repeats=args.repeats,
+            strategies=args.strategies.split(","), scaling=args.scaling, sweep=args.sweep,
+            out=Path(args.out), address=args.address,
+        )  # fmt: skip
+        print(f"report: {Path(args.out) / 'results.md'}")
+        return 0
     raise AssertionError(f"unhandled command {args.command}")
 
 

@@ -73,7 +73,12 @@ class TensorMeta(_Wire):
 
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor) -> TensorMeta:
-        return cls(name=name, dtype=dtype_name(tensor.dtype), shape=tuple(tensor.shape))
+        """Describe a local tensor. Its dtype and shape are trusted, so only the name is checked
+        here; pydantic's full validation is kept for metadata that arrives over the wire (it
+        would cost ~10 us per tensor on every push of a model with thousands of tensors)."""
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
+            raise ValueError(f"tensor names must be str of 1..{MAX_NAME_CHARS} characters: {name!r:.80}")
+        return cls.model_construct(name=name, dtype=dtype_name(tensor.dtype), shape=tuple(tensor.shape))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -83,8 +88,8 @@ class TensorMeta(_Wire):
     def itemsize(self) -> int:
         return self.torch_dtype.itemsize
 
-    @property
-    def nbytes(self) -> int:
+    @cached_property
+    def nbytes(self) -> int:  # cached: read per segment in the packing loops
         return math.prod(self.shape) * self.itemsize
 
 

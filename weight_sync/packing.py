@@ -26,6 +26,13 @@ def typed_view(data: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
     return data.view(meta.torch_dtype).view(meta.shape)
 
 
+def copy_all(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """Pairwise byte copies in one call: with thousands of small tensors per bucket, a Python
+    loop of ``copy_`` costs more than the copying (3x on a 2-core CPU; one kernel on CUDA)."""
+    if destinations:
+        torch._foreach_copy_(destinations, sources)
+
+
 class Packer:
     """Fills staging buffers from the sender's tensors, one packed bucket at a time.
 
@@ -47,16 +54,22 @@ class Packer:
         """
         bucket = self._plan.buckets[bucket_index]
         assert not bucket.direct, "direct buckets are sent from the tensor itself"
+        batch: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         for seg in bucket.segments:
             meta = self._plan.tensors[seg.tensor]
             dest = out[seg.bucket_offset : seg.bucket_offset + seg.nbytes]
-            if seg.nbytes == meta.nbytes:
-                typed_view(dest, meta).copy_(self._tensors[seg.tensor])
+            source = self._tensors[seg.tensor]
+            if seg.nbytes == meta.nbytes and source.is_contiguous() and source.device == out.device:
+                batch[0].append(dest)
+                batch[1].append(byte_view(source))
+            elif seg.nbytes == meta.nbytes:  # strided or on another device: copy_ handles both
+                typed_view(dest, meta).copy_(source)
             else:
                 source = byte_view(self._contiguous(seg.tensor))
                 dest.copy_(source[seg.tensor_offset : seg.tensor_offset + seg.nbytes])
                 if seg.tensor_offset + seg.nbytes == meta.nbytes:
                     self._split_source = None
+        copy_all(*batch)
         return out[: bucket.nbytes]
 
     def _contiguous(self, index: int) -> torch.Tensor:
@@ -114,6 +127,7 @@ class Unpacker:
         bucket = self._plan.buckets[bucket_index]
         assert data.dtype == torch.uint8 and data.numel() == bucket.nbytes
         done: NamedTensors = []
+        batch: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         for seg in bucket.segments:
             meta = self._plan.tensors[seg.tensor]
             piece = data[seg.bucket_offset : seg.bucket_offset + seg.nbytes]
@@ -123,7 +137,8 @@ class Unpacker:
                     done.append((meta.name, typed_view(piece, meta)))
                 continue
             if destination is not None:
-                byte_view(destination)[seg.tensor_offset : seg.tensor_offset + seg.nbytes].copy_(piece)
+                batch[0].append(byte_view(destination)[seg.tensor_offset : seg.tensor_offset + seg.nbytes])
+                batch[1].append(piece)
                 continue
             if seg.nbytes == meta.nbytes:
                 done.append((meta.name, typed_view(piece, meta)))
@@ -135,6 +150,7 @@ class Unpacker:
             whole[seg.tensor_offset : seg.tensor_offset + seg.nbytes].copy_(piece)
             if seg.tensor_offset + seg.nbytes == meta.nbytes:
                 done.append((meta.name, typed_view(self._partial.pop(seg.tensor), meta)))
+        copy_all(*batch)
         return done
 
 

@@ -43,14 +43,14 @@ def make_plan(
     def close_bucket() -> None:
         nonlocal segments, used
         if segments:
-            buckets.append(BucketMeta(nbytes=used, segments=tuple(segments)))
+            buckets.append(BucketMeta.model_construct(nbytes=used, segments=tuple(segments)))
         segments, used = [], 0
 
     for index, meta in enumerate(tensors):
         remaining, tensor_offset = meta.nbytes, 0
         if remaining and direct and direct[index]:
-            whole = Segment(tensor=index, tensor_offset=0, bucket_offset=0, nbytes=remaining)
-            buckets.append(BucketMeta(nbytes=remaining, segments=(whole,), direct=True))
+            whole = Segment.model_construct(tensor=index, tensor_offset=0, bucket_offset=0, nbytes=remaining)
+            buckets.append(BucketMeta.model_construct(nbytes=remaining, segments=(whole,), direct=True))
             continue
         if remaining and remaining <= bucket_bytes < align_up(used, alignment) + remaining:
             close_bucket()  # fits in a bucket of its own, but not in what is left of this one
@@ -62,10 +62,14 @@ def make_plan(
                 close_bucket()
                 continue
             segments.append(
-                Segment(tensor=index, tensor_offset=tensor_offset, bucket_offset=start, nbytes=chunk)
+                Segment.model_construct(
+                    tensor=index, tensor_offset=tensor_offset, bucket_offset=start, nbytes=chunk
+                )
             )
             used = start + chunk
             tensor_offset += chunk
             remaining -= chunk
     close_bucket()
+    # The pieces are built unvalidated (they are ours, and per-field validation of thousands of
+    # segments is slow); SyncPlan's own validator still checks the whole geometry.
     return SyncPlan(alignment=alignment, tensors=tuple(tensors), buckets=tuple(buckets))

@@ -72,6 +72,11 @@ class Receiver:
 
     # -- membership --------------------------------------------------------------------------
 
+    @property
+    def transport(self) -> Transport | None:
+        """The group this worker is in, if any."""
+        return self._transport
+
     def join(self, spec: GroupSpec, max_metadata_bytes: int) -> None:
         self.leave()
         self._max_metadata_bytes = max_metadata_bytes

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from weight_sync.config import SyncConfig
-from weight_sync.metadata import MAX_NAME_CHARS, SyncPlan, TensorMeta
+from weight_sync.metadata import MAX_NAME_CHARS, SyncPlan, TensorMeta, dtype_name
 from weight_sync.packing import Packer, bucket_buffers, byte_view, staging_slots
 from weight_sync.planner import make_plan
 from weight_sync.transport import Transport
@@ -20,11 +20,11 @@ StateDict = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 def check_state_dict(
     state_dict: StateDict, config: SyncConfig
-) -> tuple[list[TensorMeta], list[torch.Tensor]]:
+) -> tuple[list[str], list[torch.Tensor]]:
     """Check every entry; raises ``TypeError``/``ValueError`` naming the bad entry, before
-    anything is sent anywhere. Returns the entries' metadata and detached tensors, in order."""
+    anything is sent anywhere. Returns the names and detached tensors, in order."""
     items = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
-    metas: list[TensorMeta] = []
+    names: list[str] = []
     tensors: list[torch.Tensor] = []
     seen: set[str] = set()
     for entry in items:
@@ -35,31 +35,44 @@ def check_state_dict(
         if name in seen:
             raise ValueError(f"tensor name {name!r} appears twice")
         seen.add(name)
-        metas.append(TensorMeta.of(name, tensor))
+        names.append(name)
         tensors.append(tensor.detach())
-        if len(metas) > config.max_tensors:
+        if len(names) > config.max_tensors:
             raise ValueError(
                 f"more than max_tensors={config.max_tensors} tensors; raise the limit in "
                 "SyncConfig or push in parts"
             )
-    return metas, tensors
+    return names, tensors
 
 
-def plan_push(
-    metas: Sequence[TensorMeta], tensors: Sequence[torch.Tensor], config: SyncConfig,
-    device: torch.device,
-) -> SyncPlan:
-    """Plan a checked state dict for a transport whose buffers live on ``device``.
+class PushPlanner:
+    """Plans pushes for a transport whose buffers live on ``device``, reusing the last plan
+    while the layout is unchanged -- the usual case in a training loop, which pushes the same
+    names, dtypes and shapes every step -- so neither the plan nor its digest is rebuilt.
 
     Tensors of at least ``direct_min_bytes`` that are contiguous and already on ``device`` are
     sent from their own storage; the rest are packed.
     """
-    threshold = config.direct_min_bytes
-    direct = [
-        threshold is not None and meta.nbytes >= threshold and t.is_contiguous() and t.device == device
-        for meta, t in zip(metas, tensors, strict=True)
-    ]  # fmt: skip
-    return make_plan(metas, config.bucket_bytes, config.alignment, direct)
+
+    def __init__(self, config: SyncConfig, device: torch.device) -> None:
+        self._config = config
+        self._device = device
+        self._last: tuple[tuple, SyncPlan] | None = None
+
+    def plan(self, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> SyncPlan:
+        threshold = self._config.direct_min_bytes
+        direct = tuple(
+            threshold is not None and t.nbytes >= threshold and t.is_contiguous()
+            and t.device == self._device
+            for t in tensors
+        )  # fmt: skip
+        key = (tuple((n, t.dtype, t.shape) for n, t in zip(names, tensors, strict=True)), direct)
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        metas = [TensorMeta.of(name, tensor) for name, tensor in zip(names, tensors, strict=True)]
+        plan = make_plan(metas, self._config.bucket_bytes, self._config.alignment, direct)
+        self._last = (key, plan)
+        return plan
 
 
 def _check_entry(name: object, tensor: object) -> None:
@@ -76,6 +89,7 @@ def _check_entry(name: object, tensor: object) -> None:
         )
     if tensor.layout != torch.strided:
         raise ValueError(f"{name!r}: only dense tensors can be sent, not {tensor.layout}")
+    dtype_name(tensor.dtype)  # TypeError for dtypes that cannot travel as bytes
     if tensor.device.type not in ("cpu", "cuda"):
         raise ValueError(
             f"{name!r} lives on {tensor.device}; only CPU and CUDA tensors can be sent"

@@ -18,7 +18,7 @@ from weight_sync.errors import TransportError, WeightSyncError
 from weight_sync.metadata import PrepareRequest, TensorMeta
 from weight_sync.planner import make_plan
 from weight_sync.receiver import Receiver
-from weight_sync.sender import Sender, plan_push
+from weight_sync.sender import PushPlanner, Sender
 from weight_sync.transport import TorchGroup
 from weight_sync.transport.rendezvous import open_store
 from weight_sync.verify import state_dict_digests
@@ -40,9 +40,8 @@ def push_zoo(ctx: RankContext, mode: str, bucket_bytes: int) -> dict[str, str]:
 def direct_rank(ctx: RankContext) -> tuple[dict[str, str], int]:
     """Large contiguous tensors go direct; workers land everything in a 'model' of their own."""
     tensors = zoo(seed=13, big=40_000)
-    metas = [TensorMeta.of(n, t) for n, t in tensors.items()]
     config = SyncConfig(bucket_bytes=4096, direct_min_bytes=10_000)
-    plan = plan_push(metas, list(tensors.values()), config, torch.device("cpu"))
+    plan = PushPlanner(config, torch.device("cpu")).plan(list(tensors), list(tensors.values()))
     if ctx.rank == 0:
         send_plan(ctx, ctx.spec("standalone"), plan, list(tensors.values()))
         return state_dict_digests(tensors), sum(b.direct for b in plan.buckets)

@@ -8,7 +8,7 @@ from weight_sync import SyncConfig
 from weight_sync.metadata import PrepareRequest, TensorMeta
 from weight_sync.planner import make_plan
 from weight_sync.receiver import Receiver, check_plan
-from weight_sync.sender import check_state_dict, plan_push
+from weight_sync.sender import PushPlanner, check_state_dict
 
 
 def expected_of(**tensors: torch.Tensor) -> dict[str, TensorMeta]:
@@ -84,8 +84,8 @@ def test_too_many_tensors() -> None:
 
 
 def test_parameters_are_detached() -> None:
-    metas, tensors = check_state_dict({"w": torch.nn.Parameter(torch.ones(3))}, SyncConfig())
-    assert not tensors[0].requires_grad and metas[0].shape == (3,)
+    names, tensors = check_state_dict({"w": torch.nn.Parameter(torch.ones(3))}, SyncConfig())
+    assert names == ["w"] and not tensors[0].requires_grad
 
 
 @pytest.mark.parametrize(
@@ -99,12 +99,20 @@ def test_parameters_are_detached() -> None:
 )
 def test_which_tensors_go_direct(tensor: torch.Tensor, min_bytes: int | None, direct: bool) -> None:
     config = SyncConfig(direct_min_bytes=min_bytes, bucket_bytes=1 << 20)
-    metas, tensors = check_state_dict({"w": tensor}, config)
-    plan = plan_push(metas, tensors, config, torch.device("cpu"))
+    plan = PushPlanner(config, torch.device("cpu")).plan(*check_state_dict({"w": tensor}, config))
     assert plan.buckets[0].direct is direct
 
 
 def test_tensors_on_another_device_are_never_direct() -> None:
     config = SyncConfig(direct_min_bytes=1)
-    metas, tensors = check_state_dict({"w": torch.zeros(4)}, config)
-    assert not plan_push(metas, tensors, config, torch.device("cuda", 0)).buckets[0].direct
+    planner = PushPlanner(config, torch.device("cuda", 0))
+    assert not planner.plan(*check_state_dict({"w": torch.zeros(4)}, config)).buckets[0].direct
+
+
+def test_the_plan_is_reused_while_the_layout_is_unchanged() -> None:
+    planner = PushPlanner(SyncConfig(bucket_bytes=1024), torch.device("cpu"))
+    first = planner.plan(*check_state_dict({"a": torch.zeros(10), "b": torch.ones(3)}, SyncConfig()))
+    same = planner.plan(*check_state_dict({"a": torch.ones(10), "b": torch.zeros(3)}, SyncConfig()))
+    reshaped = planner.plan(*check_state_dict({"a": torch.zeros(2, 5), "b": torch.ones(3)}, SyncConfig()))
+    assert same is first  # new values, same layout: no re-planning, no new digest
+    assert reshaped is not first and reshaped.digest != first.digest

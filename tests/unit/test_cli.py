@@ -3,7 +3,7 @@ import pytest
 from weight_sync.cli import main
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["bench", "--help"]])
 def test_every_command_has_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(argv)

@@ -19,7 +19,7 @@ def round_trip(
     ``load_weights`` merged with what landed in ``destinations``."""
     metas = [TensorMeta.of(n, t) for n, t in tensors.items()]
     direct = [direct_min_bytes is not None and m.nbytes >= direct_min_bytes and t.is_contiguous()
-              for m, t in zip(metas, tensors.values())]
+              for m, t in zip(metas, tensors.values(), strict=True)]
     plan = make_plan(metas, bucket_bytes, alignment, direct)
     destinations = destinations or {}
     landing = {i: destinations[m.name] for i, m in enumerate(metas) if m.name in destinations}

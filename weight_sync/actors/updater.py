@@ -32,7 +32,7 @@ from weight_sync.metadata import (
     PrepareRequest,
     SyncPlan,
 )
-from weight_sync.sender import Sender, StateDict, check_state_dict, plan_push
+from weight_sync.sender import PushPlanner, Sender, StateDict, check_state_dict
 from weight_sync.transport import TorchGroup, bind_listener
 
 logger = logging.getLogger(__name__)
@@ -74,6 +74,7 @@ class WeightUpdater:
         self._workers = list(workers)
         self._config = config or SyncConfig()
         self._group: TorchGroup | None = None
+        self._planner: PushPlanner | None = None  # made with the first group (needs its device)
         self._known_plans: list[str | None] = [None] * len(self._workers)
         self._version = 0  # last version committed on every worker
         self._next_version = 1  # never reused: spent once any worker may have committed it
@@ -89,6 +90,11 @@ class WeightUpdater:
         return self._config
 
     @property
+    def group(self) -> TorchGroup | None:
+        """The sync group (this process is rank 0), or None until a push forms it."""
+        return self._group
+
+    @property
     def version(self) -> int:
         """The last version committed by a push (0 before the first)."""
         return self._version
@@ -101,16 +107,18 @@ class WeightUpdater:
         refuse the push (nothing changed anywhere), ``WorkerFailedError``/``SyncTimeoutError``/
         ``TransportError`` when a push fails part-way (those workers stay dirty until a full push).
         """
-        metas, tensors = check_state_dict(state_dict, self._config)
+        names, tensors = check_state_dict(state_dict, self._config)
         with self._lock:
             if self._closed:
                 raise WeightSyncError("this WeightUpdater is closed; create a new one")
-            if not metas:
+            if not names:
                 logger.info("empty state dict: nothing to push (version stays %d)", self._version)
                 return PushResult(self._version, 0, 0, 0.0)
             start = time.perf_counter()
             group = self._ensure_group(tensors)
-            plan = plan_push(metas, tensors, self._config, group.device)
+            if self._planner is None:
+                self._planner = PushPlanner(self._config, group.device)
+            plan = self._planner.plan(names, tensors)
             version = self._next_version
             try:
                 self._prepare(version, plan)

@@ -39,16 +39,14 @@ class WeightSyncWorker:
 
     def __init__(self) -> None:
         self._weight_sync_receiver = Receiver()
-        self._weight_sync_targets: dict[str, torch.Tensor] | None = None
 
     # -- the contract --------------------------------------------------------------------------
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy ``(name, tensor)`` pairs into ``self.model``. Called once per bucket; the
-        tensors are views into a receive buffer, valid only during the call."""
-        targets = self._weight_sync_targets
-        if targets is None:
-            targets = self._weight_sync_targets = dict(self._weight_sync_model().state_dict())
+        """Copy ``(name, tensor)`` pairs into ``self.model``. Called once per bucket, for the
+        tensors that could not land in place (see ``weight_sync_destinations``); the tensors are
+        views into a receive buffer, valid only during the call."""
+        targets = self._weight_sync_model().state_dict()
         with torch.no_grad():
             for name, tensor in weights:
                 targets[name].copy_(tensor)
@@ -108,11 +106,8 @@ class WeightSyncWorker:
         return self._weight_sync_state().prepare(request_json, self.weight_sync_expected)
 
     def _weight_sync_receive(self, version: int) -> ReceiveReport:
-        try:
-            state = self._weight_sync_state()
-            return state.receive(version, self.load_weights, self.weight_sync_destinations())
-        finally:
-            self._weight_sync_targets = None
+        state = self._weight_sync_state()
+        return state.receive(version, self.load_weights, self.weight_sync_destinations())
 
     def _weight_sync_commit(self, version: int) -> None:
         self._weight_sync_state().commit(version)
@@ -127,7 +122,6 @@ class WeightSyncWorker:
         receiver = self.__dict__.get("_weight_sync_receiver")
         if receiver is None:
             receiver = self._weight_sync_receiver = Receiver()
-            self._weight_sync_targets = None
         return receiver
 
     def _weight_sync_custom_load(self) -> bool:

@@ -133,6 +133,14 @@ class TorchGroup:
     def spec(self) -> GroupSpec:
         return self._spec
 
+    @property
+    def process_group(self) -> _GroupHandle:
+        """The underlying group object, for tools that need other collectives on the same
+        group (the benchmark's baselines). weight_sync itself only broadcasts."""
+        if self._pg is None:
+            raise TransportError("the sync group is closed")
+        return self._pg
+
     def broadcast(self, tensor: torch.Tensor, src: int) -> TorchWork:
         if self._pg is None:
             raise TransportError("the sync group is closed; the next push rebuilds it")

@@ -1,0 +1,217 @@
+"""The benchmark's trainer and worker actors, and every strategy they can move weights with.
+
+All strategies run on the same processes and, where they use collectives, over the same group
+that ``WeightUpdater`` formed, so the comparison measures the strategy and nothing else. Each
+baseline is written the way its users write it:
+
+* ``raw`` -- the floor: one flat broadcast of as many bytes, preallocated, nothing packed or
+  applied.
+* ``per_tensor`` -- one broadcast per tensor in its own dtype, with one Ray call per tensor per
+  worker carrying its metadata (the OpenRLHF / TRL pattern).
+* ``fanout`` -- the trainer sends every tensor to each worker in turn, point to point.
+* ``object_store`` -- ``ray.put`` the state dict once; every worker ``ray.get``s and loads it.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+
+import ray
+import torch
+import torch.distributed as dist
+
+from weight_sync import SyncConfig, WeightSyncWorker, WeightUpdater
+from weight_sync.bench.workloads import Workload
+from weight_sync.metadata import TRAINER_RANK, TensorMeta
+from weight_sync.transport import TorchGroup
+from weight_sync.verify import state_dict_digests
+
+STRATEGIES = ("weight_sync", "raw", "per_tensor", "fanout", "object_store")
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+class MemoryProbe:
+    """Peak resident memory above a baseline, via the kernel's resettable high-water mark."""
+
+    def reset(self) -> None:
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")  # resets VmHWM to the current RSS
+        self._baseline = _status_kib("VmRSS")
+
+    def peak_extra_bytes(self) -> int:
+        return max(0, _status_kib("VmHWM") - self._baseline) * 1024
+
+
+class TensorBank(torch.nn.Module):
+    """A model whose state dict is exactly the given tensors (as buffers)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        for name, tensor in tensors.items():
+            self.register_buffer(name, tensor)
+
+
+def _group_of(transport: object) -> TorchGroup:
+    assert isinstance(transport, TorchGroup), "no sync group: push once before the baselines"
+    return transport
+
+
+def _broadcast(group: TorchGroup, tensor: torch.Tensor) -> None:
+    options = dist.BroadcastOptions()
+    options.rootRank = TRAINER_RANK
+    group.process_group.broadcast([tensor], options).wait()
+
+
+@ray.remote(num_cpus=0)
+class BenchWorker(WeightSyncWorker):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.set_num_threads(1)
+        self.memory = MemoryProbe()
+        self.state: dict[str, torch.Tensor] = {}
+
+    def setup(self, workload: Workload) -> None:
+        self.__dict__.pop("model", None)
+        self.state = {}
+        gc.collect()
+        self.model = TensorBank(workload.build(fill=0.0))
+        self.state = dict(self.model.state_dict())
+
+    def memory_reset(self) -> None:
+        self.memory.reset()
+
+    def memory_peak(self) -> int:
+        return self.memory.peak_extra_bytes()
+
+    def digests(self) -> dict[str, str]:
+        return state_dict_digests(self.state)
+
+    # -- baselines -----------------------------------------------------------------------------
+
+    def raw_prepare(self, nbytes: int) -> None:
+        self.raw_buffer = torch.zeros(nbytes, dtype=torch.uint8)
+
+    def raw_receive(self) -> None:
+        _broadcast(self._group(), self.raw_buffer)
+
+    def raw_release(self) -> None:
+        self.__dict__.pop("raw_buffer", None)
+
+    def per_tensor_receive(self, name: str, dtype: str, shape: tuple[int, ...]) -> None:
+        meta = TensorMeta(name=name, dtype=dtype, shape=shape)
+        tensor = torch.empty(meta.shape, dtype=meta.torch_dtype)
+        _broadcast(self._group(), tensor)
+        self.load_weights([(name, tensor)])
+
+    def fanout_receive(self, names: list[str]) -> None:
+        pg = self._group().process_group
+        for name in names:  # into the model's own storage: receiving is the whole cost
+            pg.recv([self.state[name]], TRAINER_RANK, 0).wait()  # type: ignore[attr-defined]
+
+    def object_store_load(self, state_dict: dict[str, torch.Tensor]) -> None:
+        self.load_weights(state_dict.items())
+
+    def _group(self) -> TorchGroup:
+        return _group_of(self._weight_sync_state().transport)
+
+
+@ray.remote(num_cpus=0)
+class BenchTrainer:
+    def __init__(self, workers: list) -> None:
+        torch.set_num_threads(1)
+        self.all_workers = workers
+        self.memory = MemoryProbe()
+        self.updater: WeightUpdater | None = None
+        self.state: dict[str, torch.Tensor] = {}
+
+    def setup(self, workload: Workload, workers: int, config: SyncConfig) -> int:
+        """Build the workload, form a group over the first ``workers`` workers (one warm-up push
+        that must land bit-exactly); returns the payload bytes."""
+        if self.updater is not None:
+            self.updater.close()
+        self.state = {}
+        gc.collect()
+        self.state = workload.build(fill=1.0)
+        self.workers = self.all_workers[:workers]
+        self.updater = WeightUpdater(self.workers, config)
+        self.updater.push(self.state)
+        want = state_dict_digests(self.state)
+        got = ray.get([w.digests.remote() for w in self.workers], timeout=600)
+        assert all(g == want for g in got), "warm-up push did not land bit-exactly"
+        return workload.nbytes
+
+    def run(self, strategy: str) -> tuple[float, int]:
+        """One timed transfer; returns (seconds, peak extra bytes in this process)."""
+        run: Callable[[], None] = getattr(self, f"_{strategy}")
+        prepare = getattr(self, f"_{strategy}_prepare", None)
+        if prepare is not None:
+            prepare()
+        self.memory.reset()
+        start = time.perf_counter()
+        run()
+        seconds = time.perf_counter() - start
+        peak = self.memory.peak_extra_bytes()
+        release = getattr(self, f"_{strategy}_release", None)
+        if release is not None:
+            release()
+        return seconds, peak
+
+    def close(self) -> None:
+        if self.updater is not None:
+            self.updater.close()
+
+    # -- strategies ----------------------------------------------------------------------------
+
+    def _weight_sync(self) -> None:
+        assert self.updater is not None
+        self.updater.push(self.state)
+
+    def _raw_prepare(self) -> None:
+        nbytes = sum(t.nbytes for t in self.state.values())
+        self.raw_buffer = torch.zeros(nbytes, dtype=torch.uint8)
+        ray.get([w.raw_prepare.remote(nbytes) for w in self.workers], timeout=600)
+
+    def _raw(self) -> None:
+        receiving = [w.raw_receive.remote() for w in self.workers]
+        _broadcast(self._group(), self.raw_buffer)
+        ray.get(receiving, timeout=600)
+
+    def _raw_release(self) -> None:
+        del self.raw_buffer
+        ray.get([w.raw_release.remote() for w in self.workers], timeout=600)
+
+    def _per_tensor(self) -> None:
+        group = self._group()
+        for name, tensor in self.state.items():
+            meta = TensorMeta.of(name, tensor)
+            refs = [w.per_tensor_receive.remote(name, meta.dtype, meta.shape) for w in self.workers]
+            _broadcast(group, tensor)
+            ray.get(refs, timeout=600)
+
+    def _fanout(self) -> None:
+        pg = self._group().process_group
+        names = list(self.state)
+        receiving = [w.fanout_receive.remote(names) for w in self.workers]
+        for rank in range(1, len(self.workers) + 1):
+            for tensor in self.state.values():
+                pg.send([tensor], rank, 0).wait()  # type: ignore[attr-defined]
+        ray.get(receiving, timeout=600)
+
+    def _object_store(self) -> None:
+        ref = ray.put(self.state)
+        ray.get([w.object_store_load.remote(ref) for w in self.workers], timeout=600)
+        del ref
+
+    def _group(self) -> TorchGroup:
+        assert self.updater is not None
+        return _group_of(self.updater.group)

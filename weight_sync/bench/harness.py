@@ -1,0 +1,200 @@
+"""Orchestration: one Ray cluster, one trainer and N workers, every strategy on every workload.
+
+Each strategy gets one warm-up transfer, then ``repeats`` timed ones. Seconds are measured in
+the trainer around the whole transfer (Ray calls included, as users would pay them); memory is
+the peak resident memory above the baseline during each transfer, on the trainer and on every
+worker (the largest worker is reported).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from weight_sync import SyncConfig
+from weight_sync.bench.actors import STRATEGIES, BenchTrainer, BenchWorker
+from weight_sync.bench.report import write_report
+from weight_sync.bench.workloads import WORKLOADS, MiB, Workload, gpt2_small, synthetic
+
+logger = logging.getLogger(__name__)
+TIMEOUT_S = 1800
+
+
+@dataclass
+class Measurement:
+    workload: str
+    title: str
+    strategy: str
+    workers: int
+    bucket_bytes: int
+    direct_min_bytes: int | None
+    nbytes: int
+    seconds: list[float] = field(default_factory=list)
+    trainer_extra: list[int] = field(default_factory=list)
+    worker_extra: list[int] = field(default_factory=list)
+    suite: str = "workloads"
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.median / 1e9
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "median": self.median, "gbps": self.gbps}
+
+
+class Progress:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.start = total, 0, time.monotonic()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        width = 30
+        filled = width * self.done // max(self.total, 1)
+        elapsed = time.monotonic() - self.start
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
+                         f"{elapsed:6.0f}s  {label:<48}")
+        sys.stderr.flush()
+        if self.done >= self.total:
+            sys.stderr.write("\n")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measurement to take: a workload, a worker count, strategies, a config."""
+
+    workload: Workload
+    workers: int
+    strategies: tuple[str, ...]
+    config: tuple[tuple[str, Any], ...] = ()
+    label: str = ""  # names the weight_sync variant, e.g. "weight_sync (all packed)"
+    suite: str = "workloads"
+
+    def sync_config(self) -> SyncConfig:
+        fields: dict[str, Any] = {}
+        if self.workload.bucket_bytes is not None:
+            fields["bucket_bytes"] = self.workload.bucket_bytes
+        return SyncConfig(**{**fields, **dict(self.config)})
+
+
+def plan_cases(
+    workloads: Sequence[str], workers: int, strategies: Sequence[str], scaling: bool, sweep: bool
+) -> list[Case]:
+    cases = []
+    for name in workloads:
+        workload = WORKLOADS[name]()
+        cases.append(Case(workload, workers, tuple(strategies)))
+        if name in ("W1", "W3") and "weight_sync" in strategies:
+            # What direct transfers buy: the same push with every tensor packed.
+            cases.append(Case(workload, workers, ("weight_sync",), (("direct_min_bytes", None),),
+                              "weight_sync (all packed)"))
+    if sweep:
+        for bucket_mib in (8, 16, 32, 64, 128, 256):
+            cases.append(Case(gpt2_small(), workers, ("weight_sync",),
+                              (("bucket_bytes", bucket_mib * MiB),), suite="bucket sweep"))
+    if scaling:
+        for count in (1, 3, 7):
+            # 2 GB with 7 workers would need ~32 GB here (models + raw buffers): capped at 1 GB.
+            sizes = (16, 64, 256, 1024) + ((2048,) if count <= 3 else ())
+            for size_mb in sizes:
+                cases.append(Case(synthetic(size_mb * MiB), count, ("weight_sync", "raw"),
+                                  suite="scaling"))
+    return cases
+
+
+class Bench:
+    def __init__(self, workers: int) -> None:
+        self.workers = [BenchWorker.remote() for _ in range(workers)]  # type: ignore[attr-defined]
+        self.trainer = BenchTrainer.remote(self.workers)  # type: ignore[attr-defined]
+
+    def measure(self, case: Case, repeats: int, progress: Progress) -> list[Measurement]:
+        workers = self.workers[: case.workers]
+        config = case.sync_config()
+        ray.get([w.setup.remote(case.workload) for w in workers], timeout=TIMEOUT_S)
+        nbytes = ray.get(self.trainer.setup.remote(case.workload, case.workers, config),
+                         timeout=TIMEOUT_S)
+        results = []
+        for strategy in case.strategies:
+            row = Measurement(
+                case.workload.name, case.workload.title,
+                case.label if strategy == "weight_sync" and case.label else strategy,
+                case.workers, config.bucket_bytes, config.direct_min_bytes, nbytes,
+                suite=case.suite,
+            )  # fmt: skip
+            for attempt in range(repeats + 1):
+                ray.get([w.memory_reset.remote() for w in workers], timeout=TIMEOUT_S)
+                seconds, trainer_extra = ray.get(self.trainer.run.remote(strategy), timeout=TIMEOUT_S)
+                worker_extra = max(ray.get([w.memory_peak.remote() for w in workers], timeout=TIMEOUT_S))
+                if attempt:  # the first run of each strategy is the warm-up
+                    row.seconds.append(seconds)
+                    row.trainer_extra.append(trainer_extra)
+                    row.worker_extra.append(worker_extra)
+                progress.step(f"{case.workload.name} x{case.workers} {row.strategy} {attempt}/{repeats}")
+            results.append(row)
+        return results
+
+    def close(self) -> None:
+        try:
+            ray.get(self.trainer.close.remote(), timeout=120)
+        finally:
+            for actor in [self.trainer, *self.workers]:
+                ray.kill(actor)
+
+
+def run_bench(
+    workloads: Sequence[str] = tuple(WORKLOADS),
+    workers: int = 7,
+    repeats: int = 5,
+    strategies: Sequence[str] = STRATEGIES,
+    scaling: bool = False,
+    sweep: bool = False,
+    out: Path | None = None,
+    address: str | None = None,
+    scaling_repeats: int = 3,
+) -> list[Measurement]:
+    """Run the benchmark; writes the report under ``out`` if given. Returns every measurement."""
+    unknown = set(strategies) - set(STRATEGIES)
+    if unknown:
+        raise ValueError(f"unknown strategies {sorted(unknown)}; choose from {STRATEGIES}")
+    unknown = set(workloads) - set(WORKLOADS)
+    if unknown:
+        raise ValueError(f"unknown workloads {sorted(unknown)}; choose from {list(WORKLOADS)}")
+    cases = plan_cases(workloads, workers, strategies, scaling, sweep)
+    started_here = not ray.is_initialized()
+    if started_here:
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        if address is None:
+            ray.init(num_cpus=os.cpu_count(), include_dashboard=False)
+        else:
+            ray.init(address=address)
+
+    def repeats_for(case: Case) -> int:
+        return scaling_repeats if case.suite == "scaling" else repeats
+
+    progress = Progress(sum(len(c.strategies) * (repeats_for(c) + 1) for c in cases))
+    bench = Bench(max([workers, *(c.workers for c in cases)]))
+    rows: list[Measurement] = []
+    try:
+        for case in cases:
+            rows += bench.measure(case, repeats_for(case), progress)
+            if out is not None:  # keep what was measured even if a later case fails
+                write_report(rows, out)
+    finally:
+        bench.close()
+        if started_here:
+            ray.shutdown()
+    return rows

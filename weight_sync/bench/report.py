@@ -1,0 +1,197 @@
+"""The benchmark's report: results.json (raw numbers), results.md (tables, target checks) and
+PNG plots (when matplotlib is installed: ``pip install 'weight_sync[bench]'``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import ray
+import torch
+
+if TYPE_CHECKING:
+    from weight_sync.bench.harness import Measurement
+
+MB = 1e6
+
+
+def machine_line() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (f"{cpu}, {os.cpu_count()} cores, {memory:.0f} GiB RAM; Python {platform.python_version()}, "
+            f"torch {torch.__version__}, ray {ray.__version__}; {time.strftime('%Y-%m-%d')}")
+
+
+def _find(rows: Sequence[Measurement], workload: str, strategy: str, workers: int | None = None,
+          suite: str = "workloads") -> Measurement | None:
+    for row in rows:
+        if (row.workload, row.strategy, row.suite) == (workload, strategy, suite) and (
+            workers is None or row.workers == workers
+        ):
+            return row
+    return None
+
+
+def targets(rows: Sequence[Measurement]) -> list[tuple[str, str, bool]]:
+    """The issue's targets, checked against this run: (target, measured, met)."""
+    checks = []
+
+    def ratio(workload: str, slow: str, fast: str) -> float | None:
+        a, b = _find(rows, workload, slow), _find(rows, workload, fast)
+        return a.median / b.median if a and b else None
+
+    for workload, slow, fast, bound, text in [
+        ("W1", "weight_sync", "raw", 1.3, "W1: weight_sync within 1.3x of raw"),
+        ("W1", "per_tensor", "weight_sync", 3.0, "W1: at least 3x faster than per_tensor"),
+        ("W1", "object_store", "weight_sync", 5.0, "W1: at least 5x faster than object_store"),
+        ("W2", "per_tensor", "weight_sync", 10.0, "W2: at least 10x faster than per_tensor"),
+    ]:
+        value = ratio(workload, slow, fast)
+        if value is None:
+            continue
+        met = value <= bound if slow == "weight_sync" else value >= bound
+        checks.append((text, f"{value:.2f}x", met))
+    for row in rows:
+        if row.strategy == "weight_sync" and row.suite == "workloads":
+            bound = 3 * row.bucket_bytes
+            worst = max(max(row.trainer_extra), max(row.worker_extra))
+            checks.append((f"{row.workload}: peak extra memory <= 3 x bucket ({bound / MB:.0f} MB)",
+                           f"trainer {max(row.trainer_extra) / MB:.0f} MB, "
+                           f"worker {max(row.worker_extra) / MB:.0f} MB", worst <= bound))
+    return checks
+
+
+def markdown(rows: Sequence[Measurement]) -> str:
+    lines = ["# weight_sync benchmark results", "", f"Machine: {machine_line()}.", "",
+             "Gloo over loopback, CPU tensors, one trainer actor and N worker actors in one local "
+             "Ray cluster; every strategy on the same processes and group. Seconds: median / min / "
+             "max over the timed transfers after one warm-up, measured in the trainer around the "
+             "whole transfer (Ray calls included). GB/s = payload bytes / median. x raw = median / "
+             "raw's median. Memory: peak resident memory above the baseline during a transfer "
+             "(max over runs; for workers, the largest worker).", ""]
+    header = ("| strategy | median s | min s | max s | GB/s | x raw | trainer extra MB | "
+              "worker extra MB |\n|---|---|---|---|---|---|---|---|")
+    for name in dict.fromkeys(r.workload for r in rows if r.suite == "workloads"):
+        group = [r for r in rows if r.workload == name and r.suite == "workloads"]
+        first = group[0]
+        raw = _find(rows, name, "raw", first.workers)
+        lines += [f"## {name}: {first.title}", "",
+                  f"{first.nbytes / MB:.0f} MB to {first.workers} workers, "
+                  f"{first.bucket_bytes >> 20} MiB buckets, {len(first.seconds)} timed runs.", "",
+                  header]
+        for r in group:
+            times = r.median / raw.median if raw else float("nan")
+            lines.append(f"| {r.strategy} | {r.median:.3f} | {min(r.seconds):.3f} | "
+                         f"{max(r.seconds):.3f} | {r.gbps:.3f} | {times:.2f} | "
+                         f"{max(r.trainer_extra) / MB:.0f} | {max(r.worker_extra) / MB:.0f} |")
+        lines.append("")
+    checks = targets(rows)
+    if checks:
+        lines += ["## Targets", "", "| target | measured | met |", "|---|---|---|"]
+        lines += [f"| {text} | {value} | {'yes' if met else '**no**'} |" for text, value, met in checks]
+        lines.append("")
+    sweep = [r for r in rows if r.suite == "bucket sweep"]
+    if sweep:
+        raw = _find(rows, sweep[0].workload, "raw", sweep[0].workers)
+        lines += ["## Bucket-size sweep (W1)", "", "| bucket MiB | median s | GB/s | x raw | "
+                  "trainer extra MB | worker extra MB |", "|---|---|---|---|---|---|"]
+        for r in sorted(sweep, key=lambda r: r.bucket_bytes):
+            times = r.median / raw.median if raw else float("nan")
+            lines.append(f"| {r.bucket_bytes >> 20} | {r.median:.3f} | {r.gbps:.3f} | {times:.2f} | "
+                         f"{max(r.trainer_extra) / MB:.0f} | {max(r.worker_extra) / MB:.0f} |")
+        lines.append("")
+    scaling = [r for r in rows if r.suite == "scaling"]
+    if scaling:
+        lines += ["## Scaling (synthetic fp32, 8 MB tensors)", "",
+                  "| workers | MB | weight_sync s | raw s | x raw | weight_sync GB/s |",
+                  "|---|---|---|---|---|---|"]
+        for r in scaling:
+            if r.strategy != "weight_sync":
+                continue
+            raw = _find(rows, r.workload, "raw", r.workers, suite="scaling")
+            times = r.median / raw.median if raw else float("nan")
+            lines.append(f"| {r.workers} | {r.nbytes / MB:.0f} | {r.median:.3f} | "
+                         f"{raw.median if raw else float('nan'):.3f} | {times:.2f} | {r.gbps:.3f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(rows: Sequence[Measurement], out: Path) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    written = []
+    names = list(dict.fromkeys(r.workload for r in rows if r.suite == "workloads"))
+    if names:
+        fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 4), squeeze=False)
+        for ax, name in zip(axes[0], names, strict=True):
+            group = [r for r in rows if r.workload == name and r.suite == "workloads"]
+            ax.bar(range(len(group)), [r.median for r in group],
+                   yerr=[[r.median - min(r.seconds) for r in group], [max(r.seconds) - r.median for r in group]],
+                   color=["tab:green" if r.strategy.startswith("weight_sync") else "tab:gray" for r in group])
+            ax.set_xticks(range(len(group)), [r.strategy for r in group], rotation=35, ha="right")
+            ax.set_yscale("log")
+            ax.set_title(f"{name}: {group[0].nbytes / MB:.0f} MB to {group[0].workers} workers", fontsize=9)
+            ax.set_ylabel("seconds per push (median, min-max)")
+        fig.tight_layout()
+        written.append(_save(fig, out / "workloads.png"))
+    scaling = [r for r in rows if r.suite == "scaling"]
+    if scaling:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for count in sorted({r.workers for r in scaling}):
+            for strategy, style in (("weight_sync", "-o"), ("raw", "--x")):
+                points = sorted((r.nbytes, r.gbps) for r in scaling if r.workers == count and r.strategy == strategy)
+                ax.plot([p[0] / MB for p in points], [p[1] for p in points], style,
+                        label=f"{strategy}, {count} worker{'s' if count > 1 else ''}")
+        ax.set_xscale("log")
+        ax.set_xlabel("state dict MB")
+        ax.set_ylabel("GB/s (payload / median)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        written.append(_save(fig, out / "scaling.png"))
+    sweep = sorted((r for r in rows if r.suite == "bucket sweep"), key=lambda r: r.bucket_bytes)
+    if sweep:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([r.bucket_bytes >> 20 for r in sweep], [r.median for r in sweep], "-o", label="weight_sync")
+        raw = _find(rows, sweep[0].workload, "raw", sweep[0].workers)
+        if raw:
+            ax.axhline(raw.median, linestyle="--", color="gray", label="raw (floor)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("bucket MiB")
+        ax.set_ylabel("seconds per push (median)")
+        ax.set_title("W1: GPT-2 small to workers, by bucket size", fontsize=9)
+        ax.legend()
+        fig.tight_layout()
+        written.append(_save(fig, out / "buckets.png"))
+    return written
+
+
+def _save(fig: object, path: Path) -> Path:
+    fig.savefig(path, dpi=110)  # type: ignore[attr-defined]
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)  # type: ignore[arg-type]
+    return path
+
+
+def write_report(rows: Sequence[Measurement], out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps([r.as_dict() for r in rows], indent=1))
+    report = out / "results.md"
+    report.write_text(markdown(rows))
+    plot(rows, out)
+    return report
