@@ -20,7 +20,7 @@ from typing import Any
 
 import ray
 
-from weight_sync import SyncConfig
+from weight_sync import SyncConfig, WeightSyncError
 from weight_sync.bench.actors import STRATEGIES, BenchTrainer, BenchWorker
 from weight_sync.bench.report import write_report
 from weight_sync.bench.workloads import WORKLOADS, MiB, Workload, gpt2_small, synthetic
@@ -42,10 +42,11 @@ class Measurement:
     trainer_extra: list[int] = field(default_factory=list)
     worker_extra: list[int] = field(default_factory=list)
     suite: str = "workloads"
+    error: str | None = None  # why this strategy could not finish (e.g. out of memory)
 
     @property
     def median(self) -> float:
-        return statistics.median(self.seconds)
+        return statistics.median(self.seconds) if self.seconds else float("nan")
 
     @property
     def gbps(self) -> float:
@@ -118,15 +119,24 @@ def plan_cases(
 
 class Bench:
     def __init__(self, workers: int) -> None:
-        self.workers = [BenchWorker.remote() for _ in range(workers)]  # type: ignore[attr-defined]
+        self.size = workers
+        self._start()
+
+    def _start(self) -> None:
+        self.workers = [BenchWorker.remote() for _ in range(self.size)]  # type: ignore[attr-defined]
         self.trainer = BenchTrainer.remote(self.workers)  # type: ignore[attr-defined]
 
-    def measure(self, case: Case, repeats: int, progress: Progress) -> list[Measurement]:
+    def _setup(self, case: Case) -> int:
         workers = self.workers[: case.workers]
-        config = case.sync_config()
         ray.get([w.setup.remote(case.workload) for w in workers], timeout=TIMEOUT_S)
-        nbytes = ray.get(self.trainer.setup.remote(case.workload, case.workers, config),
-                         timeout=TIMEOUT_S)
+        return ray.get(self.trainer.setup.remote(case.workload, case.workers, case.sync_config()),
+                       timeout=TIMEOUT_S)
+
+    def measure(self, case: Case, repeats: int, progress: Progress) -> list[Measurement]:
+        """Every strategy of ``case``. A strategy that fails (a baseline running the machine out
+        of memory, say) is recorded with its error, the actors are replaced, and the rest go on."""
+        config = case.sync_config()
+        nbytes = self._setup(case)
         results = []
         for strategy in case.strategies:
             row = Measurement(
@@ -135,21 +145,35 @@ class Bench:
                 case.workers, config.bucket_bytes, config.direct_min_bytes, nbytes,
                 suite=case.suite,
             )  # fmt: skip
-            for attempt in range(repeats + 1):
-                ray.get([w.memory_reset.remote() for w in workers], timeout=TIMEOUT_S)
-                seconds, trainer_extra = ray.get(self.trainer.run.remote(strategy), timeout=TIMEOUT_S)
-                worker_extra = max(ray.get([w.memory_peak.remote() for w in workers], timeout=TIMEOUT_S))
-                if attempt:  # the first run of each strategy is the warm-up
-                    row.seconds.append(seconds)
-                    row.trainer_extra.append(trainer_extra)
-                    row.worker_extra.append(worker_extra)
-                progress.step(f"{case.workload.name} x{case.workers} {row.strategy} {attempt}/{repeats}")
+            try:
+                self._runs(case, strategy, row, repeats, progress)
+            except (ray.exceptions.RayError, WeightSyncError) as exc:
+                row.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}"
+                logger.warning("%s on %s failed: %s", strategy, case.workload.name, row.error)
+                self.close()
+                self._start()
+                self._setup(case)
             results.append(row)
         return results
+
+    def _runs(self, case: Case, strategy: str, row: Measurement, repeats: int,
+              progress: Progress) -> None:
+        workers = self.workers[: case.workers]
+        for attempt in range(repeats + 1):
+            ray.get([w.memory_reset.remote() for w in workers], timeout=TIMEOUT_S)
+            seconds, trainer_extra = ray.get(self.trainer.run.remote(strategy), timeout=TIMEOUT_S)
+            worker_extra = max(ray.get([w.memory_peak.remote() for w in workers], timeout=TIMEOUT_S))
+            if attempt:  # the first run of each strategy is the warm-up
+                row.seconds.append(seconds)
+                row.trainer_extra.append(trainer_extra)
+                row.worker_extra.append(worker_extra)
+            progress.step(f"{case.workload.name} x{case.workers} {row.strategy} {attempt}/{repeats}")
 
     def close(self) -> None:
         try:
             ray.get(self.trainer.close.remote(), timeout=120)
+        except ray.exceptions.RayError as exc:
+            logger.warning("closing the benchmark trainer: %s", exc)
         finally:
             for actor in [self.trainer, *self.workers]:
                 ray.kill(actor)

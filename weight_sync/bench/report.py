@@ -48,7 +48,7 @@ def targets(rows: Sequence[Measurement]) -> list[tuple[str, str, bool]]:
 
     def ratio(workload: str, slow: str, fast: str) -> float | None:
         a, b = _find(rows, workload, slow), _find(rows, workload, fast)
-        return a.median / b.median if a and b else None
+        return a.median / b.median if a and b and a.seconds and b.seconds else None
 
     for workload, slow, fast, bound, text in [
         ("W1", "weight_sync", "raw", 1.3, "W1: weight_sync within 1.3x of raw"),
@@ -62,7 +62,7 @@ def targets(rows: Sequence[Measurement]) -> list[tuple[str, str, bool]]:
         met = value <= bound if slow == "weight_sync" else value >= bound
         checks.append((text, f"{value:.2f}x", met))
     for row in rows:
-        if row.strategy == "weight_sync" and row.suite == "workloads":
+        if row.strategy == "weight_sync" and row.suite == "workloads" and row.seconds:
             bound = 3 * row.bucket_bytes
             worst = max(max(row.trainer_extra), max(row.worker_extra))
             checks.append((f"{row.workload}: peak extra memory <= 3 x bucket ({bound / MB:.0f} MB)",
@@ -90,6 +90,9 @@ def markdown(rows: Sequence[Measurement]) -> str:
                   f"{first.bucket_bytes >> 20} MiB buckets, {len(first.seconds)} timed runs.", "",
                   header]
         for r in group:
+            if r.error:
+                lines.append(f"| {r.strategy} | failed: {r.error} | | | | | | |")
+                continue
             times = r.median / raw.median if raw else float("nan")
             lines.append(f"| {r.strategy} | {r.median:.3f} | {min(r.seconds):.3f} | "
                          f"{max(r.seconds):.3f} | {r.gbps:.3f} | {times:.2f} | "
@@ -139,7 +142,7 @@ def plot(rows: Sequence[Measurement], out: Path) -> list[Path]:
     if names:
         fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 4), squeeze=False)
         for ax, name in zip(axes[0], names, strict=True):
-            group = [r for r in rows if r.workload == name and r.suite == "workloads"]
+            group = [r for r in rows if r.workload == name and r.suite == "workloads" and r.seconds]
             ax.bar(range(len(group)), [r.median for r in group],
                    yerr=[[r.median - min(r.seconds) for r in group], [max(r.seconds) - r.median for r in group]],
                    color=["tab:green" if r.strategy.startswith("weight_sync") else "tab:gray" for r in group])
@@ -186,6 +189,15 @@ def _save(fig: object, path: Path) -> Path:
 
     plt.close(fig)  # type: ignore[arg-type]
     return path
+
+
+def load_rows(path: Path) -> list[Measurement]:
+    """Measurements back from a results.json (to merge runs into one report)."""
+    from weight_sync.bench.harness import Measurement
+
+    fields = set(Measurement.__dataclass_fields__)
+    return [Measurement(**{k: v for k, v in row.items() if k in fields})
+            for row in json.loads(path.read_text())]
 
 
 def write_report(rows: Sequence[Measurement], out: Path) -> Path:
