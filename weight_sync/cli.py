@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--workers", type=_positive, default=7, help="worker actors (default 7)")
     demo.add_argument("--steps", type=_positive, default=5, help="optimizer steps (default 5)")
-    demo.add_argument("--bucket-mb", type=_positive, default=64, help="bucket size in MiB (default 64)")
+    demo.add_argument("--bucket-mb", type=_positive, default=32, help="bucket size in MiB (default 32)")
     demo.add_argument(
         "--address", default=None,
         help="Ray cluster to join (e.g. 'auto'); default: start a local one",
@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         from weight_sync.bench.harness import run_bench
 
         run_bench(
-            workloads=args.workloads.split(","), workers=args.workers, repeats=args.repeats,
+            workloads=[w for w in args.workloads.split(",") if w], workers=args.workers,
+            repeats=args.repeats,
             strategies=args.strategies.split(","), scaling=args.scaling, sweep=args.sweep,
             out=Path(args.out), address=args.address,
         )  # fmt: skip

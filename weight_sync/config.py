@@ -23,7 +23,7 @@ class SyncConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     bucket_bytes: int = Field(
-        64 * MiB,
+        32 * MiB,
         description="Largest packed bucket in bytes. Bigger buckets mean fewer collectives, "
         "smaller ones more overlap of packing with sending; each side holds two at a time.",
     )

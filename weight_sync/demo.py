@@ -78,7 +78,7 @@ class DemoTrainer:
 
 
 def run_demo(workers: int = 7, steps: int = 5, address: str | None = None,
-             bucket_mb: int = 64, timeout_s: float = 600.0) -> int:
+             bucket_mb: int = 32, timeout_s: float = 600.0) -> int:
     """Run the loop and verify every worker; returns a process exit code."""
     started_here = not ray.is_initialized()
     if started_here:

@@ -253,6 +253,7 @@ class WeightUpdater:
 
     def _close_group(self) -> None:
         group, self._group = self._group, None
+        self._planner = None  # planned for that group's device
         if group is not None:
             group.close()
 

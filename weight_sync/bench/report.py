@@ -103,10 +103,10 @@ def markdown(rows: Sequence[Measurement]) -> str:
         lines += ["## Targets", "", "| target | measured | met |", "|---|---|---|"]
         lines += [f"| {text} | {value} | {'yes' if met else '**no**'} |" for text, value, met in checks]
         lines.append("")
-    sweep = [r for r in rows if r.suite == "bucket sweep"]
+    sweep = [r for r in rows if r.suite == "bucket sweep" and r.strategy != "raw"]
     if sweep:
-        raw = _find(rows, sweep[0].workload, "raw", sweep[0].workers)
-        lines += ["## Bucket-size sweep (W1)", "", "| bucket MiB | median s | GB/s | x raw | "
+        raw = _find(rows, sweep[0].workload, "raw", sweep[0].workers, suite="bucket sweep")
+        lines += ["## Bucket-size sweep (W1, every tensor packed)", "", "| bucket MiB | median s | GB/s | x raw | "
                   "trainer extra MB | worker extra MB |", "|---|---|---|---|---|---|"]
         for r in sorted(sweep, key=lambda r: r.bucket_bytes):
             times = r.median / raw.median if raw else float("nan")
@@ -122,9 +122,12 @@ def markdown(rows: Sequence[Measurement]) -> str:
             if r.strategy != "weight_sync":
                 continue
             raw = _find(rows, r.workload, "raw", r.workers, suite="scaling")
-            times = r.median / raw.median if raw else float("nan")
-            lines.append(f"| {r.workers} | {r.nbytes / MB:.0f} | {r.median:.3f} | "
-                         f"{raw.median if raw else float('nan'):.3f} | {times:.2f} | {r.gbps:.3f} |")
+            if raw is None or raw.error:
+                raw_text, times = "failed (out of memory)" if raw else "not run", "-"
+            else:
+                raw_text, times = f"{raw.median:.3f}", f"{r.median / raw.median:.2f}"
+            lines.append(f"| {r.workers} | {r.nbytes / MB:.0f} | {r.median:.3f} | {raw_text} | "
+                         f"{times} | {r.gbps:.3f} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -166,11 +169,13 @@ def plot(rows: Sequence[Measurement], out: Path) -> list[Path]:
         ax.legend(fontsize=7)
         fig.tight_layout()
         written.append(_save(fig, out / "scaling.png"))
-    sweep = sorted((r for r in rows if r.suite == "bucket sweep"), key=lambda r: r.bucket_bytes)
+    sweep = sorted((r for r in rows if r.suite == "bucket sweep" and r.strategy != "raw"),
+                   key=lambda r: r.bucket_bytes)
     if sweep:
         fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot([r.bucket_bytes >> 20 for r in sweep], [r.median for r in sweep], "-o", label="weight_sync")
-        raw = _find(rows, sweep[0].workload, "raw", sweep[0].workers)
+        ax.plot([r.bucket_bytes >> 20 for r in sweep], [r.median for r in sweep], "-o",
+                label="weight_sync, every tensor packed")
+        raw = _find(rows, sweep[0].workload, "raw", sweep[0].workers, suite="bucket sweep")
         if raw:
             ax.axhline(raw.median, linestyle="--", color="gray", label="raw (floor)")
         ax.set_xscale("log", base=2)
