@@ -124,6 +124,7 @@ def plan_cases(
 class Bench:
     def __init__(self, workers: int) -> None:
         self.size = workers
+        self._attempts = 0  # transfers the current strategy has made (to skip the rest on failure)
         self._start()
 
     def _start(self) -> None:
