@@ -123,11 +123,12 @@ def markdown(rows: Sequence[Measurement]) -> str:
                 continue
             raw = _find(rows, r.workload, "raw", r.workers, suite="scaling")
             if raw is None or raw.error:
-                raw_text, times = "failed (out of memory)" if raw else "not run", "-"
+                raw_text = f"failed ({raw.error.split(':')[0]})" if raw and raw.error else "not run"
+                ratio_text = "-"
             else:
-                raw_text, times = f"{raw.median:.3f}", f"{r.median / raw.median:.2f}"
+                raw_text, ratio_text = f"{raw.median:.3f}", f"{r.median / raw.median:.2f}"
             lines.append(f"| {r.workers} | {r.nbytes / MB:.0f} | {r.median:.3f} | {raw_text} | "
-                         f"{times} | {r.gbps:.3f} |")
+                         f"{ratio_text} | {r.gbps:.3f} |")
         lines.append("")
     return "\n".join(lines)
 
