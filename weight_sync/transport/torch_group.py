@@ -130,10 +130,6 @@ class TorchGroup:
         return self._device
 
     @property
-    def spec(self) -> GroupSpec:
-        return self._spec
-
-    @property
     def process_group(self) -> _GroupHandle:
         """The underlying group object, for tools that need other collectives on the same
         group (the benchmark's baselines). weight_sync itself only broadcasts."""
