@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--workers", type=_positive, default=7, help="worker actors (default 7)")
     demo.add_argument("--steps", type=_positive, default=5, help="optimizer steps (default 5)")
-    demo.add_argument("--bucket-mb", type=_positive, default=32, help="bucket size in MiB (default 32)")
+    demo.add_argument("--bucket-mb", type=_positive, default=None,
+                      help="bucket size in MiB (default: SyncConfig's)")
     demo.add_argument(
         "--address", default=None,
         help="Ray cluster to join (e.g. 'auto'); default: start a local one",

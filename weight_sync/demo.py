@@ -56,10 +56,10 @@ class DemoWorker(WeightSyncWorker):
 
 @ray.remote(num_cpus=0)
 class DemoTrainer:
-    def __init__(self, workers: list, bucket_bytes: int) -> None:
+    def __init__(self, workers: list, config: SyncConfig) -> None:
         self.model = build_model(seed=0)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
-        self.updater = WeightUpdater(workers, SyncConfig(bucket_bytes=bucket_bytes))
+        self.updater = WeightUpdater(workers, config)
 
     def step(self) -> tuple[float, PushResult]:
         tokens = torch.randint(0, 8192, (8, 32))
@@ -78,8 +78,10 @@ class DemoTrainer:
 
 
 def run_demo(workers: int = 7, steps: int = 5, address: str | None = None,
-             bucket_mb: int = 32, timeout_s: float = 600.0) -> int:
-    """Run the loop and verify every worker; returns a process exit code."""
+             bucket_mb: int | None = None, timeout_s: float = 600.0) -> int:
+    """Run the loop and verify every worker; returns a process exit code.
+    ``bucket_mb`` None keeps SyncConfig's default bucket size."""
+    config = SyncConfig() if bucket_mb is None else SyncConfig(bucket_bytes=bucket_mb * MiB)
     started_here = not ray.is_initialized()
     if started_here:
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # the demo talks to loopback only
@@ -88,9 +90,9 @@ def run_demo(workers: int = 7, steps: int = 5, address: str | None = None,
         else:
             ray.init(address=address)
     handles = [DemoWorker.remote(seed=i + 1) for i in range(workers)]  # type: ignore[attr-defined]
-    trainer = DemoTrainer.remote(handles, bucket_mb * MiB)  # type: ignore[attr-defined]
+    trainer = DemoTrainer.remote(handles, config)  # type: ignore[attr-defined]
     try:
-        print(f"trainer -> {workers} workers, {bucket_mb} MiB buckets, {steps} steps")
+        print(f"trainer -> {workers} workers, {config.bucket_bytes // MiB} MiB buckets, {steps} steps")
         print(f"{'version':>7} {'loss':>7} {'MB':>8} {'buckets':>7} {'seconds':>8} {'GB/s':>6}")
         result = None
         for _ in range(steps):

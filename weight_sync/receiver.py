@@ -142,10 +142,10 @@ class Receiver:
         start = time.perf_counter()
         self.version, self.dirty, self._received = None, True, None
         try:
-            landing = {
+            landing = {} if destinations is None else {
                 index: destinations[meta.name]
                 for index, meta in enumerate(plan.tensors)
-                if destinations is not None and meta.name in destinations
+                if meta.name in destinations
                 and can_land_in(destinations[meta.name], meta, transport.device)
             }  # fmt: skip
             _stream(transport, plan, apply, landing)
