@@ -4,25 +4,30 @@
     result = updater.push(model.state_dict())
 """
 
-from weight_sync.actors import PushResult, WeightSyncWorker, WeightUpdater
+from weight_sync.actors import PushResult, WeightSyncWorker, WeightUpdater, remote_worker
 from weight_sync.config import SyncConfig
 from weight_sync.errors import (
+    ChecksumMismatchError,
     PlanMismatchError,
     SyncTimeoutError,
     TransportError,
     WeightSyncError,
     WorkerFailedError,
 )
+from weight_sync.metadata import SyncStatus
 
 __all__ = [
+    "ChecksumMismatchError",
     "PlanMismatchError",
     "PushResult",
     "SyncConfig",
+    "SyncStatus",
     "SyncTimeoutError",
     "TransportError",
     "WeightSyncError",
     "WeightUpdater",
     "WeightSyncWorker",
     "WorkerFailedError",
+    "remote_worker",
 ]
 __version__ = "0.1.0"

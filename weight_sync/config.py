@@ -15,6 +15,7 @@ MiB = 1 << 20
 
 Backend = Literal["auto", "gloo", "nccl"]
 GroupMode = Literal["auto", "world", "standalone"]
+Staging = Literal["stream", "atomic"]
 
 
 class SyncConfig(BaseModel):
@@ -68,7 +69,27 @@ class SyncConfig(BaseModel):
         120.0, gt=0, description="Bound on every control-plane Ray call that is not a transfer."
     )
     push_timeout_s: float = Field(
-        900.0, gt=0, description="Bound on the worker side of one whole push, end to end."
+        900.0, gt=0,
+        description="Bound on one whole push, end to end (forming the group included). Must "
+        "exceed twice collective_timeout_s, so that after a frozen worker stalls a broadcast the "
+        "workers waiting on it still have time to report, and the frozen one can be named.",
+    )
+    staging: Staging = Field(
+        "stream",
+        description="'stream' writes each bucket into the model as it arrives (memory: two "
+        "buckets), the worker reporting no version meanwhile; 'atomic' receives the whole push "
+        "into a staging area (memory: one full copy) and applies it only on commit, so a worker "
+        "keeps its old weights and version until every worker has the new ones.",
+    )
+    checksum: bool = Field(
+        False,
+        description="Verify a CRC32 of every bucket on every worker before commit; a mismatch "
+        "fails the push. Costs one pass over the bytes on each side.",
+    )
+    check_finite: bool = Field(
+        False,
+        description="Refuse a push whose floating-point tensors hold NaN or Inf (checked on the "
+        "trainer before anything is sent). Costs one pass over the weights.",
     )
     max_tensors: int = Field(
         1_000_000, gt=0, description="Most tensors one push may carry (bounds metadata)."
@@ -106,6 +127,12 @@ class SyncConfig(BaseModel):
             raise ValueError(
                 f"bucket_bytes ({self.bucket_bytes}) must be at least alignment "
                 f"({self.alignment}); buckets of 64 MiB to 1 GiB are typical"
+            )
+        if self.push_timeout_s <= 2 * self.collective_timeout_s:
+            raise ValueError(
+                f"push_timeout_s ({self.push_timeout_s}) must exceed 2 x collective_timeout_s "
+                f"({self.collective_timeout_s}): raise push_timeout_s or lower "
+                "collective_timeout_s"
             )
         if _is_wildcard(self.master_addr) and not self.allow_all_interfaces:
             raise ValueError(

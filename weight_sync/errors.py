@@ -42,14 +42,26 @@ class SyncTimeoutError(WeightSyncError, TimeoutError):
 
 
 class WorkerFailedError(WeightSyncError):
-    """One or more workers died or raised during a push. ``workers`` lists their indices."""
+    """Workers died, froze or raised during a push.
 
-    def __init__(self, message: str, workers: Sequence[int]) -> None:
+    ``workers`` lists them by their index in ``WeightUpdater.workers`` as it was when the push
+    began; ``dropped`` is the subset the updater removed because they died or stopped answering
+    (the next push forms a group without them; ``add_workers`` brings in replacements). Workers
+    that raised but still answer are kept: they are dirty until the next full push.
+    """
+
+    def __init__(self, message: str, workers: Sequence[int], dropped: Sequence[int] = ()) -> None:
         self.workers = list(workers)
+        self.dropped = list(dropped)
         super().__init__(message)
 
     def __reduce__(self) -> tuple:
-        return type(self), (str(self), self.workers)
+        return type(self), (str(self), self.workers, self.dropped)
+
+
+class ChecksumMismatchError(WorkerFailedError):
+    """Bytes a worker received differ from those sent (``SyncConfig(checksum=True)``); nothing
+    was committed, and those workers are dirty (streaming) or unchanged (atomic staging)."""
 
 
 class TransportError(WeightSyncError):

@@ -176,9 +176,14 @@ class SyncPlan(_Wire):
         return sum(not b.direct for b in self.buckets)
 
     @cached_property
+    def wire(self) -> str:
+        """The plan as it travels (JSON); computed once per plan."""
+        return self.model_dump_json()
+
+    @cached_property
     def digest(self) -> str:
         """Content hash; lets a sender refer to a plan the receiver already holds."""
-        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()
+        return hashlib.sha256(self.wire.encode()).hexdigest()
 
 
 # ---- control-plane messages -------------------------------------------------------------------
@@ -215,6 +220,7 @@ class MemberInfo(_Wire):
     version: int | None
     hostname: str
     pid: int
+    concurrent: bool = False  # declared weight_sync's concurrency groups (see remote_worker)
 
 
 class PrepareRequest(_Wire):
@@ -223,6 +229,8 @@ class PrepareRequest(_Wire):
     version: int = Field(ge=1)
     plan_digest: str = Field(pattern=r"^[0-9a-f]{64}$")
     plan: SyncPlan | None = None
+    staging: Literal["stream", "atomic"] = "stream"
+    checksum: bool = False
 
 
 class PrepareReply(_Wire):
@@ -236,3 +244,21 @@ class ReceiveReport(_Wire):
     nbytes: int
     buckets: int
     seconds: float
+    checksums: tuple[int, ...] | None = None  # CRC32 per bucket, when the push asked for them
+
+
+Phase = Literal["idle", "prepared", "receiving", "received", "applying"]
+
+
+class SyncStatus(_Wire):
+    """A worker's state, answerable while a push is in flight (see ``remote_worker``)."""
+
+    version: int | None  # committed version; None before the first push and while dirty
+    dirty: bool  # weights partly updated: a push failed, or a streaming push is under way
+    phase: Phase
+    pushing: int | None = None  # the version being received, if any
+    buckets_done: int = 0
+    buckets_total: int = 0
+    in_group: bool = False
+    last: ReceiveReport | None = None  # the last push this worker received in full
+    last_error: str | None = None

@@ -6,6 +6,7 @@ element types, but not uint8), and what arrives is bit-for-bit what was sent.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -135,6 +136,9 @@ class Unpacker:
             if bucket.direct:
                 if destination is None:  # received into a temporary of its own
                     done.append((meta.name, typed_view(piece, meta)))
+                elif piece.data_ptr() != destination.data_ptr():  # staged (atomic), not landed
+                    batch[0].append(byte_view(destination))
+                    batch[1].append(piece)
                 continue
             if destination is not None:
                 batch[0].append(byte_view(destination)[seg.tensor_offset : seg.tensor_offset + seg.nbytes])
@@ -152,6 +156,13 @@ class Unpacker:
                 done.append((meta.name, typed_view(self._partial.pop(seg.tensor), meta)))
         copy_all(*batch)
         return done
+
+
+def checksum(data: torch.Tensor) -> int:
+    """CRC32 of a uint8 buffer (copied to the host first if it lives on a GPU)."""
+    assert data.dtype == torch.uint8 and data.is_contiguous()
+    host = data.cpu() if data.device.type != "cpu" else data
+    return zlib.crc32(host.numpy().data)
 
 
 def bucket_buffers(plan: SyncPlan, device: torch.device) -> list[torch.Tensor]:

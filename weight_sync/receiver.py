@@ -2,7 +2,8 @@
 
 A worker's version moves only on commit. The moment the first byte of a push may reach the
 model, the worker stops claiming any version ("dirty") until a full push commits, so it never
-reports a version whose weights it does not fully hold.
+reports a version whose weights it does not fully hold. With atomic staging no byte reaches the
+model before commit, so a failed push leaves the old weights and the old version in place.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from pydantic import ValidationError
@@ -19,18 +22,28 @@ from weight_sync.errors import WeightSyncError
 from weight_sync.metadata import (
     TRAINER_RANK,
     GroupSpec,
+    Phase,
     PrepareReply,
     PrepareRequest,
     ReceiveReport,
     SyncPlan,
+    SyncStatus,
     TensorMeta,
 )
-from weight_sync.packing import NamedTensors, Unpacker, bucket_buffers, can_land_in, staging_slots
+from weight_sync.packing import (
+    NamedTensors,
+    Unpacker,
+    bucket_buffers,
+    can_land_in,
+    checksum,
+    staging_slots,
+)
 from weight_sync.transport import TorchGroup, Transport, Work
 
 logger = logging.getLogger(__name__)
 
 Apply = Callable[[NamedTensors], None]
+Staging = Literal["stream", "atomic"]
 _PLAN_CACHE_SIZE = 8
 
 
@@ -58,8 +71,22 @@ def check_plan(plan: SyncPlan, expected: Mapping[str, TensorMeta] | None) -> lis
     return problems
 
 
+@dataclass(frozen=True)
+class _Push:
+    """A push this worker has accepted: what ``receive`` and ``commit`` will act on."""
+
+    version: int
+    plan: SyncPlan
+    staging: Staging
+    checksum: bool
+
+
 class Receiver:
-    """One worker's end of the sync protocol."""
+    """One worker's end of the sync protocol.
+
+    Thread-safety: ``status`` may be called from another thread while a push runs (the
+    actor's status concurrency group); it only reads attributes that are replaced whole.
+    """
 
     def __init__(self) -> None:
         self.version: int | None = None  # committed version; None before the first / when dirty
@@ -67,8 +94,13 @@ class Receiver:
         self._transport: Transport | None = None
         self._max_metadata_bytes = 0
         self._plans: OrderedDict[str, SyncPlan] = OrderedDict()
-        self._prepared: tuple[int, SyncPlan] | None = None
-        self._received: int | None = None
+        self._prepared: _Push | None = None
+        self._received: _Push | None = None
+        self._staged: list[torch.Tensor] | None = None  # atomic staging: every bucket's bytes
+        self._phase: Phase = "idle"
+        self._progress = (0, 0)  # buckets done, of how many
+        self._last: ReceiveReport | None = None
+        self._last_error: str | None = None
 
     # -- membership --------------------------------------------------------------------------
 
@@ -83,10 +115,29 @@ class Receiver:
         self._transport = TorchGroup.join(spec)
 
     def leave(self) -> None:
+        """Leave the group, dropping any push not yet committed (atomic: the old weights stay;
+        streaming: the worker stays dirty)."""
         transport, self._transport = self._transport, None
-        self._prepared = None
+        self._prepared, self._received, self._staged = None, None, None
+        if self._phase in ("prepared", "received"):
+            self._phase = "idle"
         if transport is not None:
             transport.close()
+
+    @property
+    def staged(self) -> bool:
+        """Whether a received push waits in the staging area for its commit."""
+        return self._staged is not None
+
+    def status(self) -> SyncStatus:
+        pushing = self._received or self._prepared
+        done, total = self._progress
+        return SyncStatus(
+            version=self.version, dirty=self.dirty, phase=self._phase,
+            pushing=pushing.version if pushing is not None else None,
+            buckets_done=done, buckets_total=total, in_group=self._transport is not None,
+            last=self._last, last_error=self._last_error,
+        )  # fmt: skip
 
     # -- one push ----------------------------------------------------------------------------
 
@@ -119,7 +170,8 @@ class Receiver:
         self._plans.move_to_end(plan.digest)
         while len(self._plans) > _PLAN_CACHE_SIZE:
             self._plans.popitem(last=False)
-        self._prepared = (request.version, plan)
+        self._prepared = _Push(request.version, plan, request.staging, request.checksum)
+        self._phase = "prepared"
         return PrepareReply(accepted=True)
 
     def receive(
@@ -128,46 +180,98 @@ class Receiver:
         apply: Apply,
         destinations: Mapping[str, torch.Tensor] | None = None,
     ) -> ReceiveReport:
-        """Take part in the broadcast of a prepared push, applying each bucket as it lands.
+        """Take part in the broadcast of a prepared push.
 
-        Tensors named in ``destinations`` that fit (``can_land_in``) are written there in place;
-        the others go through ``apply``.
+        Streaming: each bucket is applied as it lands -- tensors named in ``destinations`` that
+        fit (``can_land_in``) are written there in place, the others go through ``apply`` --
+        and the worker is dirty from the first byte. Atomic: every bucket is kept in a staging
+        area and nothing reaches the model (or the version) before ``commit``.
         """
-        prepared, self._prepared = self._prepared, None
+        push, self._prepared = self._prepared, None
         transport = self._transport
-        if prepared is None or prepared[0] != version or transport is None:
+        if push is None or push.version != version or transport is None:
             self.leave()  # our peers are about to broadcast: leaving makes them fail fast
             raise WeightSyncError(f"receive({version}) without a matching prepare on this worker")
-        plan = prepared[1]
         start = time.perf_counter()
-        self.version, self.dirty, self._received = None, True, None
+        self._received, self._staged = None, None
+        self._progress = (0, len(push.plan.buckets))
+        self._phase = "receiving"
+        sums: list[int] | None = [] if push.checksum else None
         try:
-            landing = {} if destinations is None else {
-                index: destinations[meta.name]
-                for index, meta in enumerate(plan.tensors)
-                if meta.name in destinations
-                and can_land_in(destinations[meta.name], meta, transport.device)
-            }  # fmt: skip
-            _stream(transport, plan, apply, landing)
-        except BaseException:
+            if push.staging == "atomic":
+                self._staged = _receive_all(transport, push.plan, sums, self._advance)
+            else:
+                self.version, self.dirty = None, True
+                landing = _landing(push.plan, destinations, transport.device)
+                _stream(transport, push.plan, apply, landing, sums, self._advance)
+        except BaseException as exc:
+            self._fail(exc)
             self.leave()
             raise
-        self._received = version
-        return ReceiveReport(
-            version=version, nbytes=plan.nbytes, buckets=len(plan.buckets),
+        self._received, self._phase = push, "received"
+        self._last = ReceiveReport(
+            version=version, nbytes=push.plan.nbytes, buckets=len(push.plan.buckets),
             seconds=time.perf_counter() - start,
+            checksums=tuple(sums) if sums is not None else None,
         )  # fmt: skip
+        return self._last
 
-    def commit(self, version: int) -> None:
-        if self._received != version:
+    def commit(
+        self,
+        version: int,
+        apply: Apply,
+        destinations: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        """The trainer saw every worker receive ``version``: claim it (atomic: apply it first)."""
+        push, staged = self._received, self._staged
+        self._received, self._staged = None, None
+        if push is None or push.version != version:
+            held = push.version if push is not None else None
+            self._phase = "idle"
             raise WeightSyncError(
-                f"commit({version}) but this worker holds {self._received} fully; it stays dirty"
+                f"commit({version}) but this worker fully holds {held}; it keeps its state"
             )
-        self.version, self.dirty, self._received = version, False, None
+        if staged is not None:
+            self._phase, self.version, self.dirty = "applying", None, True
+            try:
+                _apply_staged(push.plan, staged, apply, destinations)
+            except BaseException as exc:
+                self._fail(exc)
+                raise
+        self.version, self.dirty, self._phase = version, False, "idle"
+        self._last_error = None
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _advance(self) -> None:
+        done, total = self._progress
+        self._progress = (done + 1, total)
+
+    def _fail(self, exc: BaseException) -> None:
+        self._phase = "idle"
+        self._last_error = f"{type(exc).__name__}: {exc}"[:1000]
+
+
+def _landing(
+    plan: SyncPlan, destinations: Mapping[str, torch.Tensor] | None, device: torch.device
+) -> dict[int, torch.Tensor]:
+    """Tensor index -> the destination its bytes may be written straight into."""
+    if destinations is None:
+        return {}
+    return {
+        index: destinations[meta.name]
+        for index, meta in enumerate(plan.tensors)
+        if meta.name in destinations and can_land_in(destinations[meta.name], meta, device)
+    }
 
 
 def _stream(
-    transport: Transport, plan: SyncPlan, apply: Apply, landing: Mapping[int, torch.Tensor]
+    transport: Transport,
+    plan: SyncPlan,
+    apply: Apply,
+    landing: Mapping[int, torch.Tensor],
+    sums: list[int] | None,
+    advance: Callable[[], None],
 ) -> None:
     """Receive bucket k+1 while applying bucket k."""
     unpacker = Unpacker(plan, landing)
@@ -193,11 +297,61 @@ def _stream(
         current = data
         if index + 1 < len(plan.buckets):
             data, pending = start(index + 1)
+        if sums is not None:
+            sums.append(checksum(current))
         ready = unpacker.unpack(index, current)
         if ready:
             apply(ready)
+        advance()
     if transport.device.type == "cuda":
         torch.cuda.current_stream(transport.device).synchronize()
+
+
+def _receive_all(
+    transport: Transport, plan: SyncPlan, sums: list[int] | None, advance: Callable[[], None]
+) -> list[torch.Tensor]:
+    """Receive every bucket into one staging area, touching nothing else. Two broadcasts are
+    kept in flight, as when streaming."""
+    area = torch.empty(plan.nbytes, dtype=torch.uint8, device=transport.device)
+    views = list(torch.split(area, [bucket.nbytes for bucket in plan.buckets]))
+    pending: list[Work] = []
+    for index, view in enumerate(views):
+        pending.append(transport.broadcast(view, src=TRAINER_RANK))
+        if index >= 1:
+            _finish(views, pending, index - 1, sums, advance)
+    if views:
+        _finish(views, pending, len(views) - 1, sums, advance)
+    return views
+
+
+def _finish(
+    views: list[torch.Tensor],
+    pending: list[Work],
+    index: int,
+    sums: list[int] | None,
+    advance: Callable[[], None],
+) -> None:
+    pending[index].wait()
+    if sums is not None:
+        sums.append(checksum(views[index]))
+    advance()
+
+
+def _apply_staged(
+    plan: SyncPlan,
+    staged: list[torch.Tensor],
+    apply: Apply,
+    destinations: Mapping[str, torch.Tensor] | None,
+) -> None:
+    device = staged[0].device if staged else torch.device("cpu")
+    unpacker = Unpacker(plan, _landing(plan, destinations, device))
+    empties = unpacker.empty_tensors(device)
+    if empties:
+        apply(empties)
+    for index, data in enumerate(staged):
+        ready = unpacker.unpack(index, data)
+        if ready:
+            apply(ready)
 
 
 def _refuse(*problems: str) -> PrepareReply:

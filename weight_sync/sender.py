@@ -3,38 +3,51 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from weight_sync.config import SyncConfig
+from weight_sync.deadline import Deadline
 from weight_sync.metadata import MAX_NAME_CHARS, SyncPlan, TensorMeta, dtype_name
-from weight_sync.packing import Packer, bucket_buffers, byte_view, staging_slots
+from weight_sync.packing import Packer, bucket_buffers, byte_view, checksum, staging_slots
 from weight_sync.planner import make_plan
 from weight_sync.transport import Transport
 
 logger = logging.getLogger(__name__)
 
 StateDict = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+Rename = Callable[[str], str]
+# isfinite has kernels for these; fp8/fp4 storage dtypes are skipped (too coarse to hold a NaN
+# the trainer did not put there on purpose).
+_FINITE_CHECKABLE = frozenset(
+    {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128}
+)
 
 
 def check_state_dict(
-    state_dict: StateDict, config: SyncConfig
+    state_dict: StateDict, config: SyncConfig, rename: Rename | None = None
 ) -> tuple[list[str], list[torch.Tensor]]:
     """Check every entry; raises ``TypeError``/``ValueError`` naming the bad entry, before
-    anything is sent anywhere. Returns the names and detached tensors, in order."""
+    anything is sent anywhere. Returns the (renamed) names and detached tensors, in order.
+
+    ``rename`` maps a trainer's name to the name the workers know it by; two names mapping to
+    one is refused, since one of the tensors would silently be lost.
+    """
     items = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
     names: list[str] = []
     tensors: list[torch.Tensor] = []
-    seen: set[str] = set()
+    seen: dict[str, object] = {}
     for entry in items:
         if not (isinstance(entry, tuple) and len(entry) == 2):
             raise TypeError(f"expected (name, tensor) pairs, got {type(entry).__name__}")
-        name, tensor = entry
+        original, tensor = entry
+        name = original if rename is None else rename(original)
         _check_entry(name, tensor)
         if name in seen:
-            raise ValueError(f"tensor name {name!r} appears twice")
-        seen.add(name)
+            source = "" if rename is None else f" (renamed from {seen[name]!r} and {original!r})"
+            raise ValueError(f"tensor name {name!r} appears twice{source}")
+        seen[name] = original
         names.append(name)
         tensors.append(tensor.detach())
         if len(names) > config.max_tensors:
@@ -42,7 +55,22 @@ def check_state_dict(
                 f"more than max_tensors={config.max_tensors} tensors; raise the limit in "
                 "SyncConfig or push in parts"
             )
+    if config.check_finite:
+        _check_finite(names, tensors)
     return names, tensors
+
+
+def _check_finite(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
+    bad = [
+        name for name, tensor in zip(names, tensors, strict=True)
+        if tensor.dtype in _FINITE_CHECKABLE and not bool(torch.isfinite(tensor).all())
+    ]  # fmt: skip
+    if bad:
+        shown = ", ".join(repr(name) for name in bad[:5])
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        raise ValueError(
+            f"NaN or Inf in {shown}{more}; nothing was sent (check_finite=True in SyncConfig)"
+        )
 
 
 class PushPlanner:
@@ -102,9 +130,20 @@ class Sender:
     def __init__(self, transport: Transport) -> None:
         self._transport = transport
 
-    def send(self, plan: SyncPlan, tensors: Sequence[torch.Tensor]) -> None:
+    def send(
+        self,
+        plan: SyncPlan,
+        tensors: Sequence[torch.Tensor],
+        deadline: Deadline | None = None,
+        with_checksums: bool = False,
+    ) -> list[int] | None:
+        """Broadcast every bucket; returns each bucket's CRC32 if ``with_checksums``.
+
+        Each collective is bounded by the group's timeout and by what is left of ``deadline``.
+        """
+        sums: list[int] | None = [] if with_checksums else None
         if not plan.buckets:
-            return
+            return sums
         packer = Packer(plan, tensors)
         buffers = bucket_buffers(plan, self._transport.device)
         slots = staging_slots(plan)
@@ -116,9 +155,13 @@ class Sender:
                 assert data.device == self._transport.device
             else:
                 data = packer.pack(index, buffers[slot])
+            if sums is not None:
+                sums.append(checksum(data))
             if pending is not None:
                 pending.wait()
-            pending = self._transport.broadcast(data, src=self._transport.rank)
+            timeout = None if deadline is None else deadline.left(float("inf"))
+            pending = self._transport.broadcast(data, src=self._transport.rank, timeout_s=timeout)
         assert pending is not None
         pending.wait()
         logger.debug("sent %d buckets, %d bytes", len(plan.buckets), plan.nbytes)
+        return sums

@@ -20,6 +20,7 @@ from weight_sync.metadata import GroupSpec, PrepareRequest, SyncPlan, TensorMeta
 from weight_sync.receiver import Receiver
 from weight_sync.sender import Sender
 from weight_sync.transport import TorchGroup, bind_listener
+from weight_sync.verify import state_dict_digests
 
 Target = Callable[..., Any]
 
@@ -109,19 +110,30 @@ def send_plan(ctx: RankContext, spec: GroupSpec, plan: SyncPlan, tensors: Sequen
 
 def receive_plan(spec: GroupSpec, plan: SyncPlan, expected: Mapping[str, TensorMeta] | None = None,
                  version: int = 1, destinations: Mapping[str, torch.Tensor] | None = None,
-                 ) -> dict[str, torch.Tensor]:
+                 staging: str = "stream") -> dict[str, torch.Tensor]:
     """Any other rank: join, prepare, receive and commit ``plan``; returns copies of what went
     through ``load_weights`` merged with ``destinations`` (where tensors may land in place)."""
     receiver = Receiver()
     receiver.join(spec, max_metadata_bytes=1 << 20)
     try:
-        request = PrepareRequest(version=version, plan_digest=plan.digest, plan=plan).model_dump_json()
+        request = PrepareRequest(
+            version=version, plan_digest=plan.digest, plan=plan, staging=staging
+        ).model_dump_json()
         reply = receiver.prepare(request, lambda: expected)
         assert reply.accepted, reply.problems
         got: dict[str, torch.Tensor] = {}
-        receiver.receive(version, lambda items: got.update((n, t.clone()) for n, t in items), destinations)
-        assert receiver.version is None and receiver.dirty  # nothing claimed before commit
-        receiver.commit(version)
+
+        def apply(items: list[tuple[str, torch.Tensor]]) -> None:
+            got.update((n, t.clone()) for n, t in items)
+
+        before = state_dict_digests(dict(destinations or {}))
+        receiver.receive(version, apply, destinations)
+        if staging == "atomic":  # nothing reached the model, nothing claimed
+            assert not got and not receiver.dirty and receiver.staged
+            assert state_dict_digests(dict(destinations or {})) == before
+        else:  # streamed in, but nothing claimed before commit
+            assert receiver.version is None and receiver.dirty
+        receiver.commit(version, apply, destinations)
         assert receiver.version == version and not receiver.dirty
         return {**got, **(destinations or {})}
     finally:

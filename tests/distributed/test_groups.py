@@ -37,8 +37,9 @@ def push_zoo(ctx: RankContext, mode: str, bucket_bytes: int) -> dict[str, str]:
     return state_dict_digests(receive_plan(ctx.spec(mode), plan, expected))
 
 
-def direct_rank(ctx: RankContext) -> tuple[dict[str, str], int]:
-    """Large contiguous tensors go direct; workers land everything in a 'model' of their own."""
+def direct_rank(ctx: RankContext, staging: str) -> tuple[dict[str, str], int]:
+    """Large contiguous tensors go direct; workers land everything in a 'model' of their own
+    (streaming: as the bytes arrive; atomic: from the staging area, on commit)."""
     tensors = zoo(seed=13, big=40_000)
     config = SyncConfig(bucket_bytes=4096, direct_min_bytes=10_000)
     plan = PushPlanner(config, torch.device("cpu")).plan(list(tensors), list(tensors.values()))
@@ -46,13 +47,14 @@ def direct_rank(ctx: RankContext) -> tuple[dict[str, str], int]:
         send_plan(ctx, ctx.spec("standalone"), plan, list(tensors.values()))
         return state_dict_digests(tensors), sum(b.direct for b in plan.buckets)
     model = {n: torch.zeros_like(t.contiguous()) for n, t in tensors.items()}
-    got = receive_plan(ctx.spec("standalone"), plan, destinations=model)
+    got = receive_plan(ctx.spec("standalone"), plan, destinations=model, staging=staging)
     assert all(got[n] is model[n] for n in model)  # every tensor landed in place
     return state_dict_digests(got), 0
 
 
-def test_direct_buckets_land_in_place() -> None:
-    results = run_ranks(direct_rank, 3)
+@pytest.mark.parametrize("staging", ["stream", "atomic"])
+def test_direct_buckets_land_in_place(staging: str) -> None:
+    results = run_ranks(direct_rank, 3, staging)
     assert results[0][1] >= 2  # the plan really had direct buckets
     assert results[1][0] == results[2][0] == results[0][0]
 

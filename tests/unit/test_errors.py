@@ -17,6 +17,7 @@ from weight_sync import (
     [
         PlanMismatchError({0: ["unknown tensor 'x'"], 3: ["missing tensor 'y'"] * 7}),
         WorkerFailedError("receive failed on 1 worker(s)", [2]),
+        WorkerFailedError("receive failed on 2 worker(s)", [2, 5], dropped=[5]),
         SyncTimeoutError("join: worker(s) [1] did not answer"),
         TransportError("a broadcast failed"),
     ],
@@ -27,6 +28,7 @@ def test_errors_pickle_across_processes(error: WeightSyncError) -> None:
     assert isinstance(again, WeightSyncError)
     assert getattr(again, "problems", None) == getattr(error, "problems", None)
     assert getattr(again, "workers", None) == getattr(error, "workers", None)
+    assert getattr(again, "dropped", None) == getattr(error, "dropped", None)
 
 
 def test_plan_mismatch_message_names_workers_and_truncates() -> None:

@@ -4,6 +4,6 @@ Knows Ray and the wire types; the sockets and collectives stay behind ``weight_s
 """
 
 from weight_sync.actors.updater import PushResult, WeightUpdater
-from weight_sync.actors.worker import WeightSyncWorker
+from weight_sync.actors.worker import WeightSyncWorker, remote_worker
 
-__all__ = ["PushResult", "WeightSyncWorker", "WeightUpdater"]
+__all__ = ["PushResult", "WeightSyncWorker", "WeightUpdater", "remote_worker"]

@@ -3,6 +3,11 @@
 Control plane, per push and per worker: one ``prepare`` call carrying the version and the plan
 (or the hash of a plan the worker already holds), one ``receive`` call that runs alongside the
 broadcast, one ``commit``. The number of Ray calls never depends on the number of tensors.
+
+Failure: every wait draws on the push's deadline. When something fails, the trainer leaves the
+group first (so members blocked on it fail at once), waits a bounded time for every worker's
+call to end, and then knows each worker's fate (see ``calls.Outcomes``): workers that died or
+never answered are dropped, the rest leave the group, and the next push forms a new one.
 """
 
 from __future__ import annotations
@@ -13,15 +18,23 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import ray
 import torch
 import torch.distributed as dist
 from ray.actor import ActorHandle
 
-from weight_sync.actors.calls import gather
+from weight_sync.actors.calls import Outcomes, collect
+from weight_sync.actors.worker import SYNC_GROUP
 from weight_sync.config import SyncConfig
-from weight_sync.errors import PlanMismatchError, TransportError, WeightSyncError
+from weight_sync.deadline import Deadline
+from weight_sync.errors import (
+    ChecksumMismatchError,
+    PlanMismatchError,
+    TransportError,
+    WeightSyncError,
+)
 from weight_sync.metadata import (
     TRAINER_RANK,
     BackendName,
@@ -30,12 +43,17 @@ from weight_sync.metadata import (
     ModeName,
     PrepareReply,
     PrepareRequest,
+    ReceiveReport,
     SyncPlan,
 )
-from weight_sync.sender import PushPlanner, Sender, StateDict, check_state_dict
+from weight_sync.sender import PushPlanner, Rename, Sender, StateDict, check_state_dict
 from weight_sync.transport import TorchGroup, bind_listener
 
 logger = logging.getLogger(__name__)
+
+# After a failure, how long past its own timeout a worker's call may take to report (Ray's own
+# latency on a loaded node); a worker silent beyond that is taken for frozen.
+_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -54,28 +72,28 @@ class PushResult:
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
+@dataclass
+class _Member:
+    handle: ActorHandle
+    known_plan: str | None = None  # digest of the plan this worker has cached
+    concurrent: bool = False  # made with remote_worker: has weight_sync's concurrency groups
+
+
 class WeightUpdater:
     """Pushes named tensors from this process (rank 0) to ``workers`` (``WeightSyncWorker`` actors).
 
-    The group is formed lazily on the first push and reused; a failed push tears it down and the
-    next push forms a new one. ``push`` calls from several threads are serialised.
+    The group is formed lazily on the first push and reused. A failed push tears it down,
+    drops the workers that died or froze, and the next push forms a new group over the rest.
+    ``push`` calls from several threads are serialised.
     """
 
     def __init__(self, workers: Sequence[ActorHandle], config: SyncConfig | None = None) -> None:
-        if isinstance(workers, ActorHandle) or not isinstance(workers, Sequence):
-            raise TypeError("workers must be a list of WeightSyncWorker actor handles")
-        if not workers:
-            raise ValueError("workers must name at least one WeightSyncWorker actor")
-        for index, worker in enumerate(workers):
-            if not isinstance(worker, ActorHandle):
-                raise TypeError(f"workers[{index}] is a {type(worker).__name__}, not a Ray actor handle")
         if config is not None and not isinstance(config, SyncConfig):
             raise TypeError(f"config must be a SyncConfig, got {type(config).__name__}")
-        self._workers = list(workers)
+        self._members = [_Member(handle) for handle in _check_handles(workers, [])]
         self._config = config or SyncConfig()
         self._group: TorchGroup | None = None
         self._planner: PushPlanner | None = None  # made with the first group (needs its device)
-        self._known_plans: list[str | None] = [None] * len(self._workers)
         self._version = 0  # last version committed on every worker
         self._next_version = 1  # never reused: spent once any worker may have committed it
         self._lock = threading.Lock()
@@ -83,7 +101,8 @@ class WeightUpdater:
 
     @property
     def workers(self) -> tuple[ActorHandle, ...]:
-        return tuple(self._workers)
+        """The workers pushes go to: those given, minus any dropped after dying or freezing."""
+        return tuple(member.handle for member in self._members)
 
     @property
     def config(self) -> SyncConfig:
@@ -99,34 +118,49 @@ class WeightUpdater:
         """The last version committed by a push (0 before the first)."""
         return self._version
 
-    def push(self, state_dict: StateDict) -> PushResult:
+    def add_workers(self, workers: Sequence[ActorHandle]) -> None:
+        """Add workers (e.g. replacements for dropped ones). The current group is left; the next
+        push forms one over everybody and sends the newcomers the full weights."""
+        with self._lock:
+            self._check_open()
+            added = _check_handles(workers, self.workers)
+            self._teardown()
+            self._members.extend(_Member(handle) for handle in added)
+            logger.info("added %d worker(s); %d in all", len(added), len(self._members))
+
+    def push(self, state_dict: StateDict, *, rename: Rename | None = None) -> PushResult:
         """Send every tensor to every worker; returns once all of them hold it and commit.
 
-        Raises ``TypeError``/``ValueError`` for a bad state dict (nothing sent), and a
-        ``WeightSyncError`` for failures while running: ``PlanMismatchError`` when workers
-        refuse the push (nothing changed anywhere), ``WorkerFailedError``/``SyncTimeoutError``/
-        ``TransportError`` when a push fails part-way (those workers stay dirty until a full push).
+        ``rename`` maps each name to the one the workers use. Raises ``TypeError``/
+        ``ValueError`` for a bad state dict (nothing sent anywhere), and a ``WeightSyncError``
+        within ``push_timeout_s`` for failures while running: ``PlanMismatchError`` when
+        workers refuse the push (nothing changed anywhere); ``WorkerFailedError`` naming the
+        workers that died, froze or raised (the dead and frozen are dropped from ``workers``);
+        ``SyncTimeoutError``/``TransportError`` when nobody in particular is to blame.
         """
-        names, tensors = check_state_dict(state_dict, self._config)
+        names, tensors = check_state_dict(state_dict, self._config, rename)
         with self._lock:
-            if self._closed:
-                raise WeightSyncError("this WeightUpdater is closed; create a new one")
+            self._check_open()
             if not names:
                 logger.info("empty state dict: nothing to push (version stays %d)", self._version)
                 return PushResult(self._version, 0, 0, 0.0)
+            if not self._members:
+                raise WeightSyncError(
+                    "no workers left: all were dropped after failures; add replacements with "
+                    "add_workers()"
+                )
             start = time.perf_counter()
-            group = self._ensure_group(tensors)
-            if self._planner is None:
-                self._planner = PushPlanner(self._config, group.device)
-            plan = self._planner.plan(names, tensors)
+            deadline = Deadline(self._config.push_timeout_s, "push")
+            group = self._ensure_group(tensors, deadline)
+            plan = self._plan(group, names, tensors)
             version = self._next_version
             try:
-                self._prepare(version, plan)
-                self._transfer(group, version, plan, tensors)
+                self._prepare(version, plan, deadline)
+                self._transfer(group, version, plan, tensors, deadline)
                 self._next_version = version + 1
-                gather(
-                    [w._weight_sync_commit.remote(version) for w in self._workers],
-                    "commit", self._config.rpc_timeout_s,
+                self._settle(
+                    [m.handle._weight_sync_commit.remote(version) for m in self._members],
+                    "commit", deadline.left(self._config.rpc_timeout_s),
                 )  # fmt: skip
             except PlanMismatchError:
                 raise  # refused before any collective: the group is intact
@@ -160,60 +194,126 @@ class WeightUpdater:
 
     # -- the steps of a push -------------------------------------------------------------------
 
-    def _prepare(self, version: int, plan: SyncPlan) -> None:
+    def _plan(self, group: TorchGroup, names: list[str], tensors: list[torch.Tensor]) -> SyncPlan:
+        if self._planner is None:
+            self._planner = PushPlanner(self._config, group.device)
+        plan = self._planner.plan(names, tensors)
+        if len(plan.wire) > self._config.max_metadata_bytes:
+            raise ValueError(
+                f"the plan's metadata is {len(plan.wire)} bytes, over max_metadata_bytes="
+                f"{self._config.max_metadata_bytes}; raise it in SyncConfig or push fewer tensors"
+            )
+        return plan
+
+    def _prepare(self, version: int, plan: SyncPlan, deadline: Deadline) -> None:
         """Every worker checks the push; any refusal raises before a byte is broadcast."""
-        replies = self._prepare_round(version, plan, resend=set())
-        missing = {i for i, reply in enumerate(replies) if reply.need_plan}
-        if missing:  # a worker lost its cached plan (e.g. was restarted): send it in full
-            again = self._prepare_round(version, plan, resend=missing)
-            replies = [again[i] if i in missing else reply for i, reply in enumerate(replies)]
+        replies = self._prepare_round(version, plan, self._members, deadline)
+        lacking = [m for m, reply in zip(self._members, replies, strict=True) if reply.need_plan]
+        if lacking:  # a worker lost its cached plan (e.g. was restarted): send it in full
+            for member in lacking:
+                member.known_plan = None
+            again = iter(self._prepare_round(version, plan, lacking, deadline))
+            replies = [next(again) if reply.need_plan else reply for reply in replies]
         problems = {i: reply.problems or ("refused",) for i, reply in enumerate(replies)
                     if not reply.accepted}  # fmt: skip
         if problems:
             raise PlanMismatchError(problems)
-        self._known_plans = [plan.digest] * len(self._workers)
+        for member in self._members:
+            member.known_plan = plan.digest
 
-    def _prepare_round(self, version: int, plan: SyncPlan, resend: set[int]) -> list[PrepareReply]:
-        by_hash = PrepareRequest(version=version, plan_digest=plan.digest).model_dump_json()
+    def _prepare_round(
+        self, version: int, plan: SyncPlan, members: list[_Member], deadline: Deadline
+    ) -> list[PrepareReply]:
+        config = self._config
+        request = PrepareRequest(
+            version=version, plan_digest=plan.digest, staging=config.staging,
+            checksum=config.checksum,
+        )  # fmt: skip
+        by_hash = request.model_dump_json()
         with_plan: str | None = None  # serialised only if some worker lacks the plan
         refs: list[ray.ObjectRef] = []
-        for index, worker in enumerate(self._workers):
-            request = by_hash
-            if self._known_plans[index] != plan.digest or index in resend:
+        for member in members:
+            message = by_hash
+            if member.known_plan != plan.digest:
                 if with_plan is None:
-                    with_plan = PrepareRequest(
-                        version=version, plan_digest=plan.digest, plan=plan
-                    ).model_dump_json()
-                request = with_plan
-            refs.append(worker._weight_sync_prepare.remote(request))
-        return gather(refs, "prepare", self._config.rpc_timeout_s)
+                    with_plan = request.model_copy(update={"plan": plan}).model_dump_json()
+                message = with_plan
+            refs.append(member.handle._weight_sync_prepare.remote(message))
+        return self._settle(refs, "prepare", deadline.left(config.rpc_timeout_s))
 
     def _transfer(
-        self, group: TorchGroup, version: int, plan: SyncPlan, tensors: list[torch.Tensor]
+        self,
+        group: TorchGroup,
+        version: int,
+        plan: SyncPlan,
+        tensors: list[torch.Tensor],
+        deadline: Deadline,
     ) -> None:
-        receiving = [w._weight_sync_receive.remote(version) for w in self._workers]
+        receiving = [self._receive_call(member, version) for member in self._members]
         try:
-            Sender(group).send(plan, tensors)
+            sent = Sender(group).send(plan, tensors, deadline, self._config.checksum)
         except WeightSyncError as exc:
-            # Leave first: members blocked on our next bucket then fail at once instead of
-            # waiting out collective_timeout_s, and the workers' own errors say who failed.
-            self._close_group()
-            try:
-                gather(receiving, "receive", self._config.rpc_timeout_s)
-            except WeightSyncError as worker_exc:
-                raise worker_exc from exc
-            raise
-        gather(receiving, "receive", self._config.push_timeout_s)
+            raise self._after_failure(receiving, "receive", deadline) or exc from exc
+        outcomes = collect(receiving, deadline.remaining())
+        if not outcomes.ok:
+            raise self._after_failure(receiving, "receive", deadline) or outcomes.error(
+                "receive", deadline.seconds
+            )
+        if sent is not None:
+            _check_checksums(outcomes.results, sent)
+
+    def _receive_call(self, member: _Member, version: int) -> ray.ObjectRef:
+        method: Any = member.handle._weight_sync_receive
+        if member.concurrent and self._config.staging == "atomic":
+            method = method.options(concurrency_group=SYNC_GROUP)  # beside the actor's serving
+        return method.remote(version)
+
+    # -- failures ------------------------------------------------------------------------------
+
+    def _settle(self, refs: Sequence[ray.ObjectRef], what: str, timeout_s: float) -> list:
+        """Every worker's answer, or (dropping the dead and frozen) the error naming who failed."""
+        outcomes = collect(refs, timeout_s)
+        if not outcomes.ok:
+            raise self._blame(outcomes, what, timeout_s)
+        return outcomes.results
+
+    def _after_failure(
+        self, refs: list[ray.ObjectRef], what: str, deadline: Deadline
+    ) -> WeightSyncError | None:
+        """A collective failed: leave it, then give every worker's call time to end.
+
+        Members waiting on this process fail as soon as it leaves; members waiting on a frozen
+        peer fail at their collective timeout. Whoever is still silent after that is frozen.
+        Returns the error naming them, or None if every worker's call succeeded after all.
+        """
+        self._close_group()
+        wait_s = min(self._config.collective_timeout_s + _GRACE_S, deadline.remaining())
+        outcomes = collect(refs, wait_s)
+        return None if outcomes.ok else self._blame(outcomes, what, wait_s)
+
+    def _blame(self, outcomes: Outcomes, what: str, timeout_s: float) -> WeightSyncError:
+        dropped = outcomes.unreachable
+        if dropped:
+            gone = {id(self._members[index]) for index in dropped}
+            self._members = [member for member in self._members if id(member) not in gone]
+            logger.warning(
+                "dropped worker(s) %s (dead or not answering); %d left", dropped, len(self._members)
+            )
+        return outcomes.error(what, timeout_s, dropped)
 
     # -- the group -----------------------------------------------------------------------------
 
-    def _ensure_group(self, tensors: list[torch.Tensor]) -> TorchGroup:
+    def _ensure_group(self, tensors: list[torch.Tensor], deadline: Deadline) -> TorchGroup:
         if self._group is not None:
             return self._group
         config = self._config
-        infos: list[MemberInfo] = gather(
-            [w._weight_sync_info.remote() for w in self._workers], "probe", config.rpc_timeout_s
-        )
+        infos: list[MemberInfo] = self._settle(
+            [m.handle._weight_sync_info.remote() for m in self._members], "probe",
+            deadline.left(config.rpc_timeout_s),
+        )  # fmt: skip
+        for member, info in zip(self._members, infos, strict=True):
+            member.concurrent = info.concurrent
+            member.known_plan = None
         # Versions never go backwards, even across a trainer restart.
         held = [info.version for info in infos if info.version is not None]
         self._version = max([self._version, *held])
@@ -222,34 +322,45 @@ class WeightUpdater:
         mode = _choose_mode(config, infos)
         listener = bind_listener(config.master_addr)
         group_id = secrets.token_hex(8)
+        rendezvous_s = deadline.left(config.rendezvous_timeout_s)
         specs = [
             GroupSpec(
                 group_id=group_id, address=config.master_addr, port=listener.getsockname()[1],
-                world_size=len(self._workers) + 1, rank=rank, backend=backend, mode=mode,
-                rendezvous_timeout_s=config.rendezvous_timeout_s,
+                world_size=len(self._members) + 1, rank=rank, backend=backend, mode=mode,
+                rendezvous_timeout_s=rendezvous_s,
                 collective_timeout_s=config.collective_timeout_s,
             )  # fmt: skip
-            for rank in range(len(self._workers) + 1)
+            for rank in range(len(self._members) + 1)
         ]
         joining = [
-            worker._weight_sync_join.remote(spec.model_dump_json(), config.max_metadata_bytes)
-            for worker, spec in zip(self._workers, specs[1:], strict=True)
+            m.handle._weight_sync_join.remote(spec.model_dump_json(), config.max_metadata_bytes)
+            for m, spec in zip(self._members, specs[1:], strict=True)
         ]
         try:
             group = TorchGroup.join(specs[TRAINER_RANK], listener)
+        except WeightSyncError as exc:
+            listener.close()
+            # The members that joined fail at their own rendezvous timeout, about now.
+            outcomes = collect(joining, min(_GRACE_S, deadline.remaining()))
+            failure = None if outcomes.ok else self._blame(outcomes, "join", rendezvous_s)
+            self._leave_workers()
+            raise failure or exc from exc
         except BaseException:
             listener.close()
             self._leave_workers()
             raise
         try:
-            gather(joining, "join", config.rendezvous_timeout_s + config.rpc_timeout_s)
+            self._settle(joining, "join", deadline.left(config.rpc_timeout_s))
         except BaseException:
             group.close()
             self._leave_workers()
             raise
         self._group = group
-        self._known_plans = [None] * len(self._workers)
         return group
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise WeightSyncError("this WeightUpdater is closed; create a new one")
 
     def _close_group(self) -> None:
         group, self._group = self._group, None
@@ -263,11 +374,39 @@ class WeightUpdater:
 
     def _leave_workers(self) -> None:
         """Ask every worker to leave; a worker that cannot answer in time is left to its timeouts."""
-        refs = [w._weight_sync_leave.remote() for w in self._workers]
-        try:
-            gather(refs, "leave", min(10.0, self._config.rpc_timeout_s))
-        except WeightSyncError as exc:
-            logger.warning("some workers did not leave the sync group cleanly: %s", exc)
+        refs = [m.handle._weight_sync_leave.remote() for m in self._members]
+        outcomes = collect(refs, min(_GRACE_S, self._config.rpc_timeout_s))
+        if not outcomes.ok:
+            logger.warning(
+                "some workers did not leave the sync group cleanly: %s",
+                outcomes.error("leave", _GRACE_S),
+            )
+
+
+def _check_handles(
+    workers: Sequence[ActorHandle], present: Sequence[ActorHandle]
+) -> list[ActorHandle]:
+    if isinstance(workers, ActorHandle) or not isinstance(workers, Sequence):
+        raise TypeError("workers must be a list of WeightSyncWorker actor handles")
+    if not workers and not present:
+        raise ValueError("workers must name at least one WeightSyncWorker actor")
+    seen = {handle._actor_id for handle in present}
+    for index, worker in enumerate(workers):
+        if not isinstance(worker, ActorHandle):
+            raise TypeError(f"workers[{index}] is a {type(worker).__name__}, not a Ray actor handle")
+        if worker._actor_id in seen:
+            raise ValueError(f"workers[{index}] is already a worker of this updater")
+        seen.add(worker._actor_id)
+    return list(workers)
+
+
+def _check_checksums(reports: list[ReceiveReport], sent: list[int]) -> None:
+    bad = [index for index, report in enumerate(reports) if report.checksums != tuple(sent)]
+    if bad:
+        raise ChecksumMismatchError(
+            f"worker(s) {bad} received bytes whose CRC32 differs from what was sent; nothing "
+            "was committed. Check the network path and the workers' memory", bad,
+        )  # fmt: skip
 
 
 def _choose_backend(

@@ -7,11 +7,14 @@ library never takes a name a user's engine class is likely to define.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import socket
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
+import ray
 import torch
 import torch.distributed as dist
 
@@ -20,12 +23,29 @@ from weight_sync.metadata import (
     MemberInfo,
     PrepareReply,
     ReceiveReport,
+    SyncStatus,
     TensorMeta,
 )
 from weight_sync.receiver import Receiver
 from weight_sync.verify import state_dict_digests
 
 _MAX_SPEC_CHARS = 4096
+
+SYNC_GROUP = "weight_sync"  # the protocol's calls; one at a time
+STATUS_GROUP = "weight_sync_status"  # health: answers while a push runs
+CONCURRENCY_GROUPS = {SYNC_GROUP: 1, STATUS_GROUP: 2}
+# Which methods run in which group on a worker made with ``remote_worker``. Receiving is routed
+# per call by the updater: with atomic staging it runs in SYNC_GROUP, beside the actor's own
+# methods (the model is untouched until commit); streaming, and every commit, run in the
+# actor's default group, in turn with its own methods, since they write into the model.
+_METHOD_GROUPS = {
+    "weights_version": STATUS_GROUP,
+    "sync_status": STATUS_GROUP,
+    "_weight_sync_info": STATUS_GROUP,
+    "_weight_sync_join": SYNC_GROUP,
+    "_weight_sync_prepare": SYNC_GROUP,
+    "_weight_sync_leave": SYNC_GROUP,
+}
 
 
 class WeightSyncWorker:
@@ -55,6 +75,11 @@ class WeightSyncWorker:
         """The version of the last fully received and committed push; ``None`` before the
         first one and while the weights are partly updated or a push failed part-way."""
         return self._weight_sync_state().version
+
+    def sync_status(self) -> SyncStatus:
+        """Version, dirty flag, the push in flight (phase, buckets done) and the last push's
+        stats. Answers during a push when the actor was made with ``remote_worker``."""
+        return self._weight_sync_state().status()
 
     # -- helpers users may call or override ------------------------------------------------------
 
@@ -95,6 +120,7 @@ class WeightSyncWorker:
             version=self._weight_sync_state().version,
             hostname=socket.gethostname(),
             pid=os.getpid(),
+            concurrent=getattr(self, "_weight_sync_concurrent", False),
         )
 
     def _weight_sync_join(self, spec_json: str, max_metadata_bytes: int) -> None:
@@ -110,7 +136,9 @@ class WeightSyncWorker:
         return state.receive(version, self.load_weights, self.weight_sync_destinations())
 
     def _weight_sync_commit(self, version: int) -> None:
-        self._weight_sync_state().commit(version)
+        state = self._weight_sync_state()
+        destinations = self.weight_sync_destinations() if state.staged else None
+        state.commit(version, self.load_weights, destinations)
 
     def _weight_sync_leave(self) -> None:
         self._weight_sync_state().leave()
@@ -135,3 +163,40 @@ class WeightSyncWorker:
                 "override load_weights (and weight_sync_expected)"
             )
         return model
+
+
+def remote_worker(cls: type | None = None, /, **ray_options: Any) -> Any:
+    """``ray.remote`` for a ``WeightSyncWorker`` subclass, with weight_sync's concurrency groups:
+    ``weights_version`` and ``sync_status`` then answer while a push is in flight, and with
+    atomic staging the push is received while the actor goes on serving.
+
+    Use as ``@remote_worker`` or ``@remote_worker(num_gpus=1, concurrency_groups={...})``; any
+    ``ray.remote`` option passes through, and your own concurrency groups are kept. A plain
+    ``@ray.remote`` works too, but then every call waits for a push in flight to finish.
+    """
+
+    def wrap(cls: type) -> Any:
+        if not (isinstance(cls, type) and issubclass(cls, WeightSyncWorker)):
+            raise TypeError(f"remote_worker decorates WeightSyncWorker subclasses, not {cls!r}")
+        groups = dict(ray_options.get("concurrency_groups") or {})
+        taken = sorted(groups.keys() & CONCURRENCY_GROUPS.keys())
+        if taken:
+            raise ValueError(f"concurrency group names {taken} are weight_sync's; rename yours")
+        methods = {name: _in_group(getattr(cls, name), group) for name, group in _METHOD_GROUPS.items()}
+        tagged = type(cls.__name__, (cls,), {
+            **methods, "_weight_sync_concurrent": True, "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
+        })  # fmt: skip
+        options = {**ray_options, "concurrency_groups": {**groups, **CONCURRENCY_GROUPS}}
+        return ray.remote(**options)(tagged)
+
+    return wrap(cls) if cls is not None else wrap
+
+
+def _in_group(method: Callable[..., Any], group: str) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def in_group(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return method(self, *args, **kwargs)
+
+    in_group.__ray_concurrency_group__ = group  # type: ignore[attr-defined]  # read by Ray
+    return in_group

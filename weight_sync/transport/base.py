@@ -27,8 +27,13 @@ class Transport(Protocol):
     def device(self) -> torch.device:
         """Where buffers handed to :meth:`broadcast` must live."""
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> Work:
-        """Start broadcasting ``tensor`` (a contiguous uint8 buffer) from ``src``; returns at once."""
+    def broadcast(self, tensor: torch.Tensor, src: int, timeout_s: float | None = None) -> Work:
+        """Start broadcasting ``tensor`` (a contiguous uint8 buffer) from ``src``; returns at once.
+
+        ``timeout_s`` bounds this one collective (default: the group's collective timeout). It
+        is the collective's own timeout, not only the wait's: a collective abandoned by its
+        waiter would still hold the group until its own timeout ran out.
+        """
 
     def close(self) -> None:
         """Leave the group and release its sockets. Idempotent."""

@@ -137,19 +137,22 @@ class TorchGroup:
             raise TransportError("the sync group is closed")
         return self._pg
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> TorchWork:
+    def broadcast(self, tensor: torch.Tensor, src: int, timeout_s: float | None = None) -> TorchWork:
         if self._pg is None:
             raise TransportError("the sync group is closed; the next push rebuilds it")
         assert tensor.dtype == torch.uint8 and tensor.is_contiguous()
+        timeout = self._timeout
+        if timeout_s is not None:
+            timeout = min(timeout, datetime.timedelta(seconds=timeout_s))
         options = dist.BroadcastOptions()
         options.rootRank = src
         options.rootTensor = 0
-        options.timeout = self._timeout
+        options.timeout = timeout
         try:
             work = self._pg.broadcast([tensor], options)
         except RuntimeError as exc:
-            raise _collective_error(exc, self._timeout) from exc
-        handle = TorchWork(work, self._timeout)
+            raise _collective_error(exc, timeout) from exc
+        handle = TorchWork(work, timeout)
         self._works.add(handle)
         return handle
 
