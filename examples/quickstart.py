@@ -19,7 +19,7 @@ def build_model(seed: int) -> nn.Module:
     return nn.Sequential(nn.Embedding(1000, 128), nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 1000))
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0)  # or weight_sync.remote_worker(num_cpus=0): status answers mid-push
 class Inference(WeightSyncWorker):
     def __init__(self, seed: int):
         super().__init__()

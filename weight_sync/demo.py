@@ -12,7 +12,7 @@ import ray
 import torch
 from torch import nn
 
-from weight_sync import PushResult, SyncConfig, WeightSyncWorker, WeightUpdater
+from weight_sync import PushResult, SyncConfig, WeightSyncWorker, WeightUpdater, remote_worker
 from weight_sync.verify import state_dict_digests
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def build_model(seed: int) -> TinyLM:
     return TinyLM()
 
 
-@ray.remote(num_cpus=0)
+@remote_worker(num_cpus=0)  # ray.remote plus weight_sync's concurrency groups
 class DemoWorker(WeightSyncWorker):
     """An inference worker: its own randomly initialised model until the first push lands."""
 

@@ -218,6 +218,7 @@ class MemberInfo(_Wire):
     has_default_group: bool
     cuda: bool
     version: int | None
+    highest_version: int = 0  # the highest version it was ever sent, committed or not
     hostname: str
     pid: int
     concurrent: bool = False  # declared weight_sync's concurrency groups (see remote_worker)

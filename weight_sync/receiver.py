@@ -91,10 +91,12 @@ class Receiver:
     def __init__(self) -> None:
         self.version: int | None = None  # committed version; None before the first / when dirty
         self.dirty = False
+        self.highest_version = 0  # highest version ever prepared: a new trainer starts above it
         self._transport: Transport | None = None
         self._max_metadata_bytes = 0
         self._plans: OrderedDict[str, SyncPlan] = OrderedDict()
         self._prepared: _Push | None = None
+        self._receiving: _Push | None = None
         self._received: _Push | None = None
         self._staged: list[torch.Tensor] | None = None  # atomic staging: every bucket's bytes
         self._phase: Phase = "idle"
@@ -130,7 +132,7 @@ class Receiver:
         return self._staged is not None
 
     def status(self) -> SyncStatus:
-        pushing = self._received or self._prepared
+        pushing = self._prepared or self._receiving or self._received
         done, total = self._progress
         return SyncStatus(
             version=self.version, dirty=self.dirty, phase=self._phase,
@@ -171,6 +173,7 @@ class Receiver:
         while len(self._plans) > _PLAN_CACHE_SIZE:
             self._plans.popitem(last=False)
         self._prepared = _Push(request.version, plan, request.staging, request.checksum)
+        self.highest_version = max(self.highest_version, request.version)
         self._phase = "prepared"
         return PrepareReply(accepted=True)
 
@@ -193,7 +196,7 @@ class Receiver:
             self.leave()  # our peers are about to broadcast: leaving makes them fail fast
             raise WeightSyncError(f"receive({version}) without a matching prepare on this worker")
         start = time.perf_counter()
-        self._received, self._staged = None, None
+        self._received, self._staged, self._receiving = None, None, push
         self._progress = (0, len(push.plan.buckets))
         self._phase = "receiving"
         sums: list[int] | None = [] if push.checksum else None
@@ -208,6 +211,8 @@ class Receiver:
             self._fail(exc)
             self.leave()
             raise
+        finally:
+            self._receiving = None
         self._received, self._phase = push, "received"
         self._last = ReceiveReport(
             version=version, nbytes=push.plan.nbytes, buckets=len(push.plan.buckets),

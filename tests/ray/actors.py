@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -9,7 +11,8 @@ import ray
 import torch
 
 from tests.zoo import BufferModel, zoo
-from weight_sync import PushResult, SyncConfig, WeightSyncWorker, WeightUpdater
+from weight_sync import PushResult, SyncConfig, WeightSyncWorker, WeightUpdater, remote_worker
+from weight_sync.metadata import TensorMeta
 from weight_sync.verify import state_dict_digests
 
 BIG = 300_000  # 1.2 MB tensors: split across the tests' 256 KiB buckets
@@ -74,8 +77,78 @@ class FlakyWorker(ZooWorker.__ray_actor_class__):  # type: ignore[name-defined]
         super().load_weights(weights)
 
 
+class _Corrupting:
+    """Wraps a worker's real transport and flips one received byte: damage on the wire."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.rank, self.world_size, self.device = inner.rank, inner.world_size, inner.device
+        self._done = False
+
+    def broadcast(self, tensor: torch.Tensor, src: int, timeout_s: float | None = None) -> Any:
+        work, outer = self._inner.broadcast(tensor, src, timeout_s), self
+
+        class Flipping:
+            def wait(self) -> None:
+                work.wait()
+                if not outer._done and tensor.numel():
+                    outer._done = True
+                    tensor[tensor.numel() // 2] ^= 0x10
+
+        return Flipping()
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+@remote_worker(num_cpus=0)
+class SlowWorker(WeightSyncWorker):
+    """Every bucket goes through a slow load_weights, so that a push lasts long enough to be
+    struck mid-broadcast; made with remote_worker, so sync_status answers meanwhile."""
+
+    def __init__(self, seed: int, delay_s: float = 0.3) -> None:
+        super().__init__()
+        torch.set_num_threads(1)
+        self.model = BufferModel(zoo(seed, big=BIG))
+        self.delay_s = delay_s
+        self.hang_join_s = 0.0
+
+    def load_weights(self, weights) -> None:
+        time.sleep(self.delay_s)
+        WeightSyncWorker.load_weights(self, weights)
+
+    def weight_sync_expected(self) -> dict[str, TensorMeta]:
+        return {n: TensorMeta.of(n, t) for n, t in self.model.state_dict().items()}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def hang_in_next_join(self, seconds: float) -> None:
+        self.hang_join_s = seconds
+
+    def _weight_sync_join(self, spec_json: str, max_metadata_bytes: int) -> None:
+        if self.hang_join_s:
+            time.sleep(self.hang_join_s)  # as a worker whose network never lets it connect
+        super()._weight_sync_join(spec_json, max_metadata_bytes)
+
+    def corrupt_next_push(self) -> None:
+        state = self._weight_sync_state()
+        state._transport = _Corrupting(state.transport)
+
+
 def mutate(state_dict: dict[str, torch.Tensor], mutation: str) -> dict[str, torch.Tensor]:
-    if mutation == "extra":
+    if "," in mutation:
+        for each in mutation.split(","):
+            state_dict = mutate(state_dict, each)
+    elif mutation == "finite":  # the zoo's random bits include NaN and Inf patterns
+        for name, tensor in state_dict.items():
+            if tensor.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64,
+                                torch.complex64, torch.complex128):
+                state_dict[name] = torch.nan_to_num(tensor, nan=0.0, posinf=1.0, neginf=-1.0)
+    elif mutation == "nan":
+        state_dict["float32_matrix"] = state_dict["float32_matrix"].clone()
+        state_dict["float32_matrix"][1, 2] = float("nan")
+    elif mutation == "extra":
         state_dict["not_in_model"] = torch.zeros(3)
     elif mutation == "missing":
         state_dict.pop("float32_matrix")
@@ -109,6 +182,15 @@ class Trainer:
 
     def version(self) -> int:
         return self.updater.version
+
+    def worker_count(self) -> int:
+        return len(self.updater.workers)
+
+    def add_workers(self, workers: list) -> None:
+        self.updater.add_workers(workers)
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def close(self) -> None:
         self.updater.close()

@@ -116,3 +116,35 @@ def test_the_plan_is_reused_while_the_layout_is_unchanged() -> None:
     reshaped = planner.plan(*check_state_dict({"a": torch.zeros(2, 5), "b": torch.ones(3)}, SyncConfig()))
     assert same is first  # new values, same layout: no re-planning, no new digest
     assert reshaped is not first and reshaped.digest != first.digest
+
+
+def test_rename_maps_names_and_refuses_collisions() -> None:
+    names, _ = check_state_dict({"model.w": torch.zeros(1)}, SyncConfig(), rename=lambda n: n.removeprefix("model."))
+    assert names == ["w"]
+    with pytest.raises(ValueError, match=r"'w' appears twice \(renamed from 'a.w' and 'b.w'\)"):
+        check_state_dict({"a.w": torch.zeros(1), "b.w": torch.zeros(1)}, SyncConfig(),
+                         rename=lambda n: n.split(".")[-1])
+    with pytest.raises(TypeError, match="names must be str"):
+        check_state_dict({"w": torch.zeros(1)}, SyncConfig(), rename=lambda n: None)  # type: ignore[arg-type,return-value]
+
+
+@pytest.mark.parametrize(
+    ("tensor", "refused"),
+    [
+        (torch.tensor([1.0, float("nan")]), True),
+        (torch.tensor([float("-inf")], dtype=torch.bfloat16), True),
+        (torch.tensor([1 + 1j, complex(float("inf"), 0)]), True),
+        (torch.tensor([1.0, 2.0], dtype=torch.float16), False),
+        (torch.zeros(0), False),
+        (torch.tensor([1, 2]), False),  # integers are always finite
+        (torch.zeros(4).to(torch.float8_e4m3fn), False),  # no isfinite kernel: not checked
+    ],
+)
+def test_finiteness_check_table(tensor: torch.Tensor, refused: bool) -> None:
+    state_dict = {"ok": torch.ones(3), "w": tensor}
+    check_state_dict(state_dict, SyncConfig())  # off by default
+    if refused:
+        with pytest.raises(ValueError, match="NaN or Inf in 'w'; nothing was sent"):
+            check_state_dict(state_dict, SyncConfig(check_finite=True))
+    else:
+        check_state_dict(state_dict, SyncConfig(check_finite=True))

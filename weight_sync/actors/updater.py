@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 
 # After a failure, how long past its own timeout a worker's call may take to report (Ray's own
 # latency on a loaded node); a worker silent beyond that is taken for frozen.
-_GRACE_S = 10.0
+_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -314,10 +314,12 @@ class WeightUpdater:
         for member, info in zip(self._members, infos, strict=True):
             member.concurrent = info.concurrent
             member.known_plan = None
-        # Versions never go backwards, even across a trainer restart.
+        # Versions never go backwards or repeat, even across a trainer restart: a worker may
+        # have been sent a version it never committed, and that version is spent too.
         held = [info.version for info in infos if info.version is not None]
         self._version = max([self._version, *held])
-        self._next_version = max(self._next_version, self._version + 1)
+        sent = max(info.highest_version for info in infos)
+        self._next_version = max(self._next_version, self._version + 1, sent + 1)
         backend = _choose_backend(config, tensors, infos)
         mode = _choose_mode(config, infos)
         listener = bind_listener(config.master_addr)

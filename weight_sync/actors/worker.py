@@ -118,6 +118,7 @@ class WeightSyncWorker:
             has_default_group=dist.is_available() and dist.is_initialized(),
             cuda=torch.cuda.is_available(),
             version=self._weight_sync_state().version,
+            highest_version=self._weight_sync_state().highest_version,
             hostname=socket.gethostname(),
             pid=os.getpid(),
             concurrent=getattr(self, "_weight_sync_concurrent", False),
@@ -198,5 +199,8 @@ def _in_group(method: Callable[..., Any], group: str) -> Callable[..., Any]:
     def in_group(self: Any, *args: Any, **kwargs: Any) -> Any:
         return method(self, *args, **kwargs)
 
-    in_group.__ray_concurrency_group__ = group  # type: ignore[attr-defined]  # read by Ray
+    # Ray reads the group from the unwrapped function, which is the base class's and shared by
+    # every subclass: the tag must sit on a function of our own, with no __wrapped__ to follow.
+    del in_group.__wrapped__  # type: ignore[attr-defined]
+    in_group.__ray_concurrency_group__ = group  # type: ignore[attr-defined]
     return in_group
