@@ -3,13 +3,15 @@ NCCL group test is skipped too, since two NCCL ranks may not share a device."""
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
 from tests.distributed.harness import RankContext, receive_plan, run_ranks, send_plan
 from tests.zoo import zoo
 from weight_sync.metadata import TensorMeta
-from weight_sync.packing import Packer, Unpacker, bucket_buffers
+from weight_sync.packing import Packer, Unpacker, bucket_buffers, checksum
 from weight_sync.planner import make_plan
 from weight_sync.verify import state_dict_digests
 
@@ -25,7 +27,7 @@ def test_pack_unpack_on_cuda_buffers_is_bit_exact() -> None:
     tensors = cuda_zoo(21)
     plan = make_plan([TensorMeta.of(n, t) for n, t in tensors.items()], 4096, 64)
     device = torch.device("cuda")
-    packer, unpacker = Packer(plan, list(tensors.values())), Unpacker(plan)
+    packer, unpacker = Packer(plan, list(tensors.values())), Unpacker(plan, {})
     send, recv = bucket_buffers(plan, device), bucket_buffers(plan, device)
     out = {n: t for n, t in unpacker.empty_tensors(device)}
     for index in range(len(plan.buckets)):
@@ -65,3 +67,8 @@ def nccl_rank(ctx: RankContext) -> dict[str, str]:
 def test_nccl_standalone_group_is_bit_exact() -> None:
     sent, received = run_ranks(nccl_rank, 2)
     assert sent == received
+
+
+def test_checksum_of_a_cuda_buffer_matches_the_host_copy() -> None:
+    data = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+    assert checksum(data.cuda()) == checksum(data) == zlib.crc32(data.numpy().tobytes())

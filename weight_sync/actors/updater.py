@@ -165,7 +165,7 @@ class WeightUpdater:
             except PlanMismatchError:
                 raise  # refused before any collective: the group is intact
             except BaseException:
-                self._teardown()
+                self._teardown(deadline)
                 raise
             self._version = version
             result = PushResult(
@@ -345,17 +345,17 @@ class WeightUpdater:
             # The members that joined fail at their own rendezvous timeout, about now.
             outcomes = collect(joining, min(_GRACE_S, deadline.remaining()))
             failure = None if outcomes.ok else self._blame(outcomes, "join", rendezvous_s)
-            self._leave_workers()
+            self._leave_workers(deadline)
             raise failure or exc from exc
         except BaseException:
             listener.close()
-            self._leave_workers()
+            self._leave_workers(deadline)
             raise
         try:
             self._settle(joining, "join", deadline.left(config.rpc_timeout_s))
         except BaseException:
             group.close()
-            self._leave_workers()
+            self._leave_workers(deadline)
             raise
         self._group = group
         return group
@@ -370,18 +370,22 @@ class WeightUpdater:
         if group is not None:
             group.close()
 
-    def _teardown(self) -> None:
+    def _teardown(self, deadline: Deadline | None = None) -> None:
         self._close_group()
-        self._leave_workers()
+        self._leave_workers(deadline)
 
-    def _leave_workers(self) -> None:
-        """Ask every worker to leave; a worker that cannot answer in time is left to its timeouts."""
+    def _leave_workers(self, deadline: Deadline | None = None) -> None:
+        """Ask every worker to leave, waiting at most what is left of ``deadline``: the request is
+        sent either way, and a worker that cannot act on it is left to its own timeouts."""
         refs = [m.handle._weight_sync_leave.remote() for m in self._members]
-        outcomes = collect(refs, min(_GRACE_S, self._config.rpc_timeout_s))
+        wait_s = min(_GRACE_S, self._config.rpc_timeout_s)
+        if deadline is not None:
+            wait_s = min(wait_s, deadline.remaining())
+        outcomes = collect(refs, wait_s)
         if not outcomes.ok:
             logger.warning(
                 "some workers did not leave the sync group cleanly: %s",
-                outcomes.error("leave", _GRACE_S),
+                outcomes.error("leave", wait_s),
             )
 
 
