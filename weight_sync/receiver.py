@@ -208,11 +208,17 @@ class Receiver:
                 landing = _landing(push.plan, destinations, transport.device)
                 _stream(transport, push.plan, apply, landing, sums, self._advance)
         except BaseException as exc:
-            self._fail(exc)
-            self.leave()
+            # With concurrency groups, the updater may already have had this worker leave and
+            # join a new group while this receive was failing: touch only what is still ours.
+            if self._transport is transport:
+                self._fail(exc)
+                self.leave()
+            else:
+                transport.close()
             raise
         finally:
-            self._receiving = None
+            if self._receiving is push:
+                self._receiving = None
         self._received, self._phase = push, "received"
         self._last = ReceiveReport(
             version=version, nbytes=push.plan.nbytes, buckets=len(push.plan.buckets),

@@ -77,25 +77,26 @@ class FlakyWorker(ZooWorker.__ray_actor_class__):  # type: ignore[name-defined]
         super().load_weights(weights)
 
 
-class _Corrupting:
-    """Wraps a worker's real transport and flips one received byte: damage on the wire."""
+class _Tampered:
+    """Wraps a worker's real transport: flips one received byte (damage on the wire), or makes
+    every bucket arrive ``delay_s`` late (a slow link)."""
 
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
+    def __init__(self, inner: Any, flip: bool, delay_s: float) -> None:
+        self._inner, self._flip, self._delay_s = inner, flip, delay_s
         self.rank, self.world_size, self.device = inner.rank, inner.world_size, inner.device
-        self._done = False
 
     def broadcast(self, tensor: torch.Tensor, src: int, timeout_s: float | None = None) -> Any:
         work, outer = self._inner.broadcast(tensor, src, timeout_s), self
 
-        class Flipping:
+        class Tampered:
             def wait(self) -> None:
                 work.wait()
-                if not outer._done and tensor.numel():
-                    outer._done = True
+                time.sleep(outer._delay_s)
+                if outer._flip and tensor.numel():
+                    outer._flip = False
                     tensor[tensor.numel() // 2] ^= 0x10
 
-        return Flipping()
+        return Tampered()
 
     def close(self) -> None:
         self._inner.close()
@@ -131,9 +132,10 @@ class SlowWorker(WeightSyncWorker):
             time.sleep(self.hang_join_s)  # as a worker whose network never lets it connect
         super()._weight_sync_join(spec_json, max_metadata_bytes)
 
-    def corrupt_next_push(self) -> None:
+    def tamper(self, flip: bool = False, delay_s: float = 0.0) -> None:
+        """Tamper with the current group's transport (see _Tampered)."""
         state = self._weight_sync_state()
-        state._transport = _Corrupting(state.transport)
+        state._transport = _Tampered(state.transport, flip, delay_s)
 
 
 def mutate(state_dict: dict[str, torch.Tensor], mutation: str) -> dict[str, torch.Tensor]:

@@ -181,7 +181,7 @@ def test_damaged_bytes_fail_the_checksum_and_nothing_is_committed(
 ) -> None:
     fleet = fleet_of(3, checksum=True, staging="atomic")
     first = ray.get(fleet.trainer.push_zoo.remote(10), timeout=TIMEOUT)
-    ray.get(fleet.workers[1].corrupt_next_push.remote(), timeout=TIMEOUT)
+    ray.get(fleet.workers[1].tamper.remote(flip=True), timeout=TIMEOUT)
     with pytest.raises(ChecksumMismatchError) as info:
         ray.get(fleet.trainer.push_zoo.remote(11), timeout=TIMEOUT)
     assert info.value.workers == [1] and info.value.dropped == []
@@ -203,6 +203,24 @@ def test_status_answers_during_a_push(fleet_of: Callable[..., Fleet]) -> None:
     after = status(fleet.workers[0])
     assert (after.version, after.dirty, after.phase) == (result.version, False, "idle")
     assert after.last is not None and after.last.version == result.version
+
+
+def test_atomic_staging_serves_the_old_weights_during_a_push(fleet_of: Callable[..., Fleet]) -> None:
+    fleet = fleet_of(2, staging="atomic")
+    first = ray.get(fleet.trainer.push_zoo.remote(19), timeout=TIMEOUT)
+    old = state_dict_digests(zoo(19, big=BIG))
+    ray.get(fleet.workers[0].tamper.remote(delay_s=0.05), timeout=TIMEOUT)  # a slow link: ~4 s
+    pushing = fleet.trainer.push_zoo.remote(20)
+    wait_until(mid_push(fleet.workers[0]), "the push to be under way")
+    # The actor's own methods (default group) run beside the receive, on the old weights.
+    start = time.monotonic()
+    assert ray.get(fleet.workers[0].weight_sync_digests.remote(), timeout=TIMEOUT) == old
+    assert time.monotonic() - start < 1.5
+    now = status(fleet.workers[0])
+    assert (now.phase, now.version, now.dirty) == ("receiving", first.version, False)
+    result = ray.get(pushing, timeout=TIMEOUT)
+    assert versions(fleet.workers) == [result.version] * 2
+    assert digests(fleet.workers) == [state_dict_digests(zoo(20, big=BIG))] * 2
 
 
 def test_nan_weights_are_refused_when_checked(fleet_of: Callable[..., Fleet]) -> None:
