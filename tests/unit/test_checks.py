@@ -136,6 +136,9 @@ def test_rename_maps_names_and_refuses_collisions() -> None:
         (torch.tensor([1 + 1j, complex(float("inf"), 0)]), True),
         (torch.tensor([1.0, 2.0], dtype=torch.float16), False),
         (torch.zeros(0), False),
+        (torch.full((10,), 1e308, dtype=torch.float64), False),  # the sum overflows; values are finite
+        (torch.full((100_000,), 60_000.0, dtype=torch.float16), False),  # likewise in half precision
+        (torch.cat([torch.full((10,), 1e308, dtype=torch.float64), torch.tensor([float("nan")], dtype=torch.float64)]), True),
         (torch.tensor([1, 2]), False),  # integers are always finite
         (torch.zeros(4).to(torch.float8_e4m3fn), False),  # no isfinite kernel: not checked
     ],

@@ -92,8 +92,21 @@ class Case:
         return SyncConfig(**{**fields, **dict(self.config)})
 
 
+# What each safety option of SyncConfig costs, measured on W1 against the defaults.
+OPTIONS: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = (
+    ("checksum=True", (("checksum", True),)),
+    ("staging=atomic", (("staging", "atomic"),)),
+    ("check_finite=True", (("check_finite", True),)),
+)
+
+
 def plan_cases(
-    workloads: Sequence[str], workers: int, strategies: Sequence[str], scaling: bool, sweep: bool
+    workloads: Sequence[str],
+    workers: int,
+    strategies: Sequence[str],
+    scaling: bool,
+    sweep: bool,
+    options: bool = False,
 ) -> list[Case]:
     cases = []
     for name in workloads:
@@ -118,6 +131,11 @@ def plan_cases(
             for size_mb in sizes:
                 cases.append(Case(synthetic(size_mb * MiB), count, ("weight_sync", "raw"),
                                   suite="scaling"))
+    if options:
+        cases.append(Case(gpt2_small(), workers, ("raw", "weight_sync"), suite="options"))
+        for label, variant in OPTIONS:
+            cases.append(Case(gpt2_small(), workers, ("weight_sync",), variant,
+                              f"weight_sync ({label})", suite="options"))
     return cases
 
 
@@ -194,6 +212,7 @@ def run_bench(
     strategies: Sequence[str] = STRATEGIES,
     scaling: bool = False,
     sweep: bool = False,
+    options: bool = False,
     out: Path | None = None,
     address: str | None = None,
     scaling_repeats: int = 3,
@@ -205,7 +224,7 @@ def run_bench(
     unknown = set(workloads) - set(WORKLOADS)
     if unknown:
         raise ValueError(f"unknown workloads {sorted(unknown)}; choose from {list(WORKLOADS)}")
-    cases = plan_cases(workloads, workers, strategies, scaling, sweep)
+    cases = plan_cases(workloads, workers, strategies, scaling, sweep, options)
     started_here = not ray.is_initialized()
     if started_here:
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

@@ -113,6 +113,23 @@ def markdown(rows: Sequence[Measurement]) -> str:
             lines.append(f"| {r.bucket_bytes >> 20} | {r.median:.3f} | {r.gbps:.3f} | {times:.2f} | "
                          f"{max(r.trainer_extra) / MB:.0f} | {max(r.worker_extra) / MB:.0f} |")
         lines.append("")
+    costs = [r for r in rows if r.suite == "options" and r.strategy != "raw"]
+    if costs:
+        raw = _find(rows, costs[0].workload, "raw", costs[0].workers, suite="options")
+        base = _find(rows, costs[0].workload, "weight_sync", costs[0].workers, suite="options")
+        lines += [f"## What the safety options cost ({costs[0].workload}, {costs[0].workers} workers)",
+                  "", "| variant | median s | min s | max s | x raw | x defaults | trainer extra MB | "
+                  "worker extra MB |", "|---|---|---|---|---|---|---|---|"]
+        for r in costs:
+            if r.error:
+                lines.append(f"| {r.strategy} | failed: {r.error.split(':')[0]} | | | | | | |")
+                continue
+            x_raw = r.median / raw.median if raw and raw.seconds else float("nan")
+            x_base = r.median / base.median if base and base.seconds else float("nan")
+            lines.append(f"| {r.strategy} | {r.median:.3f} | {min(r.seconds):.3f} | "
+                         f"{max(r.seconds):.3f} | {x_raw:.2f} | {x_base:.2f} | "
+                         f"{max(r.trainer_extra) / MB:.0f} | {max(r.worker_extra) / MB:.0f} |")
+        lines.append("")
     scaling = [r for r in rows if r.suite == "scaling"]
     if scaling:
         lines += ["## Scaling (synthetic fp32, 8 MB tensors)", "",
