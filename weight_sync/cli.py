@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=_positive, default=5,
                        help="timed transfers per strategy after one warm-up (default 5)")
     bench.add_argument("--sweep", action="store_true", help="also sweep the bucket size on W1")
+    bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                       help="where the weights live; cuda gives every actor a GPU (default cpu)")
     bench.add_argument("--options", action="store_true",
                        help="also measure what checksum / atomic staging / check_finite cost on W1")
     bench.add_argument("--scaling", action="store_true",
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             workloads=[w for w in args.workloads.split(",") if w], workers=args.workers,
             repeats=args.repeats,
             strategies=args.strategies.split(","), scaling=args.scaling, sweep=args.sweep,
-            options=args.options, out=Path(args.out), address=args.address,
+            options=args.options, out=Path(args.out), address=args.address, device=args.device,
         )  # fmt: skip
         print(f"report: {Path(args.out) / 'results.md'}")
         return 0

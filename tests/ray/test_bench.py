@@ -35,3 +35,10 @@ def test_harness_measures_every_strategy_and_writes_a_report(ray_cluster: None, 
     assert "## W2: 50 tensors of 4 KB" in text and "| per_tensor |" in text and "## Scaling" in text
     assert "## What the safety options cost" in text and "| weight_sync (atomic, checksum) |" in text
     assert (tmp_path / "results.json").exists()
+
+
+def test_cuda_bench_needs_a_gpu_per_actor(ray_cluster: None) -> None:
+    from weight_sync.bench.harness import run_bench
+
+    with pytest.raises(ValueError, match="needs 3 GPUs in the Ray cluster"):
+        run_bench(workloads=["W2"], workers=2, strategies=["raw"], device="cuda")

@@ -115,16 +115,21 @@ def assert_next_push_lands(fleet: Fleet, workers: list, seed: int) -> int:
     return result.version
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
+@pytest.mark.parametrize(
+    ("sig", "victim"),
+    [(signal.SIGKILL, 1), (signal.SIGSTOP, 1), (signal.SIGSTOP, 2)],
+    # Gloo's broadcast is a tree: worker 1 (rank 2) forwards to worker 2 (rank 3), a leaf.
+    ids=["killed", "frozen-inner", "frozen-leaf"],
+)
 def test_worker_killed_or_frozen_mid_broadcast_is_named_dropped_and_replaced(
-    fleet_of: Callable[..., Fleet], sig: signal.Signals
+    fleet_of: Callable[..., Fleet], sig: signal.Signals, victim: int
 ) -> None:
     fleet = fleet_of(3)
     first = ray.get(fleet.trainer.push_zoo.remote(1), timeout=TIMEOUT)
-    error, seconds = strike(fleet, 1, sig, seed=2)
-    assert error.workers == [1] and error.dropped == [1], str(error)
+    error, seconds = strike(fleet, victim, sig, seed=2)
+    assert error.workers == [victim] and error.dropped == [victim], str(error)
     assert seconds < CONFIG["push_timeout_s"], f"error after {seconds:.1f}s"
-    survivors = [fleet.workers[0], fleet.workers[2]]
+    survivors = [w for i, w in enumerate(fleet.workers) if i != victim]
     assert ray.get(fleet.trainer.worker_count.remote(), timeout=TIMEOUT) == 2
     # Streaming: the survivors took part of the new weights, so they claim no version at all.
     assert versions(survivors) == [None, None]

@@ -17,3 +17,10 @@ def test_bad_arguments_exit_with_usage(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2
+
+
+def test_bench_refuses_an_unknown_device() -> None:
+    from weight_sync.bench.harness import run_bench
+
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda'"):
+        run_bench(workloads=[], device="tpu")

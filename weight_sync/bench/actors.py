@@ -40,16 +40,34 @@ def _status_kib(field: str) -> int:
 
 
 class MemoryProbe:
-    """Peak resident memory above a baseline, via the kernel's resettable high-water mark."""
+    """Peak memory above a baseline where the weights live: host memory via the kernel's
+    resettable high-water mark, or CUDA memory via the caching allocator's peak statistics."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = torch.device(device)
 
     def reset(self) -> None:
         gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._baseline = torch.cuda.memory_allocated(self.device)
+            return
         with open("/proc/self/clear_refs", "w") as clear:
             clear.write("5")  # resets VmHWM to the current RSS
-        self._baseline = _status_kib("VmRSS")
+        self._baseline = _status_kib("VmRSS") * 1024
 
     def peak_extra_bytes(self) -> int:
-        return max(0, _status_kib("VmHWM") - self._baseline) * 1024
+        if self.device.type == "cuda":
+            return max(0, torch.cuda.max_memory_allocated(self.device) - self._baseline)
+        return max(0, _status_kib("VmHWM") * 1024 - self._baseline)
+
+
+def describe(device: str) -> str:
+    """The device named for the report: 'cpu', or 'cuda (NVIDIA H100 80GB HBM3)'."""
+    if device == "cuda":
+        return f"cuda ({torch.cuda.get_device_name()})"
+    return device
 
 
 class TensorBank(torch.nn.Module):
@@ -70,21 +88,29 @@ def _broadcast(group: TorchGroup, tensor: torch.Tensor) -> None:
     options = dist.BroadcastOptions()
     options.rootRank = TRAINER_RANK
     group.process_group.broadcast([tensor], options).wait()
+    _synchronize(tensor)
+
+
+def _synchronize(tensor: torch.Tensor) -> None:
+    """NCCL's wait only orders the stream: the bytes are there once the stream has run."""
+    if tensor.is_cuda:
+        torch.cuda.current_stream(tensor.device).synchronize()
 
 
 @ray.remote(num_cpus=0)
 class BenchWorker(WeightSyncWorker):
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu") -> None:
         super().__init__()
         torch.set_num_threads(1)
-        self.memory = MemoryProbe()
+        self.device = torch.device(device)
+        self.memory = MemoryProbe(device)
         self.state: dict[str, torch.Tensor] = {}
 
     def setup(self, workload: Workload) -> None:
         self.__dict__.pop("model", None)
         self.state = {}
         gc.collect()
-        self.model = TensorBank(workload.build(fill=0.0))
+        self.model = TensorBank(workload.build(fill=0.0, device=self.device))
         self.state = dict(self.model.state_dict())
 
     def memory_reset(self) -> None:
@@ -99,7 +125,7 @@ class BenchWorker(WeightSyncWorker):
     # -- baselines -----------------------------------------------------------------------------
 
     def raw_prepare(self, nbytes: int) -> None:
-        self.raw_buffer = torch.zeros(nbytes, dtype=torch.uint8)
+        self.raw_buffer = torch.zeros(nbytes, dtype=torch.uint8, device=self._group().device)
 
     def raw_receive(self) -> None:
         _broadcast(self._group(), self.raw_buffer)
@@ -109,7 +135,7 @@ class BenchWorker(WeightSyncWorker):
 
     def per_tensor_receive(self, name: str, dtype: str, shape: tuple[int, ...]) -> None:
         meta = TensorMeta(name=name, dtype=dtype, shape=shape)
-        tensor = torch.empty(meta.shape, dtype=meta.torch_dtype)
+        tensor = torch.empty(meta.shape, dtype=meta.torch_dtype, device=self.device)
         _broadcast(self._group(), tensor)
         self.load_weights([(name, tensor)])
 
@@ -117,6 +143,7 @@ class BenchWorker(WeightSyncWorker):
         pg = self._group().process_group
         for name in names:  # into the model's own storage: receiving is the whole cost
             pg.recv([self.state[name]], TRAINER_RANK, 0).wait()  # type: ignore[attr-defined]
+            _synchronize(self.state[name])
 
     def object_store_load(self, state_dict: dict[str, torch.Tensor]) -> None:
         self.load_weights(state_dict.items())
@@ -127,12 +154,16 @@ class BenchWorker(WeightSyncWorker):
 
 @ray.remote(num_cpus=0)
 class BenchTrainer:
-    def __init__(self, workers: list) -> None:
+    def __init__(self, workers: list, device: str = "cpu") -> None:
         torch.set_num_threads(1)
         self.all_workers = workers
-        self.memory = MemoryProbe()
+        self.device = torch.device(device)
+        self.memory = MemoryProbe(device)
         self.updater: WeightUpdater | None = None
         self.state: dict[str, torch.Tensor] = {}
+
+    def describe(self) -> str:
+        return describe(self.device.type)
 
     def setup(self, workload: Workload, workers: int, config: SyncConfig) -> int:
         """Build the workload, form a group over the first ``workers`` workers (one warm-up push
@@ -141,7 +172,7 @@ class BenchTrainer:
             self.updater.close()
         self.state = {}
         gc.collect()
-        self.state = workload.build(fill=1.0)
+        self.state = workload.build(fill=1.0, device=self.device)
         self.workers = self.all_workers[:workers]
         self.updater = WeightUpdater(self.workers, config)
         self.updater.push(self.state)
@@ -159,6 +190,8 @@ class BenchTrainer:
         self.memory.reset()
         start = time.perf_counter()
         run()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
         peak = self.memory.peak_extra_bytes()
         release = getattr(self, f"_{strategy}_release", None)
@@ -178,7 +211,7 @@ class BenchTrainer:
 
     def _raw_prepare(self) -> None:
         nbytes = sum(t.nbytes for t in self.state.values())
-        self.raw_buffer = torch.zeros(nbytes, dtype=torch.uint8)
+        self.raw_buffer = torch.zeros(nbytes, dtype=torch.uint8, device=self._group().device)
         ray.get([w.raw_prepare.remote(nbytes) for w in self.workers], timeout=600)
 
     def _raw(self) -> None:

@@ -43,6 +43,7 @@ class Measurement:
     worker_extra: list[int] = field(default_factory=list)
     suite: str = "workloads"
     error: str | None = None  # why this strategy could not finish (e.g. out of memory)
+    device: str = "cpu"  # where the weights lived, e.g. "cuda (NVIDIA H100 80GB HBM3)"
 
     @property
     def median(self) -> float:
@@ -140,14 +141,25 @@ def plan_cases(
 
 
 class Bench:
-    def __init__(self, workers: int) -> None:
+    """The trainer and worker actors every case runs on. With ``device="cuda"`` each actor gets
+    a GPU of its own and the weights live there (NCCL when every member has a GPU)."""
+
+    def __init__(self, workers: int, device: str = "cpu") -> None:
         self.size = workers
+        self.device = device
         self._attempts = 0  # transfers the current strategy has made (to skip the rest on failure)
         self._start()
 
     def _start(self) -> None:
-        self.workers = [BenchWorker.remote() for _ in range(self.size)]  # type: ignore[attr-defined]
-        self.trainer = BenchTrainer.remote(self.workers)  # type: ignore[attr-defined]
+        gpus = 1 if self.device == "cuda" else 0
+        self.workers = [
+            BenchWorker.options(num_gpus=gpus).remote(self.device)  # type: ignore[attr-defined]
+            for _ in range(self.size)
+        ]
+        self.trainer = BenchTrainer.options(num_gpus=gpus).remote(  # type: ignore[attr-defined]
+            self.workers, self.device
+        )
+        self.described = ray.get(self.trainer.describe.remote(), timeout=TIMEOUT_S)
 
     def _setup(self, case: Case) -> int:
         workers = self.workers[: case.workers]
@@ -166,7 +178,7 @@ class Bench:
                 case.workload.name, case.workload.title,
                 case.label if strategy == "weight_sync" and case.label else strategy,
                 case.workers, config.bucket_bytes, config.direct_min_bytes, nbytes,
-                suite=case.suite,
+                suite=case.suite, device=self.described,
             )  # fmt: skip
             try:
                 self._runs(case, strategy, row, repeats, progress)
@@ -216,8 +228,11 @@ def run_bench(
     out: Path | None = None,
     address: str | None = None,
     scaling_repeats: int = 3,
+    device: str = "cpu",
 ) -> list[Measurement]:
     """Run the benchmark; writes the report under ``out`` if given. Returns every measurement."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
     unknown = set(strategies) - set(STRATEGIES)
     if unknown:
         raise ValueError(f"unknown strategies {sorted(unknown)}; choose from {STRATEGIES}")
@@ -236,8 +251,16 @@ def run_bench(
     def repeats_for(case: Case) -> int:
         return scaling_repeats if case.suite == "scaling" else repeats
 
+    size = max([workers, *(c.workers for c in cases)])
+    if device == "cuda" and ray.cluster_resources().get("GPU", 0) < size + 1:
+        if started_here:
+            ray.shutdown()
+        raise ValueError(
+            f"device='cuda' needs {size + 1} GPUs in the Ray cluster (one trainer, {size} "
+            f"workers); it has {ray.cluster_resources().get('GPU', 0):g}. Pass fewer --workers"
+        )
     progress = Progress(sum(len(c.strategies) * (repeats_for(c) + 1) for c in cases))
-    bench = Bench(max([workers, *(c.workers for c in cases)]))
+    bench = Bench(size, device)
     rows: list[Measurement] = []
     try:
         for case in cases:

@@ -72,13 +72,19 @@ def targets(rows: Sequence[Measurement]) -> list[tuple[str, str, bool]]:
 
 
 def markdown(rows: Sequence[Measurement]) -> str:
+    devices = sorted({r.device for r in rows}) or ["cpu"]
+    on_gpu = any(d.startswith("cuda") for d in devices)
+    where = (f"CUDA tensors on {', '.join(devices)}, one GPU per actor" if on_gpu
+             else "Gloo over loopback, CPU tensors")
+    memory = ("peak CUDA memory allocated above the baseline" if on_gpu
+              else "peak resident memory above the baseline")
     lines = ["# weight_sync benchmark results", "", f"Machine: {machine_line()}.", "",
-             "Gloo over loopback, CPU tensors, one trainer actor and N worker actors in one local "
-             "Ray cluster; every strategy on the same processes and group. Seconds: median / min / "
-             "max over the timed transfers after one warm-up, measured in the trainer around the "
-             "whole transfer (Ray calls included). GB/s = payload bytes / median. x raw = median / "
-             "raw's median. Memory: peak resident memory above the baseline during a transfer "
-             "(max over runs; for workers, the largest worker).", ""]
+             f"{where}; one trainer actor and N worker actors in one Ray cluster; every strategy "
+             "on the same processes and group. Seconds: median / min / max over the timed "
+             "transfers after one warm-up, measured in the trainer around the whole transfer "
+             "(Ray calls included). GB/s = payload bytes / median. x raw = median / raw's "
+             f"median. Memory: {memory} during a transfer (max over runs; for workers, the "
+             "largest worker).", ""]
     header = ("| strategy | median s | min s | max s | GB/s | x raw | trainer extra MB | "
               "worker extra MB |\n|---|---|---|---|---|---|---|---|")
     for name in dict.fromkeys(r.workload for r in rows if r.suite == "workloads"):

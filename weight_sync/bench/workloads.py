@@ -22,10 +22,13 @@ class Workload:
     def nbytes(self) -> int:
         return sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in self.specs)
 
-    def build(self, fill: float) -> dict[str, torch.Tensor]:
+    def build(self, fill: float, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """Tensors of the right names, dtypes and shapes. Values do not affect transfer speed;
         ``torch.full`` keeps building a GB of them cheap on a small machine."""
-        return {name: torch.full(shape, fill, dtype=dtype) for name, dtype, shape in self.specs}
+        return {
+            name: torch.full(shape, fill, dtype=dtype, device=device)
+            for name, dtype, shape in self.specs
+        }
 
 
 def gpt2_small() -> Workload:
