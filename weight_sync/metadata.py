@@ -190,6 +190,7 @@ class SyncPlan(_Wire):
 
 BackendName = Literal["gloo", "nccl"]
 ModeName = Literal["world", "standalone"]
+StagingName = Literal["stream", "atomic"]
 
 
 class GroupSpec(_Wire):
@@ -230,7 +231,7 @@ class PrepareRequest(_Wire):
     version: int = Field(ge=1)
     plan_digest: str = Field(pattern=r"^[0-9a-f]{64}$")
     plan: SyncPlan | None = None
-    staging: Literal["stream", "atomic"] = "stream"
+    staging: StagingName = "stream"
     checksum: bool = False
 
 

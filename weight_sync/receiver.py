@@ -13,7 +13,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from pydantic import ValidationError
@@ -26,6 +25,7 @@ from weight_sync.metadata import (
     PrepareReply,
     PrepareRequest,
     ReceiveReport,
+    StagingName,
     SyncPlan,
     SyncStatus,
     TensorMeta,
@@ -43,7 +43,6 @@ from weight_sync.transport import TorchGroup, Transport, Work
 logger = logging.getLogger(__name__)
 
 Apply = Callable[[NamedTensors], None]
-Staging = Literal["stream", "atomic"]
 _PLAN_CACHE_SIZE = 8
 
 
@@ -77,7 +76,7 @@ class _Push:
 
     version: int
     plan: SyncPlan
-    staging: Staging
+    staging: StagingName
     checksum: bool
 
 
