@@ -145,15 +145,19 @@ def test_worker_killed_or_frozen_mid_broadcast_is_named_dropped_and_replaced(
     assert_next_push_lands(fleet, [*survivors, replacement], seed=4)  # full weights to the newcomer
 
 
-def test_a_worker_that_never_joins_is_named_and_dropped(fleet_of: Callable[..., Fleet]) -> None:
+@pytest.mark.parametrize("how", ["hangs-in-join", "stopped-before-push"])
+def test_a_worker_that_never_joins_is_named_and_dropped(fleet_of: Callable[..., Fleet], how: str) -> None:
     fleet = fleet_of(3)
-    ray.get(fleet.workers[2].hang_in_next_join.remote(120), timeout=TIMEOUT)
+    if how == "hangs-in-join":  # answers the probe, then never reaches the rendezvous
+        ray.get(fleet.workers[2].hang_in_next_join.remote(120), timeout=TIMEOUT)
+    else:  # a stopped process answers nothing at all
+        os.kill(fleet.pids[2], signal.SIGSTOP)
     start = time.monotonic()
     with pytest.raises(WorkerFailedError) as info:
         ray.get(fleet.trainer.push_zoo.remote(5), timeout=TIMEOUT)
     assert time.monotonic() - start < CONFIG["push_timeout_s"]
     assert info.value.workers == [2] and info.value.dropped == [2], str(info.value)
-    assert "join" in str(info.value)
+    assert ("join" if how == "hangs-in-join" else "probe") in str(info.value)
     assert versions(fleet.workers[:2]) == [None, None]  # never sent a byte: still the initial state
     assert_next_push_lands(fleet, fleet.workers[:2], seed=6)
 
