@@ -16,6 +16,7 @@ MiB = 1 << 20
 Backend = Literal["auto", "gloo", "nccl"]
 GroupMode = Literal["auto", "world", "standalone"]
 Staging = Literal["stream", "atomic"]
+CastDtype = Literal["float32", "bfloat16", "float16"]
 
 
 class SyncConfig(BaseModel):
@@ -33,6 +34,14 @@ class SyncConfig(BaseModel):
         description="Contiguous tensors at least this large skip the buckets: each is broadcast "
         "from its own storage and, where the worker's target allows, straight into it. None "
         "packs everything. 1 MiB measured best on Gloo (benchmarks/README.md).",
+    )
+    cast_dtype: CastDtype | None = Field(
+        None,
+        description="Cast every float64/float32/float16/bfloat16 tensor to this dtype on the "
+        "sender, while packing (e.g. fp32 master weights to 'bfloat16': half the bytes on the "
+        "wire). Workers receive exactly what tensor.to(dtype) gives (NaN stays NaN; its payload "
+        "bits, on which torch's own kernels differ, are not promised). fp8/fp4, integer and "
+        "bool tensors are sent as they are. None sends every tensor in its own dtype.",
     )
     alignment: int = Field(
         64,

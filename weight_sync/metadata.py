@@ -72,13 +72,15 @@ class TensorMeta(_Wire):
         return value
 
     @classmethod
-    def of(cls, name: str, tensor: torch.Tensor) -> TensorMeta:
-        """Describe a local tensor. Its dtype and shape are trusted, so only the name is checked
-        here; pydantic's full validation is kept for metadata that arrives over the wire (it
-        would cost ~10 us per tensor on every push of a model with thousands of tensors)."""
+    def of(cls, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> TensorMeta:
+        """Describe a local tensor (as sent in ``dtype`` if given: a cast on the sender). Its
+        dtype and shape are trusted, so only the name is checked here; pydantic's full
+        validation is kept for metadata that arrives over the wire (it would cost ~10 us per
+        tensor on every push of a model with thousands of tensors)."""
         if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
             raise ValueError(f"tensor names must be str of 1..{MAX_NAME_CHARS} characters: {name!r:.80}")
-        return cls.model_construct(name=name, dtype=dtype_name(tensor.dtype), shape=tuple(tensor.shape))
+        wire = dtype_name(tensor.dtype if dtype is None else dtype)
+        return cls.model_construct(name=name, dtype=wire, shape=tuple(tensor.shape))
 
     @property
     def torch_dtype(self) -> torch.dtype:

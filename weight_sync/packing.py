@@ -38,8 +38,9 @@ class Packer:
     """Fills staging buffers from the sender's tensors, one packed bucket at a time.
 
     A tensor placed whole goes into its bucket with a single ``copy_`` that also handles
-    non-contiguous layouts and device transfers. A tensor split across buckets is read as bytes,
-    so a non-contiguous one is made contiguous once and kept only until its last piece is packed.
+    non-contiguous layouts, device transfers and casts (where the plan's dtype differs from the
+    tensor's). A tensor split across buckets is read piece by piece, so a non-contiguous one is
+    made contiguous once and kept only until its last piece is packed.
     """
 
     def __init__(self, plan: SyncPlan, tensors: Sequence[torch.Tensor]) -> None:
@@ -60,11 +61,18 @@ class Packer:
             meta = self._plan.tensors[seg.tensor]
             dest = out[seg.bucket_offset : seg.bucket_offset + seg.nbytes]
             source = self._tensors[seg.tensor]
-            if seg.nbytes == meta.nbytes and source.is_contiguous() and source.device == out.device:
+            same_bytes = source.dtype == meta.torch_dtype and source.device == out.device
+            if seg.nbytes == meta.nbytes and same_bytes and source.is_contiguous():
                 batch[0].append(dest)
                 batch[1].append(byte_view(source))
-            elif seg.nbytes == meta.nbytes:  # strided or on another device: copy_ handles both
+            elif seg.nbytes == meta.nbytes:  # strided, elsewhere or cast: copy_ does all three
                 typed_view(dest, meta).copy_(source)
+            elif source.dtype != meta.torch_dtype:  # a piece of a cast tensor: cast that piece
+                first = seg.tensor_offset // meta.itemsize
+                piece = self._contiguous(seg.tensor).reshape(-1)[first : first + seg.nbytes // meta.itemsize]
+                dest.view(meta.torch_dtype).copy_(piece)
+                if seg.tensor_offset + seg.nbytes == meta.nbytes:
+                    self._split_source = None
             else:
                 source = byte_view(self._contiguous(seg.tensor))
                 dest.copy_(source[seg.tensor_offset : seg.tensor_offset + seg.nbytes])

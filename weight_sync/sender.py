@@ -9,7 +9,7 @@ import torch
 
 from weight_sync.config import SyncConfig
 from weight_sync.deadline import Deadline
-from weight_sync.metadata import MAX_NAME_CHARS, SyncPlan, TensorMeta, dtype_name
+from weight_sync.metadata import DTYPES, MAX_NAME_CHARS, SyncPlan, TensorMeta, dtype_name
 from weight_sync.packing import Packer, bucket_buffers, byte_view, checksum, staging_slots
 from weight_sync.planner import make_plan
 from weight_sync.transport import Transport
@@ -20,6 +20,7 @@ StateDict = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 Rename = Callable[[str], str]
 # isfinite has kernels for these; fp8/fp4 storage dtypes are skipped (too coarse to hold a NaN
 # the trainer did not put there on purpose).
+_CASTABLE = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
 _FINITE_CHUNK = 1 << 22  # elements per chunk of the exact finiteness check
 _FINITE_CHECKABLE = frozenset(
     {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128}
@@ -57,31 +58,45 @@ def check_state_dict(
                 "SyncConfig or push in parts"
             )
     if config.check_finite:
-        _check_finite(names, tensors)
+        cast = DTYPES[config.cast_dtype] if config.cast_dtype is not None else None
+        _check_finite(names, tensors, cast)
     return names, tensors
 
 
-def _check_finite(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
+def _check_finite(
+    names: Sequence[str], tensors: Sequence[torch.Tensor], cast: torch.dtype | None
+) -> None:
     bad = [
         name for name, tensor in zip(names, tensors, strict=True)
-        if tensor.dtype in _FINITE_CHECKABLE and not _all_finite(tensor)
+        if tensor.dtype in _FINITE_CHECKABLE
+        and not _all_finite(tensor, cast if tensor.dtype in _CASTABLE else None)
     ]  # fmt: skip
     if bad:
         shown = ", ".join(repr(name) for name in bad[:5])
         more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        beyond = f" (or values beyond {cast}'s range)" if cast is not None else ""
         raise ValueError(
-            f"NaN or Inf in {shown}{more}; nothing was sent (check_finite=True in SyncConfig)"
+            f"NaN or Inf{beyond} in {shown}{more}; nothing was sent (check_finite=True in "
+            "SyncConfig)"
         )
 
 
-def _all_finite(tensor: torch.Tensor) -> bool:
-    """One reduction instead of ``isfinite(t).all()``, which would allocate a bool per element
-    (and is 30x slower on CPU).
+def _all_finite(tensor: torch.Tensor, cast: torch.dtype | None = None) -> bool:
+    """Whether ``tensor`` (cast to ``cast``, if given) holds only finite values, in one
+    reduction instead of ``isfinite(t).all()``, which would allocate a bool per element (and is
+    30x slower on CPU).
 
     A NaN or Inf anywhere makes the sum non-finite, so a finite sum proves the tensor finite.
     A sum can also overflow from finite values (half precision is summed in float32 to make that
-    rare): only then is the exact check run, in bounded chunks.
+    rare): only then is the exact check run, in bounded chunks. A cast to a narrower range also
+    checks the extremes: a value beyond it would arrive as Inf.
     """
+    if not tensor.numel():
+        return True
+    if cast is not None and torch.finfo(cast).max < torch.finfo(tensor.dtype).max:
+        low, high = torch.aminmax(tensor)  # NaN propagates: the comparisons fail
+        limit = torch.finfo(cast).max
+        return bool(low >= -limit) and bool(high <= limit)
     wide = torch.float32 if tensor.dtype in (torch.float16, torch.bfloat16) else tensor.dtype
     if bool(torch.isfinite(tensor.sum(dtype=wide))):
         return True
@@ -96,8 +111,8 @@ class PushPlanner:
     while the layout is unchanged -- the usual case in a training loop, which pushes the same
     names, dtypes and shapes every step -- so neither the plan nor its digest is rebuilt.
 
-    Tensors of at least ``direct_min_bytes`` that are contiguous and already on ``device`` are
-    sent from their own storage; the rest are packed.
+    Tensors of at least ``direct_min_bytes`` that are contiguous, already on ``device`` and not
+    cast are sent from their own storage; the rest are packed (and cast while packing).
     """
 
     def __init__(self, config: SyncConfig, device: torch.device) -> None:
@@ -107,18 +122,29 @@ class PushPlanner:
 
     def plan(self, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> SyncPlan:
         threshold = self._config.direct_min_bytes
+        wire = [self._wire_dtype(t.dtype) for t in tensors]
         direct = tuple(
             threshold is not None and t.nbytes >= threshold and t.is_contiguous()
-            and t.device == self._device
-            for t in tensors
+            and t.device == self._device and t.dtype == dtype
+            for t, dtype in zip(tensors, wire, strict=True)
         )  # fmt: skip
         key = (tuple((n, t.dtype, t.shape) for n, t in zip(names, tensors, strict=True)), direct)
         if self._last is not None and self._last[0] == key:
             return self._last[1]
-        metas = [TensorMeta.of(name, tensor) for name, tensor in zip(names, tensors, strict=True)]
+        metas = [
+            TensorMeta.of(name, tensor, dtype)
+            for name, tensor, dtype in zip(names, tensors, wire, strict=True)
+        ]
         plan = make_plan(metas, self._config.bucket_bytes, self._config.alignment, direct)
         self._last = (key, plan)
         return plan
+
+    def _wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a tensor travels in: ``cast_dtype`` for the standard float types."""
+        target = self._config.cast_dtype
+        if target is None or dtype not in _CASTABLE:
+            return dtype
+        return DTYPES[target]
 
 
 def _check_entry(name: object, tensor: object) -> None:

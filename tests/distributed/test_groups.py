@@ -59,6 +59,31 @@ def test_direct_buckets_land_in_place(staging: str) -> None:
     assert results[1][0] == results[2][0] == results[0][0]
 
 
+def cast_rank(ctx: RankContext) -> dict[str, str]:
+    """fp32 master weights sent as bf16: the workers get exactly a local cast, bit for bit.
+    (NaN payloads excepted: torch's own cast kernels disagree on those, so the zoo's random bit
+    patterns are made finite first.)"""
+    tensors = {
+        n: torch.nan_to_num(t) if t.dtype in (torch.float64, torch.float32, torch.float16,
+                                               torch.bfloat16) else t
+        for n, t in zoo(seed=17, big=40_000).items()
+    }
+    config = SyncConfig(bucket_bytes=8192, direct_min_bytes=10_000, cast_dtype="bfloat16")
+    plan = PushPlanner(config, torch.device("cpu")).plan(list(tensors), list(tensors.values()))
+    if ctx.rank == 0:
+        send_plan(ctx, ctx.spec("standalone"), plan, list(tensors.values()))
+        castable = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+        return state_dict_digests({
+            n: t.to(torch.bfloat16) if t.dtype in castable else t for n, t in tensors.items()
+        })
+    return state_dict_digests(receive_plan(ctx.spec("standalone"), plan))
+
+
+def test_sender_side_cast_over_gloo() -> None:
+    results = run_ranks(cast_rank, 3)
+    assert results[1] == results[2] == results[0]
+
+
 def world_mode_rank(ctx: RankContext, bucket_bytes: int) -> tuple[dict[str, str], bool]:
     digests = push_zoo(ctx, "world", bucket_bytes)
     return digests, dist.is_initialized()

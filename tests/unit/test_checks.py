@@ -151,3 +151,24 @@ def test_finiteness_check_table(tensor: torch.Tensor, refused: bool) -> None:
             check_state_dict(state_dict, SyncConfig(check_finite=True))
     else:
         check_state_dict(state_dict, SyncConfig(check_finite=True))
+
+
+@pytest.mark.parametrize(
+    ("tensor", "cast", "refused"),
+    [
+        (torch.tensor([1.0, 70_000.0]), "float16", True),  # would arrive as Inf
+        (torch.tensor([1.0, -70_000.0]), "float16", True),
+        (torch.tensor([1.0, 60_000.0]), "float16", False),
+        (torch.tensor([1.0, 70_000.0]), "bfloat16", False),  # bf16 has fp32's range
+        (torch.tensor([1e300], dtype=torch.float64), "float32", True),
+        (torch.tensor([1.0, float("nan")]), "float16", True),
+        (torch.tensor([70_000], dtype=torch.int64), "float16", False),  # integers are not cast
+    ],
+)
+def test_finiteness_check_looks_through_the_cast(tensor: torch.Tensor, cast: str, refused: bool) -> None:
+    config = SyncConfig(check_finite=True, cast_dtype=cast)
+    if refused:
+        with pytest.raises(ValueError, match=f"beyond torch.{cast}'s range"):
+            check_state_dict({"w": tensor}, config)
+    else:
+        check_state_dict({"w": tensor}, config)

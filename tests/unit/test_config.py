@@ -24,6 +24,7 @@ def test_defaults_are_valid_and_frozen() -> None:
         ({"push_timeout_s": -1}, "greater than 0"),
         ({"push_timeout_s": 60, "collective_timeout_s": 30}, "exceed 2 x collective_timeout_s"),
         ({"staging": "copy"}, "stream"),
+        ({"cast_dtype": "int8"}, "bfloat16"),
         ({"backend": "mpi"}, "gloo"),
         ({"group_mode": "shared"}, "standalone"),
         ({"bucket_sise": 1}, "Extra inputs"),

@@ -2,25 +2,31 @@ import pytest
 import torch
 
 from tests.zoo import zoo
-from weight_sync.metadata import TensorMeta
+from weight_sync import SyncConfig
+from weight_sync.metadata import SyncPlan, TensorMeta
 from weight_sync.packing import Packer, Unpacker, bucket_buffers, byte_view, staging_slots
 from weight_sync.planner import make_plan
+from weight_sync.sender import PushPlanner
 from weight_sync.verify import tensor_digest
 
 
 def round_trip(
     tensors: dict[str, torch.Tensor],
-    bucket_bytes: int,
+    bucket_bytes: int = 0,
     alignment: int = 16,
     direct_min_bytes: int | None = None,
     destinations: dict[str, torch.Tensor] | None = None,
+    plan: SyncPlan | None = None,
 ) -> dict[str, torch.Tensor]:
     """Send every bucket through a fresh buffer as a wire would, and unpack: what reaches
-    ``load_weights`` merged with what landed in ``destinations``."""
-    metas = [TensorMeta.of(n, t) for n, t in tensors.items()]
-    direct = [direct_min_bytes is not None and m.nbytes >= direct_min_bytes and t.is_contiguous()
-              for m, t in zip(metas, tensors.values(), strict=True)]
-    plan = make_plan(metas, bucket_bytes, alignment, direct)
+    ``load_weights`` merged with what landed in ``destinations``. Plans from the arguments
+    unless ``plan`` is given."""
+    if plan is None:
+        metas = [TensorMeta.of(n, t) for n, t in tensors.items()]
+        direct = [direct_min_bytes is not None and m.nbytes >= direct_min_bytes and t.is_contiguous()
+                  for m, t in zip(metas, tensors.values(), strict=True)]
+        plan = make_plan(metas, bucket_bytes, alignment, direct)
+    metas = list(plan.tensors)
     destinations = destinations or {}
     landing = {i: destinations[m.name] for i, m in enumerate(metas) if m.name in destinations}
     cpu = torch.device("cpu")
@@ -131,3 +137,44 @@ def test_direct_bucket_is_received_straight_into_its_destination() -> None:
 def test_staging_slots_alternate_over_packed_buckets_only(direct: list[bool], slots: list) -> None:
     plan = make_plan([TensorMeta(name=f"t{i}", dtype="float32", shape=(30,)) for i in range(len(direct))], 120, 16, direct)
     assert staging_slots(plan) == slots
+
+
+@pytest.mark.parametrize("target", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("bucket_bytes", [64, 4096, 1 << 20])
+def test_sender_side_cast_gives_exactly_a_local_cast(target: str, bucket_bytes: int) -> None:
+    gen = torch.Generator().manual_seed(7)
+    tensors = {
+        "fp32": torch.randn(33, 17, generator=gen),
+        "fp32_transposed": torch.randn(40, 30, generator=gen).t(),  # strided, split across buckets
+        "fp64_big": torch.randn(3000, generator=gen, dtype=torch.float64) * 1e6,  # split, overflows fp16
+        "fp16": torch.randn(50, generator=gen).half(),
+        "bf16": torch.randn(50, generator=gen).bfloat16(),
+        "int64": torch.arange(20),
+        "bool": torch.rand(9, generator=gen) > 0.5,
+        "fp8": torch.randn(16, generator=gen).to(torch.float8_e4m3fn),
+    }
+    config = SyncConfig(cast_dtype=target, bucket_bytes=bucket_bytes, alignment=16, direct_min_bytes=64)
+    plan = PushPlanner(config, torch.device("cpu")).plan(list(tensors), list(tensors.values()))
+    out = round_trip(tensors, plan=plan)
+    want_dtype = getattr(torch, target)
+    for name, tensor in tensors.items():
+        castable = tensor.dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+        want = tensor.to(want_dtype) if castable else tensor
+        assert out[name].dtype == want.dtype and out[name].shape == want.shape, name
+        assert tensor_digest(out[name]) == tensor_digest(want.contiguous()), name
+    for bucket in plan.buckets:  # a cast tensor cannot be sent from its own storage
+        if bucket.direct:
+            source = tensors[plan.tensors[bucket.segments[0].tensor].name]
+            assert source.dtype == want_dtype or source.dtype not in (torch.float64, torch.float32,
+                                                                      torch.float16, torch.bfloat16)
+    assert plan.payload_bytes < sum(t.nbytes for t in tensors.values()) or target == "float32"
+
+
+def test_a_cast_keeps_nan_and_inf_where_they_were() -> None:
+    tensor = torch.tensor([1.5, float("nan"), float("inf"), -float("inf"), 3e38])
+    config = SyncConfig(cast_dtype="float16", bucket_bytes=1024, alignment=16)
+    plan = PushPlanner(config, torch.device("cpu")).plan(["w"], [tensor])
+    got = round_trip({"w": tensor}, plan=plan)["w"]
+    want = tensor.half()  # 3e38 overflows to inf, as a local cast does
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    assert torch.equal(got[~torch.isnan(got)], want[~torch.isnan(want)])
