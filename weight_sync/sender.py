@@ -18,10 +18,10 @@ logger = logging.getLogger(__name__)
 
 StateDict = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 Rename = Callable[[str], str]
-# isfinite has kernels for these; fp8/fp4 storage dtypes are skipped (too coarse to hold a NaN
-# the trainer did not put there on purpose).
 _CASTABLE = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
 _FINITE_CHUNK = 1 << 22  # elements per chunk of the exact finiteness check
+# isfinite has kernels for these; fp8/fp4 storage dtypes are skipped (too coarse to hold a NaN
+# the trainer did not put there on purpose).
 _FINITE_CHECKABLE = frozenset(
     {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128}
 )
@@ -58,31 +58,37 @@ def check_state_dict(
                 "SyncConfig or push in parts"
             )
     if config.check_finite:
-        cast = DTYPES[config.cast_dtype] if config.cast_dtype is not None else None
-        _check_finite(names, tensors, cast)
+        _check_finite(names, tensors, config.cast_dtype)
     return names, tensors
 
 
+def wire_dtype(dtype: torch.dtype, cast_dtype: str | None) -> torch.dtype:
+    """The dtype a tensor of ``dtype`` travels in: ``cast_dtype`` for the standard floats."""
+    if cast_dtype is None or dtype not in _CASTABLE:
+        return dtype
+    return DTYPES[cast_dtype]
+
+
 def _check_finite(
-    names: Sequence[str], tensors: Sequence[torch.Tensor], cast: torch.dtype | None
+    names: Sequence[str], tensors: Sequence[torch.Tensor], cast_dtype: str | None
 ) -> None:
     bad = [
         name for name, tensor in zip(names, tensors, strict=True)
         if tensor.dtype in _FINITE_CHECKABLE
-        and not _all_finite(tensor, cast if tensor.dtype in _CASTABLE else None)
+        and not _all_finite(tensor, wire_dtype(tensor.dtype, cast_dtype))
     ]  # fmt: skip
     if bad:
         shown = ", ".join(repr(name) for name in bad[:5])
         more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
-        beyond = f" (or values beyond {cast}'s range)" if cast is not None else ""
+        beyond = f" (or values beyond torch.{cast_dtype}'s range)" if cast_dtype else ""
         raise ValueError(
             f"NaN or Inf{beyond} in {shown}{more}; nothing was sent (check_finite=True in "
             "SyncConfig)"
         )
 
 
-def _all_finite(tensor: torch.Tensor, cast: torch.dtype | None = None) -> bool:
-    """Whether ``tensor`` (cast to ``cast``, if given) holds only finite values, in one
+def _all_finite(tensor: torch.Tensor, wire: torch.dtype | None = None) -> bool:
+    """Whether ``tensor`` (sent as ``wire``, if given) holds only finite values, in one
     reduction instead of ``isfinite(t).all()``, which would allocate a bool per element (and is
     30x slower on CPU).
 
@@ -93,9 +99,9 @@ def _all_finite(tensor: torch.Tensor, cast: torch.dtype | None = None) -> bool:
     """
     if not tensor.numel():
         return True
-    if cast is not None and torch.finfo(cast).max < torch.finfo(tensor.dtype).max:
+    if wire is not None and torch.finfo(wire).max < torch.finfo(tensor.dtype).max:
         low, high = torch.aminmax(tensor)  # NaN propagates: the comparisons fail
-        limit = torch.finfo(cast).max
+        limit = torch.finfo(wire).max
         return bool(low >= -limit) and bool(high <= limit)
     wide = torch.float32 if tensor.dtype in (torch.float16, torch.bfloat16) else tensor.dtype
     if bool(torch.isfinite(tensor.sum(dtype=wide))):
@@ -122,7 +128,7 @@ class PushPlanner:
 
     def plan(self, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> SyncPlan:
         threshold = self._config.direct_min_bytes
-        wire = [self._wire_dtype(t.dtype) for t in tensors]
+        wire = [wire_dtype(t.dtype, self._config.cast_dtype) for t in tensors]
         direct = tuple(
             threshold is not None and t.nbytes >= threshold and t.is_contiguous()
             and t.device == self._device and t.dtype == dtype
@@ -138,13 +144,6 @@ class PushPlanner:
         plan = make_plan(metas, self._config.bucket_bytes, self._config.alignment, direct)
         self._last = (key, plan)
         return plan
-
-    def _wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The dtype a tensor travels in: ``cast_dtype`` for the standard float types."""
-        target = self._config.cast_dtype
-        if target is None or dtype not in _CASTABLE:
-            return dtype
-        return DTYPES[target]
 
 
 def _check_entry(name: object, tensor: object) -> None:

@@ -95,14 +95,6 @@ def collect(refs: Sequence[ray.ObjectRef], timeout_s: float) -> Outcomes:
     return outcomes
 
 
-def gather(refs: Sequence[ray.ObjectRef], what: str, timeout_s: float) -> list[Any]:
-    """Every ref's result within ``timeout_s``, or the ``WeightSyncError`` that names who failed."""
-    outcomes = collect(refs, timeout_s)
-    if not outcomes.ok:
-        raise outcomes.error(what, timeout_s)
-    return outcomes.results
-
-
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
     lines = [line for line in text.splitlines() if line.strip()]
