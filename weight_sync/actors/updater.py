@@ -284,12 +284,24 @@ class WeightUpdater:
 
         Members waiting on this process fail as soon as it leaves; members waiting on a frozen
         peer fail at their collective timeout. Whoever is still silent after that is frozen.
-        Returns the error naming them, or None if every worker's call succeeded after all.
         """
         self._close_group()
         wait_s = min(self._config.collective_timeout_s + _GRACE_S, deadline.remaining())
+        return self._blame_late(refs, what, wait_s)
+
+    def _blame_late(
+        self,
+        refs: Sequence[ray.ObjectRef],
+        what: str,
+        wait_s: float,
+        timeout_s: float | None = None,
+    ) -> WeightSyncError | None:
+        """After a failure here: wait ``wait_s`` for the workers' calls, then the error naming
+        (and dropping) who failed, or None if every call succeeded after all. ``timeout_s`` is
+        the bound the error quotes, when the workers had longer than ``wait_s``."""
         outcomes = collect(refs, wait_s)
-        return None if outcomes.ok else self._blame(outcomes, what, wait_s)
+        quoted = wait_s if timeout_s is None else timeout_s
+        return None if outcomes.ok else self._blame(outcomes, what, quoted)
 
     def _blame(self, outcomes: Outcomes, what: str, timeout_s: float) -> WeightSyncError:
         dropped = outcomes.unreachable
@@ -343,8 +355,9 @@ class WeightUpdater:
         except WeightSyncError as exc:
             listener.close()
             # The members that joined fail at their own rendezvous timeout, about now.
-            outcomes = collect(joining, min(_GRACE_S, deadline.remaining()))
-            failure = None if outcomes.ok else self._blame(outcomes, "join", rendezvous_s)
+            failure = self._blame_late(
+                joining, "join", min(_GRACE_S, deadline.remaining()), rendezvous_s
+            )
             self._leave_workers(deadline)
             raise failure or exc from exc
         except BaseException:
