@@ -114,18 +114,29 @@ class BucketMeta(_Wire):
     direct: bool = False
 
 
+class Tied(_Wire):
+    """A name that shares its bytes with one of the plan's tensors (e.g. an LM head tied to the
+    embedding): it travels as this entry only, and arrives as the tensor it is tied to."""
+
+    name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+    tensor: int = Field(ge=0, description="index into SyncPlan.tensors")
+
+
 class SyncPlan(_Wire):
     """Where every byte of every tensor travels. Derived by ``planner.make_plan``."""
 
     alignment: int = Field(ge=1)
     tensors: tuple[TensorMeta, ...]
     buckets: tuple[BucketMeta, ...]
+    tied: tuple[Tied, ...] = ()
 
     @model_validator(mode="after")
     def _geometry_is_sound(self) -> SyncPlan:
-        names = [t.name for t in self.tensors]
+        names = [t.name for t in self.tensors] + [t.name for t in self.tied]
         if len(set(names)) != len(names):
             raise ValueError("plan has duplicate tensor names")
+        if any(tie.tensor >= len(self.tensors) for tie in self.tied):
+            raise ValueError("a tied name refers to a tensor outside the plan")
         covered = [0] * len(self.tensors)  # bytes of each tensor placed so far, in order
         for b, bucket in enumerate(self.buckets):
             end = 0
@@ -167,6 +178,13 @@ class SyncPlan(_Wire):
     def payload_bytes(self) -> int:
         """Bytes of the tensors themselves."""
         return sum(meta.nbytes for meta in self.tensors)
+
+    def metas(self) -> dict[str, TensorMeta]:
+        """Every name the plan delivers, tied ones included, with what arrives under it."""
+        out = {meta.name: meta for meta in self.tensors}
+        for tie in self.tied:
+            out[tie.name] = self.tensors[tie.tensor].model_copy(update={"name": tie.name})
+        return out
 
     @property
     def max_packed_bytes(self) -> int:
@@ -235,6 +253,7 @@ class PrepareRequest(_Wire):
     plan: SyncPlan | None = None
     staging: StagingName = "stream"
     checksum: bool = False
+    partial: bool = False  # the plan covers part of the model; the rest keeps its version
 
 
 class PrepareReply(_Wire):
@@ -258,6 +277,9 @@ class SyncStatus(_Wire):
     """A worker's state, answerable while a push is in flight (see ``remote_worker``)."""
 
     version: int | None  # committed version; None before the first push and while dirty
+    # The last version whose push covered every tensor. Below ``version`` after partial
+    # pushes: the tensors they did not cover are as of this version.
+    full_version: int | None = None
     dirty: bool  # weights partly updated: a push failed, or a streaming push is under way
     phase: Phase
     pushing: int | None = None  # the version being received, if any

@@ -103,24 +103,48 @@ def can_land_in(destination: torch.Tensor, meta: TensorMeta, device: torch.devic
 class Unpacker:
     """Turns received bytes back into named tensors.
 
-    ``destinations`` (tensor index -> tensor that passed ``can_land_in``) are written in place
-    and never handed back. Every other tensor is returned for ``load_weights``: a whole one as a
-    view into the receive buffer (valid until that buffer is reused), a split one reassembled in
-    a temporary once its last piece arrives.
+    Tensors whose entry in ``destinations`` (name -> tensor) passes ``can_land_in`` are written
+    there in place and never handed back. Every other tensor is returned for ``load_weights``:
+    a whole one as a view into the receive buffer (valid until that buffer is reused), a split
+    one reassembled in a temporary once its last piece arrives. A tied name is handed back (or
+    copied into its own destination) with its tensor, once that tensor is complete -- unless
+    its destination is the very tensor that was just written, as in a model whose weights are
+    tied the same way.
     """
 
-    def __init__(self, plan: SyncPlan, destinations: Mapping[int, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        plan: SyncPlan,
+        destinations: Mapping[str, torch.Tensor] | None,
+        device: torch.device,
+    ) -> None:
         self._plan = plan
-        self._destinations = destinations
+        destinations = destinations or {}
+        self._destinations = {
+            index: destinations[meta.name]
+            for index, meta in enumerate(plan.tensors)
+            if meta.name in destinations and can_land_in(destinations[meta.name], meta, device)
+        }
+        self._tied: dict[int, list[tuple[str, torch.Tensor | None]]] = {}
+        for tie in plan.tied:
+            meta = plan.tensors[tie.tensor]
+            target = destinations.get(tie.name)
+            if target is not None and not can_land_in(target, meta, device):
+                target = None
+            self._tied.setdefault(tie.tensor, []).append((tie.name, target))
         self._partial: dict[int, torch.Tensor] = {}
 
     def empty_tensors(self, device: torch.device) -> NamedTensors:
         """Tensors with no bytes: they need no transfer, only their shape and dtype."""
-        return [
-            (meta.name, torch.empty(meta.shape, dtype=meta.torch_dtype, device=device))
-            for index, meta in enumerate(self._plan.tensors)
-            if meta.nbytes == 0 and index not in self._destinations
-        ]
+        done: NamedTensors = []
+        for index, meta in enumerate(self._plan.tensors):
+            if meta.nbytes == 0:
+                empty = self._destinations.get(index)
+                if empty is None:
+                    empty = torch.empty(meta.shape, dtype=meta.torch_dtype, device=device)
+                    done.append((meta.name, empty))
+                done.extend(self._ties_of(index, empty))
+        return done
 
     def direct_target(self, bucket_index: int, device: torch.device) -> torch.Tensor:
         """Where a direct bucket is received: its destination's bytes, else a fresh tensor."""
@@ -137,33 +161,47 @@ class Unpacker:
         assert data.dtype == torch.uint8 and data.numel() == bucket.nbytes
         done: NamedTensors = []
         batch: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        completed: list[tuple[int, torch.Tensor]] = []  # tensors with ties, once whole
         for seg in bucket.segments:
             meta = self._plan.tensors[seg.tensor]
             piece = data[seg.bucket_offset : seg.bucket_offset + seg.nbytes]
             destination = self._destinations.get(seg.tensor)
-            if bucket.direct:
-                if destination is None:  # received into a temporary of its own
-                    done.append((meta.name, typed_view(piece, meta)))
-                elif piece.data_ptr() != destination.data_ptr():  # staged (atomic), not landed
-                    batch[0].append(byte_view(destination))
-                    batch[1].append(piece)
-                continue
+            last = seg.tensor_offset + seg.nbytes == meta.nbytes
             if destination is not None:
-                batch[0].append(byte_view(destination)[seg.tensor_offset : seg.tensor_offset + seg.nbytes])
-                batch[1].append(piece)
-                continue
-            if seg.nbytes == meta.nbytes:
-                done.append((meta.name, typed_view(piece, meta)))
-                continue
-            whole = self._partial.get(seg.tensor)
-            if whole is None:
-                whole = torch.empty(meta.nbytes, dtype=torch.uint8, device=data.device)
-                self._partial[seg.tensor] = whole
-            whole[seg.tensor_offset : seg.tensor_offset + seg.nbytes].copy_(piece)
-            if seg.tensor_offset + seg.nbytes == meta.nbytes:
-                done.append((meta.name, typed_view(self._partial.pop(seg.tensor), meta)))
+                if piece.data_ptr() != destination.data_ptr() + seg.tensor_offset:  # not landed
+                    batch[0].append(byte_view(destination)[seg.tensor_offset : seg.tensor_offset + seg.nbytes])
+                    batch[1].append(piece)
+                whole = destination
+            elif seg.nbytes == meta.nbytes:
+                whole = typed_view(piece, meta)
+                done.append((meta.name, whole))
+            else:
+                buffer = self._partial.get(seg.tensor)
+                if buffer is None:
+                    buffer = torch.empty(meta.nbytes, dtype=torch.uint8, device=data.device)
+                    self._partial[seg.tensor] = buffer
+                buffer[seg.tensor_offset : seg.tensor_offset + seg.nbytes].copy_(piece)
+                if not last:
+                    continue
+                whole = typed_view(self._partial.pop(seg.tensor), meta)
+                done.append((meta.name, whole))
+            if last and seg.tensor in self._tied:
+                completed.append((seg.tensor, whole))
         copy_all(*batch)
+        for index, whole in completed:
+            done.extend(self._ties_of(index, whole))
         return done
+
+    def _ties_of(self, index: int, whole: torch.Tensor) -> NamedTensors:
+        """The names tied to tensor ``index``, now that it is complete as ``whole``: copied into
+        their own destinations (unless that is ``whole`` itself), else handed back."""
+        handed: NamedTensors = []
+        for name, target in self._tied.get(index, ()):
+            if target is None:
+                handed.append((name, whole))
+            elif target.data_ptr() != whole.data_ptr():
+                target.copy_(whole)
+        return handed
 
 
 def checksum(data: torch.Tensor) -> int:

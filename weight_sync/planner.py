@@ -13,13 +13,14 @@ agree on bucket boundaries without re-deriving them. Rules:
 * a tensor flagged ``direct`` gets a bucket of its own, broadcast from its own storage (the
   caller flags large contiguous tensors already on the transport's device). The packed bucket
   being filled stays open across it.
+* ``tied`` names (sharing a tensor's bytes) get no segments: they arrive as their tensor.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from weight_sync.metadata import BucketMeta, Segment, SyncPlan, TensorMeta
+from weight_sync.metadata import BucketMeta, Segment, SyncPlan, TensorMeta, Tied
 
 
 def align_up(offset: int, alignment: int) -> int:
@@ -31,6 +32,7 @@ def make_plan(
     bucket_bytes: int,
     alignment: int,
     direct: Sequence[bool] = (),
+    tied: Sequence[Tied] = (),
 ) -> SyncPlan:
     if bucket_bytes < alignment:
         raise ValueError(f"bucket_bytes ({bucket_bytes}) must be >= alignment ({alignment})")
@@ -72,4 +74,6 @@ def make_plan(
     close_bucket()
     # The pieces are built unvalidated (they are ours, and per-field validation of thousands of
     # segments is slow); SyncPlan's own validator still checks the whole geometry.
-    return SyncPlan(alignment=alignment, tensors=tuple(tensors), buckets=tuple(buckets))
+    return SyncPlan(
+        alignment=alignment, tensors=tuple(tensors), buckets=tuple(buckets), tied=tuple(tied)
+    )

@@ -34,7 +34,6 @@ from weight_sync.packing import (
     NamedTensors,
     Unpacker,
     bucket_buffers,
-    can_land_in,
     checksum,
     staging_slots,
 )
@@ -46,17 +45,20 @@ Apply = Callable[[NamedTensors], None]
 _PLAN_CACHE_SIZE = 8
 
 
-def check_plan(plan: SyncPlan, expected: Mapping[str, TensorMeta] | None) -> list[str]:
+def check_plan(
+    plan: SyncPlan, expected: Mapping[str, TensorMeta] | None, partial: bool = False
+) -> list[str]:
     """What in ``plan`` this worker cannot load; empty when it can load all of it.
 
     ``expected`` is the worker's target (name -> meta); ``None`` accepts any plan (a custom
-    ``load_weights`` decides for itself). With a target, the key sets must match exactly: a push
-    that covered only part of the model would leave it mixing two versions.
+    ``load_weights`` decides for itself). With a target, every name sent must be in it, and a
+    full push must cover all of it: one that covered only part of the model would leave it
+    mixing two versions unannounced (a ``partial`` push announces it).
     """
     if expected is None:
         return []
     problems = []
-    sent = {meta.name: meta for meta in plan.tensors}
+    sent = plan.metas()
     for name, meta in sent.items():
         want = expected.get(name)
         if want is None:
@@ -66,7 +68,8 @@ def check_plan(plan: SyncPlan, expected: Mapping[str, TensorMeta] | None) -> lis
                 f"{name!r}: sent {meta.dtype}{list(meta.shape)}, "
                 f"model has {want.dtype}{list(want.shape)}"
             )
-    problems.extend(f"missing tensor {name!r}" for name in expected if name not in sent)
+    if not partial:
+        problems.extend(f"missing tensor {name!r}" for name in expected if name not in sent)
     return problems
 
 
@@ -78,6 +81,8 @@ class _Push:
     plan: SyncPlan
     staging: StagingName
     checksum: bool
+    partial: bool
+    base: int | None  # full_version when prepared: what a partial push completes
 
 
 class Receiver:
@@ -89,6 +94,7 @@ class Receiver:
 
     def __init__(self) -> None:
         self.version: int | None = None  # committed version; None before the first / when dirty
+        self.full_version: int | None = None  # the last committed push that covered everything
         self.dirty = False
         self.highest_version = 0  # highest version ever prepared: a new trainer starts above it
         self._transport: Transport | None = None
@@ -134,7 +140,8 @@ class Receiver:
         pushing = self._prepared or self._receiving or self._received
         done, total = self._progress
         return SyncStatus(
-            version=self.version, dirty=self.dirty, phase=self._phase,
+            version=self.version, full_version=self.full_version, dirty=self.dirty,
+            phase=self._phase,
             pushing=pushing.version if pushing is not None else None,
             buckets_done=done, buckets_total=total, in_group=self._transport is not None,
             last=self._last, last_error=self._last_error,
@@ -161,8 +168,11 @@ class Receiver:
             return _refuse("plan does not match its digest")
         if self._transport is None:
             return _refuse("this worker is not in a sync group")
+        if request.partial and self.version is None:
+            return _refuse("a partial push needs weights to complete, and this worker holds no "
+                           "committed version: push the full state dict first")
         try:
-            problems = check_plan(plan, expected())
+            problems = check_plan(plan, expected(), request.partial)
         except Exception as exc:  # a user's hook: report it instead of crashing the actor call
             problems = [f"cannot list this worker's expected weights: {exc!r}"]
         if problems:
@@ -171,7 +181,10 @@ class Receiver:
         self._plans.move_to_end(plan.digest)
         while len(self._plans) > _PLAN_CACHE_SIZE:
             self._plans.popitem(last=False)
-        self._prepared = _Push(request.version, plan, request.staging, request.checksum)
+        self._prepared = _Push(
+            request.version, plan, request.staging, request.checksum, request.partial,
+            self.full_version,
+        )  # fmt: skip
         self.highest_version = max(self.highest_version, request.version)
         self._phase = "prepared"
         return PrepareReply(accepted=True)
@@ -203,9 +216,9 @@ class Receiver:
             if push.staging == "atomic":
                 self._staged = _receive_all(transport, push.plan, sums, self._advance)
             else:
-                self.version, self.dirty = None, True
-                landing = _landing(push.plan, destinations, transport.device)
-                _stream(transport, push.plan, apply, landing, sums, self._advance)
+                self.version, self.full_version, self.dirty = None, None, True
+                unpacker = Unpacker(push.plan, destinations, transport.device)
+                _stream(transport, push.plan, apply, unpacker, sums, self._advance)
         except BaseException as exc:
             # With concurrency groups, the updater may already have had this worker leave and
             # join a new group while this receive was failing: touch only what is still ours.
@@ -242,13 +255,14 @@ class Receiver:
                 f"commit({version}) but this worker fully holds {held}; it keeps its state"
             )
         if staged is not None:
-            self._phase, self.version, self.dirty = "applying", None, True
+            self._phase, self.version, self.full_version, self.dirty = "applying", None, None, True
             try:
                 _apply_staged(push.plan, staged, apply, destinations)
             except BaseException as exc:
                 self._fail(exc)
                 raise
         self.version, self.dirty, self._phase = version, False, "idle"
+        self.full_version = push.base if push.partial else version
         self._last_error = None
 
     # -- internals ---------------------------------------------------------------------------
@@ -262,29 +276,15 @@ class Receiver:
         self._last_error = f"{type(exc).__name__}: {exc}"[:1000]
 
 
-def _landing(
-    plan: SyncPlan, destinations: Mapping[str, torch.Tensor] | None, device: torch.device
-) -> dict[int, torch.Tensor]:
-    """Tensor index -> the destination its bytes may be written straight into."""
-    if destinations is None:
-        return {}
-    return {
-        index: destinations[meta.name]
-        for index, meta in enumerate(plan.tensors)
-        if meta.name in destinations and can_land_in(destinations[meta.name], meta, device)
-    }
-
-
 def _stream(
     transport: Transport,
     plan: SyncPlan,
     apply: Apply,
-    landing: Mapping[int, torch.Tensor],
+    unpacker: Unpacker,
     sums: list[int] | None,
     advance: Callable[[], None],
 ) -> None:
     """Receive bucket k+1 while applying bucket k."""
-    unpacker = Unpacker(plan, landing)
     empties = unpacker.empty_tensors(transport.device)
     if empties:
         apply(empties)
@@ -354,7 +354,7 @@ def _apply_staged(
     destinations: Mapping[str, torch.Tensor] | None,
 ) -> None:
     device = staged[0].device if staged else torch.device("cpu")
-    unpacker = Unpacker(plan, _landing(plan, destinations, device))
+    unpacker = Unpacker(plan, destinations, device)
     empties = unpacker.empty_tensors(device)
     if empties:
         apply(empties)

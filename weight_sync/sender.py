@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TypeGuard
 
 import torch
+from torch.distributed.tensor import DTensor
 
+from weight_sync import mapping
 from weight_sync.config import SyncConfig
 from weight_sync.deadline import Deadline
-from weight_sync.metadata import DTYPES, MAX_NAME_CHARS, SyncPlan, TensorMeta, dtype_name
+from weight_sync.mapping import Transform
+from weight_sync.metadata import DTYPES, MAX_NAME_CHARS, SyncPlan, TensorMeta, Tied, dtype_name
 from weight_sync.packing import Packer, bucket_buffers, byte_view, checksum, staging_slots
 from weight_sync.planner import make_plan
 from weight_sync.transport import Transport
@@ -17,7 +22,7 @@ from weight_sync.transport import Transport
 logger = logging.getLogger(__name__)
 
 StateDict = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
-Rename = Callable[[str], str]
+Rename = Callable[[str], str | None]
 _CASTABLE = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
 _FINITE_CHUNK = 1 << 22  # elements per chunk of the exact finiteness check
 # isfinite has kernels for these; fp8/fp4 storage dtypes are skipped (too coarse to hold a NaN
@@ -27,39 +32,88 @@ _FINITE_CHECKABLE = frozenset(
 )
 
 
-def check_state_dict(
-    state_dict: StateDict, config: SyncConfig, rename: Rename | None = None
-) -> tuple[list[str], list[torch.Tensor]]:
-    """Check every entry; raises ``TypeError``/``ValueError`` naming the bad entry, before
-    anything is sent anywhere. Returns the (renamed) names and detached tensors, in order.
+@dataclass(frozen=True)
+class Entries:
+    """A checked state dict in the workers' names: each distinct tensor once, in order, and the
+    names that share one of those tensors' storage (tied weights), which travel as metadata."""
 
-    ``rename`` maps a trainer's name to the name the workers know it by; two names mapping to
-    one is refused, since one of the tensors would silently be lost.
+    names: list[str]
+    tensors: list[torch.Tensor]
+    tied: list[Tied] = field(default_factory=list)
+
+    @property
+    def count(self) -> int:
+        return len(self.names) + len(self.tied)
+
+
+def check_state_dict(
+    state_dict: StateDict,
+    config: SyncConfig,
+    rename: Rename | None = None,
+    transform: Transform | None = None,
+    *,
+    sharded: bool = False,
+) -> Entries:
+    """Check every entry; raises ``TypeError``/``ValueError`` naming the bad entry, before
+    anything is sent anywhere.
+
+    ``transform`` (see ``weight_sync.mapping``) and then ``rename`` (``None`` drops a tensor)
+    map the trainer's names to the workers'; two tensors ending up under one name is refused,
+    since one of them would silently be lost. Names whose tensor is a view of exactly the same
+    bytes as an earlier one (tied weights) are sent once. ``sharded`` admits DTensors (see
+    ``weight_sync.sharded``, which checks their values itself).
     """
-    items = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
-    names: list[str] = []
-    tensors: list[torch.Tensor] = []
-    seen: dict[str, object] = {}
+    items: Iterable = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
+    if transform is not None:
+        items = transform(items)
+    if rename is not None:
+        items = mapping.rename(rename)(items)
+    entries = Entries([], [], [])
+    seen: set[str] = set()
+    storages: dict[tuple, int] = {}
     for entry in items:
         if not (isinstance(entry, tuple) and len(entry) == 2):
             raise TypeError(f"expected (name, tensor) pairs, got {type(entry).__name__}")
-        original, tensor = entry
-        name = original if rename is None else rename(original)
-        _check_entry(name, tensor)
+        name, tensor = entry
+        _check_entry(name, tensor, sharded)
         if name in seen:
-            source = "" if rename is None else f" (renamed from {seen[name]!r} and {original!r})"
-            raise ValueError(f"tensor name {name!r} appears twice{source}")
-        seen[name] = original
-        names.append(name)
-        tensors.append(tensor.detach())
-        if len(names) > config.max_tensors:
+            mapped = " (after renaming)" if rename is not None or transform is not None else ""
+            raise ValueError(f"tensor name {name!r} appears twice{mapped}")
+        seen.add(name)
+        key = _storage_key(tensor)
+        if key is not None and key in storages:
+            entries.tied.append(Tied(name=name, tensor=storages[key]))
+        else:
+            if key is not None:
+                storages[key] = len(entries.tensors)
+            entries.names.append(name)
+            # A DTensor stays the very object the sharded source knows, to gather it by.
+            entries.tensors.append(tensor if is_dtensor(tensor) else tensor.detach())
+        if entries.count > config.max_tensors:
             raise ValueError(
                 f"more than max_tensors={config.max_tensors} tensors; raise the limit in "
                 "SyncConfig or push in parts"
             )
-    if config.check_finite:
-        _check_finite(names, tensors, config.cast_dtype)
-    return names, tensors
+    if config.check_finite and not sharded:
+        _check_finite(entries.names, entries.tensors, config.cast_dtype)
+    return entries
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple | None:
+    """Identifies a tensor's exact bytes: equal keys mean one tensor under two names. Only
+    exact aliases count (same storage, offset, shape, strides and dtype), not overlapping
+    views; tensors with no bytes are never tied."""
+    local = tensor.to_local() if is_dtensor(tensor) else tensor
+    if not local.numel():
+        return None
+    return (
+        local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.stride()),
+        tuple(tensor.shape), local.dtype, local.device,
+    )  # fmt: skip
+
+
+def is_dtensor(tensor: object) -> TypeGuard[DTensor]:
+    return isinstance(tensor, DTensor)
 
 
 def wire_dtype(dtype: torch.dtype, cast_dtype: str | None) -> torch.dtype:
@@ -72,19 +126,30 @@ def wire_dtype(dtype: torch.dtype, cast_dtype: str | None) -> torch.dtype:
 def _check_finite(
     names: Sequence[str], tensors: Sequence[torch.Tensor], cast_dtype: str | None
 ) -> None:
-    bad = [
-        name for name, tensor in zip(names, tensors, strict=True)
-        if tensor.dtype in _FINITE_CHECKABLE
-        and not _all_finite(tensor, wire_dtype(tensor.dtype, cast_dtype))
-    ]  # fmt: skip
+    bad = [name for name, tensor in zip(names, tensors, strict=True) if not is_finite(tensor, cast_dtype)]
     if bad:
         shown = ", ".join(repr(name) for name in bad[:5])
         more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
-        beyond = f" (or values beyond torch.{cast_dtype}'s range)" if cast_dtype else ""
-        raise ValueError(
-            f"NaN or Inf{beyond} in {shown}{more}; nothing was sent (check_finite=True in "
-            "SyncConfig)"
-        )
+        raise ValueError(f"NaN or Inf{_beyond(cast_dtype)} in {shown}{more}; nothing was sent "
+                         "(check_finite=True in SyncConfig)")  # fmt: skip
+
+
+def nonfinite_error(cast_dtype: str | None) -> ValueError:
+    """The error for non-finite values found on other ranks of a sharded trainer."""
+    return ValueError(f"NaN or Inf{_beyond(cast_dtype)} in the trainer's shards; nothing was "
+                      "sent (check_finite=True in SyncConfig)")  # fmt: skip
+
+
+def _beyond(cast_dtype: str | None) -> str:
+    return f" (or values beyond torch.{cast_dtype}'s range)" if cast_dtype else ""
+
+
+def is_finite(tensor: torch.Tensor, cast_dtype: str | None) -> bool:
+    """Whether ``tensor``, sent with ``cast_dtype``, arrives free of NaN and Inf (dtypes with no
+    such values, and fp8/fp4 storage dtypes, pass)."""
+    if tensor.dtype not in _FINITE_CHECKABLE:
+        return True
+    return _all_finite(tensor, wire_dtype(tensor.dtype, cast_dtype))
 
 
 def _all_finite(tensor: torch.Tensor, wire: torch.dtype | None = None) -> bool:
@@ -126,37 +191,51 @@ class PushPlanner:
         self._device = device
         self._last: tuple[tuple, SyncPlan] | None = None
 
-    def plan(self, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> SyncPlan:
+    def plan(self, entries: Entries) -> SyncPlan:
         threshold = self._config.direct_min_bytes
+        names, tensors = entries.names, entries.tensors
         wire = [wire_dtype(t.dtype, self._config.cast_dtype) for t in tensors]
         direct = tuple(
-            threshold is not None and t.nbytes >= threshold and t.is_contiguous()
+            threshold is not None and _nbytes(t) >= threshold and _is_contiguous(t)
             and t.device == self._device and t.dtype == dtype
             for t, dtype in zip(tensors, wire, strict=True)
         )  # fmt: skip
-        key = (tuple((n, t.dtype, t.shape) for n, t in zip(names, tensors, strict=True)), direct)
+        key = (
+            tuple((n, t.dtype, t.shape) for n, t in zip(names, tensors, strict=True)),
+            direct, tuple(entries.tied),
+        )  # fmt: skip
         if self._last is not None and self._last[0] == key:
             return self._last[1]
         metas = [
             TensorMeta.of(name, tensor, dtype)
             for name, tensor, dtype in zip(names, tensors, wire, strict=True)
         ]
-        plan = make_plan(metas, self._config.bucket_bytes, self._config.alignment, direct)
+        config = self._config
+        plan = make_plan(metas, config.bucket_bytes, config.alignment, direct, entries.tied)
         self._last = (key, plan)
         return plan
 
 
-def _check_entry(name: object, tensor: object) -> None:
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()  # of the full tensor, for a DTensor too
+
+
+def _is_contiguous(tensor: torch.Tensor) -> bool:
+    # A DTensor is gathered into a fresh, contiguous tensor just before it is sent.
+    return is_dtensor(tensor) or tensor.is_contiguous()
+
+
+def _check_entry(name: object, tensor: object, sharded: bool = False) -> None:
     if not isinstance(name, str):
         raise TypeError(f"tensor names must be str, got {type(name).__name__} ({name!r})")
     if not name or len(name) > MAX_NAME_CHARS:
         raise ValueError(f"tensor name must have 1..{MAX_NAME_CHARS} characters: {name[:80]!r}")
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
-    if type(tensor).__name__ == "DTensor":
+    if is_dtensor(tensor) and not sharded:
         raise TypeError(
-            f"{name!r} is a DTensor; pass tensor.full_tensor() (sharded sources are not "
-            "supported yet)"
+            f"{name!r} is a DTensor; push a weight_sync.sharded.ShardedSource of the state "
+            "dict (from every trainer rank), or pass tensor.full_tensor()"
         )
     if tensor.layout != torch.strided:
         raise ValueError(f"{name!r}: only dense tensors can be sent, not {tensor.layout}")

@@ -27,7 +27,7 @@ def test_pack_unpack_on_cuda_buffers_is_bit_exact() -> None:
     tensors = cuda_zoo(21)
     plan = make_plan([TensorMeta.of(n, t) for n, t in tensors.items()], 4096, 64)
     device = torch.device("cuda")
-    packer, unpacker = Packer(plan, list(tensors.values())), Unpacker(plan, {})
+    packer, unpacker = Packer(plan, list(tensors.values())), Unpacker(plan, {}, device)
     send, recv = bucket_buffers(plan, device), bucket_buffers(plan, device)
     out = {n: t for n, t in unpacker.empty_tensors(device)}
     for index in range(len(plan.buckets)):

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
 import torch
+import torch.distributed as dist
 
 from tests.zoo import BufferModel, zoo
 from weight_sync import PushResult, SyncConfig, WeightSyncWorker, WeightUpdater, remote_worker
+from weight_sync.mapping import fuse
 from weight_sync.metadata import TensorMeta
+from weight_sync.sharded import ShardedSource, push_sharded
+from weight_sync.transport.rendezvous import bind_listener, open_store
 from weight_sync.verify import state_dict_digests
 
 BIG = 300_000  # 1.2 MB tensors: split across the tests' 256 KiB buckets
@@ -196,3 +202,141 @@ class Trainer:
 
     def close(self) -> None:
         self.updater.close()
+
+
+QKV = fuse(["q_proj", "k_proj", "v_proj"], into="qkv_proj")
+
+
+class TinyLM(torch.nn.Module):
+    """An LM head tied to the embedding, and attention projections kept apart (as a trainer
+    has them) or stacked into one qkv_proj (as an inference engine has them)."""
+
+    def __init__(self, fused: bool, seed: int, vocab: int = 64, dim: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = torch.nn.Embedding(vocab, dim)
+        if fused:
+            self.qkv_proj = torch.nn.Linear(dim, 3 * dim)
+        else:
+            self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(dim, dim) for _ in range(3))
+        self.adapter = torch.nn.Linear(dim, dim)
+        self.lm_head = torch.nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        if hasattr(self, "qkv_proj"):
+            q, k, v = self.qkv_proj(h).chunk(3, dim=-1)
+        else:
+            q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        return self.lm_head(self.adapter(h + q * k + v))
+
+
+@ray.remote(num_cpus=0)
+class LMTrainer:
+    def __init__(self, workers: list, **config: Any) -> None:
+        torch.set_num_threads(1)
+        self.model = TinyLM(fused=False, seed=0)
+        self.updater = WeightUpdater(workers, SyncConfig(**config))
+
+    def step(self) -> None:
+        with torch.no_grad():
+            for parameter in self.model.parameters():
+                parameter.add_(torch.randn_like(parameter))
+
+    def push(self, prefix: str = "", partial: bool = False) -> PushResult:
+        state = {n: t for n, t in self.model.state_dict().items() if n.startswith(prefix)}
+        return self.updater.push(state, transform=QKV, partial=partial)
+
+    def digests(self) -> dict[str, str]:
+        """The model as the workers should hold it: fused, in their names."""
+        return state_dict_digests(dict(QKV(self.model.state_dict().items())))
+
+
+@ray.remote(num_cpus=0)
+class LMWorker(WeightSyncWorker):
+    def __init__(self, fused: bool = True) -> None:
+        super().__init__()
+        torch.set_num_threads(1)
+        self.model = TinyLM(fused=fused, seed=1)
+
+    def still_tied(self) -> bool:
+        return self.model.lm_head.weight is self.model.embed.weight
+
+
+class _TrackingSource(ShardedSource):
+    """Records the most bytes of gathered full tensors alive at once on the sending rank."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.alive: list[weakref.ref] = []
+        self.peak_bytes = 0
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        full = super().gather(tensor)
+        if full is not tensor:
+            self.alive = [ref for ref in self.alive if ref() is not None] + [weakref.ref(full)]
+            live = sum(t.nbytes for ref in self.alive if (t := ref()) is not None)
+            self.peak_bytes = max(self.peak_bytes, live)
+        return full
+
+
+@ray.remote(num_cpus=0)
+class ShardedTrainer:
+    """One rank of a data-parallel trainer whose TinyLM is sharded with FSDP2 over Gloo; rank 0
+    owns the WeightUpdater."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        torch.set_num_threads(1)
+        self.rank, self.world_size = rank, world_size
+        self.listener = bind_listener("127.0.0.1") if rank == 0 else None
+
+    def port(self) -> int:
+        assert self.listener is not None
+        return self.listener.getsockname()[1]
+
+    def setup(self, port: int, workers: list | None, **config: Any) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        store = open_store("127.0.0.1", port, self.world_size, 60, self.listener)
+        dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world_size,
+                                timeout=datetime.timedelta(seconds=60))
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        self.model = TinyLM(fused=False, seed=0)
+        fully_shard(self.model, mesh=mesh)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.5)
+        self.updater = WeightUpdater(workers, SyncConfig(**config)) if workers else None
+
+    def step(self, poison: bool = False) -> None:
+        """One real FSDP training step (its all-gathers and reduce-scatters run on the same
+        group the push gathers on)."""
+        loss = self.model(torch.arange(32).reshape(4, 8)).logsumexp(-1).mean()
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        if poison and self.rank == 1:
+            with torch.no_grad():
+                self.model.adapter.weight.to_local()[0, 0] = float("nan")
+
+    def push(self) -> tuple[Any, int]:
+        """(PushResult on rank 0 / version elsewhere, peak gathered bytes on rank 0)."""
+        source = _TrackingSource(self.model.state_dict())
+        if self.updater is None:
+            return source.serve(), 0
+        return self.updater.push(source), source.peak_bytes
+
+    def push_sharded(self) -> Any:
+        return push_sharded(self.model.state_dict(), self.updater)
+
+    def full_digests(self) -> dict[str, str]:
+        """Every rank must call this at once (it gathers)."""
+        return state_dict_digests({n: t.full_tensor() for n, t in self.model.state_dict().items()})
+
+    def model_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.model.parameters())
+
+    def close(self) -> None:
+        if self.updater is not None:
+            self.updater.close()
+        dist.destroy_process_group()

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from weight_sync import SyncConfig
+from weight_sync.mapping import fuse
 from weight_sync.metadata import PrepareRequest, TensorMeta
 from weight_sync.planner import make_plan
 from weight_sync.receiver import Receiver, check_plan
@@ -35,6 +36,55 @@ MODEL = expected_of(w=torch.zeros(4, 4), b=torch.zeros(4))
 )
 def test_check_plan_table(plan, problems: list[str]) -> None:
     assert check_plan(plan, MODEL) == problems
+
+
+@pytest.mark.parametrize(
+    ("plan", "problems"),
+    [
+        (plan_of(w=torch.zeros(4, 4)), []),  # a subset: fine when announced
+        (plan_of(w=torch.zeros(4, 4), b=torch.zeros(4)), []),
+        (plan_of(w=torch.zeros(4, 4), x=torch.zeros(1)), ["unknown tensor 'x'"]),
+        (plan_of(b=torch.zeros(5)), ["'b': sent float32[5], model has float32[4]"]),
+    ],
+)
+def test_check_plan_table_for_partial_pushes(plan, problems: list[str]) -> None:
+    assert check_plan(plan, MODEL, partial=True) == problems
+
+
+def test_check_plan_counts_tied_names_as_sent() -> None:
+    entries = check_state_dict({"w": (w := torch.zeros(4, 4)), "head": w, "b": torch.zeros(4)}, SyncConfig())
+    plan = PushPlanner(SyncConfig(), torch.device("cpu")).plan(entries)
+    model = {**MODEL, "head": MODEL["w"].model_copy(update={"name": "head"})}
+    assert [t.name for t in plan.tensors] == ["w", "b"] and check_plan(plan, model) == []
+    assert check_plan(plan, MODEL) == ["unknown tensor 'head'"]
+
+
+@pytest.mark.parametrize(
+    ("make", "tied"),
+    [
+        (lambda w: {"a": w, "b": w}, [("b", 0)]),  # the same tensor twice
+        (lambda w: {"a": w, "b": w.detach()}, [("b", 0)]),  # state_dict()'s detached aliases
+        (lambda w: {"a": w, "b": w.view(4, 4)}, []),  # same bytes, another shape: sent twice
+        (lambda w: {"a": w, "b": w[:1]}, []),  # an overlapping view is not a tie
+        (lambda w: {"a": w, "b": w.clone()}, []),  # equal values, own storage
+        (lambda w: {"e": torch.zeros(0), "f": torch.zeros(0)}, []),  # nothing to share
+        (lambda w: {"x": torch.ones(2), "a": w, "c": w, "b": w}, [("c", 1), ("b", 1)]),
+    ],
+)
+def test_tied_weights_are_found_by_exact_storage(make, tied: list[tuple[str, int]]) -> None:
+    entries = check_state_dict(make(torch.zeros(2, 8)), SyncConfig())
+    assert [(t.name, t.tensor) for t in entries.tied] == tied
+    assert len(entries.names) + len(entries.tied) == entries.count
+
+
+def test_transform_runs_before_rename_and_tie_detection() -> None:
+    q, k = torch.ones(2, 3), torch.zeros(2, 3)
+    entries = check_state_dict(
+        {"m.q_proj.w": q, "m.k_proj.w": k, "m.out.w": q}, SyncConfig(),
+        rename=lambda n: n.removeprefix("m."), transform=fuse(["q_proj", "k_proj"], into="qk"),
+    )  # fmt: skip
+    assert entries.names == ["qk.w", "out.w"] and not entries.tied  # the fused copy is new
+    assert torch.equal(entries.tensors[0], torch.cat([q, k]))
 
 
 def test_check_plan_accepts_anything_without_a_target() -> None:
@@ -84,8 +134,8 @@ def test_too_many_tensors() -> None:
 
 
 def test_parameters_are_detached() -> None:
-    names, tensors = check_state_dict({"w": torch.nn.Parameter(torch.ones(3))}, SyncConfig())
-    assert names == ["w"] and not tensors[0].requires_grad
+    entries = check_state_dict({"w": torch.nn.Parameter(torch.ones(3))}, SyncConfig())
+    assert entries.names == ["w"] and not entries.tensors[0].requires_grad
 
 
 @pytest.mark.parametrize(
@@ -99,33 +149,34 @@ def test_parameters_are_detached() -> None:
 )
 def test_which_tensors_go_direct(tensor: torch.Tensor, min_bytes: int | None, direct: bool) -> None:
     config = SyncConfig(direct_min_bytes=min_bytes, bucket_bytes=1 << 20)
-    plan = PushPlanner(config, torch.device("cpu")).plan(*check_state_dict({"w": tensor}, config))
+    plan = PushPlanner(config, torch.device("cpu")).plan(check_state_dict({"w": tensor}, config))
     assert plan.buckets[0].direct is direct
 
 
 def test_tensors_on_another_device_are_never_direct() -> None:
     config = SyncConfig(direct_min_bytes=1)
     planner = PushPlanner(config, torch.device("cuda", 0))
-    assert not planner.plan(*check_state_dict({"w": torch.zeros(4)}, config)).buckets[0].direct
+    assert not planner.plan(check_state_dict({"w": torch.zeros(4)}, config)).buckets[0].direct
 
 
 def test_the_plan_is_reused_while_the_layout_is_unchanged() -> None:
     planner = PushPlanner(SyncConfig(bucket_bytes=1024), torch.device("cpu"))
-    first = planner.plan(*check_state_dict({"a": torch.zeros(10), "b": torch.ones(3)}, SyncConfig()))
-    same = planner.plan(*check_state_dict({"a": torch.ones(10), "b": torch.zeros(3)}, SyncConfig()))
-    reshaped = planner.plan(*check_state_dict({"a": torch.zeros(2, 5), "b": torch.ones(3)}, SyncConfig()))
+    first = planner.plan(check_state_dict({"a": torch.zeros(10), "b": torch.ones(3)}, SyncConfig()))
+    same = planner.plan(check_state_dict({"a": torch.ones(10), "b": torch.zeros(3)}, SyncConfig()))
+    reshaped = planner.plan(check_state_dict({"a": torch.zeros(2, 5), "b": torch.ones(3)}, SyncConfig()))
     assert same is first  # new values, same layout: no re-planning, no new digest
     assert reshaped is not first and reshaped.digest != first.digest
 
 
-def test_rename_maps_names_and_refuses_collisions() -> None:
-    names, _ = check_state_dict({"model.w": torch.zeros(1)}, SyncConfig(), rename=lambda n: n.removeprefix("model."))
-    assert names == ["w"]
-    with pytest.raises(ValueError, match=r"'w' appears twice \(renamed from 'a.w' and 'b.w'\)"):
+def test_rename_maps_drops_and_refuses_collisions() -> None:
+    entries = check_state_dict({"model.w": torch.zeros(1), "model.rope": torch.zeros(2)}, SyncConfig(),
+                               rename=lambda n: None if n.endswith("rope") else n.removeprefix("model."))
+    assert entries.names == ["w"]
+    with pytest.raises(ValueError, match=r"'w' appears twice \(after renaming\)"):
         check_state_dict({"a.w": torch.zeros(1), "b.w": torch.zeros(1)}, SyncConfig(),
                          rename=lambda n: n.split(".")[-1])
-    with pytest.raises(TypeError, match="names must be str"):
-        check_state_dict({"w": torch.zeros(1)}, SyncConfig(), rename=lambda n: None)  # type: ignore[arg-type,return-value]
+    with pytest.raises(TypeError, match="returned int"):
+        check_state_dict({"w": torch.zeros(1)}, SyncConfig(), rename=lambda n: 3)  # type: ignore[arg-type,return-value]
 
 
 @pytest.mark.parametrize(

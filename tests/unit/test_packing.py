@@ -6,7 +6,7 @@ from weight_sync import SyncConfig
 from weight_sync.metadata import SyncPlan, TensorMeta
 from weight_sync.packing import Packer, Unpacker, bucket_buffers, byte_view, staging_slots
 from weight_sync.planner import make_plan
-from weight_sync.sender import PushPlanner
+from weight_sync.sender import Entries, PushPlanner, check_state_dict
 from weight_sync.verify import tensor_digest
 
 
@@ -26,11 +26,9 @@ def round_trip(
         direct = [direct_min_bytes is not None and m.nbytes >= direct_min_bytes and t.is_contiguous()
                   for m, t in zip(metas, tensors.values(), strict=True)]
         plan = make_plan(metas, bucket_bytes, alignment, direct)
-    metas = list(plan.tensors)
     destinations = destinations or {}
-    landing = {i: destinations[m.name] for i, m in enumerate(metas) if m.name in destinations}
     cpu = torch.device("cpu")
-    packer, unpacker = Packer(plan, list(tensors.values())), Unpacker(plan, landing)
+    packer, unpacker = Packer(plan, list(tensors.values())), Unpacker(plan, destinations, cpu)
     send, recv, slots = bucket_buffers(plan, cpu), bucket_buffers(plan, cpu), staging_slots(plan)
     out = {name: t.clone() for name, t in unpacker.empty_tensors(cpu)}
     for index, bucket in enumerate(plan.buckets):
@@ -64,7 +62,7 @@ def test_whole_tensors_are_views_into_the_bucket() -> None:
     plan = make_plan([TensorMeta.of(n, t) for n, t in tensors.items()], 1024, 64)
     buffer = bucket_buffers(plan, torch.device("cpu"))[0]
     data = Packer(plan, list(tensors.values())).pack(0, buffer)
-    views = dict(Unpacker(plan, {}).unpack(0, data))
+    views = dict(Unpacker(plan, {}, torch.device("cpu")).unpack(0, data))
     assert views["a"].untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
     assert torch.equal(views["a"], tensors["a"]) and torch.equal(views["b"], tensors["b"])
 
@@ -73,7 +71,7 @@ def test_split_tensor_arrives_only_when_complete() -> None:
     big = torch.arange(100, dtype=torch.float32)
     plan = make_plan([TensorMeta.of("big", big)], 64, 16)
     assert len(plan.buckets) == 7
-    packer, unpacker = Packer(plan, [big]), Unpacker(plan, {})
+    packer, unpacker = Packer(plan, [big]), Unpacker(plan, {}, torch.device("cpu"))
     buffer = torch.empty(64, dtype=torch.uint8)
     arrived = [unpacker.unpack(i, packer.pack(i, buffer).clone()) for i in range(7)]
     assert [len(a) for a in arrived] == [0, 0, 0, 0, 0, 0, 1]
@@ -111,7 +109,7 @@ def test_split_tensor_with_a_destination_is_assembled_in_place() -> None:
     big = torch.arange(100, dtype=torch.float32)
     destination = torch.zeros(100)
     plan = make_plan([TensorMeta.of("big", big)], 64, 16)
-    packer, unpacker = Packer(plan, [big]), Unpacker(plan, {0: destination})
+    packer, unpacker = Packer(plan, [big]), Unpacker(plan, {"big": destination}, torch.device("cpu"))
     buffer = torch.empty(64, dtype=torch.uint8)
     for index in range(len(plan.buckets)):
         assert unpacker.unpack(index, packer.pack(index, buffer)) == []
@@ -121,7 +119,7 @@ def test_split_tensor_with_a_destination_is_assembled_in_place() -> None:
 def test_direct_bucket_is_received_straight_into_its_destination() -> None:
     tensor, destination = torch.arange(50.0), torch.zeros(50)
     plan = make_plan([TensorMeta.of("t", tensor)], 64, 16, [True])
-    target = Unpacker(plan, {0: destination}).direct_target(0, torch.device("cpu"))
+    target = Unpacker(plan, {"t": destination}, torch.device("cpu")).direct_target(0, torch.device("cpu"))
     assert target.data_ptr() == destination.data_ptr() and target.numel() == 200
 
 
@@ -154,7 +152,7 @@ def test_sender_side_cast_gives_exactly_a_local_cast(target: str, bucket_bytes: 
         "fp8": torch.randn(16, generator=gen).to(torch.float8_e4m3fn),
     }
     config = SyncConfig(cast_dtype=target, bucket_bytes=bucket_bytes, alignment=16, direct_min_bytes=64)
-    plan = PushPlanner(config, torch.device("cpu")).plan(list(tensors), list(tensors.values()))
+    plan = PushPlanner(config, torch.device("cpu")).plan(Entries(list(tensors), list(tensors.values())))
     out = round_trip(tensors, plan=plan)
     want_dtype = getattr(torch, target)
     for name, tensor in tensors.items():
@@ -173,8 +171,34 @@ def test_sender_side_cast_gives_exactly_a_local_cast(target: str, bucket_bytes: 
 def test_a_cast_keeps_nan_and_inf_where_they_were() -> None:
     tensor = torch.tensor([1.5, float("nan"), float("inf"), -float("inf"), 3e38])
     config = SyncConfig(cast_dtype="float16", bucket_bytes=1024, alignment=16)
-    plan = PushPlanner(config, torch.device("cpu")).plan(["w"], [tensor])
+    plan = PushPlanner(config, torch.device("cpu")).plan(Entries(["w"], [tensor]))
     got = round_trip({"w": tensor}, plan=plan)["w"]
     want = tensor.half()  # 3e38 overflows to inf, as a local cast does
     assert torch.equal(torch.isnan(got), torch.isnan(want))
     assert torch.equal(got[~torch.isnan(got)], want[~torch.isnan(want)])
+
+
+@pytest.mark.parametrize("bucket_bytes", [64, 4096])
+@pytest.mark.parametrize("direct_min_bytes", [None, 256])
+@pytest.mark.parametrize("landing", ["none", "tied", "separate", "source_only"])
+def test_tied_names_arrive_with_their_tensor(bucket_bytes: int, direct_min_bytes: int | None,
+                                             landing: str) -> None:
+    embed = torch.randn(30, 8)  # 960 bytes: split over 64-byte buckets, direct at 256
+    tensors = {"embed": embed, "norm": torch.randn(8), "head": embed}
+    config = SyncConfig(bucket_bytes=bucket_bytes, alignment=16, direct_min_bytes=direct_min_bytes)
+    entries = check_state_dict(tensors, config)
+    plan = PushPlanner(config, torch.device("cpu")).plan(entries)
+    assert [t.name for t in plan.tensors] == ["embed", "norm"] and plan.payload_bytes == 992
+    shared = torch.zeros(30, 8)
+    destinations = {
+        "none": {},
+        "tied": {"embed": shared, "head": shared, "norm": torch.zeros(8)},  # a model tied the same way
+        "separate": {"embed": torch.zeros(30, 8), "head": torch.zeros(30, 8)},
+        "source_only": {"embed": shared},
+    }[landing]
+    out = round_trip(dict(zip(entries.names, entries.tensors, strict=True)), plan=plan,
+                     destinations=destinations)
+    for name in ("embed", "head"):
+        assert torch.equal(out[name], embed), name
+    if landing == "tied":
+        assert out["head"] is out["embed"] is shared

@@ -35,6 +35,7 @@ from weight_sync.errors import (
     TransportError,
     WeightSyncError,
 )
+from weight_sync.mapping import Transform
 from weight_sync.metadata import (
     TRAINER_RANK,
     BackendName,
@@ -46,7 +47,16 @@ from weight_sync.metadata import (
     ReceiveReport,
     SyncPlan,
 )
-from weight_sync.sender import PushPlanner, Rename, Sender, StateDict, check_state_dict
+from weight_sync.sender import (
+    Entries,
+    PushPlanner,
+    Rename,
+    Sender,
+    StateDict,
+    check_state_dict,
+    nonfinite_error,
+)
+from weight_sync.sharded import ShardedSource
 from weight_sync.transport import TorchGroup, bind_listener
 
 logger = logging.getLogger(__name__)
@@ -64,7 +74,8 @@ class PushResult:
     nbytes: int  # bytes of the tensors pushed (alignment padding on the wire not counted)
     buckets: int
     seconds: float
-    tensors: int = 0
+    tensors: int = 0  # names delivered, tied ones included
+    partial: bool = False
 
     @property
     def gbps(self) -> float:
@@ -128,20 +139,57 @@ class WeightUpdater:
             self._members.extend(_Member(handle) for handle in added)
             logger.info("added %d worker(s); %d in all", len(added), len(self._members))
 
-    def push(self, state_dict: StateDict, *, rename: Rename | None = None) -> PushResult:
+    def push(
+        self,
+        state_dict: StateDict | ShardedSource,
+        *,
+        rename: Rename | None = None,
+        transform: Transform | None = None,
+        partial: bool = False,
+    ) -> PushResult:
         """Send every tensor to every worker; returns once all of them hold it and commit.
 
-        ``rename`` maps each name to the one the workers use. Raises ``TypeError``/
-        ``ValueError`` for a bad state dict (nothing sent anywhere), and a ``WeightSyncError``
-        within ``push_timeout_s`` for failures while running: ``PlanMismatchError`` when
-        workers refuse the push (nothing changed anywhere); ``WorkerFailedError`` naming the
-        workers that died, froze or raised (the dead and frozen are dropped from ``workers``);
-        ``SyncTimeoutError``/``TransportError`` when nobody in particular is to blame.
+        ``transform`` (see ``weight_sync.mapping``: fuse, rename, drop) and then ``rename``
+        (``None`` drops a tensor) map the trainer's names to the workers'. Tied weights (names
+        sharing one tensor's bytes) travel once. ``partial=True`` sends only the tensors given
+        (adapters, what changed): workers accept a subset of their model, but only on top of a
+        committed version, and keep reporting the last full push as ``full_version``. A
+        ``ShardedSource`` (see ``weight_sync.sharded``) is gathered bucket by bucket with the
+        other trainer ranks, which call ``serve()`` meanwhile.
+
+        Raises ``TypeError``/``ValueError`` for a bad state dict (nothing sent anywhere), and a
+        ``WeightSyncError`` within ``push_timeout_s`` for failures while running:
+        ``PlanMismatchError`` when workers refuse the push (nothing changed anywhere);
+        ``WorkerFailedError`` naming the workers that died, froze or raised (the dead and frozen
+        are dropped from ``workers``); ``SyncTimeoutError``/``TransportError`` when nobody in
+        particular is to blame.
         """
-        names, tensors = check_state_dict(state_dict, self._config, rename)
+        if not isinstance(state_dict, ShardedSource):
+            entries = check_state_dict(state_dict, self._config, rename, transform)
+            return self._push(entries, entries.tensors, partial)
+        source, version = state_dict, None
+        if not source.is_sender:
+            raise ValueError("this rank does not send: call serve() on its ShardedSource")
+        try:
+            if transform is not None:
+                raise ValueError("transform needs whole tensors and cannot run on a sharded "
+                                 "source; rename (names only) can")  # fmt: skip
+            entries = check_state_dict(source.items(), self._config, rename, sharded=True)
+            cast = self._config.cast_dtype
+            if self._config.check_finite and not source.all_finite(cast):
+                raise nonfinite_error(cast)
+            result = self._push(entries, source.gathering(entries.tensors), partial)
+            version = result.version
+            return result
+        finally:
+            source.finish(version)
+
+    def _push(
+        self, entries: Entries, tensors: Sequence[torch.Tensor], partial: bool
+    ) -> PushResult:
         with self._lock:
             self._check_open()
-            if not names:
+            if not entries.count:
                 logger.info("empty state dict: nothing to push (version stays %d)", self._version)
                 return PushResult(self._version, 0, 0, 0.0)
             if not self._members:
@@ -151,11 +199,11 @@ class WeightUpdater:
                 )
             start = time.perf_counter()
             deadline = Deadline(self._config.push_timeout_s, "push")
-            group = self._ensure_group(tensors, deadline)
-            plan = self._plan(group, names, tensors)
+            group = self._ensure_group(entries.tensors, deadline)
+            plan = self._plan(group, entries)
             version = self._next_version
             try:
-                self._prepare(version, plan, deadline)
+                self._prepare(version, plan, partial, deadline)
                 self._transfer(group, version, plan, tensors, deadline)
                 self._next_version = version + 1
                 self._settle(
@@ -170,12 +218,12 @@ class WeightUpdater:
             self._version = version
             result = PushResult(
                 version, plan.payload_bytes, len(plan.buckets), time.perf_counter() - start,
-                len(plan.tensors),
+                entries.count, partial,
             )  # fmt: skip
             logger.info(
-                "pushed version %d: %d tensors, %.1f MB in %d buckets, %.3fs (%.2f GB/s)",
-                version, result.tensors, result.nbytes / 1e6, result.buckets, result.seconds,
-                result.gbps,
+                "pushed version %d%s: %d tensors, %.1f MB in %d buckets, %.3fs (%.2f GB/s)",
+                version, " (partial)" if partial else "", result.tensors, result.nbytes / 1e6,
+                result.buckets, result.seconds, result.gbps,
             )  # fmt: skip
             return result
 
@@ -194,10 +242,10 @@ class WeightUpdater:
 
     # -- the steps of a push -------------------------------------------------------------------
 
-    def _plan(self, group: TorchGroup, names: list[str], tensors: list[torch.Tensor]) -> SyncPlan:
+    def _plan(self, group: TorchGroup, entries: Entries) -> SyncPlan:
         if self._planner is None:
             self._planner = PushPlanner(self._config, group.device)
-        plan = self._planner.plan(names, tensors)
+        plan = self._planner.plan(entries)
         if len(plan.wire) > self._config.max_metadata_bytes:
             raise ValueError(
                 f"the plan's metadata is {len(plan.wire)} bytes, over max_metadata_bytes="
@@ -205,14 +253,18 @@ class WeightUpdater:
             )
         return plan
 
-    def _prepare(self, version: int, plan: SyncPlan, deadline: Deadline) -> None:
+    def _prepare(self, version: int, plan: SyncPlan, partial: bool, deadline: Deadline) -> None:
         """Every worker checks the push; any refusal raises before a byte is broadcast."""
-        replies = self._prepare_round(version, plan, self._members, deadline)
+        request = PrepareRequest(
+            version=version, plan_digest=plan.digest, staging=self._config.staging,
+            checksum=self._config.checksum, partial=partial,
+        )  # fmt: skip
+        replies = self._prepare_round(request, plan, self._members, deadline)
         lacking = [m for m, reply in zip(self._members, replies, strict=True) if reply.need_plan]
         if lacking:  # a worker lost its cached plan (e.g. was restarted): send it in full
             for member in lacking:
                 member.known_plan = None
-            again = iter(self._prepare_round(version, plan, lacking, deadline))
+            again = iter(self._prepare_round(request, plan, lacking, deadline))
             replies = [next(again) if reply.need_plan else reply for reply in replies]
         problems = {i: reply.problems or ("refused",) for i, reply in enumerate(replies)
                     if not reply.accepted}  # fmt: skip
@@ -222,13 +274,8 @@ class WeightUpdater:
             member.known_plan = plan.digest
 
     def _prepare_round(
-        self, version: int, plan: SyncPlan, members: list[_Member], deadline: Deadline
+        self, request: PrepareRequest, plan: SyncPlan, members: list[_Member], deadline: Deadline
     ) -> list[PrepareReply]:
-        config = self._config
-        request = PrepareRequest(
-            version=version, plan_digest=plan.digest, staging=config.staging,
-            checksum=config.checksum,
-        )  # fmt: skip
         by_hash = request.model_dump_json()
         with_plan: str | None = None  # serialised only if some worker lacks the plan
         refs: list[ray.ObjectRef] = []
@@ -239,14 +286,14 @@ class WeightUpdater:
                     with_plan = request.model_copy(update={"plan": plan}).model_dump_json()
                 message = with_plan
             refs.append(member.handle._weight_sync_prepare.remote(message))
-        return self._settle(refs, "prepare", deadline.left(config.rpc_timeout_s))
+        return self._settle(refs, "prepare", deadline.left(self._config.rpc_timeout_s))
 
     def _transfer(
         self,
         group: TorchGroup,
         version: int,
         plan: SyncPlan,
-        tensors: list[torch.Tensor],
+        tensors: Sequence[torch.Tensor],
         deadline: Deadline,
     ) -> None:
         receiving = [self._receive_call(member, version) for member in self._members]
