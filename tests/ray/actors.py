@@ -244,13 +244,16 @@ class LMTrainer:
             for parameter in self.model.parameters():
                 parameter.add_(torch.randn_like(parameter))
 
-    def push(self, prefix: str = "", partial: bool = False) -> PushResult:
+    def push(self, prefix: str = "", partial: bool = False, fuse: bool = True) -> PushResult:
         state = {n: t for n, t in self.model.state_dict().items() if n.startswith(prefix)}
-        return self.updater.push(state, transform=QKV, partial=partial)
+        return self.updater.push(state, transform=QKV if fuse else None, partial=partial)
+
+    def fused_state(self) -> dict[str, torch.Tensor]:
+        """The model as the workers should hold it: fused, in their names."""
+        return {n: t.clone() for n, t in QKV(self.model.state_dict().items())}
 
     def digests(self) -> dict[str, str]:
-        """The model as the workers should hold it: fused, in their names."""
-        return state_dict_digests(dict(QKV(self.model.state_dict().items())))
+        return state_dict_digests(self.fused_state())
 
 
 @ray.remote(num_cpus=0)

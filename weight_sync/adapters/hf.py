@@ -59,7 +59,8 @@ class HFWorker(WeightSyncWorker):
         device = next(self.model.parameters()).device
         input_ids = input_ids.to(device)
         generate_kwargs.setdefault("attention_mask", torch.ones_like(input_ids))
-        sequences = self.model.generate(input_ids, **generate_kwargs)
+        model: Any = self.model  # a transformers GenerationMixin
+        sequences = model.generate(input_ids, **generate_kwargs)
         return Generation(sequences.cpu(), version)
 
 

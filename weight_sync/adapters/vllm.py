@@ -1,0 +1,206 @@
+"""vLLM: a worker extension that receives pushes, and the engine-side member that drives it.
+
+vLLM runs the model in worker processes it starts itself, and lets users add methods to those
+workers with ``worker_extension_cls`` (called through ``LLM.collective_rpc``). So the adapter
+has two halves:
+
+* ``WeightSyncExtension`` -- pass ``worker_extension_cls="weight_sync.adapters.vllm.
+  WeightSyncExtension"``. In the worker process it joins the sync group, receives buckets and
+  hands each bucket's tensors to the engine's own ``model.load_weights`` (which knows the
+  engine's stacked q/k/v and gate/up layouts, so the trainer pushes its own names).
+* ``VLLMEngine`` -- the member the ``WeightUpdater`` talks to, usually the Ray actor that owns
+  the ``LLM`` (``RemoteVLLMEngine``, or your own engine actor inheriting from it). It forwards
+  each step of a push to the worker through ``collective_rpc`` and, around it, pauses
+  generation, then clears the prefix cache (its KV entries were computed by the old weights)
+  and resumes.
+
+Only plain strings and ints cross ``collective_rpc``: the same JSON messages as every other
+member, so nothing is unpickled that the updater did not validate.
+
+Scope: one vLLM worker per engine (``tensor_parallel_size=1``, ``pipeline_parallel_size=1``);
+an engine with more workers is refused with a clear error. vLLM is not installed where this
+library is tested: ``tests/contract/test_vllm_contract.py`` runs the adapter against a host that
+calls it the way vLLM does (see the README for what has and has not been run for real).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import socket
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import ray
+import torch
+import torch.distributed as dist
+
+from weight_sync.errors import WeightSyncError
+from weight_sync.metadata import GroupSpec, MemberInfo, PrepareReply, ReceiveReport, SyncStatus
+from weight_sync.receiver import Receiver
+
+logger = logging.getLogger(__name__)
+
+EXTENSION = "weight_sync.adapters.vllm.WeightSyncExtension"
+_MAX_SPEC_CHARS = 4096
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's worker class: ``self.model_runner.model`` is the engine's model."""
+
+    def weight_sync_info(self) -> str:
+        receiver = self._weight_sync_receiver()
+        return MemberInfo(
+            has_default_group=dist.is_available() and dist.is_initialized(),
+            cuda=torch.cuda.is_available(), version=receiver.version,
+            highest_version=receiver.highest_version, hostname=socket.gethostname(),
+            pid=os.getpid(),
+        ).model_dump_json()  # fmt: skip
+
+    def weight_sync_join(self, spec_json: str, max_metadata_bytes: int) -> None:
+        if len(spec_json) > _MAX_SPEC_CHARS:
+            raise ValueError("group spec too large")
+        spec = GroupSpec.model_validate_json(spec_json)
+        self._weight_sync_receiver().join(spec, max_metadata_bytes)
+
+    def weight_sync_prepare(self, request_json: str) -> str:
+        # The engine's load_weights decides what it can load: no up-front name check here.
+        return self._weight_sync_receiver().prepare(request_json, lambda: None).model_dump_json()
+
+    def weight_sync_receive(self, version: int) -> str:
+        report = self._weight_sync_receiver().receive(version, self._weight_sync_load)
+        return report.model_dump_json()
+
+    def weight_sync_commit(self, version: int) -> None:
+        self._weight_sync_receiver().commit(version, self._weight_sync_load)
+
+    def weight_sync_leave(self) -> None:
+        self._weight_sync_receiver().leave()
+
+    def weight_sync_status(self) -> str:
+        return self._weight_sync_receiver().status().model_dump_json()
+
+    def _weight_sync_load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        model: Any = self.model_runner.model  # type: ignore[attr-defined]
+        model.load_weights(weights=list(weights))
+
+    def _weight_sync_receiver(self) -> Receiver:
+        receiver = self.__dict__.get("_weight_sync_state")
+        if receiver is None:
+            receiver = self.__dict__["_weight_sync_state"] = Receiver()
+        return receiver
+
+
+class VLLMEngine:
+    """The sync-group member for one vLLM engine; the ``WeightUpdater`` is given its handle.
+
+    ``engine_kwargs`` build ``vllm.LLM`` (``worker_extension_cls`` is filled in), or pass a
+    built ``engine`` whose ``worker_extension_cls`` is ``EXTENSION``. Override
+    ``pause_generation``/``resume_generation`` for an engine that generates concurrently with
+    this actor's calls (an async engine); with the offline ``LLM`` in a Ray actor, calls run one
+    at a time, so a push already waits for the generation in flight and holds the next one.
+    """
+
+    def __init__(self, engine: Any = None, **engine_kwargs: Any) -> None:
+        if engine is None:
+            engine_kwargs.setdefault("worker_extension_cls", EXTENSION)
+            engine = importlib.import_module("vllm").LLM(**engine_kwargs)
+        elif engine_kwargs:
+            raise TypeError("pass either a built engine or the arguments to build one, not both")
+        self.llm = engine
+        self._paused = False
+
+    # -- hooks -----------------------------------------------------------------------------
+
+    def pause_generation(self) -> None:
+        """Stop starting new generation until ``resume_generation``. Default: the engine's own
+        ``pause_generation`` if it has a synchronous one, else nothing (see the class doc)."""
+        _call_if_present(self.llm, "pause_generation")
+
+    def resume_generation(self) -> None:
+        _call_if_present(self.llm, "resume_generation")
+
+    def weights_version(self) -> int | None:
+        return self.sync_status().version
+
+    def generate(self, *args: Any, **kwargs: Any) -> tuple[Any, int | None]:
+        """``LLM.generate`` and the weight version that produced its outputs (calls run one at a
+        time, so no push commits in between)."""
+        return self.llm.generate(*args, **kwargs), self.weights_version()
+
+    def sync_status(self) -> SyncStatus:
+        return SyncStatus.model_validate_json(self._rpc("weight_sync_status"))
+
+    # -- protocol, called by WeightUpdater ---------------------------------------------------
+
+    def _weight_sync_info(self) -> MemberInfo:
+        return MemberInfo.model_validate_json(self._rpc("weight_sync_info"))
+
+    def _weight_sync_join(self, spec_json: str, max_metadata_bytes: int) -> None:
+        self._rpc("weight_sync_join", spec_json, max_metadata_bytes)
+
+    def _weight_sync_prepare(self, request_json: str) -> PrepareReply:
+        return PrepareReply.model_validate_json(self._rpc("weight_sync_prepare", request_json))
+
+    def _weight_sync_receive(self, version: int) -> ReceiveReport:
+        self._pause()
+        try:
+            return ReceiveReport.model_validate_json(self._rpc("weight_sync_receive", version))
+        except BaseException:
+            self._refresh_and_resume()  # streaming: weights may be part-new; stale KV must go
+            raise
+
+    def _weight_sync_commit(self, version: int) -> None:
+        try:
+            self._rpc("weight_sync_commit", version)
+        finally:
+            self._refresh_and_resume()
+
+    def _weight_sync_leave(self) -> None:
+        try:
+            self._rpc("weight_sync_leave")
+        finally:
+            if self._paused:
+                self._refresh_and_resume()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _pause(self) -> None:
+        if not self._paused:
+            self.pause_generation()
+            self._paused = True
+
+    def _refresh_and_resume(self) -> None:
+        self.llm.reset_prefix_cache()
+        if self._paused:
+            self._paused = False
+            self.resume_generation()
+
+    def _rpc(self, method: str, *args: Any) -> Any:
+        results = self.llm.collective_rpc(method, args=args)
+        if len(results) != 1:
+            raise WeightSyncError(
+                f"this engine runs {len(results)} vLLM workers; weight_sync's vLLM adapter "
+                "supports one per engine (tensor_parallel_size=1, pipeline_parallel_size=1)"
+            )
+        return results[0]
+
+
+RemoteVLLMEngine = ray.remote(VLLMEngine)
+"""``VLLMEngine`` as a Ray actor class: ``RemoteVLLMEngine.options(num_gpus=1).remote(model=...)``."""
+
+
+def _call_if_present(engine: Any, name: str) -> None:
+    method: Callable[[], Any] | None = getattr(engine, name, None)
+    if method is None:
+        return
+    result = method()
+    if hasattr(result, "__await__"):
+        close = getattr(result, "close", None)
+        if close is not None:
+            close()  # never awaited: don't leave a warning behind
+        raise TypeError(
+            f"the engine's {name}() is async; override VLLMEngine.{name} to run it on the "
+            "engine's event loop"
+        )
