@@ -23,7 +23,7 @@ import torch
 from weight_sync import SyncConfig
 from weight_sync.bench.workloads import WORKLOADS
 from weight_sync.packing import Packer, Unpacker, bucket_buffers, staging_slots
-from weight_sync.sender import PushPlanner
+from weight_sync.sender import Entries, PushPlanner
 
 
 def timed(fn: Callable[[], None], repeats: int, device: torch.device) -> float:
@@ -51,7 +51,7 @@ def main() -> None:
     state = {n: t.to(device) for n, t in workload.build(fill=1.0).items()}
     # Pack everything: this measures the copy paths, not which tensors skip them.
     config = SyncConfig(bucket_bytes=args.bucket_mb << 20, direct_min_bytes=None)
-    plan = PushPlanner(config, device).plan(list(state), list(state.values()))
+    plan = PushPlanner(config, device).plan(Entries(list(state), list(state.values())))
     packer = Packer(plan, list(state.values()))
     slots = staging_slots(plan)
     model = {n: torch.zeros_like(t) for n, t in state.items()}

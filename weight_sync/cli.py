@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from weight_sync.job import add_arguments as add_job_arguments
+
 
 def _positive(text: str) -> int:
     value = int(text)
@@ -59,6 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also measure 1 / 3 / 7 workers at 16 MB .. 2 GB")
     bench.add_argument("--out", default="benchmarks/results", help="report folder")
     bench.add_argument("--address", default=None, help="Ray cluster to join; default: start one")
+    job = commands.add_parser(
+        "job",
+        help="the cluster job: place a trainer and N workers, push K times, verify",
+        description="Reserve a placement group (GPUs if the cluster has them), push a synthetic "
+        "model of --size-mb MB --pushes times, verify every worker, report timings. The same as "
+        "`python -m weight_sync.job`; submit it with `ray job submit`.",
+    )
+    add_job_arguments(job)
     return parser
 
 
@@ -85,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         print(f"report: {Path(args.out) / 'results.md'}")
         return 0
+    if args.command == "job":
+        from weight_sync.job import run_job
+
+        return run_job(args)
     raise AssertionError(f"unhandled command {args.command}")
 
 

@@ -68,6 +68,17 @@ class SyncConfig(BaseModel):
         False,
         description="Must be True to listen on a wildcard address (0.0.0.0 or ::).",
     )
+    interface: str | None = Field(
+        None,
+        description="Network interface (e.g. 'eth1') whose IPv4 address the trainer listens on "
+        "instead of master_addr, resolved on the trainer's node when the group forms. For "
+        "multi-node groups where the address differs per deployment but the NIC name does not.",
+    )
+    metrics: bool = Field(
+        True,
+        description="Export per-push figures through Ray's metrics API (Prometheus); see "
+        "weight_sync.metrics.",
+    )
     rendezvous_timeout_s: float = Field(
         120.0, gt=0, description="Bound on forming the group (store connect + mesh setup)."
     )
@@ -129,6 +140,14 @@ class SyncConfig(BaseModel):
         if not value.strip():
             raise ValueError("master_addr must name a host or IP address, e.g. '127.0.0.1'")
         return value.strip()
+
+    @field_validator("interface")
+    @classmethod
+    def _interface_name(cls, value: str | None) -> str | None:
+        if value is not None and not (0 < len(value) < 16 and "/" not in value and value.isprintable()
+                                      and " " not in value):  # fmt: skip
+            raise ValueError(f"interface must be a network interface name such as 'eth0', got {value!r}")
+        return value
 
     @model_validator(mode="after")
     def _check_combinations(self) -> SyncConfig:

@@ -18,7 +18,7 @@ from weight_sync.errors import TransportError, WeightSyncError
 from weight_sync.metadata import PrepareRequest, TensorMeta
 from weight_sync.planner import make_plan
 from weight_sync.receiver import Receiver
-from weight_sync.sender import PushPlanner, Sender
+from weight_sync.sender import Entries, PushPlanner, Sender
 from weight_sync.transport import TorchGroup
 from weight_sync.transport.rendezvous import open_store
 from weight_sync.verify import state_dict_digests
@@ -42,7 +42,7 @@ def direct_rank(ctx: RankContext, staging: str) -> tuple[dict[str, str], int]:
     (streaming: as the bytes arrive; atomic: from the staging area, on commit)."""
     tensors = zoo(seed=13, big=40_000)
     config = SyncConfig(bucket_bytes=4096, direct_min_bytes=10_000)
-    plan = PushPlanner(config, torch.device("cpu")).plan(list(tensors), list(tensors.values()))
+    plan = PushPlanner(config, torch.device("cpu")).plan(Entries(list(tensors), list(tensors.values())))
     if ctx.rank == 0:
         send_plan(ctx, ctx.spec("standalone"), plan, list(tensors.values()))
         return state_dict_digests(tensors), sum(b.direct for b in plan.buckets)
@@ -69,7 +69,7 @@ def cast_rank(ctx: RankContext) -> dict[str, str]:
         for n, t in zoo(seed=17, big=40_000).items()
     }
     config = SyncConfig(bucket_bytes=8192, direct_min_bytes=10_000, cast_dtype="bfloat16")
-    plan = PushPlanner(config, torch.device("cpu")).plan(list(tensors), list(tensors.values()))
+    plan = PushPlanner(config, torch.device("cpu")).plan(Entries(list(tensors), list(tensors.values())))
     if ctx.rank == 0:
         send_plan(ctx, ctx.spec("standalone"), plan, list(tensors.values()))
         castable = (torch.float64, torch.float32, torch.float16, torch.bfloat16)

@@ -3,7 +3,7 @@ import pytest
 from weight_sync.cli import main
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["bench", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["bench", "--help"], ["job", "--help"]])
 def test_every_command_has_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
@@ -12,7 +12,10 @@ def test_every_command_has_help(argv: list[str], capsys: pytest.CaptureFixture[s
     assert "usage: weight-sync" in out and ("--workers" in out or "demo" in out)
 
 
-@pytest.mark.parametrize("argv", [[], ["demo", "--workers", "0"], ["frobnicate"]])
+@pytest.mark.parametrize(
+    "argv",
+    [[], ["demo", "--workers", "0"], ["frobnicate"], ["job", "--size-mb", "nan"], ["job", "--gpus", "maybe"]],
+)
 def test_bad_arguments_exit_with_usage(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(argv)

@@ -20,6 +20,9 @@ def test_defaults_are_valid_and_frozen() -> None:
         ({"master_addr": "0.0.0.0"}, "allow_all_interfaces"),
         ({"master_addr": "::"}, "allow_all_interfaces"),
         ({"master_addr": "  "}, "master_addr"),
+        ({"interface": "eth0/1"}, "network interface name"),
+        ({"interface": ""}, "network interface name"),
+        ({"interface": "a-very-long-interface-name"}, "network interface name"),
         ({"rendezvous_timeout_s": 0}, "greater than 0"),
         ({"push_timeout_s": -1}, "greater than 0"),
         ({"push_timeout_s": 60, "collective_timeout_s": 30}, "exceed 2 x collective_timeout_s"),
@@ -42,3 +45,12 @@ def test_wildcard_needs_opt_in() -> None:
 def test_every_field_is_described() -> None:
     for name, field in SyncConfig.model_fields.items():
         assert field.description, name
+
+
+def test_an_interface_resolves_to_its_address() -> None:
+    from weight_sync.errors import TransportError
+    from weight_sync.transport import address_of_interface
+
+    assert address_of_interface("lo") == "127.0.0.1"
+    with pytest.raises(TransportError, match=r"interface 'nosuch0' has no IPv4 address.*lo"):
+        address_of_interface("nosuch0")

@@ -16,8 +16,8 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -47,6 +47,7 @@ from weight_sync.metadata import (
     ReceiveReport,
     SyncPlan,
 )
+from weight_sync.metrics import PushMetrics
 from weight_sync.sender import (
     Entries,
     PushPlanner,
@@ -57,7 +58,7 @@ from weight_sync.sender import (
     nonfinite_error,
 )
 from weight_sync.sharded import ShardedSource
-from weight_sync.transport import TorchGroup, bind_listener
+from weight_sync.transport import TorchGroup, address_of_interface, bind_listener
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,9 @@ class PushResult:
     seconds: float
     tensors: int = 0  # names delivered, tied ones included
     partial: bool = False
+    # Seconds per phase: group (probe + join, when a group was formed), prepare, transfer,
+    # commit, total.
+    phases: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def gbps(self) -> float:
@@ -109,6 +113,8 @@ class WeightUpdater:
         self._next_version = 1  # never reused: spent once any worker may have committed it
         self._lock = threading.Lock()
         self._closed = False
+        self._id = secrets.token_hex(4)
+        self._metrics = PushMetrics(self._id) if self._config.metrics and ray.is_initialized() else None
 
     @property
     def workers(self) -> tuple[ActorHandle, ...]:
@@ -197,33 +203,46 @@ class WeightUpdater:
                     "no workers left: all were dropped after failures; add replacements with "
                     "add_workers()"
                 )
-            start = time.perf_counter()
+            clock = _PhaseClock()
             deadline = Deadline(self._config.push_timeout_s, "push")
-            group = self._ensure_group(entries.tensors, deadline)
-            plan = self._plan(group, entries)
             version = self._next_version
+            broadcasting = False
             try:
+                group = self._ensure_group(entries.tensors, deadline)
+                plan = self._plan(group, entries)
+                clock.lap("group")
                 self._prepare(version, plan, partial, deadline)
+                clock.lap("prepare")
+                broadcasting = True
                 self._transfer(group, version, plan, tensors, deadline)
+                clock.lap("transfer")
                 self._next_version = version + 1
                 self._settle(
                     [m.handle._weight_sync_commit.remote(version) for m in self._members],
                     "commit", deadline.left(self._config.rpc_timeout_s),
                 )  # fmt: skip
-            except PlanMismatchError:
-                raise  # refused before any collective: the group is intact
-            except BaseException:
-                self._teardown(deadline)
+                clock.lap("commit")
+            except BaseException as exc:
+                if self._metrics is not None:
+                    self._metrics.failed(exc)
+                # Refused before any collective (by the workers, or a plan too large): the group
+                # is intact and is kept.
+                refused = not broadcasting and isinstance(exc, PlanMismatchError | ValueError)
+                if self._group is not None and not refused:
+                    self._teardown(deadline)
                 raise
             self._version = version
             result = PushResult(
-                version, plan.payload_bytes, len(plan.buckets), time.perf_counter() - start,
-                entries.count, partial,
+                version, plan.payload_bytes, len(plan.buckets), clock.total(), entries.count,
+                partial, clock.phases,
             )  # fmt: skip
+            if self._metrics is not None:
+                self._metrics.pushed(version, result.nbytes, result.buckets, clock.phases, result.gbps)
             logger.info(
-                "pushed version %d%s: %d tensors, %.1f MB in %d buckets, %.3fs (%.2f GB/s)",
+                "pushed version %d%s: %d tensors, %.1f MB in %d buckets, %.3fs (%.2f GB/s; %s)",
                 version, " (partial)" if partial else "", result.tensors, result.nbytes / 1e6,
                 result.buckets, result.seconds, result.gbps,
+                ", ".join(f"{phase} {seconds:.3f}s" for phase, seconds in clock.phases.items()),
             )  # fmt: skip
             return result
 
@@ -381,12 +400,15 @@ class WeightUpdater:
         self._next_version = max(self._next_version, self._version + 1, sent + 1)
         backend = _choose_backend(config, tensors, infos)
         mode = _choose_mode(config, infos)
-        listener = bind_listener(config.master_addr)
+        address = (
+            config.master_addr if config.interface is None else address_of_interface(config.interface)
+        )
+        listener = bind_listener(address)
         group_id = secrets.token_hex(8)
         rendezvous_s = deadline.left(config.rendezvous_timeout_s)
         specs = [
             GroupSpec(
-                group_id=group_id, address=config.master_addr, port=listener.getsockname()[1],
+                group_id=group_id, address=address, port=listener.getsockname()[1],
                 world_size=len(self._members) + 1, rank=rank, backend=backend, mode=mode,
                 rendezvous_timeout_s=rendezvous_s,
                 collective_timeout_s=config.collective_timeout_s,
@@ -447,6 +469,23 @@ class WeightUpdater:
                 "some workers did not leave the sync group cleanly: %s",
                 outcomes.error("leave", wait_s),
             )
+
+
+class _PhaseClock:
+    """Seconds per phase of one push, and the total."""
+
+    def __init__(self) -> None:
+        self._start = self._last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = now - self._last
+        self._last = now
+
+    def total(self) -> float:
+        self.phases["total"] = self._last - self._start
+        return self.phases["total"]
 
 
 def _check_handles(

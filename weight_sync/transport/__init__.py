@@ -5,7 +5,7 @@ processes, which is how the tests exercise it.
 """
 
 from weight_sync.transport.base import Transport, Work
-from weight_sync.transport.rendezvous import bind_listener
+from weight_sync.transport.rendezvous import address_of_interface, bind_listener
 from weight_sync.transport.torch_group import TorchGroup
 
-__all__ = ["TorchGroup", "Transport", "Work", "bind_listener"]
+__all__ = ["TorchGroup", "Transport", "Work", "address_of_interface", "bind_listener"]

@@ -9,7 +9,9 @@ port and listening on it for another process to steal, and the store listens onl
 from __future__ import annotations
 
 import datetime
+import fcntl
 import socket
+import struct
 
 from torch.distributed import TCPStore
 
@@ -63,3 +65,21 @@ def local_address_towards(address: str) -> str:
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         probe.connect((address, 9))  # UDP connect sends nothing; it only picks a route
         return probe.getsockname()[0]
+
+
+_SIOCGIFADDR = 0x8915  # Linux: the IPv4 address of an interface
+
+
+def address_of_interface(name: str) -> str:
+    """The IPv4 address of network interface ``name`` on this node (Linux)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            request = struct.pack("256s", name.encode()[:15])
+            reply = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, request)
+        except OSError as exc:
+            known = ", ".join(n for _, n in socket.if_nameindex())
+            raise TransportError(
+                f"interface {name!r} has no IPv4 address on {socket.gethostname()} ({exc}); "
+                f"interfaces here: {known}"
+            ) from exc
+    return socket.inet_ntoa(reply[20:24])
