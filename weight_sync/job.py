@@ -99,10 +99,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     placement = reserve(args.workers, gpus=args.gpus, spread=args.spread, timeout_s=args.timeout)
     device = "cuda" if placement.layout.gpus else "cpu"
     shapes = model_shapes(args.size_mb)
-    remote_worker = ray.remote(JobWorker)
-    workers = [remote_worker.options(**placement.worker_options(i)).remote(shapes, device)
+    worker_class: Any = ray.remote(JobWorker)  # Any: Ray's stubs do not type .options().remote()
+    trainer_class: Any = ray.remote(JobTrainer)
+    workers = [worker_class.options(**placement.worker_options(i)).remote(shapes, device)
                for i in range(args.workers)]  # fmt: skip
-    trainer = ray.remote(JobTrainer).options(**placement.trainer_options()).remote(shapes, device)
+    trainer = trainer_class.options(**placement.trainer_options()).remote(shapes, device)
     actors = [trainer, *workers]
     try:
         nodes = ray.get([actor.node.remote() for actor in actors], timeout=args.timeout)
