@@ -4,6 +4,10 @@ A worker's version moves only on commit. The moment the first byte of a push may
 model, the worker stops claiming any version ("dirty") until a full push commits, so it never
 reports a version whose weights it does not fully hold. With atomic staging no byte reaches the
 model before commit, so a failed push leaves the old weights and the old version in place.
+
+A partial push (a subset of the tensors, announced as such) is accepted only on top of a
+committed version; it moves ``version`` and leaves ``full_version`` -- the last push that covered
+every tensor -- where it was, so the mix of versions is always stated, never silent.
 """
 
 from __future__ import annotations

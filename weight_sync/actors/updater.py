@@ -205,11 +205,11 @@ class WeightUpdater:
                 )
             clock = _PhaseClock()
             deadline = Deadline(self._config.push_timeout_s, "push")
-            version = self._next_version
             broadcasting = False
             try:
-                group = self._ensure_group(entries.tensors, deadline)
+                group = self._ensure_group(entries.tensors, deadline)  # may raise _next_version
                 plan = self._plan(group, entries)
+                version = self._next_version
                 clock.lap("group")
                 self._prepare(version, plan, partial, deadline)
                 clock.lap("prepare")

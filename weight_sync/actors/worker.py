@@ -73,7 +73,9 @@ class WeightSyncWorker:
 
     def weights_version(self) -> int | None:
         """The version of the last fully received and committed push; ``None`` before the
-        first one and while the weights are partly updated or a push failed part-way."""
+        first one and while the weights are partly updated or a push failed part-way. After a
+        partial push (``push(..., partial=True)``) this is its version, and
+        ``sync_status().full_version`` the last push that covered every tensor."""
         return self._weight_sync_state().version
 
     def sync_status(self) -> SyncStatus:
