@@ -243,6 +243,9 @@ class MemberInfo(_Wire):
     hostname: str
     pid: int
     concurrent: bool = False  # declared weight_sync's concurrency groups (see remote_worker)
+    # Group ranks this member takes: more than one for an engine whose several workers each
+    # receive the broadcast (vLLM with tensor parallelism); it joins as ranks first..first+n-1.
+    ranks: int = Field(1, ge=1, le=4096)
 
 
 class PrepareRequest(_Wire):

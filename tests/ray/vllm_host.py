@@ -6,8 +6,9 @@ What it reproduces (vLLM v1, ``vllm/v1/worker/worker_base.py`` and ``LLM.collect
 * ``worker_extension_cls`` is a fully qualified name, imported in the worker process, and
   appended to the worker class's bases after checking that it redefines no worker attribute;
 * ``collective_rpc(method: str, args=...)`` calls ``getattr(worker, method)(*args)`` on every
-  worker and returns the list of results;
-* the worker reaches the model as ``self.model_runner.model`` and its device as ``self.device``;
+  worker at once and returns the list of results, in worker order;
+* the worker reaches the model as ``self.model_runner.model``, its device as ``self.device`` and
+  its rank within the engine (tensor x pipeline parallel) as ``self.rank``;
 * the model's ``load_weights(weights)`` takes an iterable of (checkpoint name, tensor), maps
   q/k/v onto its stacked ``qkv_proj`` (vLLM's ``stacked_params_mapping``), skips the tied
   ``lm_head.weight``, and returns the names it loaded;
@@ -17,6 +18,7 @@ What it reproduces (vLLM v1, ``vllm/v1/worker/worker_base.py`` and ``LLM.collect
 from __future__ import annotations
 
 import importlib
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
 
@@ -55,9 +57,11 @@ class EngineModel(TinyLM):
 
 
 class HostWorker:
-    """Stands for vLLM's GPU worker (here on CPU)."""
+    """Stands for vLLM's GPU worker (here on CPU). With several, each holds the whole model (a
+    real tensor-parallel worker would keep its shard in ``load_weights``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
         self.device = torch.device("cpu")
         self.model_runner = SimpleNamespace(model=EngineModel())
 
@@ -72,13 +76,17 @@ class HostLLM:
         assert not clashes, f"worker extension redefines {clashes}"
         worker_class = type("Worker", (HostWorker,), {})
         worker_class.__bases__ = (*worker_class.__bases__, extension)
-        self.workers = [worker_class() for _ in range(workers)]
+        self.workers = [worker_class(rank) for rank in range(workers)]
         self.events: list[str] = []
 
     def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
                        kwargs: dict | None = None) -> list[Any]:  # fmt: skip
+        """On every worker at once (vLLM's workers are processes; here, threads), in order."""
         self.events.append(method)
-        return [getattr(worker, method)(*args, **(kwargs or {})) for worker in self.workers]
+        with ThreadPoolExecutor(len(self.workers)) as pool:
+            calls = [pool.submit(getattr(worker, method), *args, **(kwargs or {}))
+                     for worker in self.workers]  # fmt: skip
+            return [call.result(timeout=timeout) for call in calls]
 
     def reset_prefix_cache(self) -> bool:
         self.events.append("reset_prefix_cache")
@@ -107,5 +115,10 @@ class HostedEngine(VLLMEngine):
     def events(self) -> list[str]:
         return [e for e in self.llm.events if e != "weight_sync_status"]
 
-    def engine_state(self) -> dict[str, torch.Tensor]:
-        return {n: t.clone() for n, t in self.llm.workers[0].model_runner.model.state_dict().items()}
+    def forget_on_worker(self, index: int) -> None:
+        """As if one worker restarted: it holds no committed version any more."""
+        self.llm.workers[index]._weight_sync_receiver().version = None
+
+    def engine_states(self) -> list[dict[str, torch.Tensor]]:
+        return [{n: t.clone() for n, t in worker.model_runner.model.state_dict().items()}
+                for worker in self.llm.workers]  # fmt: skip

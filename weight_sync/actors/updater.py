@@ -12,6 +12,7 @@ never answered are dropped, the rest leave the group, and the next push forms a 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import secrets
 import threading
@@ -406,14 +407,17 @@ class WeightUpdater:
         listener = bind_listener(address)
         group_id = secrets.token_hex(8)
         rendezvous_s = deadline.left(config.rendezvous_timeout_s)
+        # A member may bring several ranks (an engine with tensor parallelism: every one of its
+        # workers receives the broadcast); it is given the first, and numbers the rest on.
+        firsts = list(itertools.accumulate((info.ranks for info in infos), initial=1))
         specs = [
             GroupSpec(
                 group_id=group_id, address=address, port=listener.getsockname()[1],
-                world_size=len(self._members) + 1, rank=rank, backend=backend, mode=mode,
+                world_size=firsts[-1], rank=rank, backend=backend, mode=mode,
                 rendezvous_timeout_s=rendezvous_s,
                 collective_timeout_s=config.collective_timeout_s,
             )  # fmt: skip
-            for rank in range(len(self._members) + 1)
+            for rank in [TRAINER_RANK, *firsts[:-1]]
         ]
         joining = [
             m.handle._weight_sync_join.remote(spec.model_dump_json(), config.max_metadata_bytes)
@@ -526,12 +530,15 @@ def _choose_backend(
 
 def _choose_mode(config: SyncConfig, infos: list[MemberInfo]) -> ModeName:
     here = dist.is_available() and dist.is_initialized()
-    anyone = here or any(info.has_default_group for info in infos)
+    # 'world' makes each member's process group the default one: that needs one rank per
+    # process, which a member bringing several ranks (an engine's workers) cannot promise.
+    anyone = here or any(info.has_default_group or info.ranks > 1 for info in infos)
     if config.group_mode == "auto":
         return "standalone" if anyone else "world"
     if config.group_mode == "world" and anyone:
         raise TransportError(
-            "group_mode='world' but a member already has a torch.distributed default group; "
-            "use group_mode='standalone' or 'auto'"
+            "group_mode='world' but a member already has a torch.distributed default group (or "
+            "brings several ranks, as a tensor-parallel engine does); use group_mode="
+            "'standalone' or 'auto'"
         )
     return config.group_mode

@@ -17,10 +17,12 @@ has two halves:
 Only plain strings and ints cross ``collective_rpc``: the same JSON messages as every other
 member, so nothing is unpickled that the updater did not validate.
 
-Scope: one vLLM worker per engine (``tensor_parallel_size=1``, ``pipeline_parallel_size=1``);
-an engine with more workers is refused with a clear error. vLLM is not installed where this
-library is tested: ``tests/contract/test_vllm_contract.py`` runs the adapter against a host that
-calls it the way vLLM does (see the README for what has and has not been run for real).
+Tensor (and pipeline) parallel engines: every vLLM worker of the engine joins the sync group as
+a rank of its own (the engine tells the updater how many ranks it takes) and receives every
+bucket; the engine's ``load_weights`` on each worker keeps its shard of each full tensor, as it
+does when loading a checkpoint. vLLM is not installed where this library is tested:
+``tests/ray/test_vllm_contract.py`` runs the adapter against a host that calls it the way vLLM
+does (see the README for what has and has not been run for real).
 """
 
 from __future__ import annotations
@@ -59,10 +61,13 @@ class WeightSyncExtension:
         ).model_dump_json()  # fmt: skip
 
     def weight_sync_join(self, spec_json: str, max_metadata_bytes: int) -> None:
+        """Join as the engine's first rank plus this worker's rank within the engine."""
         if len(spec_json) > _MAX_SPEC_CHARS:
             raise ValueError("group spec too large")
         spec = GroupSpec.model_validate_json(spec_json)
-        self._weight_sync_receiver().join(spec, max_metadata_bytes)
+        local_rank = int(getattr(self, "rank", 0))  # vLLM's worker: its rank in the engine
+        ours = GroupSpec.model_validate({**spec.model_dump(), "rank": spec.rank + local_rank})
+        self._weight_sync_receiver().join(ours, max_metadata_bytes)
 
     def weight_sync_prepare(self, request_json: str) -> str:
         # The engine's load_weights decides what it can load: no up-front name check here.
@@ -130,26 +135,48 @@ class VLLMEngine:
         return self.llm.generate(*args, **kwargs), self.weights_version()
 
     def sync_status(self) -> SyncStatus:
-        return SyncStatus.model_validate_json(self._rpc("weight_sync_status"))
+        """The engine's status: its first worker's, unless another one disagrees (then that
+        one's, so a dirty or lagging worker is never hidden)."""
+        statuses = [SyncStatus.model_validate_json(s) for s in self._rpc("weight_sync_status")]
+        first = statuses[0]
+        return next((s for s in statuses if (s.version, s.dirty) != (first.version, first.dirty)), first)
 
     # -- protocol, called by WeightUpdater ---------------------------------------------------
 
     def _weight_sync_info(self) -> MemberInfo:
-        return MemberInfo.model_validate_json(self._rpc("weight_sync_info"))
+        infos = [MemberInfo.model_validate_json(i) for i in self._rpc("weight_sync_info")]
+        versions = {info.version for info in infos}
+        return infos[0].model_copy(update={
+            "has_default_group": any(info.has_default_group for info in infos),
+            "cuda": all(info.cuda for info in infos),
+            "version": versions.pop() if len(versions) == 1 else None,
+            "highest_version": max(info.highest_version for info in infos),
+            "concurrent": False, "ranks": len(infos),
+        })  # fmt: skip
 
     def _weight_sync_join(self, spec_json: str, max_metadata_bytes: int) -> None:
         self._rpc("weight_sync_join", spec_json, max_metadata_bytes)
 
     def _weight_sync_prepare(self, request_json: str) -> PrepareReply:
-        return PrepareReply.model_validate_json(self._rpc("weight_sync_prepare", request_json))
+        replies = [PrepareReply.model_validate_json(r)
+                   for r in self._rpc("weight_sync_prepare", request_json)]  # fmt: skip
+        return PrepareReply(
+            accepted=all(reply.accepted for reply in replies),
+            need_plan=any(reply.need_plan for reply in replies),
+            problems=tuple(dict.fromkeys(p for reply in replies for p in reply.problems)),
+        )
 
     def _weight_sync_receive(self, version: int) -> ReceiveReport:
         self._pause()
         try:
-            return ReceiveReport.model_validate_json(self._rpc("weight_sync_receive", version))
+            reports = [ReceiveReport.model_validate_json(r)
+                       for r in self._rpc("weight_sync_receive", version)]  # fmt: skip
         except BaseException:
             self._refresh_and_resume()  # streaming: weights may be part-new; stale KV must go
             raise
+        # Any worker's damaged bytes must reach the trainer's checksum comparison.
+        first = reports[0]
+        return next((r for r in reports if r.checksums != first.checksums), first)
 
     def _weight_sync_commit(self, version: int) -> None:
         try:
@@ -177,14 +204,12 @@ class VLLMEngine:
             self._paused = False
             self.resume_generation()
 
-    def _rpc(self, method: str, *args: Any) -> Any:
-        results = self.llm.collective_rpc(method, args=args)
-        if len(results) != 1:
-            raise WeightSyncError(
-                f"this engine runs {len(results)} vLLM workers; weight_sync's vLLM adapter "
-                "supports one per engine (tensor_parallel_size=1, pipeline_parallel_size=1)"
-            )
-        return results[0]
+    def _rpc(self, method: str, *args: Any) -> list[Any]:
+        """``method`` on every worker of the engine; one result per worker."""
+        results = list(self.llm.collective_rpc(method, args=args))
+        if not results:
+            raise WeightSyncError(f"collective_rpc({method!r}) reached no vLLM worker")
+        return results
 
 
 RemoteVLLMEngine = ray.remote(VLLMEngine)
