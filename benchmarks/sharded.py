@@ -14,8 +14,6 @@ import argparse
 import datetime
 import os
 import statistics
-import weakref
-from typing import Any
 
 import ray
 import torch
@@ -38,22 +36,6 @@ class Worker(WeightSyncWorker):
         super().__init__()
         torch.set_num_threads(1)
         self.model = build(layers, dim)
-
-
-class PeakSource(ShardedSource):
-    """Tracks the most bytes of gathered full tensors alive at once."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.alive: list[weakref.ref] = []
-        self.peak = 0
-
-    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        full = super().gather(tensor)
-        if full is not tensor:
-            self.alive = [r for r in self.alive if r() is not None] + [weakref.ref(full)]
-            self.peak = max(self.peak, sum(t.nbytes for r in self.alive if (t := r()) is not None))
-        return full
 
 
 @ray.remote(num_cpus=0)
@@ -86,11 +68,11 @@ class Rank:
         return self.updater.push(self.model.state_dict()).seconds
 
     def push_sharded(self) -> tuple[float, int]:
-        source = PeakSource(self.model.state_dict())
+        source = ShardedSource(self.model.state_dict())
         if self.updater is None:
             source.serve()
             return 0.0, 0
-        return self.updater.push(source).seconds, source.peak
+        return self.updater.push(source).seconds, source.peak_gathered_bytes
 
     def digests(self) -> dict[str, str]:
         state = self.model.state_dict()

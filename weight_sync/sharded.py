@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +74,8 @@ class ShardedSource:
         self._device = _control_device(group)
         self._finished = False
         self._positions: dict[int, int] | None = None  # id(DTensor) -> entry index, on src
+        self._alive: list[weakref.ref[torch.Tensor]] = []  # gathered tensors, while referenced
+        self.peak_gathered_bytes = 0
         self._check_same_layout()
 
     @property
@@ -126,10 +129,14 @@ class ShardedSource:
         if not self._finished:
             self._finished = True
             self._send_command(_DONE if version is not None else _ABORT, version or 0)
+            logger.debug("sharded push %s; at most %d bytes of full tensors held at once",
+                         "failed" if version is None else f"of version {version} done",
+                         self.peak_gathered_bytes)  # fmt: skip
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """The full tensor of one of this source's entries, gathered with every rank if it is a
-        DTensor."""
+        DTensor. ``peak_gathered_bytes`` records the most bytes of gathered tensors still
+        referenced (by the sender, the wire) at once: the memory the gathering cost."""
         if not is_dtensor(tensor):
             return tensor
         if self._positions is None:
@@ -137,7 +144,11 @@ class ShardedSource:
         index = self._positions.get(id(tensor))
         assert index is not None, "gather() takes the DTensors of this source's own entries"
         self._send_command(_GATHER, index)
-        return _gather(tensor)
+        full = _gather(tensor)
+        self._alive = [ref for ref in self._alive if ref() is not None] + [weakref.ref(full)]
+        held = sum(t.nbytes for ref in self._alive if (t := ref()) is not None)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, held)
+        return full
 
     # -- internals ---------------------------------------------------------------------------
 

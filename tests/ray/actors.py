@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime
 import os
 import time
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -267,23 +266,6 @@ class LMWorker(WeightSyncWorker):
         return self.model.lm_head.weight is self.model.embed.weight
 
 
-class _TrackingSource(ShardedSource):
-    """Records the most bytes of gathered full tensors alive at once on the sending rank."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.alive: list[weakref.ref] = []
-        self.peak_bytes = 0
-
-    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        full = super().gather(tensor)
-        if full is not tensor:
-            self.alive = [ref for ref in self.alive if ref() is not None] + [weakref.ref(full)]
-            live = sum(t.nbytes for ref in self.alive if (t := ref()) is not None)
-            self.peak_bytes = max(self.peak_bytes, live)
-        return full
-
-
 @ray.remote(num_cpus=0)
 class ShardedTrainer:
     """One rank of a data-parallel trainer whose TinyLM is sharded with FSDP2 over Gloo; rank 0
@@ -324,10 +306,10 @@ class ShardedTrainer:
 
     def push(self) -> tuple[Any, int]:
         """(PushResult on rank 0 / version elsewhere, peak gathered bytes on rank 0)."""
-        source = _TrackingSource(self.model.state_dict())
+        source = ShardedSource(self.model.state_dict())
         if self.updater is None:
             return source.serve(), 0
-        return self.updater.push(source), source.peak_bytes
+        return self.updater.push(source), source.peak_gathered_bytes
 
     def push_sharded(self) -> Any:
         return push_sharded(self.model.state_dict(), self.updater)

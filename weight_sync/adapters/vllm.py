@@ -28,7 +28,6 @@ does (see the README for what has and has not been run for real).
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 import socket
 from collections.abc import Callable, Iterable
@@ -41,8 +40,6 @@ import torch.distributed as dist
 from weight_sync.errors import WeightSyncError
 from weight_sync.metadata import GroupSpec, MemberInfo, PrepareReply, ReceiveReport, SyncStatus
 from weight_sync.receiver import Receiver
-
-logger = logging.getLogger(__name__)
 
 EXTENSION = "weight_sync.adapters.vllm.WeightSyncExtension"
 _MAX_SPEC_CHARS = 4096
