@@ -208,7 +208,7 @@ class WeightUpdater:
             deadline = Deadline(self._config.push_timeout_s, "push")
             broadcasting = False
             try:
-                group = self._ensure_group(entries.tensors, deadline)  # may raise _next_version
+                group = self._ensure_group(entries.tensors, deadline)  # may move _next_version up
                 plan = self._plan(group, entries)
                 version = self._next_version
                 clock.lap("group")
