@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         nodes = ray.get([actor.node.remote() for actor in actors], timeout=args.timeout)
         config = _sync_config(args, nodes)
         ray.get(trainer.connect.remote(workers, config), timeout=args.timeout)
-        print(f"trainer on {nodes[0]['ip']}; workers on {_count_by_ip(nodes[1:])}; "
+        print(f"trainer on {_where(nodes[0])}; workers on {_count_by_node(nodes[1:])}; "
               f"{'GPU' if placement.layout.gpus else 'CPU'} bundles, {placement.layout.strategy}; "
               f"group listens on {config.get('interface') or config['master_addr']}", flush=True)  # fmt: skip
         print(f"{'version':>7} {'MB':>9} {'buckets':>7} {'seconds':>8} {'GB/s':>6}  phases (s)")
@@ -167,11 +167,16 @@ def _sync_config(args: argparse.Namespace, nodes: list[dict[str, str]]) -> dict[
     return config
 
 
-def _count_by_ip(nodes: list[dict[str, str]]) -> str:
+def _where(node: dict[str, str]) -> str:
+    """``ip/node``: several nodes may share an address (one machine)."""
+    return f"{node['ip']}/{node['node_id'][:6]}"
+
+
+def _count_by_node(nodes: list[dict[str, str]]) -> str:
     counts: dict[str, int] = {}
     for node in nodes:
-        counts[node["ip"]] = counts.get(node["ip"], 0) + 1
-    return ", ".join(f"{ip} x{count}" for ip, count in counts.items())
+        counts[_where(node)] = counts.get(_where(node), 0) + 1
+    return ", ".join(f"{where} x{count}" for where, count in counts.items())
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
