@@ -13,18 +13,22 @@ every tensor -- where it was, so the mix of versions is always stated, never sil
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from pydantic import ValidationError
 
 from weight_sync.errors import WeightSyncError
 from weight_sync.metadata import (
     TRAINER_RANK,
     GroupSpec,
+    MemberInfo,
     Phase,
     PrepareReply,
     PrepareRequest,
@@ -46,6 +50,7 @@ from weight_sync.transport import TorchGroup, Transport, Work
 logger = logging.getLogger(__name__)
 
 Apply = Callable[[NamedTensors], None]
+_MAX_SPEC_CHARS = 4096
 _PLAN_CACHE_SIZE = 8
 
 
@@ -120,10 +125,29 @@ class Receiver:
         """The group this worker is in, if any."""
         return self._transport
 
+    def info(self, concurrent: bool = False) -> MemberInfo:
+        """What this member tells the trainer before a group is built."""
+        return MemberInfo(
+            has_default_group=dist.is_available() and dist.is_initialized(),
+            cuda=torch.cuda.is_available(), version=self.version,
+            highest_version=self.highest_version, hostname=socket.gethostname(),
+            pid=os.getpid(), concurrent=concurrent,
+        )  # fmt: skip
+
     def join(self, spec: GroupSpec, max_metadata_bytes: int) -> None:
         self.leave()
         self._max_metadata_bytes = max_metadata_bytes
         self._transport = TorchGroup.join(spec)
+
+    def join_json(self, spec_json: str, max_metadata_bytes: int, rank_offset: int = 0) -> None:
+        """Join the group described by ``spec_json`` as it arrived (bounded, validated), as
+        its rank plus ``rank_offset`` (a member's further ranks: an engine's other workers)."""
+        if len(spec_json) > _MAX_SPEC_CHARS:
+            raise ValueError("group spec too large")
+        spec = GroupSpec.model_validate_json(spec_json)
+        if rank_offset:
+            spec = GroupSpec.model_validate({**spec.model_dump(), "rank": spec.rank + rank_offset})
+        self.join(spec, max_metadata_bytes)
 
     def leave(self) -> None:
         """Leave the group, dropping any push not yet committed (atomic: the old weights stay;

@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
-import socket
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import ray
 import torch
-import torch.distributed as dist
 
 from weight_sync.metadata import (
-    GroupSpec,
     MemberInfo,
     PrepareReply,
     ReceiveReport,
@@ -28,8 +24,6 @@ from weight_sync.metadata import (
 )
 from weight_sync.receiver import Receiver
 from weight_sync.verify import state_dict_digests
-
-_MAX_SPEC_CHARS = 4096
 
 SYNC_GROUP = "weight_sync"  # the protocol's calls; one at a time
 STATUS_GROUP = "weight_sync_status"  # health: answers while a push runs
@@ -116,20 +110,11 @@ class WeightSyncWorker:
     # -- protocol, called by WeightUpdater -------------------------------------------------------
 
     def _weight_sync_info(self) -> MemberInfo:
-        return MemberInfo(
-            has_default_group=dist.is_available() and dist.is_initialized(),
-            cuda=torch.cuda.is_available(),
-            version=self._weight_sync_state().version,
-            highest_version=self._weight_sync_state().highest_version,
-            hostname=socket.gethostname(),
-            pid=os.getpid(),
-            concurrent=getattr(self, "_weight_sync_concurrent", False),
-        )
+        concurrent = getattr(self, "_weight_sync_concurrent", False)
+        return self._weight_sync_state().info(concurrent)
 
     def _weight_sync_join(self, spec_json: str, max_metadata_bytes: int) -> None:
-        if len(spec_json) > _MAX_SPEC_CHARS:
-            raise ValueError("group spec too large")
-        self._weight_sync_state().join(GroupSpec.model_validate_json(spec_json), max_metadata_bytes)
+        self._weight_sync_state().join_json(spec_json, max_metadata_bytes)
 
     def _weight_sync_prepare(self, request_json: str) -> PrepareReply:
         return self._weight_sync_state().prepare(request_json, self.weight_sync_expected)

@@ -28,43 +28,29 @@ does (see the README for what has and has not been run for real).
 from __future__ import annotations
 
 import importlib
-import os
-import socket
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import ray
 import torch
-import torch.distributed as dist
 
 from weight_sync.errors import WeightSyncError
-from weight_sync.metadata import GroupSpec, MemberInfo, PrepareReply, ReceiveReport, SyncStatus
+from weight_sync.metadata import MemberInfo, PrepareReply, ReceiveReport, SyncStatus
 from weight_sync.receiver import Receiver
 
 EXTENSION = "weight_sync.adapters.vllm.WeightSyncExtension"
-_MAX_SPEC_CHARS = 4096
 
 
 class WeightSyncExtension:
     """Mixed into vLLM's worker class: ``self.model_runner.model`` is the engine's model."""
 
     def weight_sync_info(self) -> str:
-        receiver = self._weight_sync_receiver()
-        return MemberInfo(
-            has_default_group=dist.is_available() and dist.is_initialized(),
-            cuda=torch.cuda.is_available(), version=receiver.version,
-            highest_version=receiver.highest_version, hostname=socket.gethostname(),
-            pid=os.getpid(),
-        ).model_dump_json()  # fmt: skip
+        return self._weight_sync_receiver().info().model_dump_json()
 
     def weight_sync_join(self, spec_json: str, max_metadata_bytes: int) -> None:
         """Join as the engine's first rank plus this worker's rank within the engine."""
-        if len(spec_json) > _MAX_SPEC_CHARS:
-            raise ValueError("group spec too large")
-        spec = GroupSpec.model_validate_json(spec_json)
         local_rank = int(getattr(self, "rank", 0))  # vLLM's worker: its rank in the engine
-        ours = GroupSpec.model_validate({**spec.model_dump(), "rank": spec.rank + local_rank})
-        self._weight_sync_receiver().join(ours, max_metadata_bytes)
+        self._weight_sync_receiver().join_json(spec_json, max_metadata_bytes, local_rank)
 
     def weight_sync_prepare(self, request_json: str) -> str:
         # The engine's load_weights decides what it can load: no up-front name check here.
