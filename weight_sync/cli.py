@@ -7,13 +7,7 @@ import logging
 import sys
 
 from weight_sync.job import add_arguments as add_job_arguments
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+from weight_sync.job import positive_int
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,9 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
         "actors on CPU, take optimizer steps with a push after each, print a table per push and "
         "verify that every worker holds the trainer's weights bit for bit.",
     )
-    demo.add_argument("--workers", type=_positive, default=7, help="worker actors (default 7)")
-    demo.add_argument("--steps", type=_positive, default=5, help="optimizer steps (default 5)")
-    demo.add_argument("--bucket-mb", type=_positive, default=None,
+    demo.add_argument("--workers", type=positive_int, default=7, help="worker actors (default 7)")
+    demo.add_argument("--steps", type=positive_int, default=5, help="optimizer steps (default 5)")
+    demo.add_argument("--bucket-mb", type=positive_int, default=None,
                       help="bucket size in MiB (default: SyncConfig's)")
     demo.add_argument(
         "--address", default=None,
@@ -49,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "tensor), W4 (mixed dtypes); default all")
     bench.add_argument("--strategies", default="weight_sync,raw,per_tensor,fanout,object_store",
                        help="comma-separated; default all")
-    bench.add_argument("--workers", type=_positive, default=7, help="worker actors (default 7)")
-    bench.add_argument("--repeats", type=_positive, default=5,
+    bench.add_argument("--workers", type=positive_int, default=7, help="worker actors (default 7)")
+    bench.add_argument("--repeats", type=positive_int, default=5,
                        help="timed transfers per strategy after one warm-up (default 5)")
     bench.add_argument("--sweep", action="store_true", help="also sweep the bucket size on W1")
     bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu",

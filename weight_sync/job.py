@@ -180,10 +180,10 @@ def _count_by_node(nodes: list[dict[str, str]]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=_positive_int, default=7, help="worker actors (default 7)")
+    parser.add_argument("--workers", type=positive_int, default=7, help="worker actors (default 7)")
     parser.add_argument("--size-mb", type=_positive_float, default=256.0,
                         help="model size in MB, fp32 (default 256)")
-    parser.add_argument("--pushes", type=_positive_int, default=5, help="pushes (default 5)")
+    parser.add_argument("--pushes", type=positive_int, default=5, help="pushes (default 5)")
     parser.add_argument("--spread", action="store_true",
                         help="spread actors across nodes (default: pack them on one node)")
     parser.add_argument("--gpus", choices=("auto", "yes", "no"), default="auto",
@@ -193,7 +193,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master-addr", default=None,
                         help="address the group listens on (default: loopback when on one node, "
                         "else the trainer node's address)")
-    parser.add_argument("--bucket-mb", type=_positive_int, default=None,
+    parser.add_argument("--bucket-mb", type=positive_int, default=None,
                         help="bucket size in MiB (default: SyncConfig's)")
     parser.add_argument("--address", default=None,
                         help="Ray cluster to join (default: RAY_ADDRESS, the job's cluster, or a "
@@ -231,7 +231,8 @@ def run_job(args: argparse.Namespace) -> int:
     return 0 if report["verified"] == args.workers else 1
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1 (the command line's counts and sizes)."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
