@@ -5,7 +5,6 @@ Used by ``weight-sync demo``; also the smallest complete picture of how the piec
 
 from __future__ import annotations
 
-import logging
 import os
 
 import ray
@@ -13,9 +12,9 @@ import torch
 from torch import nn
 
 from weight_sync import PushResult, SyncConfig, WeightSyncWorker, WeightUpdater, remote_worker
+from weight_sync.actors.fleet import count_verified, take_down
 from weight_sync.verify import state_dict_digests
 
-logger = logging.getLogger(__name__)
 MiB = 1 << 20
 
 
@@ -101,20 +100,12 @@ def run_demo(workers: int = 7, steps: int = 5, address: str | None = None,
                   f"{result.buckets:>7} {result.seconds:>8.3f} {result.gbps:>6.2f}")
         if result is None:
             return 0
-        want = ray.get(trainer.digests.remote(), timeout=timeout_s)
-        got = ray.get([w.weight_sync_digests.remote() for w in handles], timeout=timeout_s)
-        versions = ray.get([w.weights_version.remote() for w in handles], timeout=timeout_s)
-        good = sum(d == want and v == result.version for d, v in zip(got, versions, strict=True))
+        good, tensors = count_verified(trainer, handles, result.version, timeout_s)
         verdict = "OK" if good == workers else "FAILED"
         print(f"verified: {good}/{workers} workers hold version {result.version}, "
-              f"{len(want)} tensors bit-exact (sha256) -- {verdict}")
+              f"{tensors} tensors bit-exact (sha256) -- {verdict}")
         return 0 if good == workers else 1
     finally:
-        try:
-            ray.get(trainer.close.remote(), timeout=60)
-        except Exception as exc:  # report, but do not hide the loop's own error
-            logger.warning("closing the trainer: %s", exc)
-        for actor in [trainer, *handles]:
-            ray.kill(actor)
+        take_down(trainer, handles)
         if started_here:
             ray.shutdown()

@@ -25,10 +25,10 @@ import ray
 import torch
 
 from weight_sync import PushResult, SyncConfig, WeightSyncWorker, WeightUpdater
+from weight_sync.actors.fleet import count_verified, take_down
 from weight_sync.placement import reserve
 from weight_sync.verify import state_dict_digests
 
-logger = logging.getLogger(__name__)
 MB = 1_000_000
 TENSOR_BYTES = 16 * MB  # the synthetic model: fp32 tensors of at most this size
 
@@ -120,11 +120,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             phases = " ".join(f"{k}={v:.3f}" for k, v in result.phases.items() if k != "total")
             print(f"{result.version:>7} {result.nbytes / MB:>9.1f} {result.buckets:>7} "
                   f"{result.seconds:>8.3f} {result.gbps:>6.2f}  {phases}", flush=True)  # fmt: skip
-        want = ray.get(trainer.digests.remote(), timeout=args.timeout)
-        got = ray.get([w.weight_sync_digests.remote() for w in workers], timeout=args.timeout)
-        versions = ray.get([w.weights_version.remote() for w in workers], timeout=args.timeout)
-        last = results[-1].version if results else None
-        verified = sum(d == want and v == last for d, v in zip(got, versions, strict=True))
+        last = results[-1].version if results else 0
+        verified, tensors = count_verified(trainer, workers, last, args.timeout)
         report = {
             "workers": args.workers, "pushes": args.pushes, "size_mb": args.size_mb,
             "verified": verified, "version": last, "trainer_node": nodes[0],
@@ -135,18 +132,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "seconds": [r.seconds for r in results],
         }  # fmt: skip
         verdict = "OK" if verified == args.workers else "FAILED"
-        print(f"verified: {verified}/{args.workers} workers hold version {last}, {len(want)} "
+        print(f"verified: {verified}/{args.workers} workers hold version {last}, {tensors} "
               f"tensors bit-exact (sha256); median {report['median_seconds'] or 0:.3f}s "
               f"({report['median_gbps'] or 0:.2f} GB/s) -- {verdict}")  # fmt: skip
         print("REPORT " + json.dumps(report), flush=True)
         return report
     finally:
-        try:
-            ray.get(trainer.close.remote(), timeout=60)
-        except Exception as exc:  # report, but do not hide the job's own error
-            logger.warning("closing the trainer: %s", exc)
-        for actor in actors:
-            ray.kill(actor)
+        take_down(trainer, workers)
         placement.remove()
 
 
