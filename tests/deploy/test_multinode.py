@@ -46,10 +46,13 @@ def _netns_usable() -> str | None:
 class Node:
     netns: str
     ip: str
+    token: str  # the cluster's auth token: Ray 2.60 enforces token auth on `ray start` clusters
+
 
     def run(self, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
         env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
-               "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}  # fmt: skip
+               "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token,
+               "RAY_USAGE_STATS_ENABLED": "0"}  # fmt: skip
         return subprocess.run(["ip", "netns", "exec", self.netns, *args], env=env, timeout=timeout,
                               capture_output=True, text=True, check=check)  # fmt: skip
 
@@ -71,7 +74,9 @@ def cluster() -> Iterator[list[Node]]:
         pytest.skip(reason)
     tag = secrets.token_hex(3)
     subnet = f"10.{200 + int(tag[:2], 16) % 50}.{int(tag[2:4], 16)}"
-    nodes = [Node(f"ws{tag}h", f"{subnet}.1"), Node(f"ws{tag}w", f"{subnet}.2")]
+    # A token of the cluster's own, never ~/.ray/auth_token: a fresh machine has none.
+    token = secrets.token_hex(32)
+    nodes = [Node(f"ws{tag}h", f"{subnet}.1", token), Node(f"ws{tag}w", f"{subnet}.2", token)]
     links = [f"ws{tag}h0", f"ws{tag}w0"]
     temp = Path(tempfile.mkdtemp(prefix="ws_ray_"))
     try:
