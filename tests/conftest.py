@@ -1,5 +1,14 @@
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
+import ray
 import torch
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -9,3 +18,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    """One local Ray cluster for every Ray test (starting one costs seconds on 2 cores)."""
+    # Actor classes defined in test modules are imported by reference in the workers.
+    paths = [str(REPO), os.environ.get("PYTHONPATH", "")]
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
+    try:
+        yield
+    finally:
+        ray.shutdown()

@@ -110,6 +110,11 @@ class Unpacker:
     copied into its own destination) with its tensor, once that tensor is complete -- unless
     its destination is the very tensor that was just written, as in a model whose weights are
     tied the same way.
+
+    ``owned``: hand back only tensors that no later bucket will overwrite, for a consumer that
+    keeps them (vLLM's layerwise reload holds a layer's tensors until the layer is complete). A
+    packed bucket is then copied once, as a whole, and its tensors are views into the copy;
+    direct buckets and reassembled tensors are fresh memory already.
     """
 
     def __init__(
@@ -117,8 +122,10 @@ class Unpacker:
         plan: SyncPlan,
         destinations: Mapping[str, torch.Tensor] | None,
         device: torch.device,
+        owned: bool = False,
     ) -> None:
         self._plan = plan
+        self._owned = owned
         destinations = destinations or {}
         self._destinations = {
             index: destinations[meta.name]
@@ -159,6 +166,8 @@ class Unpacker:
     def unpack(self, bucket_index: int, data: torch.Tensor) -> NamedTensors:
         bucket = self._plan.buckets[bucket_index]
         assert data.dtype == torch.uint8 and data.numel() == bucket.nbytes
+        if self._owned and not bucket.direct:
+            data = data.clone()
         done: NamedTensors = []
         batch: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         completed: list[tuple[int, torch.Tensor]] = []  # tensors with ties, once whole

@@ -17,7 +17,8 @@ import os
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -50,8 +51,38 @@ from weight_sync.transport import TorchGroup, Transport, Work
 logger = logging.getLogger(__name__)
 
 Apply = Callable[[NamedTensors], None]
+# What a worker cannot load of a plan, given whether the push is partial; empty: all of it.
+Check = Callable[[SyncPlan, bool], Sequence[str]]
 _MAX_SPEC_CHARS = 4096
 _PLAN_CACHE_SIZE = 8
+
+
+@dataclass(frozen=True)
+class Loader:
+    """Where a worker's received tensors go.
+
+    ``load`` is called once per bucket with the tensors completed in it. ``window`` brackets all
+    of one push's loads: entered before the first, left after the last -- or with the exception
+    that cut the push short, which it may use to undo what it began. An engine that reloads its
+    weights layer by layer (vLLM) opens its reload there, once per push: a reload per bucket would
+    process layers whose tensors span buckets half-loaded. ``keeps``: ``load`` may hold on to the
+    tensors it is handed after returning (until the window closes), so it must never be handed
+    views into receive buffers that the push reuses.
+    """
+
+    load: Apply
+    window: Callable[[], AbstractContextManager[object]] = nullcontext
+    keeps: bool = False
+
+
+def accept_all(plan: SyncPlan, partial: bool) -> list[str]:
+    """A ``Check`` for workers whose ``load_weights`` decides for itself."""
+    return []
+
+
+def expecting(expected: Callable[[], Mapping[str, TensorMeta] | None]) -> Check:
+    """A ``Check`` against the target ``expected()`` names (see ``check_plan``)."""
+    return lambda plan, partial: check_plan(plan, expected(), partial)
 
 
 def check_plan(
@@ -177,10 +208,10 @@ class Receiver:
 
     # -- one push ----------------------------------------------------------------------------
 
-    def prepare(
-        self, request_json: str, expected: Callable[[], Mapping[str, TensorMeta] | None]
-    ) -> PrepareReply:
-        """Validate a push before any collective runs. Changes nothing the model can see."""
+    def prepare(self, request_json: str, check: Check) -> PrepareReply:
+        """Validate a push before any collective runs. Changes nothing the model can see.
+
+        ``check(plan, partial)`` says what this worker cannot load (see ``expecting``)."""
         self._prepared = None
         if len(request_json) > self._max_metadata_bytes:
             return _refuse(f"metadata of {len(request_json)} bytes exceeds max_metadata_bytes="
@@ -200,9 +231,9 @@ class Receiver:
             return _refuse("a partial push needs weights to complete, and this worker holds no "
                            "committed version: push the full state dict first")
         try:
-            problems = check_plan(plan, expected(), request.partial)
+            problems = list(check(plan, request.partial))
         except Exception as exc:  # a user's hook: report it instead of crashing the actor call
-            problems = [f"cannot list this worker's expected weights: {exc!r}"]
+            problems = [f"cannot check this push against the worker's weights: {exc!r}"]
         if problems:
             return _refuse(*problems)
         self._plans[plan.digest] = plan
@@ -217,19 +248,27 @@ class Receiver:
         self._phase = "prepared"
         return PrepareReply(accepted=True)
 
+    def cancel(self, version: int) -> None:
+        """Drop prepared push ``version`` before any byte of it moved (another worker refused
+        it). Idempotent; a push already receiving is not touched."""
+        if self._prepared is not None and self._prepared.version == version:
+            self._prepared, self._phase = None, "idle"
+
     def receive(
         self,
         version: int,
-        apply: Apply,
+        loader: Loader | Apply,
         destinations: Mapping[str, torch.Tensor] | None = None,
     ) -> ReceiveReport:
         """Take part in the broadcast of a prepared push.
 
         Streaming: each bucket is applied as it lands -- tensors named in ``destinations`` that
-        fit (``can_land_in``) are written there in place, the others go through ``apply`` --
-        and the worker is dirty from the first byte. Atomic: every bucket is kept in a staging
-        area and nothing reaches the model (or the version) before ``commit``.
+        fit (``can_land_in``) are written there in place, the others go to ``loader`` (one
+        window for the whole push) -- and the worker is dirty from the first byte. Atomic: every
+        bucket is kept in a staging area and nothing reaches the model (or the version) before
+        ``commit``.
         """
+        loader = _as_loader(loader)
         push, self._prepared = self._prepared, None
         transport = self._transport
         if push is None or push.version != version or transport is None:
@@ -245,8 +284,9 @@ class Receiver:
                 self._staged = _receive_all(transport, push.plan, sums, self._advance)
             else:
                 self.version, self.full_version, self.dirty = None, None, True
-                unpacker = Unpacker(push.plan, destinations, transport.device)
-                _stream(transport, push.plan, apply, unpacker, sums, self._advance)
+                unpacker = Unpacker(push.plan, destinations, transport.device, owned=loader.keeps)
+                with loader.window():
+                    _stream(transport, push.plan, loader.load, unpacker, sums, self._advance)
         except BaseException as exc:
             # With concurrency groups, the updater may already have had this worker leave and
             # join a new group while this receive was failing: touch only what is still ours.
@@ -270,10 +310,12 @@ class Receiver:
     def commit(
         self,
         version: int,
-        apply: Apply,
+        loader: Loader | Apply,
         destinations: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-        """The trainer saw every worker receive ``version``: claim it (atomic: apply it first)."""
+        """The trainer saw every worker receive ``version``: claim it (atomic: apply it first,
+        in one ``loader`` window; the staging area outlives it, so nothing needs copying)."""
+        loader = _as_loader(loader)
         push, staged = self._received, self._staged
         self._received, self._staged = None, None
         if push is None or push.version != version:
@@ -285,7 +327,8 @@ class Receiver:
         if staged is not None:
             self._phase, self.version, self.full_version, self.dirty = "applying", None, None, True
             try:
-                _apply_staged(push.plan, staged, apply, destinations)
+                with loader.window():
+                    _apply_staged(push.plan, staged, loader.load, destinations)
             except BaseException as exc:
                 self._fail(exc)
                 raise
@@ -394,3 +437,7 @@ def _apply_staged(
 
 def _refuse(*problems: str) -> PrepareReply:
     return PrepareReply(accepted=False, problems=problems)
+
+
+def _as_loader(loader: Loader | Apply) -> Loader:
+    return loader if isinstance(loader, Loader) else Loader(loader)

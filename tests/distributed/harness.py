@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from weight_sync.metadata import GroupSpec, PrepareRequest, SyncPlan, TensorMeta
-from weight_sync.receiver import Receiver
+from weight_sync.receiver import Receiver, expecting
 from weight_sync.sender import Sender
 from weight_sync.transport import TorchGroup, bind_listener
 from weight_sync.verify import state_dict_digests
@@ -119,7 +119,7 @@ def receive_plan(spec: GroupSpec, plan: SyncPlan, expected: Mapping[str, TensorM
         request = PrepareRequest(
             version=version, plan_digest=plan.digest, plan=plan, staging=staging
         ).model_dump_json()
-        reply = receiver.prepare(request, lambda: expected)
+        reply = receiver.prepare(request, expecting(lambda: expected))
         assert reply.accepted, reply.problems
         got: dict[str, torch.Tensor] = {}
 

@@ -17,7 +17,7 @@ from weight_sync import SyncConfig
 from weight_sync.errors import TransportError, WeightSyncError
 from weight_sync.metadata import PrepareRequest, TensorMeta
 from weight_sync.planner import make_plan
-from weight_sync.receiver import Receiver
+from weight_sync.receiver import Receiver, accept_all
 from weight_sync.sender import Entries, PushPlanner, Sender
 from weight_sync.transport import TorchGroup
 from weight_sync.transport.rendezvous import open_store
@@ -200,7 +200,7 @@ def failing_member_rank(ctx: RankContext, mode: str) -> tuple[str, float]:
     receiver = Receiver()
     receiver.join(spec, max_metadata_bytes=1 << 20)
     request = PrepareRequest(version=1, plan_digest=plan.digest, plan=plan).model_dump_json()
-    assert receiver.prepare(request, lambda: None).accepted
+    assert receiver.prepare(request, accept_all).accepted
     calls = []
 
     def apply(items) -> None:

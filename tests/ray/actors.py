@@ -67,11 +67,11 @@ class FlakyWorker(ZooWorker.__ray_actor_class__):  # type: ignore[name-defined]
     def fail_next_commit(self) -> None:
         self.fail_commit = True
 
-    def _weight_sync_commit(self, version: int) -> None:
+    def _weight_sync_commit(self, version: int, timeout_s: float | None = None) -> None:
         if getattr(self, "fail_commit", False):
             self.fail_commit = False
             raise RuntimeError("injected commit failure")
-        super()._weight_sync_commit(version)
+        super()._weight_sync_commit(version, timeout_s)
 
     def load_weights(self, weights) -> None:
         if self.fail_after is not None:
@@ -132,10 +132,12 @@ class SlowWorker(WeightSyncWorker):
     def hang_in_next_join(self, seconds: float) -> None:
         self.hang_join_s = seconds
 
-    def _weight_sync_join(self, spec_json: str, max_metadata_bytes: int) -> None:
+    def _weight_sync_join(
+        self, spec_json: str, max_metadata_bytes: int, timeout_s: float | None = None
+    ) -> None:
         if self.hang_join_s:
             time.sleep(self.hang_join_s)  # as a worker whose network never lets it connect
-        super()._weight_sync_join(spec_json, max_metadata_bytes)
+        super()._weight_sync_join(spec_json, max_metadata_bytes, timeout_s)
 
     def tamper(self, flip: bool = False, delay_s: float = 0.0) -> None:
         """Tamper with the current group's transport (see _Tampered)."""

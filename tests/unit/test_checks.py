@@ -8,7 +8,7 @@ from weight_sync import SyncConfig
 from weight_sync.mapping import fuse
 from weight_sync.metadata import PrepareRequest, TensorMeta
 from weight_sync.planner import make_plan
-from weight_sync.receiver import Receiver, check_plan
+from weight_sync.receiver import Receiver, accept_all, check_plan
 from weight_sync.sender import PushPlanner, check_state_dict
 
 
@@ -98,15 +98,15 @@ def request(plan, version: int = 1, with_plan: bool = True) -> str:
 def test_receiver_refuses_oversized_and_malformed_metadata() -> None:
     receiver = Receiver()
     receiver._max_metadata_bytes = 100
-    reply = receiver.prepare(request(plan_of(w=torch.zeros(1))), lambda: None)
+    reply = receiver.prepare(request(plan_of(w=torch.zeros(1))), accept_all)
     assert not reply.accepted and "exceeds max_metadata_bytes" in reply.problems[0]
     receiver._max_metadata_bytes = 1 << 20
-    reply = receiver.prepare('{"version": 1, "plan_digest": "x"}', lambda: None)
+    reply = receiver.prepare('{"version": 1, "plan_digest": "x"}', accept_all)
     assert not reply.accepted and "malformed metadata" in reply.problems[0]
     plan = plan_of(w=torch.zeros(1))
     tampered = request(plan).replace(plan.digest, "0" * 64)
-    assert receiver.prepare(tampered, lambda: None).problems == ("plan does not match its digest",)
-    assert receiver.prepare(request(plan, with_plan=False), lambda: None).need_plan
+    assert receiver.prepare(tampered, accept_all).problems == ("plan does not match its digest",)
+    assert receiver.prepare(request(plan, with_plan=False), accept_all).need_plan
     assert receiver.version is None and not receiver.dirty
 
 

@@ -218,9 +218,10 @@ class WeightUpdater:
                 self._transfer(group, version, plan, tensors, deadline)
                 clock.lap("transfer")
                 self._next_version = version + 1
+                timeout_s = deadline.left(self._config.rpc_timeout_s)
                 self._settle(
-                    [m.handle._weight_sync_commit.remote(version) for m in self._members],
-                    "commit", deadline.left(self._config.rpc_timeout_s),
+                    [m.handle._weight_sync_commit.remote(version, timeout_s=timeout_s)
+                     for m in self._members], "commit", timeout_s,
                 )  # fmt: skip
                 clock.lap("commit")
             except BaseException as exc:
@@ -289,6 +290,8 @@ class WeightUpdater:
         problems = {i: reply.problems or ("refused",) for i, reply in enumerate(replies)
                     if not reply.accepted}  # fmt: skip
         if problems:
+            self._cancel(version, [m for m, r in zip(self._members, replies, strict=True) if r.accepted],
+                         deadline)  # fmt: skip
             raise PlanMismatchError(problems)
         for member in self._members:
             member.known_plan = plan.digest
@@ -298,6 +301,7 @@ class WeightUpdater:
     ) -> list[PrepareReply]:
         by_hash = request.model_dump_json()
         with_plan: str | None = None  # serialised only if some worker lacks the plan
+        timeout_s = deadline.left(self._config.rpc_timeout_s)
         refs: list[ray.ObjectRef] = []
         for member in members:
             message = by_hash
@@ -305,8 +309,18 @@ class WeightUpdater:
                 if with_plan is None:
                     with_plan = request.model_copy(update={"plan": plan}).model_dump_json()
                 message = with_plan
-            refs.append(member.handle._weight_sync_prepare.remote(message))
-        return self._settle(refs, "prepare", deadline.left(self._config.rpc_timeout_s))
+            refs.append(member.handle._weight_sync_prepare.remote(message, timeout_s=timeout_s))
+        return self._settle(refs, "prepare", timeout_s)
+
+    def _cancel(self, version: int, members: list[_Member], deadline: Deadline) -> None:
+        """Tell workers that accepted a push refused elsewhere to drop it (an engine that paused
+        its generation for the push resumes). Bounded; a worker that cannot act on it drops the
+        push at its next prepare anyway."""
+        wait_s = min(_GRACE_S, deadline.remaining())
+        refs = [m.handle._weight_sync_cancel.remote(version, timeout_s=wait_s) for m in members]
+        outcomes = collect(refs, wait_s)
+        if not outcomes.ok:
+            logger.warning("cancelling a refused push: %s", outcomes.error("cancel", wait_s))
 
     def _transfer(
         self,
@@ -316,7 +330,8 @@ class WeightUpdater:
         tensors: Sequence[torch.Tensor],
         deadline: Deadline,
     ) -> None:
-        receiving = [self._receive_call(member, version) for member in self._members]
+        timeout_s = deadline.remaining()
+        receiving = [self._receive_call(member, version, timeout_s) for member in self._members]
         try:
             sent = Sender(group).send(plan, tensors, deadline, self._config.checksum)
         except WeightSyncError as exc:
@@ -329,11 +344,11 @@ class WeightUpdater:
         if sent is not None:
             _check_checksums(outcomes.results, sent)
 
-    def _receive_call(self, member: _Member, version: int) -> ray.ObjectRef:
+    def _receive_call(self, member: _Member, version: int, timeout_s: float) -> ray.ObjectRef:
         method: Any = member.handle._weight_sync_receive
         if member.concurrent and self._config.staging == "atomic":
             method = method.options(concurrency_group=SYNC_GROUP)  # beside the actor's serving
-        return method.remote(version)
+        return method.remote(version, timeout_s=timeout_s)
 
     # -- failures ------------------------------------------------------------------------------
 
@@ -386,9 +401,10 @@ class WeightUpdater:
         if self._group is not None:
             return self._group
         config = self._config
+        probe_s = deadline.left(config.rpc_timeout_s)
         infos: list[MemberInfo] = self._settle(
-            [m.handle._weight_sync_info.remote() for m in self._members], "probe",
-            deadline.left(config.rpc_timeout_s),
+            [m.handle._weight_sync_info.remote(timeout_s=probe_s) for m in self._members], "probe",
+            probe_s,
         )  # fmt: skip
         for member, info in zip(self._members, infos, strict=True):
             member.concurrent = info.concurrent
@@ -419,10 +435,12 @@ class WeightUpdater:
             )  # fmt: skip
             for rank in [TRAINER_RANK, *firsts[:-1]]
         ]
+        join_s = deadline.left(config.rpc_timeout_s)
         joining = [
-            m.handle._weight_sync_join.remote(spec.model_dump_json(), config.max_metadata_bytes)
+            m.handle._weight_sync_join.remote(spec.model_dump_json(), config.max_metadata_bytes,
+                                              timeout_s=join_s)
             for m, spec in zip(self._members, specs[1:], strict=True)
-        ]
+        ]  # fmt: skip
         try:
             group = TorchGroup.join(specs[TRAINER_RANK], listener)
         except WeightSyncError as exc:
@@ -463,10 +481,10 @@ class WeightUpdater:
     def _leave_workers(self, deadline: Deadline | None = None) -> None:
         """Ask every worker to leave, waiting at most what is left of ``deadline``: the request is
         sent either way, and a worker that cannot act on it is left to its own timeouts."""
-        refs = [m.handle._weight_sync_leave.remote() for m in self._members]
         wait_s = min(_GRACE_S, self._config.rpc_timeout_s)
         if deadline is not None:
             wait_s = min(wait_s, deadline.remaining())
+        refs = [m.handle._weight_sync_leave.remote(timeout_s=wait_s) for m in self._members]
         outcomes = collect(refs, wait_s)
         if not outcomes.ok:
             logger.warning(

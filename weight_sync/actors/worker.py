@@ -22,7 +22,7 @@ from weight_sync.metadata import (
     SyncStatus,
     TensorMeta,
 )
-from weight_sync.receiver import Receiver
+from weight_sync.receiver import Receiver, expecting
 from weight_sync.verify import state_dict_digests
 
 SYNC_GROUP = "weight_sync"  # the protocol's calls; one at a time
@@ -38,6 +38,7 @@ _METHOD_GROUPS = {
     "_weight_sync_info": STATUS_GROUP,
     "_weight_sync_join": SYNC_GROUP,
     "_weight_sync_prepare": SYNC_GROUP,
+    "_weight_sync_cancel": SYNC_GROUP,
     "_weight_sync_leave": SYNC_GROUP,
 }
 
@@ -108,27 +109,35 @@ class WeightSyncWorker:
         return state_dict_digests(self._weight_sync_model().state_dict())
 
     # -- protocol, called by WeightUpdater -------------------------------------------------------
+    # Every call carries ``timeout_s``, what the push has left for it: a member that forwards the
+    # call elsewhere (a vLLM engine to its worker processes) bounds its own wait with it. Here
+    # everything runs in this process, and the trainer bounds its wait for the answer.
 
-    def _weight_sync_info(self) -> MemberInfo:
+    def _weight_sync_info(self, timeout_s: float | None = None) -> MemberInfo:
         concurrent = getattr(self, "_weight_sync_concurrent", False)
         return self._weight_sync_state().info(concurrent)
 
-    def _weight_sync_join(self, spec_json: str, max_metadata_bytes: int) -> None:
+    def _weight_sync_join(
+        self, spec_json: str, max_metadata_bytes: int, timeout_s: float | None = None
+    ) -> None:
         self._weight_sync_state().join_json(spec_json, max_metadata_bytes)
 
-    def _weight_sync_prepare(self, request_json: str) -> PrepareReply:
-        return self._weight_sync_state().prepare(request_json, self.weight_sync_expected)
+    def _weight_sync_prepare(self, request_json: str, timeout_s: float | None = None) -> PrepareReply:
+        return self._weight_sync_state().prepare(request_json, expecting(self.weight_sync_expected))
 
-    def _weight_sync_receive(self, version: int) -> ReceiveReport:
+    def _weight_sync_cancel(self, version: int, timeout_s: float | None = None) -> None:
+        self._weight_sync_state().cancel(version)
+
+    def _weight_sync_receive(self, version: int, timeout_s: float | None = None) -> ReceiveReport:
         state = self._weight_sync_state()
         return state.receive(version, self.load_weights, self.weight_sync_destinations())
 
-    def _weight_sync_commit(self, version: int) -> None:
+    def _weight_sync_commit(self, version: int, timeout_s: float | None = None) -> None:
         state = self._weight_sync_state()
         destinations = self.weight_sync_destinations() if state.staged else None
         state.commit(version, self.load_weights, destinations)
 
-    def _weight_sync_leave(self) -> None:
+    def _weight_sync_leave(self, timeout_s: float | None = None) -> None:
         self._weight_sync_state().leave()
 
     # -- internals -----------------------------------------------------------------------------

@@ -1,0 +1,74 @@
+"""Real vLLM engines (the CPU build) as Ray actors, shared by the tests of this folder.
+
+Starting one costs 40-80 s of the 2 cores here (three processes, each importing vLLM), so the
+engines start together, once per session, and tests push whatever they need into them: every
+test begins with a full push of its own, never relying on what an earlier one left behind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+import pytest
+import ray
+
+from tests.vllm.models import LLAMA, LONG, QWEN2, engine_options, save
+
+vllm = pytest.importorskip("vllm", reason="the real-vLLM tests need the vllm extra")
+
+from weight_sync.adapters.vllm import RemoteVLLMEngine  # noqa: E402
+
+READY_S = 600  # engines start together on 2 cores
+# Single-rank engines leave OpenMP threads unbound (vLLM's automatic binding would pin every
+# engine to the same core); the tensor-parallel engine gives each worker a core of its own.
+UNBOUND = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+TWO_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+def _start(options: dict, env: dict[str, str], **engine: object) -> object:
+    return RemoteVLLMEngine.options(num_cpus=0, runtime_env={"env_vars": env}).remote(
+        **engine, **options
+    )
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    return {"qwen2": save(QWEN2, root / "qwen2", seed=0), "llama": save(LLAMA, root / "llama", seed=0)}
+
+
+@pytest.fixture(scope="session")
+def engines(ray_cluster: None, model_dirs: dict[str, str]) -> Iterator[dict[str, object]]:
+    """qwen2: offline LLM, float32, tied embeddings; llama: AsyncLLM, float32, untied;
+    qwen2_tp2_bf16: offline LLM, bfloat16, tensor parallelism 2 (one worker per core)."""
+    started = {
+        "qwen2": _start(engine_options(model_dirs["qwen2"]), UNBOUND),
+        "llama": _start(engine_options(model_dirs["llama"], max_model_len=LONG + 64), UNBOUND,
+                        async_engine=True),
+        "qwen2_tp2_bf16": _start(
+            engine_options(model_dirs["qwen2"], dtype="bfloat16", tensor_parallel_size=2),
+            TWO_CORES,
+        ),
+    }
+    try:
+        ray.get([engine.weights_version.remote() for engine in started.values()], timeout=READY_S)
+        yield started
+    finally:
+        shutdowns = [engine.shutdown.remote() for engine in started.values()]
+        ray.wait(shutdowns, num_returns=len(shutdowns), timeout=120)
+        for engine in started.values():
+            ray.kill(engine)
+
+
+@pytest.fixture
+def qwen2(engines: dict[str, object]) -> object:
+    return engines["qwen2"]
+
+
+@pytest.fixture
+def llama(engines: dict[str, object]) -> object:
+    return engines["llama"]
+
+
+@pytest.fixture
+def qwen2_tp2_bf16(engines: dict[str, object]) -> object:
+    return engines["qwen2_tp2_bf16"]

@@ -1,0 +1,135 @@
+"""Tiny models for the real-vLLM tests, from configs in code (no hub), and a trainer actor that
+owns one with an optimizer and a ``WeightUpdater`` -- and computes, with ``transformers``, the
+reference the engines must match."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from weight_sync import PushResult, SyncConfig, WeightUpdater
+from weight_sync.adapters.hf import load_model
+
+# vLLM's CPU attention needs a head size of 32 or more: hidden 64 over 2 heads. Both have
+# biases or not, GQA, and names vLLM stacks (q/k/v -> qkv_proj, gate/up -> gate_up_proj).
+QWEN2 = {  # tied embeddings, q/k/v biases
+    "model_type": "qwen2", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+    "max_position_embeddings": 512, "tie_word_embeddings": True, "initializer_range": 0.1,
+}  # fmt: skip
+LLAMA = {  # untied LM head, no biases
+    "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 160,
+    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+    "max_position_embeddings": 4096, "tie_word_embeddings": False, "initializer_range": 0.1,
+}  # fmt: skip
+MAX_MODEL_LEN = 256
+LONG = 2000  # tokens of a request long enough for a push to land while it generates
+BLOCK_TOKENS = 128  # vLLM's KV block on CPU: a prompt longer than this has a cacheable prefix
+
+
+def save(config: dict[str, Any], directory: Path, seed: int) -> str:
+    """``save_pretrained`` a randomly initialised model: the engine's starting weights."""
+    torch.manual_seed(seed)
+    load_model(config).save_pretrained(directory)
+    return str(directory)
+
+
+def engine_options(model: str, dtype: str = "float32", **overrides: Any) -> dict[str, Any]:
+    """What a test engine is built with: small, eager, no tokenizer (token-id prompts)."""
+    return {
+        "model": model, "dtype": dtype, "skip_tokenizer_init": True, "enforce_eager": True,
+        "kv_cache_memory_bytes": 64 << 20, "max_model_len": MAX_MODEL_LEN,
+        "generation_config": "vllm", "seed": 0, **overrides,
+    }  # fmt: skip
+
+
+@ray.remote(num_cpus=0)
+class Trainer:
+    """A ``transformers`` causal LM with Adam, pushing to engines; it also keeps what each
+    engine was last pushed (so partial pushes and casts have an exact reference)."""
+
+    def __init__(self, config: dict[str, Any], engines: list, seed: int = 1, **sync: Any) -> None:
+        torch.manual_seed(seed)
+        torch.set_num_threads(1)
+        self.model = load_model(config)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-2)
+        self.config = SyncConfig(**sync)
+        self.updater = WeightUpdater(engines, self.config)
+        self.engine_state: dict[str, torch.Tensor] | None = None  # as the engines hold it
+
+    def step(self) -> float:
+        """One real optimizer step of next-token prediction on random tokens."""
+        ids = torch.randint(0, self.model.config.vocab_size, (4, 32))
+        loss = self.model(ids, labels=ids).loss
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        return loss.item()
+
+    def push(self, only: str | None = None, partial: bool = False, reshape: str | None = None) -> PushResult:
+        """Push the state dict (``only``: the names containing it); ``reshape`` names a tensor
+        to send one row short (a push the engine must refuse)."""
+        state = {n: t for n, t in self.model.state_dict().items() if only is None or only in n}
+        if reshape is not None:
+            state[reshape] = state[reshape][:-1]
+        result = self.updater.push(state, partial=partial)
+        cast = getattr(torch, self.config.cast_dtype) if self.config.cast_dtype else None
+        pushed = {n: (t.to(cast) if cast is not None and t.is_floating_point() else t).clone()
+                  for n, t in state.items()}  # fmt: skip
+        self.engine_state = pushed if self.engine_state is None else {**self.engine_state, **pushed}
+        return result
+
+    def reference(
+        self, prompts: list[list[int]], outputs: list[list[int]], current: bool = False
+    ) -> list[dict[str, list]]:
+        """What the engines should have produced, by ``transformers`` with the weights they were
+        pushed (``current``: the trainer's weights now): for each prompt and the tokens an engine
+        generated after it (teacher-forced), the log-probability of each of those tokens, the
+        greedy token at each step, and the gap between the two best log-probabilities there (a
+        tie if tiny)."""
+        model = copy.deepcopy(self.model)
+        if self.config.cast_dtype:
+            model.to(getattr(torch, self.config.cast_dtype))
+        if not current:
+            assert self.engine_state is not None, "push first"
+            model.load_state_dict(self.engine_state)
+        model.eval()
+        found = []
+        with torch.no_grad():
+            for prompt, generated in zip(prompts, outputs, strict=True):
+                ids = torch.tensor([prompt + generated])
+                logits = model(ids).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)
+                top2 = logits.topk(2, dim=-1).values
+                found.append({
+                    "logprobs": logits.gather(-1, torch.tensor(generated)[:, None])[:, 0].tolist(),
+                    "greedy": logits.argmax(-1).tolist(),
+                    "gap": (top2[:, 0] - top2[:, 1]).tolist(),
+                })  # fmt: skip
+        return found
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    def slow_link(self, delay_s: float) -> None:
+        """Make every broadcast of the current group take ``delay_s`` longer (a slow link), so a
+        push lasts long enough to be struck mid-way."""
+        group = self.updater.group
+        assert group is not None, "push once first"
+        broadcast = group.broadcast
+
+        def slow(tensor: torch.Tensor, src: int, timeout_s: float | None = None) -> Any:
+            import time
+
+            time.sleep(delay_s)
+            return broadcast(tensor, src, timeout_s)
+
+        group.broadcast = slow  # type: ignore[method-assign]
+
+    def close(self) -> None:
+        self.updater.close()

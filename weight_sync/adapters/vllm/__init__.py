@@ -1,0 +1,17 @@
+"""vLLM: a worker extension that receives pushes, and the engine-side member that drives it.
+
+* ``WeightSyncExtension`` (``extension.py``) -- pass ``worker_extension_cls=EXTENSION``. Inside
+  each of vLLM's worker processes it joins the sync group, checks a push against the engine's
+  model before any byte moves, and reloads it through vLLM's layerwise reload (``reload.py``).
+* ``VLLMEngine`` / ``RemoteVLLMEngine`` (``engine.py``) -- the member a ``WeightUpdater`` is
+  given: it owns the ``LLM`` or ``AsyncLLM``, forwards each step of a push to the workers,
+  pauses generation and clears the caches around it, and labels vLLM's outputs with the
+  committed version.
+
+Nothing here imports vLLM until it is used, so this package imports where vLLM is absent.
+"""
+
+from weight_sync.adapters.vllm.engine import NO_VERSION, RemoteVLLMEngine, VLLMEngine
+from weight_sync.adapters.vllm.extension import EXTENSION, WeightSyncExtension
+
+__all__ = ["EXTENSION", "NO_VERSION", "RemoteVLLMEngine", "VLLMEngine", "WeightSyncExtension"]

@@ -1,0 +1,119 @@
+"""The worker half of the vLLM adapter: runs inside each of vLLM's worker processes.
+
+Pass ``worker_extension_cls="weight_sync.adapters.vllm.WeightSyncExtension"`` when building the
+engine; vLLM appends this class to its worker's bases, and the engine-side member
+(``VLLMEngine``) reaches it through ``collective_rpc``. Each method is one step of a push on
+this worker: it joins the sync group, checks a push against the engine's model before any byte
+moves, receives buckets and reloads them into the model (``reload.ReloadTarget``: one reload
+per push), commits.
+
+Every method answers with a ``WorkerReply`` in JSON and never raises: vLLM turns a worker's
+exception into a plain ``RuntimeError`` (and, with several workers, loses the others' answers),
+so errors travel as data and the engine side raises them again as weight_sync's own types.
+Only strings and ints cross ``collective_rpc``: nothing is unpickled that the trainer's
+validated messages did not say.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from weight_sync.adapters.vllm.reload import ReloadTarget
+from weight_sync.errors import SyncTimeoutError, TransportError, WeightSyncError
+from weight_sync.metadata import SyncStatus
+from weight_sync.receiver import Loader, Receiver
+
+EXTENSION = "weight_sync.adapters.vllm.WeightSyncExtension"
+# Errors a worker may raise that keep their type across the process boundary (the updater
+# tells a member that lost a collective to someone else from one that failed by these types).
+_TYPED = {cls.__name__: cls for cls in (WeightSyncError, TransportError, SyncTimeoutError)}
+_MAX_MESSAGE = 2000
+
+
+class WorkerReply(BaseModel):
+    """One worker's answer to one step: the step's result (JSON) or the error it raised, and
+    the worker's state after the step (so the engine side knows its version without asking)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    value: str | None = None
+    error: str | None = None  # the exception's type name
+    message: str = ""
+    status: SyncStatus
+
+    def unwrap(self) -> str | None:
+        """The result, or the error raised again (as weight_sync's type where it was one)."""
+        if self.error is None:
+            return self.value
+        kind = _TYPED.get(self.error)
+        if kind is not None:
+            raise kind(self.message)
+        raise WeightSyncError(f"a vLLM worker raised {self.error}: {self.message}")
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's worker class; ``self`` is the worker (``self.model_runner``,
+    ``self.vllm_config``, ``self.rank``)."""
+
+    def weight_sync_info(self) -> str:
+        return self._weight_sync_reply(lambda: self._weight_sync_state()[0].info().model_dump_json())
+
+    def weight_sync_join(self, spec_json: str, max_metadata_bytes: int) -> str:
+        """Join as the engine's first rank plus this worker's rank within the engine."""
+        receiver, _ = self._weight_sync_state()
+        local_rank = int(getattr(self, "rank", 0))
+        return self._weight_sync_reply(
+            lambda: receiver.join_json(spec_json, max_metadata_bytes, local_rank)
+        )
+
+    def weight_sync_prepare(self, request_json: str) -> str:
+        receiver, target = self._weight_sync_state()
+        return self._weight_sync_reply(
+            lambda: receiver.prepare(request_json, target.check).model_dump_json()
+        )
+
+    def weight_sync_cancel(self, version: int) -> str:
+        return self._weight_sync_reply(lambda: self._weight_sync_state()[0].cancel(version))
+
+    def weight_sync_receive(self, version: int) -> str:
+        receiver, target = self._weight_sync_state()
+        return self._weight_sync_reply(
+            lambda: receiver.receive(version, _loader(target)).model_dump_json()
+        )
+
+    def weight_sync_commit(self, version: int) -> str:
+        receiver, target = self._weight_sync_state()
+        return self._weight_sync_reply(lambda: receiver.commit(version, _loader(target)))
+
+    def weight_sync_leave(self) -> str:
+        return self._weight_sync_reply(self._weight_sync_state()[0].leave)
+
+    def weight_sync_status(self) -> str:
+        return self._weight_sync_reply(lambda: None)
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _weight_sync_reply(self, step: Callable[[], Any]) -> str:
+        receiver, _ = self._weight_sync_state()
+        try:
+            value, error, message = step(), None, ""
+        except Exception as exc:
+            value, error, message = None, type(exc).__name__, str(exc)[:_MAX_MESSAGE]
+        return WorkerReply(
+            value=value, error=error, message=message, status=receiver.status()
+        ).model_dump_json()
+
+    def _weight_sync_state(self) -> tuple[Receiver, ReloadTarget]:
+        state = self.__dict__.get("_weight_sync")
+        if state is None:
+            state = self.__dict__["_weight_sync"] = (Receiver(), ReloadTarget(self))
+        return state
+
+
+def _loader(target: ReloadTarget) -> Loader:
+    # vLLM keeps a layer's tensors until the layer is complete: they must not be views into
+    # buffers a later bucket overwrites.
+    return Loader(target.load, target.reload, keeps=True)

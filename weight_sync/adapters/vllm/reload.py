@@ -1,0 +1,266 @@
+"""One vLLM worker's model as the target of pushes: what it can load, and how it takes it in.
+
+A serving vLLM model is not in checkpoint form. Its loader stacked q/k/v into ``qkv_proj`` and
+gate/up into ``gate_up_proj``, and after loading it may have transformed the weights for its
+kernels (on CPU, linear layers are repacked for oneDNN and the parameters left empty; quantized
+engines re-quantize). A plain ``model.load_weights`` into a running engine therefore fails or,
+worse, half-works. vLLM's own update path reloads layer by layer: ``initialize_layerwise_reload``
+puts every layer back on the meta device in checkpoint form, each layer is rebuilt, loaded and
+post-processed as soon as all of its tensors have arrived, and ``finalize_layerwise_reload``
+restores the layers that received nothing. This module drives that path, once per push, and
+adds the two things vLLM's path lacks:
+
+* **A check before any byte moves.** ``ReloadTarget.check`` runs the engine's own
+  ``load_weights`` on meta tensors against meta twins of its layers (the live model is never
+  touched) and reports names it cannot place, shapes its loaders refuse, parameters a full
+  push leaves out, and modules a push would fill only in part -- pushing ``q_proj`` alone would
+  leave the rest of vLLM's stacked ``qkv_proj`` uninitialised, since a reloaded layer is rebuilt
+  from scratch.
+* **An undo.** If a push fails mid-way, the layers not yet rebuilt get their previous tensors
+  back, so the engine keeps serving (its worker reports no version until a push repairs it)
+  instead of holding meta tensors.
+
+It leans on vLLM's layerwise-reload internals (checked against vLLM 0.32), as vLLM's own
+sharded-RDT weight-transfer engine does; it runs only inside vLLM's worker processes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from weight_sync.metadata import SyncPlan, TensorMeta
+from weight_sync.packing import NamedTensors
+
+logger = logging.getLogger(__name__)
+
+_CHECKS_CACHED = 8
+_SHOWN = 5  # names listed per problem
+
+
+class ReloadTarget:
+    """The model of one vLLM worker (``worker.model_runner``), reloaded in checkpoint form."""
+
+    def __init__(self, worker: Any) -> None:
+        self._worker = worker
+        self._checks: OrderedDict[tuple[str, bool], list[str]] = OrderedDict()
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._worker.model_runner.get_model()
+
+    def check(self, plan: SyncPlan, partial: bool) -> list[str]:
+        """What of ``plan`` this engine cannot load (see the module doc). Cached per plan:
+        a training loop pushes the same layout every step."""
+        key = (plan.digest, partial)
+        if key not in self._checks:
+            from vllm.config import set_current_vllm_config
+
+            with set_current_vllm_config(self._worker.vllm_config), torch.no_grad():
+                self._checks[key] = problems(dry_run(self.model, list(plan.metas().values())), partial)
+            while len(self._checks) > _CHECKS_CACHED:
+                self._checks.popitem(last=False)
+        return self._checks[key]
+
+    @contextmanager
+    def reload(self) -> Iterator[None]:
+        """One reload of the whole model: every ``load`` inside lands, layer by layer, when the
+        window closes normally; a window left by an exception undoes the layers not yet
+        rebuilt."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        model, vllm_config = self.model, self._worker.vllm_config
+        with set_current_vllm_config(vllm_config), torch.no_grad():
+            initialize_layerwise_reload(model)
+            try:
+                yield
+                finalize_layerwise_reload(model, vllm_config.model_config)
+            except BaseException:
+                _undo_reload(model)
+                raise
+        runner = self._worker.model_runner
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+            # What vLLM's own reload_weights resets: state derived from the old weights.
+            getattr(runner, reset, lambda: None)()
+
+    def load(self, weights: NamedTensors) -> None:
+        """Hand tensors to the engine's own loader (which stacks and shards them). Only inside
+        ``reload``; vLLM may keep them until their layer is complete."""
+        self.model.load_weights(weights)  # type: ignore[operator]
+
+
+class DryRun:
+    """What ``load_weights`` did with a push of meta tensors: the first error (naming the
+    tensor being loaded), the parameters it reported loaded, every parameter of the model, and
+    per module the elements loaded against the elements its loaders can take."""
+
+    def __init__(self) -> None:
+        self.error: str | None = None
+        self.loaded: set[str] = set()
+        self.parameters: set[str] = set()
+        self.filled: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # module -> [loaded, size]
+        self.sources: dict[str, list[str]] = defaultdict(list)  # module -> names loaded into it
+
+
+def dry_run(model: torch.nn.Module, metas: Sequence[TensorMeta]) -> DryRun:
+    """Load meta tensors shaped as ``metas`` into meta twins of ``model``'s layers, with the
+    model's own loaders, counting what lands where. The live tensors are swapped out only for
+    the duration and put back exactly; none is read or written."""
+    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+
+    result = DryRun()
+    saved: list[tuple[torch.nn.Module, dict, dict]] = []
+    twins: dict[int, torch.Tensor] = {}  # live tensor -> its twin, so tied tensors stay tied
+    current: list[str] = [""]  # the name being loaded
+    try:
+        for module_name, module in model.named_modules():
+            saved.append((module, dict(module._parameters), dict(module._buffers)))
+            size = 0
+            for table, form in zip((module._parameters, module._buffers), _reload_form(module),
+                                   strict=True):  # fmt: skip
+                live = dict(table)
+                table.clear()
+                for name, tensor in form.items():
+                    key = id(live.get(name, tensor))
+                    if key not in twins:
+                        twins[key] = _twin(tensor, module)
+                        if table is module._parameters:
+                            _count_loads(twins[key], module_name, result, current)
+                    table[name] = twins[key]
+                    if name not in SKIP_LOAD_TENSORS:
+                        size += _load_numel(twins[key])
+            result.filled[module_name][1] = size
+        result.parameters = {name for name, _ in model.named_parameters()}
+        pushed = ((meta.name, torch.empty(meta.shape, dtype=meta.torch_dtype, device="meta"))
+                  for meta in metas)  # fmt: skip
+        try:
+            result.loaded = set(model.load_weights(_tracking(pushed, current)) or ())  # type: ignore[operator]
+        except Exception as exc:
+            detail = str(exc).splitlines()[0][:300] if str(exc) else ""
+            what = f"{current[0]!r}: " if current[0] else ""
+            result.error = (f"{what}the engine's load_weights refused it ({type(exc).__name__}"
+                            f"{': ' + detail if detail else ''}); check its name and shape")  # fmt: skip
+    finally:
+        for module, params, buffers in saved:
+            module._parameters.clear()
+            module._parameters.update(params)
+            module._buffers.clear()
+            module._buffers.update(buffers)
+    return result
+
+
+def problems(run: DryRun, partial: bool) -> list[str]:
+    """A dry run's findings as the reasons a push is refused."""
+    if run.error is not None:
+        return [run.error]
+    found = []
+    for module, (loaded, size) in sorted(run.filled.items()):
+        if 0 < loaded < size:
+            parts = ", ".join(repr(n) for n in run.sources[module][:_SHOWN])
+            found.append(
+                f"the engine's {module!r} would be filled only in part ({loaded} of {size} "
+                f"elements, from {parts}): vLLM stacks several checkpoint tensors into it and "
+                "rebuilds it whole on reload, so push all of its parts together"
+            )
+    if not partial:
+        missing = sorted(run.parameters - run.loaded)
+        found.extend(f"missing tensor: the engine's {name!r} gets nothing from this push "
+                     "(push every weight, or pass partial=True)" for name in missing)  # fmt: skip
+    return found
+
+
+def _reload_form(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The parameters and buffers ``module`` holds while vLLM reloads it (see its
+    ``restore_layer_on_meta``): the checkpoint-form metadata recorded when the model was
+    loaded, plus the live tensors the reload leaves in place. A module with no recorded form
+    keeps its live tensors."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
+
+    live = ({n: t for n, t in module._parameters.items() if t is not None},
+            {n: t for n, t in module._buffers.items() if t is not None})  # fmt: skip
+    info = LAYERWISE_INFO.get(module)
+    if info is None or not any(info.restore_metadata):
+        return live
+    return tuple(  # type: ignore[return-value]
+        {**{n: t for n, t in now.items() if n in SKIP_TENSORS},
+         **{n: t for n, t in recorded.items() if n not in SKIP_TENSORS}}
+        for now, recorded in zip(live, info.restore_metadata, strict=True)
+    )  # fmt: skip
+
+
+def _twin(tensor: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
+    """A meta tensor shaped like ``tensor``, of its class and with its attributes (its
+    ``weight_loader``), bound to ``module`` as vLLM binds its restored tensors."""
+    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+
+    twin = torch.empty_strided(tuple(tensor.size()), tuple(tensor.stride()), dtype=tensor.dtype,
+                               device="meta")  # fmt: skip
+    twin.__class__ = tensor.__class__
+    twin.__dict__ = dict(tensor.__dict__)
+    return restore_layer_refs(twin, module)
+
+
+def _count_loads(twin: torch.Tensor, module_name: str, run: DryRun, current: list[str]) -> None:
+    """Give ``twin`` a loader that runs its real one (unwrapped from any reload wrapper left by
+    an earlier reload) and counts the elements it copies in, as vLLM's reload does."""
+    from vllm.model_executor.model_loader.reload.layerwise import _get_original_loader
+    from vllm.model_executor.model_loader.reload.meta import CopyCounter
+
+    loader: Callable[..., Any] = _get_original_loader(twin)
+    cap = _load_numel(twin)
+
+    def counting_loader(*args: Any, **kwargs: Any) -> Any:
+        with CopyCounter() as counter:
+            result = loader(*args, **kwargs)
+        run.filled[module_name][0] += min(counter.copied_numel, cap)
+        if current[0] not in run.sources[module_name]:
+            run.sources[module_name].append(current[0])
+        return result
+
+    twin.weight_loader = counting_loader  # type: ignore[attr-defined]
+
+
+def _load_numel(tensor: torch.Tensor) -> int:
+    from vllm.model_executor.model_loader.reload.utils import get_tensor_load_numel
+
+    return int(get_tensor_load_numel(tensor))
+
+
+def _tracking(
+    pushed: Iterator[tuple[str, torch.Tensor]], current: list[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in pushed:
+        current[0] = name
+        yield name, tensor
+    current[0] = ""
+
+
+def _undo_reload(model: torch.nn.Module) -> None:
+    """Leave a reload cut short: layers still waiting for tensors (on the meta device) get
+    their previous tensors back; layers already rebuilt keep their new ones."""
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        LAYERWISE_INFO,
+        LOADING_LAYERS,
+        _place_kernel_tensors,
+    )
+
+    for module in model.modules():
+        info = LAYERWISE_INFO.get(module)
+        if info is not None and info.can_load():
+            if info.kernel_tensors is not None:
+                _place_kernel_tensors(module, info)
+            info.reset()
+    LOADING_LAYERS.clear()
+    if hasattr(model, "_original_do_torchao_reload"):
+        model._do_torchao_reload = model._original_do_torchao_reload  # type: ignore[assignment]
+    logger.warning("a weight reload was cut short: layers not yet rebuilt keep their old weights")
