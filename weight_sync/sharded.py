@@ -36,7 +36,7 @@ from weight_sync.metadata import DTYPES, dtype_name
 from weight_sync.sender import is_dtensor, is_finite
 
 if TYPE_CHECKING:
-    from weight_sync.actors.updater import PushResult, WeightUpdater
+    from weight_sync.protocol import PushResult, Pusher
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ class ShardedSource:
 
 def push_sharded(
     state_dict: Mapping[str, torch.Tensor],
-    updater: WeightUpdater | None,
+    updater: Pusher | None,
     *,
     src: int = 0,
     group: dist.ProcessGroup | None = None,

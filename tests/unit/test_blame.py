@@ -3,7 +3,7 @@
 import pytest
 
 from weight_sync import SyncTimeoutError, TransportError, WorkerFailedError
-from weight_sync.actors.calls import Outcomes
+from weight_sync.control import Outcomes
 
 
 def outcomes(n: int, **fields) -> Outcomes:

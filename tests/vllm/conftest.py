@@ -15,6 +15,7 @@ from tests.vllm.models import LLAMA, LONG, QWEN2, engine_options, save
 
 vllm = pytest.importorskip("vllm", reason="the real-vLLM tests need the vllm extra")
 
+from tests.vllm.native_llm import NativeLLM  # noqa: E402
 from weight_sync.adapters.vllm import RemoteVLLMEngine  # noqa: E402
 
 READY_S = 600  # engines start together on 2 cores
@@ -39,7 +40,8 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def engines(ray_cluster: None, model_dirs: dict[str, str]) -> Iterator[dict[str, object]]:
     """qwen2: offline LLM, float32, tied embeddings; llama: AsyncLLM, float32, untied;
-    qwen2_tp2_bf16: offline LLM, bfloat16, tensor parallelism 2 (one worker per core)."""
+    qwen2_tp2_bf16: offline LLM, bfloat16, tensor parallelism 2 (one worker per core); native:
+    a plain vllm.LLM with weight_sync as its weight-transfer backend (no VLLMEngine)."""
     started = {
         "qwen2": _start(engine_options(model_dirs["qwen2"]), UNBOUND),
         "llama": _start(engine_options(model_dirs["llama"], max_model_len=LONG + 64), UNBOUND,
@@ -48,9 +50,13 @@ def engines(ray_cluster: None, model_dirs: dict[str, str]) -> Iterator[dict[str,
             engine_options(model_dirs["qwen2"], dtype="bfloat16", tensor_parallel_size=2),
             TWO_CORES,
         ),
+        "native": ray.remote(num_cpus=0)(NativeLLM).options(runtime_env={"env_vars": UNBOUND}).remote(
+            **engine_options(model_dirs["qwen2"]), weight_transfer_config={"backend": "weight_sync"}
+        ),
     }
     try:
-        ray.get([engine.weights_version.remote() for engine in started.values()], timeout=READY_S)
+        ray.get([engine.weights_version.remote() if name != "native" else engine.get_weight_version.remote()
+                 for name, engine in started.items()], timeout=READY_S)  # fmt: skip
         yield started
     finally:
         shutdowns = [engine.shutdown.remote() for engine in started.values()]
@@ -72,3 +78,8 @@ def llama(engines: dict[str, object]) -> object:
 @pytest.fixture
 def qwen2_tp2_bf16(engines: dict[str, object]) -> object:
     return engines["qwen2_tp2_bf16"]
+
+
+@pytest.fixture
+def native(engines: dict[str, object]) -> object:
+    return engines["native"]

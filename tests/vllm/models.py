@@ -52,13 +52,28 @@ class Trainer:
     """A ``transformers`` causal LM with Adam, pushing to engines; it also keeps what each
     engine was last pushed (so partial pushes and casts have an exact reference)."""
 
-    def __init__(self, config: dict[str, Any], engines: list, seed: int = 1, **sync: Any) -> None:
+    def __init__(self, config: dict[str, Any], engines: list, seed: int = 1, vllm_workers: int = 0,
+                 **sync: Any) -> None:  # fmt: skip
+        """``vllm_workers``: push through vLLM's own weight-transfer API (``engines`` are then
+        ``vllm.LLM`` actors, ``vllm_workers`` their worker processes in all) instead of a
+        ``WeightUpdater``."""
         torch.manual_seed(seed)
         torch.set_num_threads(1)
         self.model = load_model(config)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-2)
         self.config = SyncConfig(**sync)
-        self.updater = WeightUpdater(engines, self.config)
+        if vllm_workers:
+            from vllm.distributed.weight_transfer import RayVLLMWeightSyncClient
+            from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+            from weight_sync.adapters.vllm.backend import StateDictSource, WeightSyncTrainerInitInfo
+
+            self.vllm = WeightTransferTrainerFactory.trainer_init(
+                WeightSyncTrainerInitInfo(rank=0, world_size=1 + vllm_workers, config=self.config),
+                client=RayVLLMWeightSyncClient(engines), source=StateDictSource(self.model),
+            )
+        else:
+            self.updater = WeightUpdater(engines, self.config)
         self.engine_state: dict[str, torch.Tensor] | None = None  # as the engines hold it
 
     def step(self) -> float:
@@ -76,12 +91,22 @@ class Trainer:
         state = {n: t for n, t in self.model.state_dict().items() if only is None or only in n}
         if reshape is not None:
             state[reshape] = state[reshape][:-1]
-        result = self.updater.push(state, partial=partial)
+        if hasattr(self, "vllm"):  # vLLM's send_weights: the source given at init, whole
+            assert only is None and reshape is None and not partial
+            result = self.vllm.send_weights()
+        else:
+            result = self.updater.push(state, partial=partial)
         cast = getattr(torch, self.config.cast_dtype) if self.config.cast_dtype else None
         pushed = {n: (t.to(cast) if cast is not None and t.is_floating_point() else t).clone()
                   for n, t in state.items()}  # fmt: skip
         self.engine_state = pushed if self.engine_state is None else {**self.engine_state, **pushed}
         return result
+
+    def push_parameters(self) -> PushResult:
+        """vLLM's own ``ModuleSource``: ``named_parameters``, so no tied LM head."""
+        from vllm.distributed.weight_transfer import ModuleSource
+
+        return self.vllm.send_weights(ModuleSource(self.model))
 
     def reference(
         self, prompts: list[list[int]], outputs: list[list[int]], current: bool = False
@@ -132,4 +157,7 @@ class Trainer:
         group.broadcast = slow  # type: ignore[method-assign]
 
     def close(self) -> None:
-        self.updater.close()
+        if hasattr(self, "vllm"):
+            self.vllm.shutdown()
+        else:
+            self.updater.close()

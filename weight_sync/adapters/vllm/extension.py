@@ -109,7 +109,9 @@ class WeightSyncExtension:
     def _weight_sync_state(self) -> tuple[Receiver, ReloadTarget]:
         state = self.__dict__.get("_weight_sync")
         if state is None:
-            state = self.__dict__["_weight_sync"] = (Receiver(), ReloadTarget(self))
+            runner: Any = self.model_runner  # type: ignore[attr-defined]
+            target = ReloadTarget(runner.get_model, self.vllm_config, runner)  # type: ignore[attr-defined]
+            state = self.__dict__["_weight_sync"] = (Receiver(), target)
         return state
 
 

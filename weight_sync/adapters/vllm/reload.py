@@ -44,15 +44,20 @@ _SHOWN = 5  # names listed per problem
 
 
 class ReloadTarget:
-    """The model of one vLLM worker (``worker.model_runner``), reloaded in checkpoint form."""
+    """The model of one vLLM worker, reloaded in checkpoint form. ``model`` returns it (vLLM may
+    swap it: a LoRA wrapper, a draft model); ``runner``, vLLM's model runner when known, has its
+    caches of what the old weights computed reset after each reload, as vLLM's own
+    ``reload_weights`` does."""
 
-    def __init__(self, worker: Any) -> None:
-        self._worker = worker
+    def __init__(self, model: Callable[[], torch.nn.Module], vllm_config: Any, runner: Any = None) -> None:
+        self._model = model
+        self._vllm_config = vllm_config
+        self._runner = runner
         self._checks: OrderedDict[tuple[str, bool], list[str]] = OrderedDict()
 
     @property
     def model(self) -> torch.nn.Module:
-        return self._worker.model_runner.get_model()
+        return self._model()
 
     def check(self, plan: SyncPlan, partial: bool) -> list[str]:
         """What of ``plan`` this engine cannot load (see the module doc). Cached per plan:
@@ -61,7 +66,7 @@ class ReloadTarget:
         if key not in self._checks:
             from vllm.config import set_current_vllm_config
 
-            with set_current_vllm_config(self._worker.vllm_config), torch.no_grad():
+            with set_current_vllm_config(self._vllm_config), torch.no_grad():
                 self._checks[key] = problems(dry_run(self.model, list(plan.metas().values())), partial)
             while len(self._checks) > _CHECKS_CACHED:
                 self._checks.popitem(last=False)
@@ -78,7 +83,7 @@ class ReloadTarget:
             initialize_layerwise_reload,
         )
 
-        model, vllm_config = self.model, self._worker.vllm_config
+        model, vllm_config = self.model, self._vllm_config
         with set_current_vllm_config(vllm_config), torch.no_grad():
             initialize_layerwise_reload(model)
             try:
@@ -87,10 +92,8 @@ class ReloadTarget:
             except BaseException:
                 _undo_reload(model)
                 raise
-        runner = self._worker.model_runner
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
-            # What vLLM's own reload_weights resets: state derived from the old weights.
-            getattr(runner, reset, lambda: None)()
+            getattr(self._runner, reset, lambda: None)()
 
     def load(self, weights: NamedTensors) -> None:
         """Hand tensors to the engine's own loader (which stacks and shards them). Only inside
@@ -119,25 +122,24 @@ def dry_run(model: torch.nn.Module, metas: Sequence[TensorMeta]) -> DryRun:
 
     result = DryRun()
     saved: list[tuple[torch.nn.Module, dict, dict]] = []
-    twins: dict[int, torch.Tensor] = {}  # live tensor -> its twin, so tied tensors stay tied
     current: list[str] = [""]  # the name being loaded
     try:
         for module_name, module in model.named_modules():
             saved.append((module, dict(module._parameters), dict(module._buffers)))
             size = 0
+            # Twins of its own for every module, tied ones too: vLLM reloads and post-processes
+            # each module alone, so a module that is sent nothing keeps what it derived from its
+            # old weights even where it shares a parameter with one that was reloaded (on CPU,
+            # a tied LM head keeps its own packed copy of the embedding).
             for table, form in zip((module._parameters, module._buffers), _reload_form(module),
                                    strict=True):  # fmt: skip
-                live = dict(table)
                 table.clear()
                 for name, tensor in form.items():
-                    key = id(live.get(name, tensor))
-                    if key not in twins:
-                        twins[key] = _twin(tensor, module)
-                        if table is module._parameters:
-                            _count_loads(twins[key], module_name, result, current)
-                    table[name] = twins[key]
+                    table[name] = twin = _twin(tensor, module)
+                    if table is module._parameters:
+                        _count_loads(twin, module_name, result, current)
                     if name not in SKIP_LOAD_TENSORS:
-                        size += _load_numel(twins[key])
+                        size += _load_numel(twin)
             result.filled[module_name][1] = size
         result.parameters = {name for name, _ in model.named_parameters()}
         pushed = ((meta.name, torch.empty(meta.shape, dtype=meta.torch_dtype, device="meta"))
@@ -173,8 +175,9 @@ def problems(run: DryRun, partial: bool) -> list[str]:
             )
     if not partial:
         missing = sorted(run.parameters - run.loaded)
-        found.extend(f"missing tensor: the engine's {name!r} gets nothing from this push "
-                     "(push every weight, or pass partial=True)" for name in missing)  # fmt: skip
+        found.extend(f"missing tensor: the engine's {name!r} gets nothing from this push (push "
+                     "every weight -- tied ones too: a state dict names them, and they travel "
+                     "once -- or pass partial=True)" for name in missing)  # fmt: skip
     return found
 
 

@@ -1,0 +1,503 @@
+"""The push protocol, the same for every control plane: plan, prepare, transfer, commit.
+
+A ``Pusher`` lives in the trainer process (rank 0 of the sync group). It reaches its members
+through a ``ControlPlane`` (``weight_sync.control``: Ray actors, or vLLM's own clients) and moves
+bytes over a ``TorchGroup``; it never sees either one's machinery. Per push and per member:
+one ``prepare`` carrying the version and the plan (or the hash of a plan the member already
+holds), one ``receive`` that runs alongside the broadcast, one ``commit``. The number of calls
+never depends on the number of tensors.
+
+Failure: every wait draws on the push's deadline. When something fails, the trainer leaves the
+group first (so members blocked on it fail at once), waits a bounded time for every member's
+call to end, and then knows each member's fate (see ``control.Outcomes``): members that died or
+never answered are dropped, the rest leave the group, and the next push forms a new one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from weight_sync.config import SyncConfig
+from weight_sync.control import ControlPlane, Outcomes, collect
+from weight_sync.deadline import Deadline
+from weight_sync.errors import (
+    ChecksumMismatchError,
+    PlanMismatchError,
+    TransportError,
+    WeightSyncError,
+)
+from weight_sync.mapping import Transform
+from weight_sync.metadata import (
+    TRAINER_RANK,
+    BackendName,
+    GroupSpec,
+    MemberInfo,
+    ModeName,
+    PrepareReply,
+    PrepareRequest,
+    ReceiveReport,
+    SyncPlan,
+)
+from weight_sync.sender import (
+    Entries,
+    PushPlanner,
+    Rename,
+    Sender,
+    StateDict,
+    check_state_dict,
+    nonfinite_error,
+)
+from weight_sync.sharded import ShardedSource
+from weight_sync.transport import TorchGroup, address_of_interface, bind_listener
+
+logger = logging.getLogger(__name__)
+
+# After a failure, how long past its own timeout a member's call may take to report (latency of
+# the control plane on a loaded node); a member silent beyond that is taken for frozen.
+_GRACE_S = 5.0
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """What one push moved. ``version`` is now committed on every worker."""
+
+    version: int
+    nbytes: int  # bytes of the tensors pushed (alignment padding on the wire not counted)
+    buckets: int
+    seconds: float
+    tensors: int = 0  # names delivered, tied ones included
+    partial: bool = False
+    # Seconds per phase: group (probe + join, when a group was formed), prepare, transfer,
+    # commit, total.
+    phases: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def gbps(self) -> float:
+        """Payload gigabytes per second, as seen by the trainer."""
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class PushObserver(Protocol):
+    """Told of every push (e.g. ``weight_sync.metrics.PushMetrics``)."""
+
+    def pushed(
+        self, version: int, nbytes: int, buckets: int, phases: Mapping[str, float], gbps: float
+    ) -> None: ...
+
+    def failed(self, error: BaseException) -> None: ...
+
+
+class Pusher:
+    """Pushes named tensors from this process (rank 0) to the members of ``plane``.
+
+    The group is formed lazily on the first push and reused. A failed push tears it down,
+    drops the members that died or froze, and the next push forms a new group over the rest.
+    ``push`` calls from several threads are serialised.
+    """
+
+    def __init__(
+        self, plane: ControlPlane, config: SyncConfig | None = None, observer: PushObserver | None = None
+    ) -> None:
+        if config is not None and not isinstance(config, SyncConfig):
+            raise TypeError(f"config must be a SyncConfig, got {type(config).__name__}")
+        self._plane = plane
+        self._config = config or SyncConfig()
+        self._observer = observer
+        self._group: TorchGroup | None = None
+        self._planner: PushPlanner | None = None  # made with the first group (needs its device)
+        self._known: list[str | None] = []  # per member: digest of the plan it has cached
+        self._version = 0  # last version committed on every member
+        self._next_version = 1  # never reused: spent once any member may have committed it
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def config(self) -> SyncConfig:
+        return self._config
+
+    @property
+    def group(self) -> TorchGroup | None:
+        """The sync group (this process is rank 0), or None until a push forms it."""
+        return self._group
+
+    @property
+    def version(self) -> int:
+        """The last version committed by a push (0 before the first)."""
+        return self._version
+
+    def push(
+        self,
+        state_dict: StateDict | ShardedSource,
+        *,
+        rename: Rename | None = None,
+        transform: Transform | None = None,
+        partial: bool = False,
+    ) -> PushResult:
+        """Send every tensor to every worker; returns once all of them hold it and commit.
+
+        ``transform`` (see ``weight_sync.mapping``: fuse, rename, drop) and then ``rename``
+        (``None`` drops a tensor) map the trainer's names to the workers'. Tied weights (names
+        sharing one tensor's bytes) travel once. ``partial=True`` sends only the tensors given
+        (adapters, what changed): workers accept a subset of their model, but only on top of a
+        committed version, and keep reporting the last full push as ``full_version``. A
+        ``ShardedSource`` (see ``weight_sync.sharded``) is gathered bucket by bucket with the
+        other trainer ranks, which call ``serve()`` meanwhile.
+
+        Raises ``TypeError``/``ValueError`` for a bad state dict (nothing sent anywhere), and a
+        ``WeightSyncError`` within ``push_timeout_s`` for failures while running:
+        ``PlanMismatchError`` when workers refuse the push (nothing changed anywhere);
+        ``WorkerFailedError`` naming the workers that died, froze or raised (the dead and frozen
+        are dropped from ``workers``); ``SyncTimeoutError``/``TransportError`` when nobody in
+        particular is to blame.
+        """
+        if not isinstance(state_dict, ShardedSource):
+            entries = check_state_dict(state_dict, self._config, rename, transform)
+            return self._push(entries, entries.tensors, partial)
+        source, version = state_dict, None
+        if not source.is_sender:
+            raise ValueError("this rank does not send: call serve() on its ShardedSource")
+        try:
+            if transform is not None:
+                raise ValueError("transform needs whole tensors and cannot run on a sharded "
+                                 "source; rename (names only) can")  # fmt: skip
+            entries = check_state_dict(source.items(), self._config, rename, sharded=True)
+            cast = self._config.cast_dtype
+            if self._config.check_finite and not source.all_finite(cast):
+                raise nonfinite_error(cast)
+            result = self._push(entries, source.gathering(entries.tensors), partial)
+            version = result.version
+            return result
+        finally:
+            source.finish(version)
+
+    def close(self) -> None:
+        """Leave the group on every member and here. Idempotent; the members keep their weights."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._teardown()
+
+    # -- one push ------------------------------------------------------------------------------
+
+    def _push(
+        self, entries: Entries, tensors: Sequence[torch.Tensor], partial: bool
+    ) -> PushResult:
+        with self._lock:
+            self._check_open()
+            if not entries.count:
+                logger.info("empty state dict: nothing to push (version stays %d)", self._version)
+                return PushResult(self._version, 0, 0, 0.0)
+            if not len(self._plane):
+                raise WeightSyncError(
+                    "no workers left: all were dropped after failures; add replacements "
+                    "(WeightUpdater.add_workers)"
+                )
+            clock = _PhaseClock()
+            deadline = Deadline(self._config.push_timeout_s, "push")
+            broadcasting = False
+            try:
+                group = self._ensure_group(entries.tensors, deadline)  # may move _next_version up
+                plan = self._plan(group, entries)
+                version = self._next_version
+                clock.lap("group")
+                self._prepare(version, plan, partial, deadline)
+                clock.lap("prepare")
+                broadcasting = True
+                self._transfer(group, version, plan, tensors, deadline)
+                clock.lap("transfer")
+                self._next_version = version + 1
+                timeout_s = deadline.left(self._config.rpc_timeout_s)
+                self._settle(self._plane.commit(version, timeout_s), "commit", timeout_s)
+                clock.lap("commit")
+            except BaseException as exc:
+                if self._observer is not None:
+                    self._observer.failed(exc)
+                # Refused before any collective (by the members, or a plan too large): the group
+                # is intact and is kept.
+                refused = not broadcasting and isinstance(exc, PlanMismatchError | ValueError)
+                if self._group is not None and not refused:
+                    self._teardown(deadline)
+                raise
+            self._version = version
+            result = PushResult(
+                version, plan.payload_bytes, len(plan.buckets), clock.total(), entries.count,
+                partial, clock.phases,
+            )  # fmt: skip
+            if self._observer is not None:
+                self._observer.pushed(version, result.nbytes, result.buckets, clock.phases, result.gbps)
+            logger.info(
+                "pushed version %d%s: %d tensors, %.1f MB in %d buckets, %.3fs (%.2f GB/s; %s)",
+                version, " (partial)" if partial else "", result.tensors, result.nbytes / 1e6,
+                result.buckets, result.seconds, result.gbps,
+                ", ".join(f"{phase} {seconds:.3f}s" for phase, seconds in clock.phases.items()),
+            )  # fmt: skip
+            return result
+
+    def _plan(self, group: TorchGroup, entries: Entries) -> SyncPlan:
+        if self._planner is None:
+            self._planner = PushPlanner(self._config, group.device)
+        plan = self._planner.plan(entries)
+        if len(plan.wire) > self._config.max_metadata_bytes:
+            raise ValueError(
+                f"the plan's metadata is {len(plan.wire)} bytes, over max_metadata_bytes="
+                f"{self._config.max_metadata_bytes}; raise it in SyncConfig or push fewer tensors"
+            )
+        return plan
+
+    def _prepare(self, version: int, plan: SyncPlan, partial: bool, deadline: Deadline) -> None:
+        """Every member checks the push; any refusal raises before a byte is broadcast."""
+        request = PrepareRequest(
+            version=version, plan_digest=plan.digest, staging=self._config.staging,
+            checksum=self._config.checksum, partial=partial,
+        )  # fmt: skip
+        everyone = range(len(self._plane))
+        replies = self._prepare_round(request, plan, everyone, deadline)
+        lacking = [i for i, reply in enumerate(replies) if reply.need_plan]
+        if lacking:  # a member lost its cached plan (e.g. was restarted): send it in full
+            for index in lacking:
+                self._known[index] = None
+            again = iter(self._prepare_round(request, plan, lacking, deadline))
+            replies = [next(again) if reply.need_plan else reply for reply in replies]
+        problems = {i: reply.problems or ("refused",) for i, reply in enumerate(replies)
+                    if not reply.accepted}  # fmt: skip
+        if problems:
+            accepted = [i for i, reply in enumerate(replies) if reply.accepted]
+            self._cancel(version, accepted, deadline)
+            raise PlanMismatchError(problems)
+        self._known = [plan.digest] * len(self._plane)
+
+    def _prepare_round(
+        self, request: PrepareRequest, plan: SyncPlan, members: Sequence[int], deadline: Deadline
+    ) -> list[PrepareReply]:
+        timeout_s = deadline.left(self._config.rpc_timeout_s)
+        send_plan = [self._known[i] != plan.digest for i in members]
+        calls = self._plane.prepare(request, plan, list(members), send_plan, timeout_s)
+        return self._settle(calls, "prepare", timeout_s)
+
+    def _cancel(self, version: int, members: list[int], deadline: Deadline) -> None:
+        """Tell members that accepted a push refused elsewhere to drop it (an engine that paused
+        its generation for the push resumes). Bounded; a member that cannot act on it drops the
+        push at its next prepare anyway."""
+        wait_s = min(_GRACE_S, deadline.remaining())
+        outcomes = collect(self._plane, self._plane.cancel(version, members, wait_s), wait_s)
+        if not outcomes.ok:
+            logger.warning("cancelling a refused push: %s", outcomes.error("cancel", wait_s))
+
+    def _transfer(
+        self,
+        group: TorchGroup,
+        version: int,
+        plan: SyncPlan,
+        tensors: Sequence[torch.Tensor],
+        deadline: Deadline,
+    ) -> None:
+        atomic = self._config.staging == "atomic"
+        receiving = self._plane.receive(version, atomic, deadline.remaining())
+        try:
+            sent = Sender(group).send(plan, tensors, deadline, self._config.checksum)
+        except WeightSyncError as exc:
+            raise self._after_failure(receiving, "receive", deadline) or exc from exc
+        outcomes = collect(self._plane, receiving, deadline.remaining())
+        if not outcomes.ok:
+            raise self._after_failure(receiving, "receive", deadline) or outcomes.error(
+                "receive", deadline.seconds
+            )
+        if sent is not None:
+            _check_checksums(outcomes.results, sent)
+
+    # -- failures ------------------------------------------------------------------------------
+
+    def _settle(self, calls: Sequence[Future[Any]], what: str, timeout_s: float) -> list:
+        """Every member's answer, or (dropping the dead and frozen) the error naming who failed."""
+        outcomes = collect(self._plane, calls, timeout_s)
+        if not outcomes.ok:
+            raise self._blame(outcomes, what, timeout_s)
+        return outcomes.results
+
+    def _after_failure(
+        self, calls: Sequence[Future[Any]], what: str, deadline: Deadline
+    ) -> WeightSyncError | None:
+        """A collective failed: leave it, then give every member's call time to end.
+
+        Members waiting on this process fail as soon as it leaves; members waiting on a frozen
+        peer fail at their collective timeout. Whoever is still silent after that is frozen.
+        """
+        self._close_group()
+        wait_s = min(self._config.collective_timeout_s + _GRACE_S, deadline.remaining())
+        return self._blame_late(calls, what, wait_s)
+
+    def _blame_late(
+        self,
+        calls: Sequence[Future[Any]],
+        what: str,
+        wait_s: float,
+        timeout_s: float | None = None,
+    ) -> WeightSyncError | None:
+        """After a failure here: wait ``wait_s`` for the members' calls, then the error naming
+        (and dropping) who failed, or None if every call succeeded after all. ``timeout_s`` is
+        the bound the error quotes, when the members had longer than ``wait_s``."""
+        outcomes = collect(self._plane, calls, wait_s)
+        quoted = wait_s if timeout_s is None else timeout_s
+        return None if outcomes.ok else self._blame(outcomes, what, quoted)
+
+    def _blame(self, outcomes: Outcomes, what: str, timeout_s: float) -> WeightSyncError:
+        dropped = outcomes.unreachable
+        if dropped:
+            self._plane.drop(dropped)
+            self._known = [known for i, known in enumerate(self._known) if i not in dropped]
+            logger.warning(
+                "dropped worker(s) %s (dead or not answering); %d left", dropped, len(self._plane)
+            )
+        return outcomes.error(what, timeout_s, dropped)
+
+    # -- the group -----------------------------------------------------------------------------
+
+    def _ensure_group(self, tensors: list[torch.Tensor], deadline: Deadline) -> TorchGroup:
+        if self._group is not None:
+            return self._group
+        config = self._config
+        probe_s = deadline.left(config.rpc_timeout_s)
+        infos: list[MemberInfo] = self._settle(self._plane.probe(probe_s), "probe", probe_s)
+        self._known = [None] * len(infos)
+        # Versions never go backwards or repeat, even across a trainer restart: a member may
+        # have been sent a version it never committed, and that version is spent too.
+        held = [info.version for info in infos if info.version is not None]
+        self._version = max([self._version, *held])
+        sent = max(info.highest_version for info in infos)
+        self._next_version = max(self._next_version, self._version + 1, sent + 1)
+        backend = _choose_backend(config, tensors, infos)
+        mode = _choose_mode(config, infos)
+        address = (
+            config.master_addr if config.interface is None else address_of_interface(config.interface)
+        )
+        listener = bind_listener(address)
+        group_id = secrets.token_hex(8)
+        rendezvous_s = deadline.left(config.rendezvous_timeout_s)
+        # A member may bring several ranks (an engine with tensor parallelism: every one of its
+        # workers receives the broadcast); it is given the first, and numbers the rest on.
+        firsts = list(itertools.accumulate((info.ranks for info in infos), initial=1))
+        specs = [
+            GroupSpec(
+                group_id=group_id, address=address, port=listener.getsockname()[1],
+                world_size=firsts[-1], rank=rank, backend=backend, mode=mode,
+                rendezvous_timeout_s=rendezvous_s,
+                collective_timeout_s=config.collective_timeout_s,
+            )  # fmt: skip
+            for rank in [TRAINER_RANK, *firsts[:-1]]
+        ]
+        join_s = deadline.left(config.rpc_timeout_s)
+        joining = self._plane.join(specs[1:], config.max_metadata_bytes, join_s)
+        try:
+            group = TorchGroup.join(specs[TRAINER_RANK], listener)
+        except WeightSyncError as exc:
+            listener.close()
+            # The members that joined fail at their own rendezvous timeout, about now.
+            failure = self._blame_late(
+                joining, "join", min(_GRACE_S, deadline.remaining()), rendezvous_s
+            )
+            self._leave_members(deadline)
+            raise failure or exc from exc
+        except BaseException:
+            listener.close()
+            self._leave_members(deadline)
+            raise
+        try:
+            self._settle(joining, "join", join_s)
+        except BaseException:
+            group.close()
+            self._leave_members(deadline)
+            raise
+        self._group = group
+        return group
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise WeightSyncError("this updater is closed; create a new one")
+
+    def _close_group(self) -> None:
+        group, self._group = self._group, None
+        self._planner = None  # planned for that group's device
+        if group is not None:
+            group.close()
+
+    def _teardown(self, deadline: Deadline | None = None) -> None:
+        self._close_group()
+        self._leave_members(deadline)
+
+    def _leave_members(self, deadline: Deadline | None = None) -> None:
+        """Ask every member to leave, waiting at most what is left of ``deadline``: the request is
+        sent either way, and a member that cannot act on it is left to its own timeouts."""
+        if not len(self._plane):
+            return
+        wait_s = min(_GRACE_S, self._config.rpc_timeout_s)
+        if deadline is not None:
+            wait_s = min(wait_s, deadline.remaining())
+        outcomes = collect(self._plane, self._plane.leave(wait_s), wait_s)
+        if not outcomes.ok:
+            logger.warning(
+                "some workers did not leave the sync group cleanly: %s",
+                outcomes.error("leave", wait_s),
+            )
+
+
+class _PhaseClock:
+    """Seconds per phase of one push, and the total."""
+
+    def __init__(self) -> None:
+        self._start = self._last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = now - self._last
+        self._last = now
+
+    def total(self) -> float:
+        self.phases["total"] = self._last - self._start
+        return self.phases["total"]
+
+
+def _check_checksums(reports: list[ReceiveReport], sent: list[int]) -> None:
+    bad = [index for index, report in enumerate(reports) if report.checksums != tuple(sent)]
+    if bad:
+        raise ChecksumMismatchError(
+            f"worker(s) {bad} received bytes whose CRC32 differs from what was sent; nothing "
+            "was committed. Check the network path and the workers' memory", bad,
+        )  # fmt: skip
+
+
+def _choose_backend(
+    config: SyncConfig, tensors: list[torch.Tensor], infos: list[MemberInfo]
+) -> BackendName:
+    if config.backend != "auto":
+        return config.backend
+    on_cuda = any(t.is_cuda for t in tensors)
+    everyone_has_gpu = torch.cuda.is_available() and all(info.cuda for info in infos)
+    return "nccl" if on_cuda and everyone_has_gpu else "gloo"
+
+
+def _choose_mode(config: SyncConfig, infos: list[MemberInfo]) -> ModeName:
+    here = dist.is_available() and dist.is_initialized()
+    # 'world' makes each member's process group the default one: that needs one rank per
+    # process, which a member bringing several ranks (an engine's workers) cannot promise.
+    anyone = here or any(info.has_default_group or info.ranks > 1 for info in infos)
+    if config.group_mode == "auto":
+        return "standalone" if anyone else "world"
+    if config.group_mode == "world" and anyone:
+        raise TransportError(
+            "group_mode='world' but a member already has a torch.distributed default group (or "
+            "brings several ranks, as a tensor-parallel engine does); use group_mode="
+            "'standalone' or 'auto'"
+        )
+    return config.group_mode
