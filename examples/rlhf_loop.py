@@ -206,7 +206,7 @@ def _train(args: argparse.Namespace, workers: list, sample: Any, generator: torc
     return history
 
 
-def plot(history: History, path: str) -> None:
+def plot(history: History, path: str, engine: str = "hf") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -215,7 +215,8 @@ def plot(history: History, path: str) -> None:
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     top.plot(history.reward, color="tab:green")
     top.set_ylabel("mean reward")
-    top.set_title("GRPO, sorting two digits, Qwen2 policy; a weight push after every step")
+    rollouts = "vLLM engines" if engine == "vllm" else "Hugging Face workers"
+    top.set_title(f"GRPO, sorting two digits, Qwen2 policy, {rollouts}; a push per step")
     bottom.plot(history.push_ms[1:], color="tab:blue")
     bottom.set_ylabel("push time (ms)")
     bottom.set_xlabel("optimizer step")
@@ -249,7 +250,7 @@ def main(argv: list[str] | None = None) -> History:
     finally:
         if started_ray:
             ray.shutdown()
-    plot(history, args.plot)
+    plot(history, args.plot, args.engine)
     window = min(args.window, max(1, len(history.reward) // 2))
     print(f"{len(history.reward)} steps in {time.perf_counter() - start:.0f}s; median push "
           f"{statistics.median(history.push_ms):.1f} ms; stale rollouts discarded: "
