@@ -445,12 +445,19 @@ class _Mailbox:
         return future
 
     def close(self) -> None:
-        self._closed = True
+        """Stop polling and drop the store (the trainer's listening socket goes with it)."""
+        with self._lock:
+            self._closed, self._store = True, None
+            for future in self._pending.values():
+                _settle(future, error=WeightSyncError("the weight-transfer engine was shut down"))
+            self._pending.clear()
 
     def _poll(self) -> None:
-        while not self._closed:
+        while True:
             arrived = []
             with self._lock:
+                if self._closed:
+                    return
                 for key, future in list(self._pending.items()):
                     if future.done():  # failed with its client call
                         del self._pending[key]
