@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also measure what checksum / atomic staging / check_finite cost on W1")
     bench.add_argument("--scaling", action="store_true",
                        help="also measure 1 / 3 / 7 workers at 16 MB .. 2 GB")
+    bench.add_argument("--same-host", default="", metavar="WORKLOADS",
+                       help="also measure these workloads (e.g. W1,W3,W4) through the shared-memory "
+                       "ring against the group, raw and the memory-bandwidth limit")
     bench.add_argument("--out", default="benchmarks/results", help="report folder")
     bench.add_argument("--address", default=None, help="Ray cluster to join; default: start one")
     job = commands.add_parser(
@@ -86,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             repeats=args.repeats,
             strategies=args.strategies.split(","), scaling=args.scaling, sweep=args.sweep,
             options=args.options, out=Path(args.out), address=args.address, device=args.device,
+            same_host=[w for w in args.same_host.split(",") if w],
         )  # fmt: skip
         print(f"report: {Path(args.out) / 'results.md'}")
         return 0

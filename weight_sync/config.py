@@ -15,6 +15,7 @@ MiB = 1 << 20
 
 Backend = Literal["auto", "gloo", "nccl"]
 GroupMode = Literal["auto", "world", "standalone"]
+SameHost = Literal["shm", "group"]
 Staging = Literal["stream", "atomic"]
 CastDtype = Literal["float32", "bfloat16", "float16"]
 
@@ -52,6 +53,13 @@ class SyncConfig(BaseModel):
         "auto",
         description="Data-plane backend: 'gloo' (CPU buffers), 'nccl' (CUDA buffers) or 'auto' "
         "(NCCL when the weights are on CUDA and every worker has a GPU, else Gloo).",
+    )
+    same_host: SameHost = Field(
+        "shm",
+        description="How workers on the trainer's host receive a Gloo push: 'shm', through a "
+        "shared-memory ring (one write by the trainer, one read per worker; workers elsewhere "
+        "keep the group, in the same push); 'group', through the broadcast group like every "
+        "other worker. NCCL pushes always use the group.",
     )
     group_mode: GroupMode = Field(
         "auto",

@@ -89,6 +89,10 @@ class JobTrainer:
     def digests(self) -> dict[str, str]:
         return state_dict_digests(self.model.state_dict())
 
+    def routes(self) -> list[str]:
+        assert self.updater is not None
+        return self.updater.routes
+
     def close(self) -> None:
         if self.updater is not None:
             self.updater.close()
@@ -122,6 +126,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   f"{result.seconds:>8.3f} {result.gbps:>6.2f}  {phases}", flush=True)  # fmt: skip
         last = results[-1].version if results else 0
         verified, tensors = count_verified(trainer, workers, last, args.timeout)
+        routes = ray.get(trainer.routes.remote(), timeout=args.timeout)
         report = {
             "workers": args.workers, "pushes": args.pushes, "size_mb": args.size_mb,
             "verified": verified, "version": last, "trainer_node": nodes[0],
@@ -130,7 +135,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "median_seconds": statistics.median(r.seconds for r in results) if results else None,
             "median_gbps": statistics.median(r.gbps for r in results) if results else None,
             "seconds": [r.seconds for r in results],
+            "routes": routes,  # per worker: "shm" (on the trainer's host) or "group"
         }  # fmt: skip
+        print(f"routes: {routes.count('shm')} workers through shared memory, "
+              f"{routes.count('group')} through the group")
         verdict = "OK" if verified == args.workers else "FAILED"
         print(f"verified: {verified}/{args.workers} workers hold version {last}, {tensors} "
               f"tensors bit-exact (sha256); median {report['median_seconds'] or 0:.3f}s "

@@ -211,14 +211,22 @@ class SyncPlan(_Wire):
 BackendName = Literal["gloo", "nccl"]
 ModeName = Literal["world", "standalone"]
 StagingName = Literal["stream", "atomic"]
+TransportName = Literal["group", "shm"]
 
 
 class GroupSpec(_Wire):
-    """Everything a member needs to join the dedicated sync group."""
+    """Everything a member needs to join the dedicated sync group.
+
+    ``transport`` says which part of it: ``"group"``, the torch.distributed broadcast group at
+    ``address:port``; or ``"shm"``, the trainer's shared-memory ring on this host, reached at the
+    abstract Unix socket named ``address`` (port 0), with ``rank``/``world_size`` counted among the
+    ring's readers (the trainer is 0). Backend and mode are those of the push either way.
+    """
 
     group_id: str = Field(pattern=r"^[0-9a-f]{8,64}$")
     address: str = Field(min_length=1, max_length=255)
-    port: int = Field(ge=1, le=65535)
+    port: int = Field(ge=0, le=65535)
+    transport: TransportName = "group"
     world_size: int = Field(ge=2)
     rank: int = Field(ge=0)
     backend: BackendName
@@ -230,6 +238,8 @@ class GroupSpec(_Wire):
     def _rank_in_world(self) -> GroupSpec:
         if self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} outside world of {self.world_size}")
+        if (self.port == 0) != (self.transport == "shm"):
+            raise ValueError("a group needs a port (1..65535); a shared-memory ring has none (0)")
         return self
 
 
@@ -246,6 +256,8 @@ class MemberInfo(_Wire):
     # Group ranks this member takes: more than one for an engine whose several workers each
     # receive the broadcast (vLLM with tensor parallelism); it joins as ranks first..first+n-1.
     ranks: int = Field(1, ge=1, le=4096)
+    # Members whose key equals the trainer's can map its shared-memory ring (see transport.shm).
+    host: str | None = Field(None, max_length=256)
 
 
 class PrepareRequest(_Wire):

@@ -2,7 +2,8 @@
 
 A ``Pusher`` lives in the trainer process (rank 0 of the sync group). It reaches its members
 through a ``ControlPlane`` (``weight_sync.control``: Ray actors, or vLLM's own clients) and moves
-bytes over a ``TorchGroup``; it never sees either one's machinery. Per push and per member:
+bytes over a ``Transport`` (the broadcast group, and a shared-memory ring for the members on its
+own host); it never sees either one's machinery. Per push and per member:
 one ``prepare`` carrying the version and the plan (or the hash of a plan the member already
 holds), one ``receive`` that runs alongside the broadcast, one ``commit``. The number of calls
 never depends on the number of tensors.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -59,7 +61,7 @@ from weight_sync.sender import (
     nonfinite_error,
 )
 from weight_sync.sharded import ShardedSource
-from weight_sync.transport import TorchGroup, address_of_interface, bind_listener
+from weight_sync.transport import Fanout, TorchGroup, Transport, address_of_interface, bind_listener, shm
 
 logger = logging.getLogger(__name__)
 
@@ -114,9 +116,10 @@ class Pusher:
         self._plane = plane
         self._config = config or SyncConfig()
         self._observer = observer
-        self._group: TorchGroup | None = None
+        self._group: Transport | None = None
         self._planner: PushPlanner | None = None  # made with the first group (needs its device)
         self._known: list[str | None] = []  # per member: digest of the plan it has cached
+        self._routes: list[str] = []  # per member of the current group: "shm" or "group"
         self._version = 0  # last version committed on every member
         self._next_version = 1  # never reused: spent once any member may have committed it
         self._lock = threading.Lock()
@@ -127,9 +130,16 @@ class Pusher:
         return self._config
 
     @property
-    def group(self) -> TorchGroup | None:
-        """The sync group (this process is rank 0), or None until a push forms it."""
+    def group(self) -> Transport | None:
+        """The sync group (this process is rank 0): a ``TorchGroup``, the shared-memory ring of
+        this host's members, or a ``Fanout`` of both; None until a push forms it."""
         return self._group
+
+    @property
+    def routes(self) -> list[str]:
+        """How each member receives through the current group: ``"shm"`` (the shared-memory ring
+        of this host) or ``"group"`` (the broadcast group); empty while no group is formed."""
+        return list(self._routes) if self._group is not None else []
 
     @property
     def version(self) -> int:
@@ -244,7 +254,7 @@ class Pusher:
             )  # fmt: skip
             return result
 
-    def _plan(self, group: TorchGroup, entries: Entries) -> SyncPlan:
+    def _plan(self, group: Transport, entries: Entries) -> SyncPlan:
         if self._planner is None:
             self._planner = PushPlanner(self._config, group.device)
         plan = self._planner.plan(entries)
@@ -296,7 +306,7 @@ class Pusher:
 
     def _transfer(
         self,
-        group: TorchGroup,
+        group: Transport,
         version: int,
         plan: SyncPlan,
         tensors: Sequence[torch.Tensor],
@@ -363,7 +373,7 @@ class Pusher:
 
     # -- the group -----------------------------------------------------------------------------
 
-    def _ensure_group(self, tensors: list[torch.Tensor], deadline: Deadline) -> TorchGroup:
+    def _ensure_group(self, tensors: list[torch.Tensor], deadline: Deadline) -> Transport:
         if self._group is not None:
             return self._group
         config = self._config
@@ -378,30 +388,53 @@ class Pusher:
         self._next_version = max(self._next_version, self._version + 1, sent + 1)
         backend = _choose_backend(config, tensors, infos)
         mode = _choose_mode(config, infos)
-        address = (
-            config.master_addr if config.interface is None else address_of_interface(config.interface)
-        )
-        listener = bind_listener(address)
         group_id = secrets.token_hex(8)
-        rendezvous_s = deadline.left(config.rendezvous_timeout_s)
-        # A member may bring several ranks (an engine with tensor parallelism: every one of its
-        # workers receives the broadcast); it is given the first, and numbers the rest on.
-        firsts = list(itertools.accumulate((info.ranks for info in infos), initial=1))
-        specs = [
-            GroupSpec(
-                group_id=group_id, address=address, port=listener.getsockname()[1],
-                world_size=firsts[-1], rank=rank, backend=backend, mode=mode,
-                rendezvous_timeout_s=rendezvous_s,
-                collective_timeout_s=config.collective_timeout_s,
-            )  # fmt: skip
-            for rank in [TRAINER_RANK, *firsts[:-1]]
-        ]
-        join_s = deadline.left(config.rpc_timeout_s)
-        joining = self._plane.join(specs[1:], config.max_metadata_bytes, join_s)
+        local = on_the_ring(config.same_host, backend, [i.host for i in infos], shm.host_key())
+        writer = _open_ring(config, group_id, sum(i.ranks for i, on in zip(infos, local) if on))
+        if writer is None:
+            local = [False] * len(infos)
+        remote = sum(info.ranks for info, on in zip(infos, local, strict=True) if not on)
         try:
-            group = TorchGroup.join(specs[TRAINER_RANK], listener)
+            address = (
+                config.master_addr if config.interface is None
+                else address_of_interface(config.interface)
+            )  # fmt: skip
+            listener = bind_listener(address) if remote else None
+        except BaseException:
+            _close_all([], None, writer)
+            raise
+        rendezvous_s = deadline.left(config.rendezvous_timeout_s)
+        common = dict(group_id=group_id, backend=backend, mode=mode,
+                      rendezvous_timeout_s=rendezvous_s,
+                      collective_timeout_s=config.collective_timeout_s)  # fmt: skip
+        # A member may bring several ranks (an engine with tensor parallelism: every one of its
+        # workers receives every byte); it is given the first of its part, and numbers the rest
+        # on. Ranks count from 1 within each part: the trainer is 0 of both.
+        next_rank = {False: 1, True: 1}
+        specs = []
+        for info, on in zip(infos, local, strict=True):
+            rank, next_rank[on] = next_rank[on], next_rank[on] + info.ranks
+            if on:
+                assert writer is not None
+                specs.append(GroupSpec(address=shm.socket_name(group_id), port=0, transport="shm",
+                                       world_size=writer.world_size, rank=rank, **common))  # fmt: skip
+            else:
+                assert listener is not None
+                specs.append(GroupSpec(address=address, port=listener.getsockname()[1],
+                                       world_size=remote + 1, rank=rank, **common))  # fmt: skip
+        join_s = deadline.left(config.rpc_timeout_s)
+        joining = self._plane.join(specs, config.max_metadata_bytes, join_s)
+        parts: list[Transport] = []
+        try:
+            if listener is not None:
+                trainer = GroupSpec(address=address, port=listener.getsockname()[1],
+                                    world_size=remote + 1, rank=TRAINER_RANK, **common)  # fmt: skip
+                parts.append(TorchGroup.join(trainer, listener))
+            if writer is not None:
+                writer.accept(deadline.left(rendezvous_s))
+                parts.append(writer)
         except WeightSyncError as exc:
-            listener.close()
+            _close_all(parts, listener, writer)
             # The members that joined fail at their own rendezvous timeout, about now.
             failure = self._blame_late(
                 joining, "join", min(_GRACE_S, deadline.remaining()), rendezvous_s
@@ -409,15 +442,19 @@ class Pusher:
             self._leave_members(deadline)
             raise failure or exc from exc
         except BaseException:
-            listener.close()
+            _close_all(parts, listener, writer)
             self._leave_members(deadline)
             raise
+        group = parts[0] if len(parts) == 1 else Fanout(parts)
         try:
             self._settle(joining, "join", join_s)
         except BaseException:
             group.close()
             self._leave_members(deadline)
             raise
+        if writer is not None:
+            logger.info("%d of %d members receive through shared memory", sum(local), len(local))
+        self._routes = ["shm" if on else "group" for on in local]
         self._group = group
         return group
 
@@ -501,3 +538,35 @@ def _choose_mode(config: SyncConfig, infos: list[MemberInfo]) -> ModeName:
             "'standalone' or 'auto'"
         )
     return config.group_mode
+
+
+def on_the_ring(
+    same_host: str, backend: BackendName, hosts: Sequence[str | None], here: str | None
+) -> list[bool]:
+    """Which members take the shared-memory ring: for a CPU (Gloo) push with ``same_host="shm"``,
+    those whose host key is the trainer's (``here``; None where this platform has no ring)."""
+    if same_host != "shm" or backend != "gloo" or here is None:
+        return [False] * len(hosts)
+    return [host == here for host in hosts]
+
+
+def _open_ring(config: SyncConfig, group_id: str, readers: int) -> shm.ShmWriter | None:
+    """The ring for ``readers`` local ranks, or None (none, or no room: they take the group)."""
+    if not readers:
+        return None
+    try:
+        return shm.ShmWriter(group_id, readers, shm.slot_bytes_for(config.bucket_bytes, config.alignment),
+                             config.collective_timeout_s)  # fmt: skip
+    except shm.ShmUnavailableError as exc:
+        logger.warning("workers on this host take the group instead of shared memory: %s", exc)
+        return None
+
+
+def _close_all(parts: Sequence[Transport], listener: socket.socket | None,
+               writer: shm.ShmWriter | None) -> None:  # fmt: skip
+    for part in parts:
+        part.close()
+    if listener is not None:
+        listener.close()
+    if writer is not None:
+        writer.close()

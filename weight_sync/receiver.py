@@ -47,6 +47,7 @@ from weight_sync.packing import (
     staging_slots,
 )
 from weight_sync.transport import TorchGroup, Transport, Work
+from weight_sync.transport.shm import ShmReader, host_key
 
 logger = logging.getLogger(__name__)
 
@@ -162,13 +163,13 @@ class Receiver:
             has_default_group=dist.is_available() and dist.is_initialized(),
             cuda=torch.cuda.is_available(), version=self.version,
             highest_version=self.highest_version, hostname=socket.gethostname(),
-            pid=os.getpid(), concurrent=concurrent,
+            pid=os.getpid(), concurrent=concurrent, host=host_key(),
         )  # fmt: skip
 
     def join(self, spec: GroupSpec, max_metadata_bytes: int) -> None:
         self.leave()
         self._max_metadata_bytes = max_metadata_bytes
-        self._transport = TorchGroup.join(spec)
+        self._transport = ShmReader.join(spec) if spec.transport == "shm" else TorchGroup.join(spec)
 
     def join_json(self, spec_json: str, max_metadata_bytes: int, rank_offset: int = 0) -> None:
         """Join the group described by ``spec_json`` as it arrived (bounded, validated), as
@@ -393,8 +394,15 @@ def _receive_all(
 ) -> list[torch.Tensor]:
     """Receive every bucket into one staging area, touching nothing else. Two broadcasts are
     kept in flight, as when streaming."""
-    area = torch.empty(plan.nbytes, dtype=torch.uint8, device=transport.device)
-    views = list(torch.split(area, [bucket.nbytes for bucket in plan.buckets]))
+    # Each bucket starts on the plan's alignment, as in a buffer of its own: a bucket that ends
+    # on an odd byte must not leave the next one's tensors misaligned for their dtype.
+    align = plan.alignment
+    padded = [-(-bucket.nbytes // align) * align for bucket in plan.buckets]
+    area = torch.empty(sum(padded), dtype=torch.uint8, device=transport.device)
+    views = [
+        part[: bucket.nbytes]
+        for part, bucket in zip(torch.split(area, padded), plan.buckets, strict=True)
+    ]
     pending: list[Work] = []
     for index, view in enumerate(views):
         pending.append(transport.broadcast(view, src=TRAINER_RANK))

@@ -114,16 +114,19 @@ def test_job_submitted_to_a_two_node_cluster(cluster: list[Node]) -> None:
     submitted = head.run(
         "ray", "job", "submit", f"--address=http://{head.ip}:{DASHBOARD_PORT}",
         f"--runtime-env={REPO / 'deploy' / 'runtime_env.yaml'}", "--",
-        "python", "-m", "weight_sync.job", "--workers", "2", "--size-mb", "8", "--pushes", "3",
+        "python", "-m", "weight_sync.job", "--workers", "3", "--size-mb", "8", "--pushes", "3",
         "--spread", "--timeout", "120", timeout=240, check=False,
     )  # fmt: skip
     output = submitted.stdout + submitted.stderr
     assert submitted.returncode == 0, output[-4000:]
-    assert re.search(r"verified: 2/2 workers hold version 3, .* -- OK", output), output[-4000:]
+    assert re.search(r"verified: 3/3 workers hold version 3, .* -- OK", output), output[-4000:]
     report = json.loads(re.search(r"^REPORT (.*)$", output, re.MULTILINE).group(1))
     trainer_ip = report["trainer_node"]["ip"]
     ips = {trainer_ip, *(node["ip"] for node in report["worker_nodes"])}
     assert ips == {head.ip, worker.ip}  # both nodes hold actors: the group crosses the veth
+    # One mixed push: workers beside the trainer through shared memory, the others the group.
+    beside = ["shm" if node["ip"] == trainer_ip else "group" for node in report["worker_nodes"]]
+    assert report["routes"] == beside and set(beside) == {"shm", "group"}, report
     assert re.search(rf"group listens on {re.escape(trainer_ip)}\b", output), output[-4000:]
     trainer_node = head if trainer_ip == head.ip else worker
     pushed = 0.0

@@ -19,7 +19,7 @@ import torch
 from weight_sync.metadata import GroupSpec, PrepareRequest, SyncPlan, TensorMeta
 from weight_sync.receiver import Receiver, expecting
 from weight_sync.sender import Sender
-from weight_sync.transport import TorchGroup, bind_listener
+from weight_sync.transport import TorchGroup, bind_listener, shm
 from weight_sync.verify import state_dict_digests
 
 Target = Callable[..., Any]
@@ -57,6 +57,16 @@ class RankContext:
         fields.update(overrides)
         return GroupSpec(**fields)
 
+    def shm_spec(self, **overrides: Any) -> GroupSpec:
+        """This rank's place on rank 0's shared-memory ring (see ``weight_sync.transport.shm``)."""
+        fields = dict(
+            group_id=self.group_id, address=shm.socket_name(self.group_id), port=0,
+            transport="shm", world_size=self.world_size, rank=self.rank, backend="gloo",
+            mode="standalone", rendezvous_timeout_s=30, collective_timeout_s=30,
+        )  # fmt: skip
+        fields.update(overrides)
+        return GroupSpec(**fields)
+
 
 def _entry(target: Target, rank: int, world_size: int, ports: mp.Queue, results: mp.Queue,
            group_id: str, args: tuple) -> None:
@@ -67,9 +77,22 @@ def _entry(target: Target, rank: int, world_size: int, ports: mp.Queue, results:
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_ranks(target: Target, world_size: int, *args: Any, timeout_s: float = 90) -> list[Any]:
-    """Results by rank; raises AssertionError with the rank's traceback if any rank failed."""
-    ctx = mp.get_context("spawn")
+def _context() -> mp.context.BaseContext:
+    """Ranks fork from a server that imported torch and weight_sync once (a spawned rank pays
+    seconds of imports on 2 cores), and never from pytest's own process, whose threads a fork
+    would copy in whatever state they are."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "weight_sync.receiver",
+                                "weight_sync.sender", "tests.zoo"])  # fmt: skip
+    return ctx
+
+
+def run_ranks(target: Target, world_size: int, *args: Any, timeout_s: float = 90,
+              expect_dead: set[int] = frozenset()) -> list[Any]:  # type: ignore[assignment]
+    """Results by rank; raises AssertionError with the rank's traceback if any rank failed.
+    Ranks in ``expect_dead`` (killed or frozen on purpose) are not waited for; their result is
+    None."""
+    ctx = _context()
     ports, results = ctx.Queue(), ctx.Queue()
     group_id = secrets.token_hex(8)
     procs = [
@@ -81,7 +104,7 @@ def run_ranks(target: Target, world_size: int, *args: Any, timeout_s: float = 90
             proc.start()
         out: dict[int, Any] = {}
         errors: dict[int, str] = {}
-        for _ in range(world_size):
+        for _ in range(world_size - len(expect_dead)):
             try:
                 rank, ok, value = results.get(timeout=timeout_s)
             except queue.Empty:
@@ -89,10 +112,10 @@ def run_ranks(target: Target, world_size: int, *args: Any, timeout_s: float = 90
                                      f"did not finish within {timeout_s}s") from None
             (out if ok else errors)[rank] = value
         assert not errors, "\n".join(f"--- rank {r}:\n{tb}" for r, tb in sorted(errors.items()))
-        return [out[rank] for rank in range(world_size)]
+        return [out.get(rank) for rank in range(world_size)]
     finally:
-        for proc in procs:
-            if proc.is_alive():
+        for rank, proc in enumerate(procs):
+            if proc.is_alive() and rank not in expect_dead:
                 proc.join(timeout=5)
             if proc.is_alive():
                 proc.kill()

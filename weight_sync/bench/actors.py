@@ -10,11 +10,16 @@ baseline is written the way its users write it:
   worker carrying its metadata (the OpenRLHF / TRL pattern).
 * ``fanout`` -- the trainer sends every tensor to each worker in turn, point to point.
 * ``object_store`` -- ``ray.put`` the state dict once; every worker ``ray.get``s and loads it.
+* ``memcpy`` -- not a way to push but the memory-bandwidth limit of one on a single host: the
+  trainer writes the bytes once into memory every worker maps, and every worker reads them once
+  into a buffer of its own, all at the same time.
 """
 
 from __future__ import annotations
 
 import gc
+import mmap
+import os
 import time
 from collections.abc import Callable
 
@@ -28,7 +33,7 @@ from weight_sync.metadata import TRAINER_RANK, TensorMeta
 from weight_sync.transport import TorchGroup
 from weight_sync.verify import state_dict_digests
 
-STRATEGIES = ("weight_sync", "raw", "per_tensor", "fanout", "object_store")
+STRATEGIES = ("weight_sync", "raw", "per_tensor", "fanout", "object_store", "memcpy")
 
 
 def _status_kib(field: str) -> int:
@@ -145,6 +150,19 @@ class BenchWorker(WeightSyncWorker):
             pg.recv([self.state[name]], TRAINER_RANK, 0).wait()  # type: ignore[attr-defined]
             _synchronize(self.state[name])
 
+    def memcpy_prepare(self, pid: int, fd: int, nbytes: int) -> None:
+        with open(f"/proc/{pid}/fd/{fd}", "r+b") as shared:  # the trainer's memfd
+            self.shared_map = mmap.mmap(shared.fileno(), nbytes)
+        self.shared = torch.frombuffer(self.shared_map, dtype=torch.uint8)
+        self.own = torch.zeros(nbytes, dtype=torch.uint8)
+
+    def memcpy_read(self) -> None:
+        self.own.copy_(self.shared)
+
+    def memcpy_release(self) -> None:
+        for name in ("shared", "own", "shared_map"):
+            self.__dict__.pop(name, None)
+
     def object_store_load(self, state_dict: dict[str, torch.Tensor]) -> None:
         self.load_weights(state_dict.items())
 
@@ -218,6 +236,28 @@ class BenchTrainer:
         receiving = [w.raw_receive.remote() for w in self.workers]
         _broadcast(self._group(), self.raw_buffer)
         ray.get(receiving, timeout=600)
+
+    def _memcpy_prepare(self) -> None:
+        nbytes = sum(t.nbytes for t in self.state.values())
+        self.memfd = os.memfd_create("weight_sync-bench", os.MFD_CLOEXEC)
+        os.posix_fallocate(self.memfd, 0, nbytes)
+        self.shared_map = mmap.mmap(self.memfd, nbytes)
+        self.shared = torch.frombuffer(self.shared_map, dtype=torch.uint8)
+        ray.get([w.memcpy_prepare.remote(os.getpid(), self.memfd, nbytes) for w in self.workers],
+                timeout=600)  # fmt: skip
+
+    def _memcpy(self) -> None:
+        offset = 0
+        for tensor in self.state.values():  # one write
+            data = tensor.reshape(-1).view(torch.uint8)
+            self.shared[offset : offset + data.numel()].copy_(data)
+            offset += data.numel()
+        ray.get([w.memcpy_read.remote() for w in self.workers], timeout=600)  # N reads
+
+    def _memcpy_release(self) -> None:
+        ray.get([w.memcpy_release.remote() for w in self.workers], timeout=600)
+        del self.shared, self.shared_map
+        os.close(self.memfd)
 
     def _raw_release(self) -> None:
         del self.raw_buffer

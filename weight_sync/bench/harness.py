@@ -87,7 +87,8 @@ class Case:
     suite: str = "workloads"
 
     def sync_config(self) -> SyncConfig:
-        fields: dict[str, Any] = {}
+        # The group unless a case says otherwise: the baselines run over the push's own group.
+        fields: dict[str, Any] = {"same_host": "group"}
         if self.workload.bucket_bytes is not None:
             fields["bucket_bytes"] = self.workload.bucket_bytes
         return SyncConfig(**{**fields, **dict(self.config)})
@@ -108,6 +109,7 @@ def plan_cases(
     scaling: bool,
     sweep: bool,
     options: bool = False,
+    same_host: Sequence[str] = (),
 ) -> list[Case]:
     cases = []
     for name in workloads:
@@ -132,6 +134,14 @@ def plan_cases(
             for size_mb in sizes:
                 cases.append(Case(synthetic(size_mb * MiB), count, ("weight_sync", "raw"),
                                   suite="scaling"))
+    for name in same_host:
+        # Workers on the trainer's host: the shared-memory ring against the same push over the
+        # group, the flat broadcast, and the memory-bandwidth limit (one write, N reads).
+        workload = WORKLOADS[name]()
+        cases.append(Case(workload, workers, ("weight_sync", "raw", "memcpy"),
+                          label="weight_sync (group)", suite="same host"))
+        cases.append(Case(workload, workers, ("weight_sync",), (("same_host", "shm"),),
+                          "weight_sync (shared memory)", suite="same host"))
     if options:
         cases.append(Case(gpt2_small(), workers, ("raw", "weight_sync"), suite="options"))
         for label, variant in OPTIONS:
@@ -229,6 +239,7 @@ def run_bench(
     address: str | None = None,
     scaling_repeats: int = 3,
     device: str = "cpu",
+    same_host: Sequence[str] = (),
 ) -> list[Measurement]:
     """Run the benchmark; writes the report under ``out`` if given. Returns every measurement."""
     if device not in ("cpu", "cuda"):
@@ -236,10 +247,10 @@ def run_bench(
     unknown = set(strategies) - set(STRATEGIES)
     if unknown:
         raise ValueError(f"unknown strategies {sorted(unknown)}; choose from {STRATEGIES}")
-    unknown = set(workloads) - set(WORKLOADS)
+    unknown = (set(workloads) | set(same_host)) - set(WORKLOADS)
     if unknown:
         raise ValueError(f"unknown workloads {sorted(unknown)}; choose from {list(WORKLOADS)}")
-    cases = plan_cases(workloads, workers, strategies, scaling, sweep, options)
+    cases = plan_cases(workloads, workers, strategies, scaling, sweep, options, same_host)
     started_here = not ray.is_initialized()
     if started_here:
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

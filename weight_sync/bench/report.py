@@ -61,11 +61,20 @@ def targets(rows: Sequence[Measurement]) -> list[tuple[str, str, bool]]:
             continue
         met = value <= bound if slow == "weight_sync" else value >= bound
         checks.append((text, f"{value:.2f}x", met))
+    shm = _find(rows, "W1", "weight_sync (shared memory)", suite="same host")
+    for baseline, bound in (("raw", 0.6), ("memcpy", 1.5)):
+        base = _find(rows, "W1", baseline, suite="same host")
+        if shm and base and shm.seconds and base.seconds:
+            value = shm.median / base.median
+            checks.append((f"W1, same host: shared memory at most {bound}x {baseline}",
+                           f"{value:.2f}x", value <= bound))
     for row in rows:
-        if row.strategy == "weight_sync" and row.suite == "workloads" and row.seconds:
+        if row.strategy.startswith("weight_sync") and row.suite in ("workloads", "same host") \
+                and row.seconds and row.strategy != "weight_sync (all packed)":  # fmt: skip
             bound = 3 * row.bucket_bytes
             worst = max(max(row.trainer_extra), max(row.worker_extra))
-            checks.append((f"{row.workload}: peak extra memory <= 3 x bucket ({bound / MB:.0f} MB)",
+            checks.append((f"{row.workload}, {row.strategy}: peak extra memory <= 3 x bucket "
+                           f"({bound / MB:.0f} MB)",
                            f"trainer {max(row.trainer_extra) / MB:.0f} MB, "
                            f"worker {max(row.worker_extra) / MB:.0f} MB", worst <= bound))
     return checks
@@ -108,6 +117,27 @@ def markdown(rows: Sequence[Measurement]) -> str:
     if checks:
         lines += ["## Targets", "", "| target | measured | met |", "|---|---|---|"]
         lines += [f"| {text} | {value} | {'yes' if met else '**no**'} |" for text, value, met in checks]
+        lines.append("")
+    local = [r for r in rows if r.suite == "same host"]
+    if local:
+        lines += ["## Workers on the trainer's host", "",
+                  "The push through the shared-memory ring against the same push over the Gloo "
+                  "group, the flat Gloo broadcast (raw) and the memory-bandwidth limit (memcpy: "
+                  "the trainer writes the bytes once into memory every worker maps, and every "
+                  "worker reads them once, all at the same time).", "",
+                  "| workload | strategy | median s | min s | max s | GB/s | x raw | x memcpy | "
+                  "trainer extra MB | worker extra MB |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in local:
+            if r.error:
+                lines.append(f"| {r.workload} | {r.strategy} | failed: {r.error} | | | | | | | |")
+                continue
+            ratios = []
+            for baseline in ("raw", "memcpy"):
+                base = _find(rows, r.workload, baseline, r.workers, suite="same host")
+                ratios.append(r.median / base.median if base and base.seconds else float("nan"))
+            lines.append(f"| {r.workload} | {r.strategy} | {r.median:.3f} | {min(r.seconds):.3f} | "
+                         f"{max(r.seconds):.3f} | {r.gbps:.3f} | {ratios[0]:.2f} | {ratios[1]:.2f} | "
+                         f"{max(r.trainer_extra) / MB:.0f} | {max(r.worker_extra) / MB:.0f} |")
         lines.append("")
     sweep = [r for r in rows if r.suite == "bucket sweep" and r.strategy != "raw"]
     if sweep:

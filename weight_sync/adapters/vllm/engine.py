@@ -121,12 +121,14 @@ class VLLMEngine:
     async def _weight_sync_info(self, timeout_s: float | None = None) -> MemberInfo:
         infos = [MemberInfo.model_validate_json(i) for i in await self._call("weight_sync_info", timeout_s)]
         versions = {info.version for info in infos}
+        hosts = {info.host for info in infos}
         return infos[0].model_copy(update={
             "has_default_group": any(info.has_default_group for info in infos),
             "cuda": all(info.cuda for info in infos),
             "version": versions.pop() if len(versions) == 1 else None,
             "highest_version": max(info.highest_version for info in infos),
             "concurrent": False, "ranks": len(infos),
+            "host": hosts.pop() if len(hosts) == 1 else None,  # all its workers share a ring, or none
         })  # fmt: skip
 
     async def _weight_sync_join(

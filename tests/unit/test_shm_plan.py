@@ -1,0 +1,56 @@
+"""Pure pieces of the shared-memory path: who takes the ring, how big its slots are, and the
+spec a ring member is sent."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from weight_sync.metadata import GroupSpec
+from weight_sync.protocol import on_the_ring
+from weight_sync.transport import shm
+
+HERE = "boot-a/net:[1]"
+
+
+@pytest.mark.parametrize(
+    ("same_host", "backend", "hosts", "here", "expected"),
+    [
+        ("shm", "gloo", [HERE, HERE], HERE, [True, True]),
+        ("shm", "gloo", [HERE, "boot-a/net:[2]", "boot-b/net:[1]", None], HERE,
+         [True, False, False, False]),  # another namespace, another kernel, an old member
+        ("group", "gloo", [HERE, HERE], HERE, [False, False]),  # forced through the group
+        ("shm", "nccl", [HERE], HERE, [False]),  # CUDA pushes keep NCCL
+        ("shm", "gloo", [None, None], None, [False, False]),  # no ring on this platform
+        ("shm", "gloo", [], HERE, []),
+    ],
+)  # fmt: skip
+def test_who_takes_the_ring(
+    same_host: str, backend: str, hosts: list, here: str | None, expected: list[bool]
+) -> None:
+    assert on_the_ring(same_host, backend, hosts, here) == expected  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("bucket", "alignment", "slot"),
+    [(32 << 20, 4096, 8 << 20), (4096, 4096, 4096), (4096, 64, 1024), (1, 64, 64),
+     ((1 << 20) + 1, 4096, (1 << 18) + 4096)],
+)  # fmt: skip
+def test_slots_hold_a_bucket_between_them(bucket: int, alignment: int, slot: int) -> None:
+    assert shm.slot_bytes_for(bucket, alignment) == slot
+    assert slot * shm.SLOTS >= bucket and slot % alignment == 0
+
+
+def spec(**fields: object) -> GroupSpec:
+    base = dict(group_id="ab" * 8, address="127.0.0.1", port=1234, world_size=3, rank=1,
+                backend="gloo", mode="standalone", rendezvous_timeout_s=5, collective_timeout_s=5)
+    return GroupSpec(**{**base, **fields})  # type: ignore[arg-type]
+
+
+def test_a_ring_spec_has_no_port_and_a_group_spec_needs_one() -> None:
+    ring = spec(transport="shm", address=shm.socket_name("ab" * 8), port=0)
+    assert GroupSpec.model_validate_json(ring.model_dump_json()) == ring
+    with pytest.raises(ValidationError, match="needs a port"):
+        spec(port=0)
+    with pytest.raises(ValidationError, match="has none"):
+        spec(transport="shm", port=1234)
