@@ -5,6 +5,7 @@ each checked for what survives in /dev/shm."""
 
 from __future__ import annotations
 
+import logging
 import os
 import resource
 import signal
@@ -21,6 +22,7 @@ from weight_sync import SyncConfig
 from weight_sync.errors import SyncTimeoutError, TransportError, WeightSyncError
 from weight_sync.metadata import TensorMeta
 from weight_sync.planner import make_plan
+from weight_sync.protocol import _open_ring
 from weight_sync.receiver import Receiver
 from weight_sync.sender import Entries, PushPlanner, Sender
 from weight_sync.transport import Fanout, TorchGroup, shm
@@ -162,15 +164,21 @@ def test_a_strike_mid_push_fails_every_survivor_quickly(victim: int, how: str) -
     assert dev_shm() == before
 
 
-def test_no_room_is_a_clear_error_before_anything_is_sent() -> None:
-    """With a 1 MiB file-size limit the ring's 4 MiB cannot be claimed (fallocate fails)."""
+def test_no_room_is_a_clear_error_and_the_updater_falls_back_to_the_group(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With a 1 MiB file-size limit the ring's 4 MiB cannot be claimed (fallocate fails): the
+    ring says so, naming the size, and the updater sends those workers through the group."""
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))
     try:
         with pytest.raises(shm.ShmUnavailableError, match=r"cannot claim 4\.0 MiB.*same_host='group'"):
             shm.ShmWriter("cd" * 8, 1, 1 << 20, 30)
+        with caplog.at_level(logging.WARNING, logger="weight_sync.protocol"):
+            assert _open_ring(SyncConfig(bucket_bytes=4 << 20), "cd" * 8, 2) is None
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert "take the group instead" in caplog.text and "4.0 MiB" in caplog.text
 
 
 def test_a_reader_that_cannot_reach_the_ring_fails_fast() -> None:
