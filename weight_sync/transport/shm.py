@@ -136,9 +136,17 @@ class ShmWriter:
                 "or set same_host='group' in SyncConfig"
             ) from exc
         self._fd: int | None = fd
-        self._listener: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind("\0" + socket_name(group_id))
-        self._listener.listen(readers)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind("\0" + socket_name(group_id))
+            listener.listen(readers)
+        except OSError as exc:
+            listener.close()
+            self._fd = None
+            os.close(fd)
+            self._ring.close()
+            raise ShmUnavailableError(f"cannot listen for the ring's readers: {exc}") from exc
+        self._listener: socket.socket | None = listener
         self._conns: list[socket.socket] = []
         self._written = 0  # chunks written since the group formed
         self._done = [0] * readers  # per reader: chunks it has copied out
@@ -320,7 +328,8 @@ class ShmReader:
                     f"shared-memory ring out of step: got chunk {chunk} of {sent} bytes, expected "
                     f"chunk {self._read} of {count}; the trainer and this worker disagree on the plan"
                 )
-            flat[offset : offset + count].copy_(self._ring.slots[chunk % SLOTS][:count])
+            slots = self._ring.slots
+            flat[offset : offset + count].copy_(slots[chunk % len(slots)][:count])
             _send(conn, _DONE.pack(chunk), 0)
             self._read += 1
         return _Done()
