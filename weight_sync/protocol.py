@@ -407,13 +407,9 @@ class Pusher:
         common = dict(group_id=group_id, backend=backend, mode=mode,
                       rendezvous_timeout_s=rendezvous_s,
                       collective_timeout_s=config.collective_timeout_s)  # fmt: skip
-        # A member may bring several ranks (an engine with tensor parallelism: every one of its
-        # workers receives every byte); it is given the first of its part, and numbers the rest
-        # on. Ranks count from 1 within each part: the trainer is 0 of both.
-        next_rank = {False: 1, True: 1}
         specs = []
-        for info, on in zip(infos, local, strict=True):
-            rank, next_rank[on] = next_rank[on], next_rank[on] + info.ranks
+        firsts = first_ranks([info.ranks for info in infos], local)
+        for rank, on in zip(firsts, local, strict=True):
             if on:
                 assert writer is not None
                 specs.append(GroupSpec(address=shm.socket_name(group_id), port=0, transport="shm",
@@ -538,6 +534,19 @@ def _choose_mode(config: SyncConfig, infos: list[MemberInfo]) -> ModeName:
             "'standalone' or 'auto'"
         )
     return config.group_mode
+
+
+def first_ranks(ranks: Sequence[int], local: Sequence[bool]) -> list[int]:
+    """Each member's first rank in its part of the push -- the ring (``local``) or the group --
+    counting from 1 in each (the trainer is rank 0 of both). A member bringing several ranks (an
+    engine with tensor parallelism: each of its workers receives every byte) numbers the rest on
+    from its first."""
+    following = {False: 1, True: 1}
+    firsts = []
+    for count, on in zip(ranks, local, strict=True):
+        firsts.append(following[on])
+        following[on] += count
+    return firsts
 
 
 def on_the_ring(

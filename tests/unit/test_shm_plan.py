@@ -1,5 +1,5 @@
-"""Pure pieces of the shared-memory path: who takes the ring, how big its slots are, and the
-spec a ring member is sent."""
+"""Pure pieces of the shared-memory path: who takes the ring, the ranks in each part, how big
+the slots are, and the spec a ring member is sent."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from weight_sync.metadata import GroupSpec
-from weight_sync.protocol import on_the_ring
+from weight_sync.protocol import first_ranks, on_the_ring
 from weight_sync.transport import shm
 
 HERE = "boot-a/net:[1]"
@@ -29,6 +29,19 @@ def test_who_takes_the_ring(
     same_host: str, backend: str, hosts: list, here: str | None, expected: list[bool]
 ) -> None:
     assert on_the_ring(same_host, backend, hosts, here) == expected  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("ranks", "local", "firsts"),
+    [
+        ([1, 1, 1], [False, False, False], [1, 2, 3]),  # everyone on the group
+        ([1, 1, 1], [True, False, True], [1, 1, 2]),  # ranks count within each part
+        ([2, 1, 3, 1], [False, False, True, True], [1, 3, 1, 4]),  # TP engines take several
+        ([], [], []),
+    ],
+)  # fmt: skip
+def test_ranks_within_each_part(ranks: list[int], local: list[bool], firsts: list[int]) -> None:
+    assert first_ranks(ranks, local) == firsts
 
 
 @pytest.mark.parametrize(
