@@ -407,25 +407,25 @@ class Pusher:
         common = dict(group_id=group_id, backend=backend, mode=mode,
                       rendezvous_timeout_s=rendezvous_s,
                       collective_timeout_s=config.collective_timeout_s)  # fmt: skip
-        specs = []
-        firsts = first_ranks([info.ranks for info in infos], local)
-        for rank, on in zip(firsts, local, strict=True):
-            if on:
+
+        def spec(rank: int, on_ring: bool) -> GroupSpec:
+            """Rank ``rank`` of the ring or of the group."""
+            if on_ring:
                 assert writer is not None
-                specs.append(GroupSpec(address=shm.socket_name(group_id), port=0, transport="shm",
-                                       world_size=writer.world_size, rank=rank, **common))  # fmt: skip
-            else:
-                assert listener is not None
-                specs.append(GroupSpec(address=address, port=listener.getsockname()[1],
-                                       world_size=remote + 1, rank=rank, **common))  # fmt: skip
+                return GroupSpec(address=shm.socket_name(group_id), port=0, transport="shm",
+                                 world_size=writer.world_size, rank=rank, **common)  # fmt: skip
+            assert listener is not None
+            return GroupSpec(address=address, port=listener.getsockname()[1],
+                             world_size=remote + 1, rank=rank, **common)  # fmt: skip
+
+        firsts = first_ranks([info.ranks for info in infos], local)
+        specs = [spec(rank, on) for rank, on in zip(firsts, local, strict=True)]
         join_s = deadline.left(config.rpc_timeout_s)
         joining = self._plane.join(specs, config.max_metadata_bytes, join_s)
         parts: list[Transport] = []
         try:
             if listener is not None:
-                trainer = GroupSpec(address=address, port=listener.getsockname()[1],
-                                    world_size=remote + 1, rank=TRAINER_RANK, **common)  # fmt: skip
-                parts.append(TorchGroup.join(trainer, listener))
+                parts.append(TorchGroup.join(spec(TRAINER_RANK, False), listener))
             if writer is not None:
                 writer.accept(deadline.left(rendezvous_s))
                 parts.append(writer)

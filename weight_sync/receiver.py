@@ -46,6 +46,7 @@ from weight_sync.packing import (
     checksum,
     staging_slots,
 )
+from weight_sync.planner import align_up
 from weight_sync.transport import TorchGroup, Transport, Work
 from weight_sync.transport.shm import ShmReader, host_key
 
@@ -396,8 +397,7 @@ def _receive_all(
     kept in flight, as when streaming."""
     # Each bucket starts on the plan's alignment, as in a buffer of its own: a bucket that ends
     # on an odd byte must not leave the next one's tensors misaligned for their dtype.
-    align = plan.alignment
-    padded = [-(-bucket.nbytes // align) * align for bucket in plan.buckets]
+    padded = [align_up(bucket.nbytes, plan.alignment) for bucket in plan.buckets]
     area = torch.empty(sum(padded), dtype=torch.uint8, device=transport.device)
     views = [
         part[: bucket.nbytes]

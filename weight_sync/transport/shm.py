@@ -35,6 +35,7 @@ import torch
 
 from weight_sync.errors import SyncTimeoutError, TransportError
 from weight_sync.metadata import GroupSpec
+from weight_sync.planner import align_up
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +73,7 @@ def socket_name(group_id: str) -> str:
 
 def slot_bytes_for(bucket_bytes: int, alignment: int = 4096) -> int:
     """Slot size: the ring as a whole holds one bucket."""
-    per_slot = -(-bucket_bytes // SLOTS)
-    return -(-per_slot // alignment) * alignment
+    return align_up(-(-bucket_bytes // SLOTS), alignment)
 
 
 class _Done:
@@ -204,7 +204,7 @@ class ShmWriter:
         try:
             # An honest reader says hello as it connects; a silent caller must not hold the door.
             conn.settimeout(min(max(deadline - time.monotonic(), 1e-3), 5.0))
-            group_id, rank = _HELLO.unpack(_recv_exact(conn, _HELLO.size, "a joining reader"))
+            group_id, rank = _HELLO.unpack(_recv_exact(conn, _HELLO.size, None))
             if group_id != self._group_id.encode()[:16] or not 1 <= rank <= self._readers:
                 return None
             socket.send_fds(conn, [_RING.pack(self._ring.slot_bytes, SLOTS)], [self._fd])
@@ -215,7 +215,7 @@ class ShmWriter:
     def broadcast(self, tensor: torch.Tensor, src: int, timeout_s: float | None = None) -> _Acks:
         """Copy ``tensor`` into the ring chunk by chunk; waits only for slots to come free."""
         assert src == 0 and tensor.dtype == torch.uint8 and tensor.is_contiguous()
-        deadline = time.monotonic() + min(self._timeout_s, timeout_s or self._timeout_s)
+        deadline = _deadline(self._timeout_s, timeout_s)
         flat, size = tensor.view(-1), tensor.numel()
         slot_bytes = self._ring.slot_bytes
         for offset in range(0, size, slot_bytes):
@@ -234,7 +234,7 @@ class ShmWriter:
         for index, conn in enumerate(self._conns):
             while self._done[index] < through:
                 conn.settimeout(_left(deadline, index + 1))
-                (chunk,) = _DONE.unpack(_recv_exact(conn, _DONE.size, f"shared-memory reader {index + 1}"))
+                (chunk,) = _DONE.unpack(_recv_exact(conn, _DONE.size, index + 1))
                 if chunk != self._done[index]:
                     raise TransportError(
                         f"shared-memory reader {index + 1} acknowledged chunk {chunk}, expected "
@@ -315,14 +315,13 @@ class ShmReader:
         conn = self._conn
         if conn is None:
             raise TransportError("this shared-memory reader has left")
-        timeout = min(self._spec.collective_timeout_s, timeout_s or self._spec.collective_timeout_s)
-        deadline = time.monotonic() + timeout
+        deadline = _deadline(self._spec.collective_timeout_s, timeout_s)
         flat, size = tensor.view(-1), tensor.numel()
         slot_bytes = self._ring.slot_bytes
         for offset in range(0, size, slot_bytes):
             count = min(slot_bytes, size - offset)
             conn.settimeout(_left(deadline, 0))
-            chunk, sent = _READY.unpack(_recv_exact(conn, _READY.size, "the trainer"))
+            chunk, sent = _READY.unpack(_recv_exact(conn, _READY.size, 0))
             if (chunk, sent) != (self._read, count):
                 raise TransportError(
                     f"shared-memory ring out of step: got chunk {chunk} of {sent} bytes, expected "
@@ -341,15 +340,28 @@ class ShmReader:
         self._ring.close()
 
 
-def _left(deadline: float, rank: int | None = None) -> float:
+def _peer(rank: int | None) -> str:
+    """Who is at the other end of a connection: rank 0 is the trainer; None, a reader that has
+    not said who it is yet."""
+    if rank is None:
+        return "a joining reader"
+    return "the trainer" if rank == 0 else f"shared-memory reader {rank}"
+
+
+def _deadline(limit_s: float, timeout_s: float | None) -> float:
+    """When one broadcast must be done: within ``timeout_s`` if given, never past ``limit_s``."""
+    return time.monotonic() + (limit_s if timeout_s is None else min(limit_s, timeout_s))
+
+
+def _left(deadline: float, rank: int) -> float:
     left = deadline - time.monotonic()
     if left <= 0:
-        who = "" if rank is None else (" the trainer" if rank == 0 else f" reader {rank}")
-        raise SyncTimeoutError(f"shared-memory ring: timed out waiting for{who}")
+        raise SyncTimeoutError(f"shared-memory ring: timed out waiting for {_peer(rank)}")
     return left
 
 
-def _recv_exact(conn: socket.socket, size: int, peer: str) -> bytes:
+def _recv_exact(conn: socket.socket, size: int, rank: int | None) -> bytes:
+    peer = _peer(rank)
     data = b""
     try:
         while len(data) < size:
@@ -365,8 +377,7 @@ def _recv_exact(conn: socket.socket, size: int, peer: str) -> bytes:
 
 
 def _send(conn: socket.socket, message: bytes, rank: int) -> None:
-    peer = "the trainer" if rank == 0 else f"shared-memory reader {rank}"
     try:
         conn.sendall(message, socket.MSG_NOSIGNAL)
     except OSError as exc:  # BrokenPipeError / ConnectionResetError: the peer is gone
-        raise TransportError(f"{peer} closed its shared-memory connection: {exc}") from exc
+        raise TransportError(f"{_peer(rank)} closed its shared-memory connection: {exc}") from exc
