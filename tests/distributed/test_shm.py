@@ -58,7 +58,6 @@ def zoo_rank(ctx: RankContext) -> dict[str, str]:
     tensors = zoo(seed=11)
     plan = make_plan([TensorMeta.of(n, t) for n, t in tensors.items()], BUCKET, 64)
     readers = 2
-    group_spec = ctx.spec("standalone", world_size=2, rank=min(1, ctx.rank))
     if ctx.rank == 0:
         ring = shm.ShmWriter(ctx.group_id, readers, shm.slot_bytes_for(BUCKET), 30)
         stranger = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -69,14 +68,18 @@ def zoo_rank(ctx: RankContext) -> dict[str, str]:
         stranger.settimeout(5)
         assert stranger.recv(64) == b"", "the stranger was handed the ring"
         stranger.close()
+        group_spec = ctx.spec("standalone", world_size=2, rank=0)
         transport = Fanout([TorchGroup.join(group_spec, ctx.listener(0)), ring])
         try:
             Sender(transport).send(plan, list(tensors.values()))
         finally:
             transport.close()
         return state_dict_digests(tensors)
-    ctx.ports()
-    spec = ctx.shm_spec(world_size=readers + 1) if ctx.rank <= readers else group_spec
+    ctx.ports()  # only once rank 0 listens on the ring (ctx.spec would ask for ports sooner)
+    if ctx.rank <= readers:
+        spec = ctx.shm_spec(world_size=readers + 1)
+    else:
+        spec = ctx.spec("standalone", world_size=2, rank=1)
     expected = {n: TensorMeta.of(n, t) for n, t in tensors.items()}
     staging = "atomic" if ctx.rank == 2 else "stream"
     return state_dict_digests(receive_plan(spec, plan, expected, staging=staging))
