@@ -38,7 +38,7 @@ from typing import Any
 import ray
 import torch
 
-from weight_sync import SyncConfig, WeightUpdater
+from weight_sync import PushResult, SyncConfig, WeightUpdater
 from weight_sync.adapters.hf import Generation, RemoteHFWorker, load_model
 
 DIGITS = 10
@@ -70,17 +70,16 @@ def rewards(prompts: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
 class PolicyTrainer:
     """Owns the policy, its optimizer and the WeightUpdater to the inference workers."""
 
-    def __init__(self, workers: list, lr: float, seed: int) -> None:
+    def __init__(self, workers: list, lr: float, seed: int, config: SyncConfig | None = None) -> None:
         torch.manual_seed(seed)
         torch.set_num_threads(1)
         self.model = load_model(POLICY)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
-        self.updater = WeightUpdater(workers, SyncConfig())
+        self.updater = WeightUpdater(workers, config or SyncConfig())
 
-    def push(self) -> tuple[int, float]:
-        """Push the current weights; (version, seconds)."""
-        result = self.updater.push(self.model.state_dict())
-        return result.version, result.seconds
+    def push(self) -> PushResult:
+        """Push the current weights."""
+        return self.updater.push(self.model.state_dict())
 
     def version(self) -> int:
         return self.updater.version
@@ -107,6 +106,8 @@ class History:
     reward: list[float] = field(default_factory=list)
     push_ms: list[float] = field(default_factory=list)
     stale: int = 0
+    wire_bytes: list[int] = field(default_factory=list)  # per push
+    density: list[float | None] = field(default_factory=list)  # per push: changed share (deltas)
 
 
 def rollouts(workers: list, prompts: torch.Tensor, group: int) -> list[Generation]:
@@ -163,7 +164,8 @@ def run(args: argparse.Namespace) -> History:
             workers = start_vllm_engines(args.workers, directory, args.seed)
             sample = vllm_rollouts
         else:
-            workers = [RemoteHFWorker.remote(POLICY) for _ in range(args.workers)]
+            dtype = getattr(torch, args.cast_dtype) if args.cast_dtype else None
+            workers = [RemoteHFWorker.remote(POLICY, dtype=dtype) for _ in range(args.workers)]
             sample = rollouts
         try:
             return _train(args, workers, sample, generator)
@@ -175,11 +177,19 @@ def run(args: argparse.Namespace) -> History:
 
 
 def _train(args: argparse.Namespace, workers: list, sample: Any, generator: torch.Generator) -> History:
-    trainer = PolicyTrainer.remote(workers, args.lr, args.seed)
+    config = SyncConfig(cast_dtype=args.cast_dtype, delta=args.delta)
+    trainer = PolicyTrainer.remote(workers, args.lr, args.seed, config)
     history = History()
+
+    def push() -> tuple[int, float]:
+        result: PushResult = ray.get(trainer.push.remote())
+        history.push_ms.append(result.seconds * 1e3)
+        history.wire_bytes.append(result.wire_bytes)
+        history.density.append(result.density)
+        return result.version, result.seconds
+
     try:
-        version, seconds = ray.get(trainer.push.remote())  # the workers start from the policy
-        history.push_ms.append(seconds * 1e3)
+        version, seconds = push()  # the workers start from the policy
         for step in range(args.steps):
             prompts = make_prompts(args.prompts, generator)
             generations = sample(workers, prompts, args.group)
@@ -194,12 +204,14 @@ def _train(args: argparse.Namespace, workers: list, sample: Any, generator: torc
             grouped = scores.view(-1, args.group)
             advantages = (grouped - grouped.mean(dim=1, keepdim=True)).flatten()
             loss = ray.get(trainer.train_step.remote(sequences, advantages))
-            version, seconds = ray.get(trainer.push.remote())
+            version, seconds = push()
             history.reward.append(float(scores.mean()))
-            history.push_ms.append(seconds * 1e3)
             if step % 10 == 0 or step == args.steps - 1:
+                density = history.density[-1]
+                changed = f", {density:.1%} changed" if density is not None else ""
                 print(f"step {step:3d}  reward {scores.mean():.3f}  loss {loss:+.4f}  "
-                      f"push v{version} {seconds * 1e3:.1f} ms", flush=True)  # fmt: skip
+                      f"push v{version} {seconds * 1e3:.1f} ms, {history.wire_bytes[-1] / 1e3:.0f} KB"
+                      f"{changed}", flush=True)  # fmt: skip
     finally:
         ray.get(trainer.close.remote())
         ray.kill(trainer)
@@ -234,12 +246,18 @@ def main(argv: list[str] | None = None) -> History:
     parser.add_argument("--prompts", type=int, default=32, help="prompts per step")
     parser.add_argument("--group", type=int, default=8, help="samples per prompt")
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--cast-dtype", choices=["bfloat16", "float16"], default=None,
+                        help="push in this dtype (the Hugging Face workers hold it)")
+    parser.add_argument("--delta", action="store_true",
+                        help="push only what changed since the last push (SyncConfig.delta)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--window", type=int, default=10, help="steps averaged for first/last")
     parser.add_argument("--plot", default="rlhf_loop.png")
     args = parser.parse_args(argv)
     if args.prompts % args.workers:
         parser.error("--prompts must be a multiple of --workers (each worker gets whole groups)")
+    if args.cast_dtype and args.engine == "vllm":
+        parser.error("--cast-dtype is for the Hugging Face workers (the vLLM engines serve float32)")
     logging.basicConfig(level=logging.WARNING)
     started_ray = not ray.is_initialized()
     if started_ray:
@@ -255,6 +273,11 @@ def main(argv: list[str] | None = None) -> History:
     print(f"{len(history.reward)} steps in {time.perf_counter() - start:.0f}s; median push "
           f"{statistics.median(history.push_ms):.1f} ms; stale rollouts discarded: "
           f"{history.stale}; plot: {args.plot}")  # fmt: skip
+    densities = [d for d in history.density if d is not None]
+    if densities:
+        print(f"delta pushes: {len(densities)}; median {statistics.median(densities):.2%} of elements "
+              f"changed; median {statistics.median(history.wire_bytes[1:]) / 1e3:.1f} KB on the wire "
+              f"(dense: {history.wire_bytes[0] / 1e3:.1f} KB)")  # fmt: skip
     first = statistics.fmean(history.reward[:window])
     last = statistics.fmean(history.reward[-window:])
     print(f"reward: first={first:.3f} last={last:.3f}")

@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--same-host", default="", metavar="WORKLOADS",
                        help="also measure these workloads (e.g. W1,W3,W4) through the shared-memory "
                        "ring against the group, raw and the memory-bandwidth limit")
+    bench.add_argument("--delta", action="store_true",
+                       help="also measure delta pushes (SyncConfig.delta) against dense ones on W1 "
+                       "cast to bf16: after an Adam step at lr 1e-6, and after every value changed")
     bench.add_argument("--out", default="benchmarks/results", help="report folder")
     bench.add_argument("--address", default=None, help="Ray cluster to join; default: start one")
     job = commands.add_parser(
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             repeats=args.repeats,
             strategies=args.strategies.split(","), scaling=args.scaling, sweep=args.sweep,
             options=args.options, out=Path(args.out), address=args.address, device=args.device,
-            same_host=[w for w in args.same_host.split(",") if w],
+            same_host=[w for w in args.same_host.split(",") if w], delta=args.delta,
         )  # fmt: skip
         print(f"report: {Path(args.out) / 'results.md'}")
         return 0

@@ -109,6 +109,14 @@ class SyncConfig(BaseModel):
         "into a staging area (memory: one full copy) and applies it only on commit, so a worker "
         "keeps its old weights and version until every worker has the new ones.",
     )
+    delta: bool = Field(
+        False,
+        description="Keep a host copy of the weights as last pushed (the model's size, in the "
+        "workers' dtype) and send, per span of 64K elements, only the elements that changed "
+        "(indices and values), or the span whole where that is smaller. Only workers that hold "
+        "exactly that copy, with every tensor writable in place, take deltas: if any does not, "
+        "the push goes dense for all. Bit-exact; see weight_sync.delta.",
+    )
     checksum: bool = Field(
         False,
         description="Verify a CRC32 of every bucket on every worker before commit; a mismatch "

@@ -208,6 +208,7 @@ class SyncPlan(_Wire):
 
 # ---- control-plane messages -------------------------------------------------------------------
 
+BASE_PATTERN = r"^[0-9a-f]{16}:[0-9]{1,19}$"  # see weight_sync.delta.lineage
 BackendName = Literal["gloo", "nccl"]
 ModeName = Literal["world", "standalone"]
 StagingName = Literal["stream", "atomic"]
@@ -258,6 +259,8 @@ class MemberInfo(_Wire):
     ranks: int = Field(1, ge=1, le=4096)
     # Members whose key equals the trainer's can map its shared-memory ring (see transport.shm).
     host: str | None = Field(None, max_length=256)
+    # The trainer's copy of the weights this member holds bit for bit, if any (see delta.lineage).
+    delta_base: str | None = Field(None, pattern=BASE_PATTERN)
 
 
 class PrepareRequest(_Wire):
@@ -269,11 +272,26 @@ class PrepareRequest(_Wire):
     staging: StagingName = "stream"
     checksum: bool = False
     partial: bool = False  # the plan covers part of the model; the rest keeps its version
+    # With a baseline kept (SyncConfig.delta): the trainer's base this push is built on, the base
+    # it creates, and whether it travels as a delta against the first (planned in buckets of
+    # ``delta_bucket_bytes``; see weight_sync.delta).
+    built_on: str | None = Field(None, pattern=BASE_PATTERN)
+    new_base: str | None = Field(None, pattern=BASE_PATTERN)
+    delta: bool = False
+    delta_bucket_bytes: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _delta_is_planned(self) -> PrepareRequest:
+        if self.delta and (self.built_on is None or self.new_base is None or self.delta_bucket_bytes < 16):
+            raise ValueError("a delta push names its base, the base it makes and its bucket size")
+        return self
 
 
 class PrepareReply(_Wire):
     accepted: bool
     need_plan: bool = False
+    need_dense: bool = False  # this member cannot take the push as a delta: send it dense
+    in_place: bool = False  # it writes every tensor in place: it can take deltas once on the base
     problems: tuple[str, ...] = ()
 
 

@@ -114,7 +114,8 @@ class Unpacker:
     ``owned``: hand back only tensors that no later bucket will overwrite, for a consumer that
     keeps them (vLLM's layerwise reload holds a layer's tensors until the layer is complete). A
     packed bucket is then copied once, as a whole, and its tensors are views into the copy;
-    direct buckets and reassembled tensors are fresh memory already.
+    direct buckets and reassembled tensors are fresh memory already. ``only``: the indices of
+    the tensors wanted; the others are passed over (nothing is written or reassembled for them).
     """
 
     def __init__(
@@ -123,9 +124,11 @@ class Unpacker:
         destinations: Mapping[str, torch.Tensor] | None,
         device: torch.device,
         owned: bool = False,
+        only: set[int] | None = None,
     ) -> None:
         self._plan = plan
         self._owned = owned
+        self._only = only
         destinations = destinations or {}
         self._destinations = {
             index: destinations[meta.name]
@@ -172,6 +175,8 @@ class Unpacker:
         batch: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         completed: list[tuple[int, torch.Tensor]] = []  # tensors with ties, once whole
         for seg in bucket.segments:
+            if self._only is not None and seg.tensor not in self._only:
+                continue
             meta = self._plan.tensors[seg.tensor]
             piece = data[seg.bucket_offset : seg.bucket_offset + seg.nbytes]
             destination = self._destinations.get(seg.tensor)

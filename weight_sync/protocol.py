@@ -33,6 +33,9 @@ import torch.distributed as dist
 from weight_sync.config import SyncConfig
 from weight_sync.control import ControlPlane, Outcomes, collect
 from weight_sync.deadline import Deadline
+from weight_sync.delta import transfer as delta
+from weight_sync.delta.baseline import Baseline
+from weight_sync.delta.lineage import next_base
 from weight_sync.errors import (
     ChecksumMismatchError,
     PlanMismatchError,
@@ -83,6 +86,9 @@ class PushResult:
     # Seconds per phase: group (probe + join, when a group was formed), prepare, transfer,
     # commit, total.
     phases: Mapping[str, float] = field(default_factory=dict)
+    wire_bytes: int = 0  # bytes broadcast (a delta push: its header and what changed)
+    delta: bool = False  # sent as a delta against the workers' weights (SyncConfig.delta)
+    density: float | None = None  # of a delta push: the share of elements that changed
 
     @property
     def gbps(self) -> float:
@@ -120,6 +126,9 @@ class Pusher:
         self._planner: PushPlanner | None = None  # made with the first group (needs its device)
         self._known: list[str | None] = []  # per member: digest of the plan it has cached
         self._routes: list[str] = []  # per member of the current group: "shm" or "group"
+        # With SyncConfig.delta: the copy of what the members hold, and which base each holds.
+        self._baseline = Baseline() if self._config.delta else None
+        self._bases: list[str | None] = []
         self._version = 0  # last version committed on every member
         self._next_version = 1  # never reused: spent once any member may have committed it
         self._lock = threading.Lock()
@@ -173,7 +182,7 @@ class Pusher:
         """
         if not isinstance(state_dict, ShardedSource):
             entries = check_state_dict(state_dict, self._config, rename, transform)
-            return self._push(entries, entries.tensors, partial)
+            return self._push(entries, entries.tensors, partial, sharded=False)
         source, version = state_dict, None
         if not source.is_sender:
             raise ValueError("this rank does not send: call serve() on its ShardedSource")
@@ -185,7 +194,7 @@ class Pusher:
             cast = self._config.cast_dtype
             if self._config.check_finite and not source.all_finite(cast):
                 raise nonfinite_error(cast)
-            result = self._push(entries, source.gathering(entries.tensors), partial)
+            result = self._push(entries, source.gathering(entries.tensors), partial, sharded=True)
             version = result.version
             return result
         finally:
@@ -201,7 +210,7 @@ class Pusher:
     # -- one push ------------------------------------------------------------------------------
 
     def _push(
-        self, entries: Entries, tensors: Sequence[torch.Tensor], partial: bool
+        self, entries: Entries, tensors: Sequence[torch.Tensor], partial: bool, sharded: bool
     ) -> PushResult:
         with self._lock:
             self._check_open()
@@ -221,15 +230,19 @@ class Pusher:
                 plan = self._plan(group, entries)
                 version = self._next_version
                 clock.lap("group")
-                self._prepare(version, plan, partial, deadline)
+                request, in_place = self._prepare(self._request(version, partial, sharded), plan, deadline)
                 clock.lap("prepare")
                 broadcasting = True
-                self._transfer(group, version, plan, tensors, deadline)
+                wire_bytes, density = self._transfer(group, request, plan, tensors, deadline)
                 clock.lap("transfer")
                 self._next_version = version + 1
                 timeout_s = deadline.left(self._config.rpc_timeout_s)
                 self._settle(self._plane.commit(version, timeout_s), "commit", timeout_s)
                 clock.lap("commit")
+                self._bases = [
+                    next_base(held, request.built_on, request.new_base, not partial) if ready else None
+                    for held, ready in zip(self._bases, in_place, strict=True)
+                ]
             except BaseException as exc:
                 if self._observer is not None:
                     self._observer.failed(exc)
@@ -242,14 +255,16 @@ class Pusher:
             self._version = version
             result = PushResult(
                 version, plan.payload_bytes, len(plan.buckets), clock.total(), entries.count,
-                partial, clock.phases,
+                partial, clock.phases, wire_bytes, request.delta, density,
             )  # fmt: skip
             if self._observer is not None:
                 self._observer.pushed(version, result.nbytes, result.buckets, clock.phases, result.gbps)
             logger.info(
-                "pushed version %d%s: %d tensors, %.1f MB in %d buckets, %.3fs (%.2f GB/s; %s)",
-                version, " (partial)" if partial else "", result.tensors, result.nbytes / 1e6,
-                result.buckets, result.seconds, result.gbps,
+                "pushed version %d%s%s: %d tensors, %.1f MB (%.1f MB on the wire) in %d buckets, "
+                "%.3fs (%.2f GB/s; %s)",
+                version, " (partial)" if partial else "", " (delta)" if request.delta else "",
+                result.tensors, result.nbytes / 1e6, wire_bytes / 1e6, result.buckets,
+                result.seconds, result.gbps,
                 ", ".join(f"{phase} {seconds:.3f}s" for phase, seconds in clock.phases.items()),
             )  # fmt: skip
             return result
@@ -265,12 +280,47 @@ class Pusher:
             )
         return plan
 
-    def _prepare(self, version: int, plan: SyncPlan, partial: bool, deadline: Deadline) -> None:
-        """Every member checks the push; any refusal raises before a byte is broadcast."""
-        request = PrepareRequest(
-            version=version, plan_digest=plan.digest, staging=self._config.staging,
-            checksum=self._config.checksum, partial=partial,
+    def _request(self, version: int, partial: bool, sharded: bool) -> PrepareRequest:
+        """Push ``version``: a delta when the trainer keeps a baseline and every member holds it
+        (as far as the trainer knows: each member checks again in ``prepare``)."""
+        config, baseline = self._config, self._baseline
+        built_on = new_base = None
+        if baseline is not None and sharded:  # gathered bucket by bucket: nothing to compare
+            baseline.forget()
+        elif baseline is not None:
+            built_on, new_base = baseline.id, baseline.name_for(version)
+        delta = built_on is not None and all(held == built_on for held in self._bases)
+        return PrepareRequest(
+            version=version, plan_digest="0" * 64, staging=config.staging,
+            checksum=config.checksum, partial=partial, built_on=built_on, new_base=new_base,
+            delta=delta, delta_bucket_bytes=config.bucket_bytes if delta else 0,
         )  # fmt: skip
+
+    def _prepare(
+        self, request: PrepareRequest, plan: SyncPlan, deadline: Deadline
+    ) -> tuple[PrepareRequest, list[bool]]:
+        """Every member checks the push; any refusal raises before a byte is broadcast. A delta
+        that some member cannot take goes dense for all (the broadcast costs what its largest
+        stream costs). Returns the request that went through, and which members write every
+        tensor in place."""
+        request = request.model_copy(update={"plan_digest": plan.digest})
+        replies = self._prepare_all(request, plan, deadline)
+        dense = [i for i, reply in enumerate(replies) if reply.need_dense]
+        if dense:
+            logger.info("worker(s) %s do not hold the trainer's base: this push goes dense", dense)
+            request = request.model_copy(update={"delta": False, "delta_bucket_bytes": 0})
+            replies = self._prepare_all(request, plan, deadline)
+        problems = {i: reply.problems or ("refused",) for i, reply in enumerate(replies)
+                    if not reply.accepted}  # fmt: skip
+        if problems:
+            accepted = [i for i, reply in enumerate(replies) if reply.accepted]
+            self._cancel(request.version, accepted, deadline)
+            raise PlanMismatchError(problems)
+        self._known = [plan.digest] * len(self._plane)
+        return request, [reply.in_place for reply in replies]
+
+    def _prepare_all(self, request: PrepareRequest, plan: SyncPlan, deadline: Deadline) -> list[PrepareReply]:
+        """Every member's reply, sending the plan in full to those that do not hold it."""
         everyone = range(len(self._plane))
         replies = self._prepare_round(request, plan, everyone, deadline)
         lacking = [i for i, reply in enumerate(replies) if reply.need_plan]
@@ -279,13 +329,7 @@ class Pusher:
                 self._known[index] = None
             again = iter(self._prepare_round(request, plan, lacking, deadline))
             replies = [next(again) if reply.need_plan else reply for reply in replies]
-        problems = {i: reply.problems or ("refused",) for i, reply in enumerate(replies)
-                    if not reply.accepted}  # fmt: skip
-        if problems:
-            accepted = [i for i, reply in enumerate(replies) if reply.accepted]
-            self._cancel(version, accepted, deadline)
-            raise PlanMismatchError(problems)
-        self._known = [plan.digest] * len(self._plane)
+        return replies
 
     def _prepare_round(
         self, request: PrepareRequest, plan: SyncPlan, members: Sequence[int], deadline: Deadline
@@ -307,15 +351,27 @@ class Pusher:
     def _transfer(
         self,
         group: Transport,
-        version: int,
+        request: PrepareRequest,
         plan: SyncPlan,
         tensors: Sequence[torch.Tensor],
         deadline: Deadline,
-    ) -> None:
-        atomic = self._config.staging == "atomic"
-        receiving = self._plane.receive(version, atomic, deadline.remaining())
+    ) -> tuple[int, float | None]:
+        """Broadcast the push while every member receives it; returns the bytes broadcast, and
+        the share of elements that changed for a delta."""
+        config, baseline = self._config, self._baseline
+        atomic = config.staging == "atomic"
+        receiving = self._plane.receive(request.version, atomic, deadline.remaining())
         try:
-            sent = Sender(group).send(plan, tensors, deadline, self._config.checksum)
+            if baseline is None or request.new_base is None:
+                sent, wire_bytes = Sender(group).send(plan, tensors, deadline, config.checksum), plan.nbytes
+                density = None
+            else:
+                baseline.begin()
+                out = delta.send(group, plan, tensors, baseline, delta=request.delta,
+                                 bucket_bytes=config.bucket_bytes, deadline=deadline,
+                                 with_checksums=config.checksum)  # fmt: skip
+                baseline.finish(plan, request.version, request.partial)
+                sent, wire_bytes, density = out.checksums, out.wire_bytes, out.density
         except WeightSyncError as exc:
             raise self._after_failure(receiving, "receive", deadline) or exc from exc
         outcomes = collect(self._plane, receiving, deadline.remaining())
@@ -325,6 +381,7 @@ class Pusher:
             )
         if sent is not None:
             _check_checksums(outcomes.results, sent)
+        return wire_bytes, density
 
     # -- failures ------------------------------------------------------------------------------
 
@@ -366,6 +423,7 @@ class Pusher:
         if dropped:
             self._plane.drop(dropped)
             self._known = [known for i, known in enumerate(self._known) if i not in dropped]
+            self._bases = [held for i, held in enumerate(self._bases) if i not in dropped]
             logger.warning(
                 "dropped worker(s) %s (dead or not answering); %d left", dropped, len(self._plane)
             )
@@ -380,6 +438,7 @@ class Pusher:
         probe_s = deadline.left(config.rpc_timeout_s)
         infos: list[MemberInfo] = self._settle(self._plane.probe(probe_s), "probe", probe_s)
         self._known = [None] * len(infos)
+        self._bases = [info.delta_base for info in infos]
         # Versions never go backwards or repeat, even across a trainer restart: a member may
         # have been sent a version it never committed, and that version is spent too.
         held = [info.version for info in infos if info.version is not None]

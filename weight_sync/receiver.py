@@ -25,6 +25,9 @@ import torch
 import torch.distributed as dist
 from pydantic import ValidationError
 
+from weight_sync.delta.layout import DeltaLayout
+from weight_sync.delta.lineage import next_base
+from weight_sync.delta.transfer import Patcher, receive_layout, staged_checksums
 from weight_sync.errors import WeightSyncError
 from weight_sync.metadata import (
     TRAINER_RANK,
@@ -43,6 +46,7 @@ from weight_sync.packing import (
     NamedTensors,
     Unpacker,
     bucket_buffers,
+    can_land_in,
     checksum,
     staging_slots,
 )
@@ -53,6 +57,7 @@ from weight_sync.transport.shm import ShmReader, host_key
 logger = logging.getLogger(__name__)
 
 Apply = Callable[[NamedTensors], None]
+Destinations = Mapping[str, torch.Tensor]
 # What a worker cannot load of a plan, given whether the push is partial; empty: all of it.
 Check = Callable[[SyncPlan, bool], Sequence[str]]
 _MAX_SPEC_CHARS = 4096
@@ -125,6 +130,9 @@ class _Push:
     checksum: bool
     partial: bool
     base: int | None  # full_version when prepared: what a partial push completes
+    request: PrepareRequest  # its delta fields: built_on, new_base, delta, delta_bucket_bytes
+    held: str | None  # delta_base when prepared
+    in_place: bool  # every tensor of the push can be written in place (a delta can apply)
 
 
 class Receiver:
@@ -139,6 +147,8 @@ class Receiver:
         self.full_version: int | None = None  # the last committed push that covered everything
         self.dirty = False
         self.highest_version = 0  # highest version ever prepared: a new trainer starts above it
+        # The trainer's base (see weight_sync.delta) these weights are bit for bit, if any.
+        self.delta_base: str | None = None
         self._transport: Transport | None = None
         self._max_metadata_bytes = 0
         self._plans: OrderedDict[str, SyncPlan] = OrderedDict()
@@ -146,6 +156,7 @@ class Receiver:
         self._receiving: _Push | None = None
         self._received: _Push | None = None
         self._staged: list[torch.Tensor] | None = None  # atomic staging: every bucket's bytes
+        self._staged_layout: DeltaLayout | None = None  # ... and their layout, for a delta
         self._phase: Phase = "idle"
         self._progress = (0, 0)  # buckets done, of how many
         self._last: ReceiveReport | None = None
@@ -164,7 +175,7 @@ class Receiver:
             has_default_group=dist.is_available() and dist.is_initialized(),
             cuda=torch.cuda.is_available(), version=self.version,
             highest_version=self.highest_version, hostname=socket.gethostname(),
-            pid=os.getpid(), concurrent=concurrent, host=host_key(),
+            pid=os.getpid(), concurrent=concurrent, host=host_key(), delta_base=self.delta_base,
         )  # fmt: skip
 
     def join(self, spec: GroupSpec, max_metadata_bytes: int) -> None:
@@ -186,7 +197,7 @@ class Receiver:
         """Leave the group, dropping any push not yet committed (atomic: the old weights stay;
         streaming: the worker stays dirty)."""
         transport, self._transport = self._transport, None
-        self._prepared, self._received, self._staged = None, None, None
+        self._prepared, self._received, self._staged, self._staged_layout = None, None, None, None
         if self._phase in ("prepared", "received"):
             self._phase = "idle"
         if transport is not None:
@@ -210,10 +221,19 @@ class Receiver:
 
     # -- one push ----------------------------------------------------------------------------
 
-    def prepare(self, request_json: str, check: Check) -> PrepareReply:
+    def prepare(
+        self,
+        request_json: str,
+        check: Check,
+        destinations: Callable[[], Destinations | None] | None = None,
+    ) -> PrepareReply:
         """Validate a push before any collective runs. Changes nothing the model can see.
 
-        ``check(plan, partial)`` says what this worker cannot load (see ``expecting``)."""
+        ``check(plan, partial)`` says what this worker cannot load (see ``expecting``);
+        ``destinations()``, where this worker's tensors can be written in place (asked only when
+        the trainer keeps a delta baseline). A delta is accepted only on top of the base it was
+        computed against, and only into tensors written in place; else the reply asks for
+        dense bytes."""
         self._prepared = None
         if len(request_json) > self._max_metadata_bytes:
             return _refuse(f"metadata of {len(request_json)} bytes exceeds max_metadata_bytes="
@@ -242,13 +262,16 @@ class Receiver:
         self._plans.move_to_end(plan.digest)
         while len(self._plans) > _PLAN_CACHE_SIZE:
             self._plans.popitem(last=False)
+        in_place = request.new_base is not None and _in_place(plan, destinations, self._transport.device)
+        if request.delta and not (in_place and self.delta_base == request.built_on):
+            return PrepareReply(accepted=False, need_dense=True, in_place=in_place)
         self._prepared = _Push(
             request.version, plan, request.staging, request.checksum, request.partial,
-            self.full_version,
+            self.full_version, request, self.delta_base, in_place,
         )  # fmt: skip
         self.highest_version = max(self.highest_version, request.version)
         self._phase = "prepared"
-        return PrepareReply(accepted=True)
+        return PrepareReply(accepted=True, in_place=in_place)
 
     def cancel(self, version: int) -> None:
         """Drop prepared push ``version`` before any byte of it moved (another worker refused
@@ -281,14 +304,28 @@ class Receiver:
         self._progress = (0, len(push.plan.buckets))
         self._phase = "receiving"
         sums: list[int] | None = [] if push.checksum else None
+        sent = push.plan
         try:
+            layout = None
+            if push.request.delta:
+                layout = receive_layout(transport, push.plan, push.request.delta_bucket_bytes)
+                sent = layout.plan
+                self._progress = (0, len(sent.buckets))
             if push.staging == "atomic":
-                self._staged = _receive_all(transport, push.plan, sums, self._advance)
+                staged = _receive_all(transport, sent, sums, self._advance)
+                if sums is not None and layout is not None:
+                    sums += staged_checksums(push.plan, layout, staged, _required(destinations))
+                self._staged, self._staged_layout = staged, layout
             else:
-                self.version, self.full_version, self.dirty = None, None, True
-                unpacker = Unpacker(push.plan, destinations, transport.device, owned=loader.keeps)
+                self.version, self.full_version, self.dirty, self.delta_base = None, None, True, None
+                patched: list[int] | None = [] if push.checksum else None
+                landing, apply, finish = _appliers(push.plan, layout, destinations, loader.load, patched)
+                unpacker = Unpacker(sent, landing, transport.device, owned=loader.keeps)
                 with loader.window():
-                    _stream(transport, push.plan, loader.load, unpacker, sums, self._advance)
+                    _stream(transport, sent, apply, unpacker, sums, self._advance)
+                    finish()
+                if sums is not None and patched:
+                    sums += patched
         except BaseException as exc:
             # With concurrency groups, the updater may already have had this worker leave and
             # join a new group while this receive was failing: touch only what is still ours.
@@ -303,7 +340,7 @@ class Receiver:
                 self._receiving = None
         self._received, self._phase = push, "received"
         self._last = ReceiveReport(
-            version=version, nbytes=push.plan.nbytes, buckets=len(push.plan.buckets),
+            version=version, nbytes=sent.nbytes, buckets=len(sent.buckets),
             seconds=time.perf_counter() - start,
             checksums=tuple(sums) if sums is not None else None,
         )  # fmt: skip
@@ -318,8 +355,8 @@ class Receiver:
         """The trainer saw every worker receive ``version``: claim it (atomic: apply it first,
         in one ``loader`` window; the staging area outlives it, so nothing needs copying)."""
         loader = _as_loader(loader)
-        push, staged = self._received, self._staged
-        self._received, self._staged = None, None
+        push, staged, layout = self._received, self._staged, self._staged_layout
+        self._received, self._staged, self._staged_layout = None, None, None
         if push is None or push.version != version:
             held = push.version if push is not None else None
             self._phase = "idle"
@@ -328,14 +365,22 @@ class Receiver:
             )
         if staged is not None:
             self._phase, self.version, self.full_version, self.dirty = "applying", None, None, True
+            self.delta_base = None
             try:
+                landing, apply, finish = _appliers(push.plan, layout, destinations, loader.load)
                 with loader.window():
-                    _apply_staged(push.plan, staged, loader.load, destinations)
+                    _apply_staged(layout.plan if layout else push.plan, staged, apply, landing)
+                    finish()
             except BaseException as exc:
                 self._fail(exc)
                 raise
         self.version, self.dirty, self._phase = version, False, "idle"
         self.full_version = push.base if push.partial else version
+        request = push.request
+        self.delta_base = (
+            next_base(push.held, request.built_on, request.new_base, not push.partial)
+            if push.in_place else None
+        )  # fmt: skip
         self._last_error = None
 
     # -- internals ---------------------------------------------------------------------------
@@ -441,6 +486,45 @@ def _apply_staged(
         ready = unpacker.unpack(index, data)
         if ready:
             apply(ready)
+
+
+def _in_place(
+    plan: SyncPlan, destinations: Callable[[], Destinations | None] | None, device: torch.device
+) -> bool:
+    """Whether every name of ``plan`` has a destination its bytes can be written into."""
+    targets = destinations() if destinations is not None else None
+    if targets is None:
+        return False
+    return all(
+        name in targets and can_land_in(targets[name], meta, device) for name, meta in plan.metas().items()
+    )
+
+
+def _required(destinations: Destinations | None) -> Destinations:
+    if destinations is None:
+        raise WeightSyncError("a delta push needs this worker's tensors in place (destinations)")
+    return destinations
+
+
+def _appliers(
+    plan: SyncPlan,
+    layout: DeltaLayout | None,
+    destinations: Destinations | None,
+    load: Apply,
+    sums: list[int] | None = None,
+) -> tuple[Destinations | None, Apply, Callable[[], None]]:
+    """Where a push's bytes land, what takes the rest, and what finishes it: for a delta, a
+    ``Patcher`` writes into ``destinations`` ahead of ``load``."""
+    if layout is None:
+        return destinations, load, lambda: None
+    patcher = Patcher(plan, layout, _required(destinations), sums)
+
+    def apply(named: NamedTensors) -> None:
+        rest = patcher.apply(named)
+        if rest:
+            load(rest)
+
+    return patcher.landing(), apply, patcher.finish
 
 
 def _refuse(*problems: str) -> PrepareReply:

@@ -258,10 +258,13 @@ class Sender:
         tensors: Sequence[torch.Tensor],
         deadline: Deadline | None = None,
         with_checksums: bool = False,
+        on_packed: Callable[[int, torch.Tensor], None] | None = None,
     ) -> list[int] | None:
         """Broadcast every bucket; returns each bucket's CRC32 if ``with_checksums``.
 
         Each collective is bounded by the group's timeout and by what is left of ``deadline``.
+        ``on_packed(index, data)`` sees each bucket's bytes as it goes out, while the bucket
+        before it is still on the wire (a delta baseline copies them).
         """
         sums: list[int] | None = [] if with_checksums else None
         if not plan.buckets:
@@ -279,6 +282,8 @@ class Sender:
                 data = packer.pack(index, buffers[slot])
             if sums is not None:
                 sums.append(checksum(data))
+            if on_packed is not None:
+                on_packed(index, data)
             if pending is not None:
                 pending.wait()
             timeout = None if deadline is None else deadline.left(float("inf"))

@@ -123,7 +123,8 @@ class WeightSyncWorker:
         self._weight_sync_state().join_json(spec_json, max_metadata_bytes)
 
     def _weight_sync_prepare(self, request_json: str, timeout_s: float | None = None) -> PrepareReply:
-        return self._weight_sync_state().prepare(request_json, expecting(self.weight_sync_expected))
+        state = self._weight_sync_state()
+        return state.prepare(request_json, expecting(self.weight_sync_expected), self.weight_sync_destinations)
 
     def _weight_sync_cancel(self, version: int, timeout_s: float | None = None) -> None:
         self._weight_sync_state().cancel(version)

@@ -13,6 +13,10 @@ baseline is written the way its users write it:
 * ``memcpy`` -- not a way to push but the memory-bandwidth limit of one on a single host: the
   trainer writes the bytes once into memory every worker maps, and every worker reads them once
   into a buffer of its own, all at the same time.
+
+Two more are not baselines but what a training loop pushes (``SyncConfig.delta`` on or off):
+``after_step`` -- the push after one Adam step at an RL learning rate (1e-6), on weights drawn
+as a model's are (normal, std 0.02); ``all_changed`` -- the push after every value changed.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from weight_sync.metadata import TRAINER_RANK, TensorMeta
 from weight_sync.transport import TorchGroup
 from weight_sync.verify import state_dict_digests
 
-STRATEGIES = ("weight_sync", "raw", "per_tensor", "fanout", "object_store", "memcpy")
+STRATEGIES = ("weight_sync", "raw", "per_tensor", "fanout", "object_store", "memcpy", "after_step",
+              "all_changed")  # fmt: skip
 
 
 def _status_kib(field: str) -> int:
@@ -111,11 +116,15 @@ class BenchWorker(WeightSyncWorker):
         self.memory = MemoryProbe(device)
         self.state: dict[str, torch.Tensor] = {}
 
-    def setup(self, workload: Workload) -> None:
+    def setup(self, workload: Workload, dtype: str | None = None) -> None:
+        """The workload's tensors, in ``dtype`` (the push's cast_dtype) if given."""
         self.__dict__.pop("model", None)
         self.state = {}
         gc.collect()
-        self.model = TensorBank(workload.build(fill=0.0, device=self.device))
+        tensors = workload.build(fill=0.0, device=self.device)
+        if dtype is not None:
+            tensors = {n: t.to(getattr(torch, dtype)) for n, t in tensors.items()}
+        self.model = TensorBank(tensors)
         self.state = dict(self.model.state_dict())
 
     def memory_reset(self) -> None:
@@ -179,28 +188,39 @@ class BenchTrainer:
         self.memory = MemoryProbe(device)
         self.updater: WeightUpdater | None = None
         self.state: dict[str, torch.Tensor] = {}
+        self.wire_bytes: int | None = None  # of the last push
 
     def describe(self) -> str:
         return describe(self.device.type)
 
-    def setup(self, workload: Workload, workers: int, config: SyncConfig) -> int:
+    def setup(self, workload: Workload, workers: int, config: SyncConfig, trained: bool = False) -> int:
         """Build the workload, form a group over the first ``workers`` workers (one warm-up push
-        that must land bit-exactly); returns the payload bytes."""
+        that must land bit-exactly); returns the payload bytes. ``trained``: the values of a
+        model's weights and an optimizer to step them (for ``after_step``)."""
         if self.updater is not None:
             self.updater.close()
         self.state = {}
         gc.collect()
         self.state = workload.build(fill=1.0, device=self.device)
+        if trained:
+            generator = torch.Generator(device=self.device).manual_seed(0)
+            for tensor in self.state.values():
+                tensor.normal_(0.0, 0.02, generator=generator)
+            self.parameters = [torch.nn.Parameter(t) for t in self.state.values()]
+            self.state = {n: p.data for n, p in zip(self.state, self.parameters, strict=True)}
+            self.optimizer = torch.optim.Adam(self.parameters, lr=1e-6)
         self.workers = self.all_workers[:workers]
         self.updater = WeightUpdater(self.workers, config)
         self.updater.push(self.state)
-        want = state_dict_digests(self.state)
+        cast = getattr(torch, config.cast_dtype) if config.cast_dtype else None
+        want = state_dict_digests({n: t.to(cast) if cast else t for n, t in self.state.items()})
         got = ray.get([w.digests.remote() for w in self.workers], timeout=600)
         assert all(g == want for g in got), "warm-up push did not land bit-exactly"
         return workload.nbytes
 
-    def run(self, strategy: str) -> tuple[float, int]:
-        """One timed transfer; returns (seconds, peak extra bytes in this process)."""
+    def run(self, strategy: str) -> tuple[float, int, int | None]:
+        """One timed transfer; returns (seconds, peak extra bytes in this process, bytes the push
+        put on the wire where it was one)."""
         run: Callable[[], None] = getattr(self, f"_{strategy}")
         prepare = getattr(self, f"_{strategy}_prepare", None)
         if prepare is not None:
@@ -215,7 +235,8 @@ class BenchTrainer:
         release = getattr(self, f"_{strategy}_release", None)
         if release is not None:
             release()
-        return seconds, peak
+        wire, self.wire_bytes = self.wire_bytes, None
+        return seconds, peak, wire
 
     def close(self) -> None:
         if self.updater is not None:
@@ -225,7 +246,21 @@ class BenchTrainer:
 
     def _weight_sync(self) -> None:
         assert self.updater is not None
-        self.updater.push(self.state)
+        self.wire_bytes = self.updater.push(self.state).wire_bytes
+
+    def _after_step_prepare(self) -> None:
+        for parameter in self.parameters:
+            parameter.grad = torch.randn_like(parameter)
+        self.optimizer.step()
+
+    _after_step = _weight_sync
+
+    def _all_changed_prepare(self) -> None:
+        with torch.no_grad():
+            for parameter in self.parameters:
+                parameter.add_(0.01)
+
+    _all_changed = _weight_sync
 
     def _raw_prepare(self) -> None:
         nbytes = sum(t.nbytes for t in self.state.values())

@@ -41,6 +41,7 @@ class Measurement:
     seconds: list[float] = field(default_factory=list)
     trainer_extra: list[int] = field(default_factory=list)
     worker_extra: list[int] = field(default_factory=list)
+    wire_bytes: list[int] = field(default_factory=list)  # per push, where the strategy was one
     suite: str = "workloads"
     error: str | None = None  # why this strategy could not finish (e.g. out of memory)
     device: str = "cpu"  # where the weights lived, e.g. "cuda (NVIDIA H100 80GB HBM3)"
@@ -86,6 +87,11 @@ class Case:
     label: str = ""  # names the weight_sync variant, e.g. "weight_sync (all packed)"
     suite: str = "workloads"
 
+    @property
+    def worker_dtype(self) -> str | None:
+        """What the workers hold: the push's cast dtype, if any."""
+        return dict(self.config).get("cast_dtype")
+
     def sync_config(self) -> SyncConfig:
         # The group unless a case says otherwise: the baselines run over the push's own group.
         fields: dict[str, Any] = {"same_host": "group"}
@@ -110,6 +116,7 @@ def plan_cases(
     sweep: bool,
     options: bool = False,
     same_host: Sequence[str] = (),
+    delta: bool = False,
 ) -> list[Case]:
     cases = []
     for name in workloads:
@@ -142,6 +149,14 @@ def plan_cases(
                           label="weight_sync (group)", suite="same host"))
         cases.append(Case(workload, workers, ("weight_sync",), (("same_host", "shm"),),
                           "weight_sync (shared memory)", suite="same host"))
+    if delta:
+        # W1 as a policy trained in fp32 and served in bf16 (cast on the way), over the default
+        # transports: dense pushes against delta pushes, after an RL step and after everything
+        # changed.
+        for on in (False, True):
+            config = (("cast_dtype", "bfloat16"), ("same_host", "shm"), ("delta", on))
+            cases.append(Case(gpt2_small(), workers, ("after_step", "all_changed"), config,
+                              suite="delta" if on else "dense"))
     if options:
         cases.append(Case(gpt2_small(), workers, ("raw", "weight_sync"), suite="options"))
         for label, variant in OPTIONS:
@@ -173,8 +188,9 @@ class Bench:
 
     def _setup(self, case: Case) -> int:
         workers = self.workers[: case.workers]
-        ray.get([w.setup.remote(case.workload) for w in workers], timeout=TIMEOUT_S)
-        return ray.get(self.trainer.setup.remote(case.workload, case.workers, case.sync_config()),
+        ray.get([w.setup.remote(case.workload, case.worker_dtype) for w in workers], timeout=TIMEOUT_S)
+        trained = case.suite in ("dense", "delta")
+        return ray.get(self.trainer.setup.remote(case.workload, case.workers, case.sync_config(), trained),
                        timeout=TIMEOUT_S)
 
     def measure(self, case: Case, repeats: int, progress: Progress) -> list[Measurement]:
@@ -208,12 +224,14 @@ class Bench:
         self._attempts = 0
         for attempt in range(repeats + 1):
             ray.get([w.memory_reset.remote() for w in workers], timeout=TIMEOUT_S)
-            seconds, trainer_extra = ray.get(self.trainer.run.remote(strategy), timeout=TIMEOUT_S)
+            seconds, trainer_extra, wire = ray.get(self.trainer.run.remote(strategy), timeout=TIMEOUT_S)
             worker_extra = max(ray.get([w.memory_peak.remote() for w in workers], timeout=TIMEOUT_S))
             if attempt:  # the first run of each strategy is the warm-up
                 row.seconds.append(seconds)
                 row.trainer_extra.append(trainer_extra)
                 row.worker_extra.append(worker_extra)
+                if wire is not None:
+                    row.wire_bytes.append(wire)
             self._attempts += 1
             progress.advance(1, f"{case.workload.name} x{case.workers} {row.strategy} {attempt}/{repeats}")
 
@@ -240,6 +258,7 @@ def run_bench(
     scaling_repeats: int = 3,
     device: str = "cpu",
     same_host: Sequence[str] = (),
+    delta: bool = False,
 ) -> list[Measurement]:
     """Run the benchmark; writes the report under ``out`` if given. Returns every measurement."""
     if device not in ("cpu", "cuda"):
@@ -250,7 +269,7 @@ def run_bench(
     unknown = (set(workloads) | set(same_host)) - set(WORKLOADS)
     if unknown:
         raise ValueError(f"unknown workloads {sorted(unknown)}; choose from {list(WORKLOADS)}")
-    cases = plan_cases(workloads, workers, strategies, scaling, sweep, options, same_host)
+    cases = plan_cases(workloads, workers, strategies, scaling, sweep, options, same_host, delta)
     started_here = not ray.is_initialized()
     if started_here:
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

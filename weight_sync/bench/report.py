@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -68,6 +69,17 @@ def targets(rows: Sequence[Measurement]) -> list[tuple[str, str, bool]]:
             value = shm.median / base.median
             checks.append((f"W1, same host: shared memory at most {bound}x {baseline}",
                            f"{value:.2f}x", value <= bound))
+    for strategy, wire_bound, time_bound in (("after_step", 0.10, 1.0), ("all_changed", None, 1.1)):
+        dense, delta = _find(rows, "W1", strategy, suite="dense"), _find(rows, "W1", strategy, suite="delta")
+        if not (dense and delta and dense.seconds and delta.seconds):
+            continue
+        if wire_bound is not None:
+            share = statistics.median(delta.wire_bytes) / statistics.median(dense.wire_bytes)
+            checks.append((f"W1 bf16, {strategy}: delta bytes on the wire at most {wire_bound:.0%} of dense",
+                           f"{share:.1%}", share <= wire_bound))  # fmt: skip
+        value = delta.median / dense.median
+        checks.append((f"W1 bf16, {strategy}: delta push at most {time_bound}x the dense push",
+                       f"{value:.2f}x", value <= time_bound))  # fmt: skip
     for row in rows:
         if row.strategy.startswith("weight_sync") and row.suite in ("workloads", "same host") \
                 and row.seconds and row.strategy != "weight_sync (all packed)":  # fmt: skip
@@ -137,6 +149,26 @@ def markdown(rows: Sequence[Measurement]) -> str:
                 ratios.append(r.median / base.median if base and base.seconds else float("nan"))
             lines.append(f"| {r.workload} | {r.strategy} | {r.median:.3f} | {min(r.seconds):.3f} | "
                          f"{max(r.seconds):.3f} | {r.gbps:.3f} | {ratios[0]:.2f} | {ratios[1]:.2f} | "
+                         f"{max(r.trainer_extra) / MB:.0f} | {max(r.worker_extra) / MB:.0f} |")
+        lines.append("")
+    deltas = [r for r in rows if r.suite in ("dense", "delta")]
+    if deltas:
+        lines += ["## Delta pushes", "",
+                  "W1 held in fp32 by the trainer, cast to bf16 on the way (the workers hold bf16), "
+                  "over the default transports. after_step: the push after one Adam step at lr "
+                  "1e-6 (weights drawn normal, std 0.02); all_changed: after every value changed. "
+                  "Dense: SyncConfig(delta=False); delta: SyncConfig(delta=True).", "",
+                  "| strategy | push | median s | min s | max s | MB on the wire | x dense time | "
+                  "trainer extra MB | worker extra MB |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in deltas:
+            if r.error:
+                lines.append(f"| {r.strategy} | {r.suite} | failed: {r.error} | | | | | | |")
+                continue
+            dense = _find(rows, r.workload, r.strategy, r.workers, suite="dense")
+            ratio = r.median / dense.median if dense and dense.seconds else float("nan")
+            wire = statistics.median(r.wire_bytes) / MB if r.wire_bytes else float("nan")
+            lines.append(f"| {r.strategy} | {r.suite} | {r.median:.3f} | {min(r.seconds):.3f} | "
+                         f"{max(r.seconds):.3f} | {wire:.1f} | {ratio:.2f} | "
                          f"{max(r.trainer_extra) / MB:.0f} | {max(r.worker_extra) / MB:.0f} |")
         lines.append("")
     sweep = [r for r in rows if r.suite == "bucket sweep" and r.strategy != "raw"]

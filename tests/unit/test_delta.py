@@ -1,0 +1,209 @@
+"""Delta pushes without a network: the layout as tables, the lineage rule, and the trainer's
+encoding against a worker's patching, bit for bit, over every dtype (the buckets are handed
+from the one to the other in memory; the real transports are in tests/distributed)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.zoo import zoo
+from weight_sync import SyncConfig
+from weight_sync.delta.baseline import Baseline
+from weight_sync.delta.layout import (
+    DENSE,
+    NONE,
+    RUN_SPANS,
+    SPAN,
+    SPARSE,
+    _runs,
+    check_counts,
+    delta_layout,
+    encoding,
+    header_counts,
+)
+from weight_sync.delta.lineage import next_base
+from weight_sync.delta.transfer import Patcher
+from weight_sync.metadata import SyncPlan, TensorMeta, Tied
+from weight_sync.packing import Packer, Unpacker, bucket_buffers, byte_view
+from weight_sync.planner import make_plan
+from weight_sync.sender import PushPlanner, check_state_dict
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    ("count", "elements", "itemsize", "way"),
+    [
+        (0, SPAN, 2, NONE),
+        (1, SPAN, 2, SPARSE),
+        (SPAN // 2 - 1, SPAN, 2, SPARSE),  # 4 bytes per change against 2 per element
+        (SPAN // 2, SPAN, 2, DENSE),  # equal: dense (the delta must be smaller)
+        (SPAN * 2 // 3 - 1, SPAN, 4, SPARSE),
+        (SPAN * 2 // 3 + 1, SPAN, 4, DENSE),
+        (SPAN // 3 + 1, SPAN, 1, DENSE),  # fp8: 3 bytes per change against 1 per element
+        (SPAN // 3, SPAN, 1, SPARSE),
+        (1, 1, 4, DENSE),  # a one-element span is never worth indexing
+        (3, 10, 16, SPARSE),
+    ],
+)
+def test_each_span_travels_the_smaller_way(count: int, elements: int, itemsize: int, way: int) -> None:
+    assert encoding(count, elements, itemsize) == way
+
+
+@pytest.mark.parametrize(
+    ("ways", "runs"),
+    [
+        ([SPARSE], [(0, 1, SPARSE)]),
+        ([SPARSE, SPARSE, DENSE, NONE, NONE], [(0, 2, SPARSE), (2, 3, DENSE), (3, 5, NONE)]),
+        ([DENSE] * (RUN_SPANS + 2), [(0, RUN_SPANS, DENSE), (RUN_SPANS, RUN_SPANS + 2, DENSE)]),
+        ([NONE] * (RUN_SPANS - 1) + [SPARSE] * 2,
+         [(0, RUN_SPANS - 1, NONE), (RUN_SPANS - 1, RUN_SPANS, SPARSE), (RUN_SPANS, RUN_SPANS + 1, SPARSE)]),
+    ],
+)  # fmt: skip
+def test_runs_are_maximal_and_never_cross_a_piece(ways: list[int], runs: list[tuple[int, int, int]]) -> None:
+    assert _runs(ways) == runs
+
+
+def plan_of(*shapes: tuple[int, ...], direct: tuple[bool, ...] = (), tied: tuple[Tied, ...] = ()) -> SyncPlan:
+    metas = [TensorMeta(name=f"t{i}", dtype="float32", shape=shape) for i, shape in enumerate(shapes)]
+    return make_plan(metas, 1 << 20, 64, direct, tied)
+
+
+def test_layout_keeps_dense_tensors_whole_skips_unchanged_ones_and_cuts_blobs() -> None:
+    numel = (RUN_SPANS + 3) * SPAN
+    plan = plan_of((numel,), (SPAN,), (2 * SPAN,), (0, 4), direct=(True, False, False, False),
+                   tied=(Tied(name="alias", tensor=0), Tied(name="alias2", tensor=2)))  # fmt: skip
+    spans = [math.ceil(numel / SPAN), 1, 2]
+    assert header_counts(plan) == sum(spans)
+    counts = [SPAN] * spans[0] + [0] + [5, SPAN]
+    layout = delta_layout(plan, counts, 1 << 20)
+    whole = {plan.tensors[i].name for i in layout.whole.values()}
+    assert whole == {"t0", "t3"}  # every span dense (t0 keeps its direct bucket), and the empty one
+    assert layout.plan.buckets[0].direct and layout.plan.tensors[0].name == "t0"
+    blobs = sorted((b.tensor, b.first_span, b.dense, b.counts) for b in layout.blobs.values())
+    assert blobs == [(2, 0, False, (5,)), (2, 1, True, (SPAN,))]
+    assert [t.name for t in layout.plan.tied] == ["alias"]  # t2's alias is refreshed by the worker
+    assert layout.changed_tensors == {2}
+
+
+@pytest.mark.parametrize(
+    ("counts", "problem"),
+    [([0, 0], "has 2 counts"), ([0, 0, -1], "-1 changes"), ([SPAN + 1, 0, 0], "changes in span 0"),
+     ([0, 0, 11], "11 changes in span 1")],
+)  # fmt: skip
+def test_a_header_that_cannot_belong_to_the_plan_is_refused(counts: list[int], problem: str) -> None:
+    plan = plan_of((SPAN,), (SPAN + 10,))
+    with pytest.raises(ValueError, match=problem):
+        check_counts(plan, counts)
+
+
+A, B, C = "0" * 16 + ":1", "0" * 16 + ":2", "0" * 16 + ":3"
+
+
+@pytest.mark.parametrize(
+    ("held", "built_on", "new", "full", "after"),
+    [
+        (None, None, A, True, A),  # a full push defines everything
+        (B, A, C, True, C),
+        (A, A, B, False, B),  # a partial push (or a delta) on the base it was built on
+        (None, A, B, False, None),  # ... on anything else describes nothing
+        (C, A, B, False, None),
+        (None, None, B, False, None),  # the trainer had no base: a partial push cannot make one
+        (A, A, None, True, None),  # the trainer keeps no copy
+    ],
+)
+def test_lineage(held: str | None, built_on: str | None, new: str | None, full: bool, after: str | None) -> None:
+    assert next_base(held, built_on, new, full) == after
+
+
+def transfer(baseline: Baseline, plan: SyncPlan, tensors: list[torch.Tensor],
+             destinations: dict[str, torch.Tensor], bucket_bytes: int, delta: bool = True) -> int:  # fmt: skip
+    """One push from ``baseline`` into ``destinations``, the buckets handed over in memory, as
+    ``delta.transfer`` and ``Receiver`` drive them; returns the bytes that travelled."""
+    baseline.begin()
+    counts = baseline.scan(plan, tensors) if delta else [math.prod(m.shape) for m in plan.tensors]
+    if not delta:  # every element counted as changed: the dense layout
+        counts = [min(SPAN, n - s * SPAN) for n in counts for s in range(math.ceil(n / SPAN))]
+    layout = delta_layout(plan, counts, bucket_bytes)
+    sent_sums: list[int] = []
+    sources = baseline.sources(layout, plan, tensors, sent_sums)
+    record = baseline.recorder(plan, layout.plan, layout.whole)
+    got_sums: list[int] = []
+    patcher = Patcher(plan, layout, destinations, got_sums)
+    unpacker = Unpacker(layout.plan, patcher.landing(), CPU)
+    packer = Packer(layout.plan, sources)
+    buffer = bucket_buffers(layout.plan, CPU)
+    for index, bucket in enumerate(layout.plan.buckets):
+        if bucket.direct:
+            data = byte_view(sources[bucket.segments[0].tensor])
+            received = unpacker.direct_target(index, CPU)
+            received.copy_(data)
+        else:
+            data = packer.pack(index, buffer[0])
+            received = data.clone()
+        record(index, data)
+        assert patcher.apply(unpacker.unpack(index, received)) == []  # everything lands in place
+    patcher.finish()
+    assert got_sums == sent_sums
+    baseline.finish(plan, 1, False)
+    return layout.plan.nbytes
+
+
+def change(tensors: dict[str, torch.Tensor], fraction: float, seed: int) -> None:
+    """Overwrite ``fraction`` of the elements of every contiguous tensor with random bits."""
+    gen = torch.Generator().manual_seed(seed)
+    for tensor in tensors.values():
+        if tensor.is_contiguous() and tensor.numel() > 4:
+            rows = tensor.view(-1).view(torch.uint8).view(tensor.numel(), tensor.element_size())
+            picked = torch.randint(0, tensor.numel(), (max(1, int(tensor.numel() * fraction)),), generator=gen)
+            rows[picked] = torch.randint(0, 256, (picked.numel(), tensor.element_size()), dtype=torch.uint8,
+                                         generator=gen)  # fmt: skip
+
+
+@pytest.mark.parametrize("cast", [None, "bfloat16"])
+@pytest.mark.parametrize("bucket_bytes", [4096, 1 << 20])
+def test_deltas_rebuild_every_dtype_bit_for_bit(cast: str | None, bucket_bytes: int) -> None:
+    """The zoo (every dtype, views, split tensors), changed at random again and again: after each
+    delta the worker's tensors equal the trainer's copy byte for byte, and far fewer bytes
+    travelled than a dense push sends."""
+    tensors = zoo(seed=3, big=200_000)
+    tensors["alias"] = tensors["float32_big"]  # tied: travels once, refreshed on the worker
+    config = SyncConfig(bucket_bytes=bucket_bytes, direct_min_bytes=100_000, cast_dtype=cast)
+    entries = check_state_dict(tensors, config)
+    plan = PushPlanner(config, CPU).plan(entries)
+    destinations = {name: torch.zeros(meta.shape, dtype=meta.torch_dtype) for name, meta in plan.metas().items()}
+    baseline = Baseline()
+    assert transfer(baseline, plan, entries.tensors, destinations, bucket_bytes, delta=False) >= plan.payload_bytes
+    for step in range(3):
+        change(tensors, 0.01, seed=step)
+        sent = transfer(baseline, plan, entries.tensors, destinations, bucket_bytes)
+        assert sent < plan.nbytes / 10
+        for name in plan.metas():
+            held = baseline._bytes.get(plan.tensors[_index(plan, name)].name, torch.empty(0, dtype=torch.uint8))
+            assert torch.equal(byte_view(destinations[name].contiguous()), held), name
+        if cast is None:  # without a cast, the copy is the trainer's tensors themselves
+            for name, tensor in tensors.items():
+                assert torch.equal(byte_view(destinations[name].contiguous()), byte_view(tensor.contiguous())), name
+
+
+def _index(plan: SyncPlan, name: str) -> int:
+    for index, meta in enumerate(plan.tensors):
+        if meta.name == name:
+            return index
+    return next(tie.tensor for tie in plan.tied if tie.name == name)
+
+
+def test_a_tensor_whose_first_span_is_dense_is_sent_whole_without_comparing_the_rest() -> None:
+    tensor = torch.zeros(3 * SPAN)
+    plan = plan_of((3 * SPAN,))
+    baseline = Baseline()
+    destinations = {"t0": torch.zeros(3 * SPAN)}
+    transfer(baseline, plan, [tensor], destinations, 1 << 20, delta=False)
+    tensor[:SPAN] += 1  # every element of the first span
+    assert baseline.scan(plan, [tensor]) == [SPAN, SPAN, SPAN]
+    tensor[:SPAN] -= 1
+    tensor[SPAN : SPAN + 3] += 1
+    assert baseline.scan(plan, [tensor]) == [0, 3, 0]

@@ -1,0 +1,256 @@
+"""The trainer's copy of what its workers hold, and the delta pushes computed against it.
+
+With ``SyncConfig(delta=True)`` the trainer keeps, in host memory, the bytes of every tensor as
+it last pushed them -- after ``cast_dtype``, i.e. exactly what the workers hold: the model's size
+in the workers' dtype (for a GPU trainer, host memory). A delta push then compares each tensor
+with that copy, sends what changed (see ``weight_sync.delta.layout``), and brings the copy up to
+date as it goes. A dense push brings it up to date too, from the very bytes it sends.
+
+Memory beyond the copy stays small: comparisons run over pieces of ``PIECE`` elements; the
+indices found while counting are kept for encoding only up to an eighth of the push's size (past
+that they are found again while encoding, at the cost of a second comparison); a blob exists
+only while it is packed. Nothing is a second copy of the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from weight_sync.delta.codec import changed, encode_sparse, span_counts, words
+from weight_sync.delta.layout import (
+    DENSE,
+    RUN_SPANS,
+    SPAN,
+    Blob,
+    DeltaLayout,
+    encoding,
+    span_elements,
+    spans_of,
+)
+from weight_sync.delta.lineage import base_name, next_base
+from weight_sync.errors import WeightSyncError
+from weight_sync.metadata import SyncPlan, TensorMeta
+
+logger = logging.getLogger(__name__)
+
+PIECE = RUN_SPANS * SPAN  # elements compared at once; a blob never crosses a piece boundary
+_INDEX_BUDGET = 8  # cached indices take at most 1/8 of the push's bytes
+
+
+class Baseline:
+    """What the workers hold, as of base ``id`` (None while the copy is being changed, or
+    before any push completed)."""
+
+    def __init__(self) -> None:
+        self._token = secrets.token_hex(8)
+        self._bytes: dict[str, torch.Tensor] = {}  # name -> its bytes as the workers hold them
+        self._metas: dict[str, TensorMeta] = {}
+        self.id: str | None = None
+        self._built_on: str | None = None
+        # Indices found while counting, per (tensor, piece): relative to the piece, int32.
+        self._found: dict[tuple[int, int], torch.Tensor] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(data.numel() for data in self._bytes.values())
+
+    def name_for(self, version: int) -> str:
+        return base_name(self._token, version)
+
+    # -- one push ------------------------------------------------------------------------------
+
+    def begin(self) -> str | None:
+        """A push starts changing the copy: until ``finish`` it describes no version. Returns
+        the base the push is built on."""
+        self._built_on, self.id = self.id, None
+        self._found.clear()
+        return self._built_on
+
+    def finish(self, plan: SyncPlan, version: int, partial: bool) -> None:
+        """Every byte of push ``version`` went out: the copy now holds what its workers will
+        hold once they commit it."""
+        self.id = next_base(self._built_on, self._built_on, self.name_for(version), not partial)
+        self._found.clear()
+        if not partial:  # a full push defines the model: forget tensors it no longer has
+            names = {meta.name for meta in plan.tensors}
+            for name in set(self._bytes) - names:
+                del self._bytes[name], self._metas[name]
+
+    def forget(self) -> None:
+        self.id = None
+        self._bytes.clear()
+        self._metas.clear()
+        self._found.clear()
+
+    def scan(self, plan: SyncPlan, tensors: Sequence[torch.Tensor]) -> list[int]:
+        """Changed elements per span of every tensor of ``plan`` (the delta header).
+
+        A tensor the copy lacks (or holds with another dtype or shape) counts as all changed.
+        So does one whose first span is dense: the density of an update is much the same across
+        a tensor, and this keeps a push where everything changed from comparing everything.
+        """
+        counts: list[int] = []
+        budget = plan.payload_bytes // _INDEX_BUDGET
+        for index, (meta, tensor) in enumerate(zip(plan.tensors, tensors, strict=True)):
+            numel = math.prod(meta.shape)
+            all_dense = [span_elements(numel, s) for s in range(spans_of(numel))]
+            base = self._held(meta)
+            if base is None or not numel:
+                counts.extend(all_dense)
+                continue
+            flat = tensor.reshape(-1)
+            found: dict[tuple[int, int], list[torch.Tensor]] = {}
+            for start, stop in _pieces(numel):
+                indices = changed(_words(flat, meta, start, stop), words(base, meta.itemsize)[start:stop])
+                piece_counts = span_counts(indices, spans_of(stop - start))
+                if start == 0 and encoding(piece_counts[0], span_elements(numel, 0), meta.itemsize) == DENSE:
+                    found.clear()
+                    counts.extend(all_dense)
+                    break
+                counts.extend(piece_counts)
+                found.setdefault((index, start // PIECE), []).append(indices + start % PIECE)
+            for key, parts in found.items():  # a piece is kept whole or not at all
+                size = 4 * sum(part.numel() for part in parts)
+                if size <= budget:
+                    budget -= size
+                    self._found[key] = torch.cat(parts).to(torch.int32)
+        return counts
+
+    def sources(
+        self, layout: DeltaLayout, plan: SyncPlan, tensors: Sequence[torch.Tensor], sums: list[int] | None
+    ) -> _Sources:
+        """What ``Sender`` packs for ``layout``: whole tensors as they are, blobs encoded when
+        first packed (bringing the copy up to date, and appending the CRC32 of each sparse
+        blob's span range, as the worker will hold it, to ``sums``)."""
+        return _Sources(self, layout, plan, tensors, sums)
+
+    def recorder(self, plan: SyncPlan, sent: SyncPlan, whole: Mapping[int, int]) -> Callable[[int, torch.Tensor], None]:
+        """A ``Sender`` hook that copies the bytes of whole tensors into the copy as each bucket
+        of ``sent`` goes out (``whole`` maps ``sent``'s tensors to ``plan``'s)."""
+
+        def record(bucket_index: int, data: torch.Tensor) -> None:
+            for seg in sent.buckets[bucket_index].segments:
+                index = whole.get(seg.tensor)
+                if index is None:
+                    continue
+                target = self._slot(plan.tensors[index])
+                target[seg.tensor_offset : seg.tensor_offset + seg.nbytes].copy_(
+                    data[seg.bucket_offset : seg.bucket_offset + seg.nbytes]
+                )
+
+        return record
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _held(self, meta: TensorMeta) -> torch.Tensor | None:
+        held = self._metas.get(meta.name)
+        if held is None or (held.dtype, held.shape) != (meta.dtype, meta.shape):
+            return None
+        return self._bytes[meta.name]
+
+    def _slot(self, meta: TensorMeta) -> torch.Tensor:
+        """The copy's bytes for ``meta``, made anew if it held something else under that name."""
+        held = self._held(meta)
+        if held is None:
+            held = self._bytes[meta.name] = torch.empty(meta.nbytes, dtype=torch.uint8)
+            self._metas[meta.name] = meta
+        return held
+
+    def encode(
+        self, blob: Blob, meta: TensorMeta, flat: torch.Tensor, crc: bool = False
+    ) -> tuple[torch.Tensor, int | None]:
+        """The bytes of ``blob`` (and with ``crc``, for a sparse blob, the CRC32 of its range once
+        updated), bringing the copy's range up to date. ``flat``: the tensor, flattened."""
+        size = meta.itemsize
+        stop = blob.first + blob.elements
+        base = words(self._bytes[meta.name], size)[blob.first : stop]
+        if blob.dense:
+            new_bytes = _bytes(flat, meta, blob.first, stop)
+            base.copy_(words(new_bytes, size))
+            return new_bytes, None
+        indices = self._cached(blob)
+        if indices is None:  # found again: compare the whole range
+            new = words(_bytes(flat, meta, blob.first, stop), size)
+            indices = changed(new, base)
+            values = new[indices]
+        elif flat.dtype == meta.torch_dtype:  # only the changed elements are read, as words
+            source = words(flat[blob.first : stop].contiguous().view(torch.uint8), size)
+            values = source[indices.to(flat.device)].cpu()
+        else:  # ... and cast (a float cast: every such dtype can be indexed)
+            picked = flat[blob.first : stop][indices.to(flat.device)]
+            values = words(_bytes(picked, meta, 0, picked.numel()), size)
+        if indices.numel() != blob.changed:
+            raise WeightSyncError(
+                f"{meta.name!r} changed while it was being pushed ({indices.numel()} changed "
+                f"elements found, {blob.changed} counted); do not step the optimizer during a push"
+            )
+        base.index_copy_(0, indices, values)
+        updated = self._bytes[meta.name][blob.first * size : stop * size]
+        return encode_sparse(indices, values, size), zlib.crc32(updated.numpy().data) if crc else None
+
+    def _cached(self, blob: Blob) -> torch.Tensor | None:
+        """The indices of ``blob``'s changed elements, relative to its first, if counting kept
+        them."""
+        found = self._found.get((blob.tensor, blob.first // PIECE))
+        if found is None:
+            return None
+        offset = blob.first % PIECE
+        bounds = torch.tensor([offset, offset + blob.elements], dtype=torch.int32)
+        low, high = torch.searchsorted(found, bounds).tolist()
+        return found[low:high].to(torch.int64) - offset
+
+
+class _Sources(Sequence[torch.Tensor]):
+    """The tensors ``Packer`` reads for a delta layout, blobs made on demand (each once: a blob
+    split over buckets is asked for again, and the last one made is kept)."""
+
+    def __init__(
+        self, baseline: Baseline, layout: DeltaLayout, plan: SyncPlan,
+        tensors: Sequence[torch.Tensor], sums: list[int] | None,
+    ) -> None:  # fmt: skip
+        self._baseline, self._layout, self._plan, self._tensors = baseline, layout, plan, tensors
+        self._sums = sums
+        self._last: tuple[int, torch.Tensor] | None = None
+        self._flat: tuple[int, torch.Tensor] | None = None  # the blobs' tensor, flattened once
+
+    def __len__(self) -> int:
+        return len(self._layout.plan.tensors)
+
+    def __getitem__(self, index: int) -> torch.Tensor:  # type: ignore[override]
+        whole = self._layout.whole.get(index)
+        if whole is not None:
+            return self._tensors[whole]
+        if self._last is not None and self._last[0] == index:
+            return self._last[1]
+        blob = self._layout.blobs[index]
+        if self._flat is None or self._flat[0] != blob.tensor:
+            self._flat = (blob.tensor, self._tensors[blob.tensor].reshape(-1))
+        meta = self._plan.tensors[blob.tensor]
+        data, crc = self._baseline.encode(blob, meta, self._flat[1], self._sums is not None)
+        if crc is not None and self._sums is not None:
+            self._sums.append(crc)
+        self._last = (index, data)
+        return data
+
+
+def _pieces(numel: int) -> list[tuple[int, int]]:
+    """Where counting compares: the first span alone (it decides whether to go on), then the
+    rest of the first piece, then whole pieces."""
+    bounds = [0, min(SPAN, numel), *range(PIECE, numel, PIECE), numel]
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def _bytes(flat: torch.Tensor, meta: TensorMeta, start: int, stop: int) -> torch.Tensor:
+    """Elements ``start:stop`` of a flattened tensor as the workers will hold them: on the host,
+    in the wire dtype, as contiguous uint8 (a view where nothing needs converting)."""
+    return flat[start:stop].to(device="cpu", dtype=meta.torch_dtype).contiguous().view(torch.uint8)
+
+
+def _words(flat: torch.Tensor, meta: TensorMeta, start: int, stop: int) -> torch.Tensor:
+    return words(_bytes(flat, meta, start, stop), meta.itemsize)

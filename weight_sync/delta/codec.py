@@ -1,0 +1,81 @@
+"""The bytes of a delta: finding changed elements, writing a sparse blob, patching a tensor.
+
+Elements are compared and copied as integers of their size (``words``), never as numbers: a
+delta must reproduce the exact bits -- NaN payloads, -0.0 against 0.0 -- and every dtype has an
+integer of its width (16-byte ones are compared as pairs of int64).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import torch
+
+from weight_sync.delta.layout import INDEX_BYTES, SPAN, Blob, sparse_bytes
+from weight_sync.planner import align_up
+
+_WORDS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def words(data: torch.Tensor, itemsize: int) -> torch.Tensor:
+    """Contiguous uint8 ``data`` as one integer row per element: shape (n,) for itemsizes up to
+    8, (n, 2) of int64 for 16-byte elements (complex128)."""
+    if itemsize == 16:
+        return data.view(torch.int64).view(-1, 2)
+    return data.view(_WORDS[itemsize])
+
+
+def changed(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """Indices (int64, ascending) of the rows of ``new`` that differ from ``base``, bit for bit.
+
+    On the host this runs in NumPy: its ``flatnonzero`` is 3.5x faster than ``torch.nonzero``
+    on one thread at the densities of an RL update (measured: 0.14 s against 0.48 s for 124M
+    elements), and finding the changes is most of a delta push's cost on the trainer."""
+    if new.device.type == "cpu" and base.device.type == "cpu":
+        diff = new.numpy() != base.numpy()
+        if diff.ndim == 2:
+            diff = diff.any(axis=1)
+        return torch.from_numpy(np.flatnonzero(diff))
+    diff = new != base
+    if diff.dim() == 2:
+        diff = diff.any(dim=1)
+    return diff.nonzero().view(-1)
+
+
+def span_counts(indices: torch.Tensor, spans: int) -> list[int]:
+    """How many of ``indices`` (relative to a span boundary) fall in each of ``spans`` spans."""
+    return torch.bincount(indices >> 16, minlength=spans).tolist()
+
+
+def encode_sparse(indices: torch.Tensor, values: torch.Tensor, itemsize: int) -> torch.Tensor:
+    """A sparse blob: the indices inside their spans as 16 bits each, then the values (``words``
+    rows of the changed elements), aligned so that the values can be viewed in place."""
+    count = indices.numel()
+    blob = torch.empty(sparse_bytes(count, itemsize), dtype=torch.uint8)
+    blob[: count * INDEX_BYTES].view(torch.int16).copy_(indices & (SPAN - 1))  # wraps to int16
+    start = align_up(count * INDEX_BYTES, 8)
+    words(blob[start:], itemsize).copy_(values)
+    return blob
+
+
+def patch(target: torch.Tensor, blob: Blob, data: torch.Tensor, itemsize: int) -> None:
+    """Write ``blob`` (its bytes ``data``, as the trainer encoded them) into ``target``, the
+    uint8 view of the whole tensor, in place: dense runs are copied, sparse ones scattered."""
+    region = words(target, itemsize)[blob.first : blob.first + blob.elements]
+    if blob.dense:
+        region.copy_(words(data, itemsize))
+        return
+    count = blob.changed
+    local = data[: count * INDEX_BYTES].view(torch.int16).to(torch.int64) & (SPAN - 1)
+    starts = torch.arange(len(blob.counts), dtype=torch.int64) * SPAN
+    local += torch.repeat_interleave(starts, torch.tensor(blob.counts, dtype=torch.int64))
+    start = align_up(count * INDEX_BYTES, 8)
+    region.index_copy_(0, local.to(region.device), words(data[start:], itemsize))
+
+
+def region_checksum(target: torch.Tensor, blob: Blob, itemsize: int) -> int:
+    """CRC32 of the bytes ``blob`` covers in ``target`` (a uint8 view of the whole tensor)."""
+    part = target[blob.first * itemsize : (blob.first + blob.elements) * itemsize]
+    host = part.cpu() if part.device.type != "cpu" else part
+    return zlib.crc32(host.numpy().data)

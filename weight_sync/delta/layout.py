@@ -1,0 +1,169 @@
+"""Pure planning of a delta push: per-span change counts -> what travels, and where.
+
+A delta push travels in three steps over the same transport as any push: a header of change
+counts, then the buckets of a *layout* derived from the push's plan and those counts, which both
+sides compute alike. Counting is per *span* of ``SPAN`` elements of a tensor (in the dtype the
+workers hold), so that a changed element is named by a 16-bit index inside its span.
+
+Each span is sent one of three ways, whichever is smallest:
+
+* ``NONE``   -- nothing changed: nothing is sent;
+* ``SPARSE`` -- the changed elements: their uint16 indices, then their values;
+* ``DENSE``  -- every element, as in a dense push (when indices would cost more than they save).
+
+Consecutive spans of one tensor sent the same way form one *blob* (at most ``RUN_SPANS`` spans,
+never across a multiple of ``RUN_SPANS``, which bounds a worker's temporaries). A tensor whose
+every span is dense is sent whole, exactly as in a dense push (the direct path included), so a
+push where everything changed costs what a dense push costs. The blobs and whole tensors are then
+placed in buckets by ``planner.make_plan``, like the tensors of any push.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from weight_sync.metadata import SyncPlan, TensorMeta
+from weight_sync.planner import align_up, make_plan
+
+SPAN = 1 << 16  # elements per span: an index inside one fits in 16 bits
+RUN_SPANS = 16  # spans per blob at most (1M elements)
+NONE, SPARSE, DENSE = 0, 1, 2
+INDEX_BYTES = 2
+VALUES_ALIGNMENT = 8  # a sparse blob's values start here, whatever the dtype (16-byte ones as pairs)
+COUNT_BYTES = 4  # the header holds one int32 count per span
+
+
+def spans_of(numel: int) -> int:
+    return -(-numel // SPAN)
+
+
+def span_elements(numel: int, span: int) -> int:
+    """Elements in span ``span`` of a tensor of ``numel`` elements (the last may be short)."""
+    return min(SPAN, numel - span * SPAN)
+
+
+def header_counts(plan: SyncPlan) -> int:
+    """How many counts a delta push of ``plan`` sends: one per span of every tensor."""
+    return sum(spans_of(math.prod(meta.shape)) for meta in plan.tensors)
+
+
+def encoding(count: int, elements: int, itemsize: int) -> int:
+    """How a span with ``count`` of its ``elements`` changed travels: the smaller way."""
+    if count == 0:
+        return NONE
+    sparse = count * (INDEX_BYTES + itemsize)
+    return SPARSE if sparse < elements * itemsize else DENSE
+
+
+def sparse_bytes(count: int, itemsize: int) -> int:
+    """Size of a sparse blob holding ``count`` changed elements."""
+    return align_up(count * INDEX_BYTES, VALUES_ALIGNMENT) + count * itemsize
+
+
+@dataclass(frozen=True)
+class Blob:
+    """A run of spans of one tensor, sent the same way. ``counts``: changed elements per span."""
+
+    tensor: int  # index into the push's plan
+    first_span: int
+    counts: tuple[int, ...]
+    dense: bool
+    numel: int  # of the whole tensor
+
+    @property
+    def first(self) -> int:
+        """Its first element in the tensor."""
+        return self.first_span * SPAN
+
+    @property
+    def elements(self) -> int:
+        return min(len(self.counts) * SPAN, self.numel - self.first)
+
+    @property
+    def changed(self) -> int:
+        return sum(self.counts)
+
+
+@dataclass(frozen=True)
+class DeltaLayout:
+    """What a delta push sends: ``plan`` places whole tensors and blobs in buckets; ``whole``
+    maps each of its whole tensors to the push's plan, ``blobs`` each of its blobs."""
+
+    plan: SyncPlan
+    whole: dict[int, int]  # layout tensor -> push plan tensor
+    blobs: dict[int, Blob]  # layout tensor -> blob
+
+    @property
+    def changed_tensors(self) -> set[int]:
+        """Push plan tensors sent as blobs (not whole)."""
+        return {blob.tensor for blob in self.blobs.values()}
+
+
+def blob_name(blob: Blob) -> str:
+    """A layout-internal name; it never travels, and no model's tensor is named with a NUL."""
+    return f"\0{blob.tensor}:{blob.first_span}"
+
+
+def check_counts(plan: SyncPlan, counts: Sequence[int]) -> None:
+    """Refuse a header that cannot belong to ``plan`` (``ValueError``): it decides every size
+    that follows, and a receive sized wrong would abort the process."""
+    if len(counts) != header_counts(plan):
+        raise ValueError(f"delta header has {len(counts)} counts, the plan needs {header_counts(plan)}")
+    at = 0
+    for meta in plan.tensors:
+        numel = math.prod(meta.shape)
+        for span in range(spans_of(numel)):
+            if not 0 <= counts[at] <= span_elements(numel, span):
+                raise ValueError(f"delta header: {counts[at]} changes in span {span} of {meta.name!r}")
+            at += 1
+
+
+def delta_layout(plan: SyncPlan, counts: Sequence[int], bucket_bytes: int) -> DeltaLayout:
+    """The layout of a delta push of ``plan`` with these per-span ``counts`` (see the module
+    docstring). Deterministic: the trainer and every worker derive the same one."""
+    direct = {b.segments[0].tensor for b in plan.buckets if b.direct}
+    metas: list[TensorMeta] = []
+    flags: list[bool] = []
+    whole: dict[int, int] = {}
+    blobs: dict[int, Blob] = {}
+    at = 0
+    for index, meta in enumerate(plan.tensors):
+        numel = math.prod(meta.shape)
+        spans = spans_of(numel)
+        tensor_counts = counts[at : at + spans]
+        at += spans
+        ways = [encoding(c, span_elements(numel, s), meta.itemsize) for s, c in enumerate(tensor_counts)]
+        if all(way == DENSE for way in ways):  # every span (or none: an empty tensor)
+            whole[len(metas)] = index
+            metas.append(meta)
+            flags.append(index in direct)
+            continue
+        for start, stop, way in _runs(ways):
+            if way == NONE:
+                continue
+            blob = Blob(index, start, tuple(tensor_counts[start:stop]), way == DENSE, numel)
+            size = blob.elements * meta.itemsize if blob.dense else sparse_bytes(blob.changed, meta.itemsize)
+            blobs[len(metas)] = blob
+            metas.append(TensorMeta.model_construct(name=blob_name(blob), dtype="uint8", shape=(size,)))
+            flags.append(False)
+    ties = tuple(
+        tie.model_copy(update={"tensor": position})
+        for position, index in whole.items()
+        for tie in plan.tied
+        if tie.tensor == index
+    )
+    layout_plan = make_plan(metas, bucket_bytes, plan.alignment, flags, ties)
+    return DeltaLayout(layout_plan, whole, blobs)
+
+
+def _runs(ways: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs ``(start, stop, way)`` of equal ways, cut at every multiple of RUN_SPANS."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for span in range(1, len(ways) + 1):
+        if span == len(ways) or ways[span] != ways[start] or span % RUN_SPANS == 0:
+            runs.append((start, span, ways[start]))
+            start = span
+    return runs

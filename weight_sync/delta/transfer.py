@@ -1,0 +1,170 @@
+"""Both ends of a push with a baseline kept: the trainer's send, a worker's header and patches.
+
+On the wire a delta push is one header broadcast (an int32 change count per span and their CRC32,
+its size fixed by the plan) followed by the buckets of the layout both sides derive from it; the
+push protocol around it -- prepare, receive, commit, blame -- is the same as for any push. The
+header decides the size of every receive that follows, and Gloo aborts a process whose receive
+is smaller than what is sent: it is checked whole before any of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from weight_sync.deadline import Deadline
+from weight_sync.delta.baseline import Baseline
+from weight_sync.delta.codec import patch, region_checksum
+from weight_sync.delta.layout import COUNT_BYTES, DeltaLayout, blob_name, check_counts, delta_layout, header_counts
+from weight_sync.errors import TransportError
+from weight_sync.metadata import TRAINER_RANK, SyncPlan
+from weight_sync.packing import NamedTensors, Unpacker, byte_view
+from weight_sync.sender import Sender
+from weight_sync.transport import Transport
+
+
+@dataclass(frozen=True)
+class Sent:
+    checksums: list[int] | None  # per bucket, then per sparse blob
+    wire_bytes: int  # what went over the transport, header included
+    density: float | None = None  # of a delta: changed elements / elements (whole tensors count as changed)
+
+
+def send(
+    transport: Transport,
+    plan: SyncPlan,
+    tensors: Sequence[torch.Tensor],
+    baseline: Baseline,
+    *,
+    delta: bool,
+    bucket_bytes: int,
+    deadline: Deadline | None = None,
+    with_checksums: bool = False,
+) -> Sent:
+    """Send ``plan`` dense or as a delta against ``baseline``, bringing it up to date either way.
+    The caller brackets this with ``baseline.begin()`` and ``baseline.finish()``."""
+    if not delta:
+        record = baseline.recorder(plan, plan, {index: index for index in range(len(plan.tensors))})
+        sums = Sender(transport).send(plan, tensors, deadline, with_checksums, on_packed=record)
+        return Sent(sums, plan.nbytes)
+    counts = baseline.scan(plan, tensors)
+    header = _header(counts)
+    if counts:
+        timeout = None if deadline is None else deadline.left(float("inf"))
+        transport.broadcast(header.to(transport.device), src=transport.rank, timeout_s=timeout).wait()
+    layout = delta_layout(plan, counts, bucket_bytes)
+    blob_sums: list[int] | None = [] if with_checksums else None
+    sources = baseline.sources(layout, plan, tensors, blob_sums)
+    record = baseline.recorder(plan, layout.plan, layout.whole)
+    sums = Sender(transport).send(layout.plan, sources, deadline, with_checksums, on_packed=record)
+    if sums is not None and blob_sums is not None:
+        sums += blob_sums
+    elements = sum(math.prod(meta.shape) for meta in plan.tensors)
+    return Sent(sums, (header.numel() if counts else 0) + layout.plan.nbytes, sum(counts) / max(elements, 1))
+
+
+def receive_layout(transport: Transport, plan: SyncPlan, bucket_bytes: int) -> DeltaLayout:
+    """A worker's first step of a delta push: the trainer's header, checked, and the layout."""
+    count = header_counts(plan)
+    header = torch.empty((count + 1) * COUNT_BYTES if count else 0, dtype=torch.uint8, device=transport.device)
+    if count:
+        transport.broadcast(header, src=TRAINER_RANK).wait()
+    *counts, crc = header.cpu().view(torch.int32).tolist() or [0]
+    try:
+        if count and _header(counts)[-COUNT_BYTES:].view(torch.int32).item() != crc:
+            raise ValueError("delta header damaged in transit (CRC32 mismatch)")
+        check_counts(plan, counts)
+    except ValueError as exc:
+        raise TransportError(f"{exc}; the trainer and this worker disagree on the push") from exc
+    return delta_layout(plan, counts, bucket_bytes)
+
+
+def _header(counts: list[int]) -> torch.Tensor:
+    """The counts as int32, then their CRC32 (as an int32)."""
+    body = torch.tensor(counts, dtype=torch.int32)
+    crc = zlib.crc32(body.numpy().data)
+    return torch.cat([body, torch.tensor([crc - (1 << 32) if crc >= 1 << 31 else crc], dtype=torch.int32)]).view(torch.uint8)
+
+
+class Patcher:
+    """Applies a delta layout to a worker's own tensors (``destinations``, which must hold every
+    tensor of the push in place: ``Receiver.prepare`` accepts a delta only then).
+
+    Dense blobs are byte ranges of a destination, so the ``Unpacker`` lands them there like any
+    tensor (``landing``); sparse blobs are handed back and scattered in place (``apply``); tied
+    names with storage of their own are refreshed at the end (``finish``). With ``sums``, the
+    CRC32 of each sparse blob's range once patched is appended, to match the trainer's.
+    """
+
+    def __init__(
+        self,
+        plan: SyncPlan,
+        layout: DeltaLayout,
+        destinations: Mapping[str, torch.Tensor],
+        sums: list[int] | None = None,
+    ) -> None:
+        self._plan, self._layout, self._sums = plan, layout, sums
+        self._destinations = destinations
+        self._targets = {
+            index: byte_view(destinations[plan.tensors[index].name]) for index in layout.changed_tensors
+        }
+        self._blobs = {blob_name(blob): blob for blob in layout.blobs.values()}
+
+    def landing(self) -> dict[str, torch.Tensor]:
+        """Where the Unpacker writes: the destinations, and each dense blob's byte range."""
+        ranges = {}
+        for blob in self._layout.blobs.values():
+            if blob.dense:
+                size = self._plan.tensors[blob.tensor].itemsize
+                target = self._targets[blob.tensor]
+                ranges[blob_name(blob)] = target[blob.first * size : (blob.first + blob.elements) * size]
+        return {**self._destinations, **ranges}
+
+    def apply(self, named: NamedTensors) -> NamedTensors:
+        """Patch the sparse blobs among ``named`` in; returns the rest."""
+        rest = []
+        for name, data in named:
+            blob = self._blobs.get(name)
+            if blob is None:
+                rest.append((name, data))
+                continue
+            size = self._plan.tensors[blob.tensor].itemsize
+            target = self._targets[blob.tensor]
+            patch(target, blob, data, size)
+            if self._sums is not None:
+                self._sums.append(region_checksum(target, blob, size))
+        return rest
+
+    def finish(self) -> None:
+        for tie in self._plan.tied:
+            source = self._targets.get(tie.tensor)
+            target = self._destinations[tie.name]
+            if source is not None and target.data_ptr() != source.data_ptr():
+                byte_view(target).copy_(source)
+
+
+def staged_checksums(
+    plan: SyncPlan, layout: DeltaLayout, staged: list[torch.Tensor], destinations: Mapping[str, torch.Tensor]
+) -> list[int]:
+    """The CRC32s ``Patcher`` would report for a push received into a staging area, computed
+    before commit on copies of each patched range (the model stays untouched)."""
+    sparse = {index for index, blob in layout.blobs.items() if not blob.dense}
+    unpacker = Unpacker(layout.plan, None, staged[0].device if staged else torch.device("cpu"), only=sparse)
+    sums: list[int] = []
+    by_name = {blob_name(blob): blob for blob in layout.blobs.values()}
+    for index, data in enumerate(staged):
+        for name, blob_bytes in unpacker.unpack(index, data):
+            blob = by_name[name]
+            size = plan.tensors[blob.tensor].itemsize
+            whole = byte_view(destinations[plan.tensors[blob.tensor].name])
+            region = whole[blob.first * size : (blob.first + blob.elements) * size].clone()
+            alone = dataclasses.replace(blob, first_span=0, numel=blob.elements)
+            patch(region, alone, blob_bytes, size)
+            sums.append(region_checksum(region, alone, size))
+    return sums
+
