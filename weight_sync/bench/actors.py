@@ -37,8 +37,8 @@ from weight_sync.metadata import TRAINER_RANK, TensorMeta
 from weight_sync.transport import TorchGroup
 from weight_sync.verify import state_dict_digests
 
-STRATEGIES = ("weight_sync", "raw", "per_tensor", "fanout", "object_store", "memcpy", "after_step",
-              "all_changed")  # fmt: skip
+STRATEGIES = ("weight_sync", "raw", "per_tensor", "fanout", "object_store", "memcpy")
+TRAINING = ("after_step", "all_changed")  # pushes in a training loop: need ``setup(trained=True)``
 
 
 def _status_kib(field: str) -> int:

@@ -21,7 +21,7 @@ from typing import Any
 import ray
 
 from weight_sync import SyncConfig, WeightSyncError
-from weight_sync.bench.actors import STRATEGIES, BenchTrainer, BenchWorker
+from weight_sync.bench.actors import STRATEGIES, TRAINING, BenchTrainer, BenchWorker
 from weight_sync.bench.report import write_report
 from weight_sync.bench.workloads import WORKLOADS, MiB, Workload, gpt2_small, synthetic
 
@@ -155,7 +155,7 @@ def plan_cases(
         # changed.
         for on in (False, True):
             config = (("cast_dtype", "bfloat16"), ("same_host", "shm"), ("delta", on))
-            cases.append(Case(gpt2_small(), workers, ("after_step", "all_changed"), config,
+            cases.append(Case(gpt2_small(), workers, TRAINING, config,
                               suite="delta" if on else "dense"))
     if options:
         cases.append(Case(gpt2_small(), workers, ("raw", "weight_sync"), suite="options"))
