@@ -56,10 +56,6 @@ class Baseline:
         # Indices found while counting, per (tensor, piece): relative to the piece, int32.
         self._found: dict[tuple[int, int], torch.Tensor] = {}
 
-    @property
-    def nbytes(self) -> int:
-        return sum(data.numel() for data in self._bytes.values())
-
     def name_for(self, version: int) -> str:
         return base_name(self._token, version)
 

@@ -95,6 +95,10 @@ class DeltaLayout:
     whole: dict[int, int]  # layout tensor -> push plan tensor
     blobs: dict[int, Blob]  # layout tensor -> blob
 
+    def named_blobs(self) -> dict[str, Blob]:
+        """Each blob under the name the layout's plan gives it (see ``blob_name``)."""
+        return {blob_name(blob): blob for blob in self.blobs.values()}
+
     @property
     def changed_tensors(self) -> set[int]:
         """Push plan tensors sent as blobs (not whole)."""

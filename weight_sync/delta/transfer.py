@@ -113,7 +113,7 @@ class Patcher:
         self._targets = {
             index: byte_view(destinations[plan.tensors[index].name]) for index in layout.changed_tensors
         }
-        self._blobs = {blob_name(blob): blob for blob in layout.blobs.values()}
+        self._blobs = layout.named_blobs()
 
     def landing(self) -> dict[str, torch.Tensor]:
         """Where the Unpacker writes: the destinations, and each dense blob's byte range."""
@@ -156,7 +156,7 @@ def staged_checksums(
     sparse = {index for index, blob in layout.blobs.items() if not blob.dense}
     unpacker = Unpacker(layout.plan, None, staged[0].device if staged else torch.device("cpu"), only=sparse)
     sums: list[int] = []
-    by_name = {blob_name(blob): blob for blob in layout.blobs.values()}
+    by_name = layout.named_blobs()
     for index, data in enumerate(staged):
         for name, blob_bytes in unpacker.unpack(index, data):
             blob = by_name[name]
