@@ -23,7 +23,7 @@ def test_hf_worker_needs_only_the_model_named(tmp_path: Path) -> None:
         prompt = torch.tensor([[3, 8, 10]])
         before = ray.get(workers[0].generate.remote(prompt, max_new_tokens=1), timeout=TIMEOUT)
         assert before.version is None
-        version, _ = ray.get(trainer.push.remote(), timeout=TIMEOUT)
+        version = ray.get(trainer.push.remote(), timeout=TIMEOUT).version
         after = ray.get([w.generate.remote(prompt, max_new_tokens=2, do_sample=False, pad_token_id=11)
                          for w in workers], timeout=TIMEOUT)  # fmt: skip
         assert [g.version for g in after] == [version, version]
