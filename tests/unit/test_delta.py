@@ -18,11 +18,11 @@ from weight_sync.delta.layout import (
     RUN_SPANS,
     SPAN,
     SPARSE,
-    _runs,
     check_counts,
     delta_layout,
     encoding,
     header_counts,
+    span_runs,
 )
 from weight_sync.delta.lineage import next_base
 from weight_sync.delta.transfer import Patcher
@@ -64,7 +64,7 @@ def test_each_span_travels_the_smaller_way(count: int, elements: int, itemsize: 
     ],
 )  # fmt: skip
 def test_runs_are_maximal_and_never_cross_a_piece(ways: list[int], runs: list[tuple[int, int, int]]) -> None:
-    assert _runs(ways) == runs
+    assert span_runs(ways) == runs
 
 
 def plan_of(*shapes: tuple[int, ...], direct: tuple[bool, ...] = (), tied: tuple[Tied, ...] = ()) -> SyncPlan:
@@ -164,11 +164,12 @@ def change(tensors: dict[str, torch.Tensor], fraction: float, seed: int) -> None
 
 
 @pytest.mark.parametrize("cast", [None, "bfloat16"])
-@pytest.mark.parametrize("bucket_bytes", [4096, 1 << 20])
-def test_deltas_rebuild_every_dtype_bit_for_bit(cast: str | None, bucket_bytes: int) -> None:
+@pytest.mark.parametrize(("bucket_bytes", "fraction"), [(4096, 0.01), (1 << 20, 0.01), (1 << 20, 0.2)])
+def test_deltas_rebuild_every_dtype_bit_for_bit(cast: str | None, bucket_bytes: int, fraction: float) -> None:
     """The zoo (every dtype, views, split tensors), changed at random again and again: after each
     delta the worker's tensors equal the trainer's copy byte for byte, and far fewer bytes
-    travelled than a dense push sends."""
+    travelled than a dense push sends. At a fifth changed, the blobs outgrow what a scan keeps
+    encoded, and the rest are found again while packing."""
     tensors = zoo(seed=3, big=200_000)
     tensors["alias"] = tensors["float32_big"]  # tied: travels once, refreshed on the worker
     config = SyncConfig(bucket_bytes=bucket_bytes, direct_min_bytes=100_000, cast_dtype=cast)
@@ -178,9 +179,9 @@ def test_deltas_rebuild_every_dtype_bit_for_bit(cast: str | None, bucket_bytes: 
     baseline = Baseline()
     assert transfer(baseline, plan, entries.tensors, destinations, bucket_bytes, delta=False) >= plan.payload_bytes
     for step in range(3):
-        change(tensors, 0.01, seed=step)
+        change(tensors, fraction, seed=step)
         sent = transfer(baseline, plan, entries.tensors, destinations, bucket_bytes)
-        assert sent < plan.nbytes / 10
+        assert sent < plan.nbytes * (0.1 if fraction < 0.05 else 0.8)
         for name in plan.metas():
             held = baseline._bytes.get(plan.tensors[_index(plan, name)].name, torch.empty(0, dtype=torch.uint8))
             assert torch.equal(byte_view(destinations[name].contiguous()), held), name

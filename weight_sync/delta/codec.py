@@ -12,7 +12,7 @@ import zlib
 import numpy as np
 import torch
 
-from weight_sync.delta.layout import INDEX_BYTES, SPAN, Blob, sparse_bytes
+from weight_sync.delta.layout import INDEX_BYTES, SPAN, VALUES_ALIGNMENT, Blob, sparse_bytes, spans_of
 from weight_sync.planner import align_up
 
 _WORDS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -26,16 +26,19 @@ def words(data: torch.Tensor, itemsize: int) -> torch.Tensor:
     return data.view(_WORDS[itemsize])
 
 
-def changed(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+def changed(new: torch.Tensor, base: torch.Tensor, mask: np.ndarray | None = None) -> torch.Tensor:
     """Indices (int64, ascending) of the rows of ``new`` that differ from ``base``, bit for bit.
+    ``mask``: a bool array of one entry per row to compare into, reused from call to call.
 
     On the host this runs in NumPy: its ``flatnonzero`` is 3.5x faster than ``torch.nonzero``
     on one thread at the densities of an RL update (measured: 0.14 s against 0.48 s for 124M
     elements), and finding the changes is most of a delta push's cost on the trainer."""
     if new.device.type == "cpu" and base.device.type == "cpu":
-        diff = new.numpy() != base.numpy()
-        if diff.ndim == 2:
-            diff = diff.any(axis=1)
+        ours, theirs = new.numpy(), base.numpy()
+        if ours.ndim == 2:
+            diff = (ours != theirs).any(axis=1)
+        else:
+            diff = np.not_equal(ours, theirs, out=mask)
         return torch.from_numpy(np.flatnonzero(diff))
     diff = new != base
     if diff.dim() == 2:
@@ -43,9 +46,11 @@ def changed(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     return diff.nonzero().view(-1)
 
 
-def span_counts(indices: torch.Tensor, spans: int) -> list[int]:
-    """How many of ``indices`` (relative to a span boundary) fall in each of ``spans`` spans."""
-    return torch.bincount(indices >> 16, minlength=spans).tolist()
+def span_counts(indices: np.ndarray, elements: int) -> list[int]:
+    """How many of ``indices`` (ascending, relative to a span boundary, below ``elements``) fall
+    in each span."""
+    edges = np.arange(spans_of(elements) + 1) * SPAN
+    return np.diff(np.searchsorted(indices, edges)).tolist()
 
 
 def encode_sparse(indices: torch.Tensor, values: torch.Tensor, itemsize: int) -> torch.Tensor:
@@ -54,8 +59,7 @@ def encode_sparse(indices: torch.Tensor, values: torch.Tensor, itemsize: int) ->
     count = indices.numel()
     blob = torch.empty(sparse_bytes(count, itemsize), dtype=torch.uint8)
     blob[: count * INDEX_BYTES].view(torch.int16).copy_(indices & (SPAN - 1))  # wraps to int16
-    start = align_up(count * INDEX_BYTES, 8)
-    words(blob[start:], itemsize).copy_(values)
+    words(blob[align_up(count * INDEX_BYTES, VALUES_ALIGNMENT) :], itemsize).copy_(values)
     return blob
 
 
@@ -67,11 +71,10 @@ def patch(target: torch.Tensor, blob: Blob, data: torch.Tensor, itemsize: int) -
         region.copy_(words(data, itemsize))
         return
     count = blob.changed
-    local = data[: count * INDEX_BYTES].view(torch.int16).to(torch.int64) & (SPAN - 1)
-    starts = torch.arange(len(blob.counts), dtype=torch.int64) * SPAN
-    local += torch.repeat_interleave(starts, torch.tensor(blob.counts, dtype=torch.int64))
-    start = align_up(count * INDEX_BYTES, 8)
-    region.index_copy_(0, local.to(region.device), words(data[start:], itemsize))
+    values = words(data[align_up(count * INDEX_BYTES, VALUES_ALIGNMENT) :], itemsize)
+    local = data[: count * INDEX_BYTES].cpu().numpy().view(np.uint16).astype(np.int64)
+    local += np.repeat(np.arange(len(blob.counts), dtype=np.int64) * SPAN, blob.counts)
+    region.index_copy_(0, torch.from_numpy(local).to(region.device), values)
 
 
 def region_checksum(target: torch.Tensor, blob: Blob, itemsize: int) -> int:

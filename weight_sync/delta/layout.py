@@ -144,7 +144,7 @@ def delta_layout(plan: SyncPlan, counts: Sequence[int], bucket_bytes: int) -> De
             metas.append(meta)
             flags.append(index in direct)
             continue
-        for start, stop, way in _runs(ways):
+        for start, stop, way in span_runs(ways):
             if way == NONE:
                 continue
             blob = Blob(index, start, tuple(tensor_counts[start:stop]), way == DENSE, numel)
@@ -162,7 +162,7 @@ def delta_layout(plan: SyncPlan, counts: Sequence[int], bucket_bytes: int) -> De
     return DeltaLayout(layout_plan, whole, blobs)
 
 
-def _runs(ways: Sequence[int]) -> list[tuple[int, int, int]]:
+def span_runs(ways: Sequence[int]) -> list[tuple[int, int, int]]:
     """Maximal runs ``(start, stop, way)`` of equal ways, cut at every multiple of RUN_SPANS."""
     runs: list[tuple[int, int, int]] = []
     start = 0
