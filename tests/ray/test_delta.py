@@ -4,6 +4,7 @@ a damaged push all end in dense bytes where a delta would be wrong, never in a w
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from typing import Any
 
@@ -58,6 +59,10 @@ class Policy:
     def digests(self) -> dict[str, str]:
         return state_dict_digests({n: t.to(torch.bfloat16) for n, t in self.model.state_dict().items()})
 
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """What a dense push would make the workers compute: this model in their dtype."""
+        return logits_of(copy.deepcopy(self.model).to(torch.bfloat16), ids)
+
     def restart(self, workers: list) -> None:
         """A new trainer process: a new updater, no copy of anything."""
         self.updater.close()
@@ -76,6 +81,9 @@ class Worker(HFWorker):
         torch.set_num_threads(1)
         super().__init__(POLICY, dtype=torch.bfloat16)
 
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        return logits_of(self.model, ids)
+
     def damage_next_push(self) -> None:
         """Flip a byte of the first bucket after the delta header (see tests/ray/actors.py)."""
         state = self._weight_sync_state()
@@ -92,10 +100,20 @@ class Worker(HFWorker):
         del outer
 
 
-def check(policy: Any, workers: list) -> None:
+def logits_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def check(policy: Any, workers: list, logits: bool = False) -> None:
     want = ray.get(policy.digests.remote(), timeout=TIMEOUT)
     got = ray.get([w.weight_sync_digests.remote() for w in workers], timeout=TIMEOUT)
     assert all(g == want for g in got)
+    if logits:
+        ids = torch.randint(0, POLICY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(7))
+        expected = ray.get(policy.logits.remote(ids), timeout=TIMEOUT)
+        for worker_logits in ray.get([w.logits.remote(ids) for w in workers], timeout=TIMEOUT):
+            assert torch.equal(worker_logits, expected)
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +135,7 @@ def test_deltas_after_adam_steps_land_bit_for_bit(fleet: list) -> None:
             ray.get(policy.step.remote(step), timeout=TIMEOUT)
             result = ray.get(policy.push.remote(), timeout=TIMEOUT)
             assert result.delta and result.wire_bytes < first.wire_bytes / 2, result
-            check(policy, fleet)
+            check(policy, fleet, logits=True)
         ray.get(policy.step.remote(9), timeout=TIMEOUT)
         partial = ray.get(policy.push.remote(["model.embed_tokens.weight", "model.norm.weight"]), timeout=TIMEOUT)
         assert partial.delta and partial.partial
