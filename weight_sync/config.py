@@ -87,20 +87,30 @@ class SyncConfig(BaseModel):
         description="Export per-push figures through Ray's metrics API (Prometheus); see "
         "weight_sync.metrics.",
     )
+    # One number is enough: the timeouts a caller leaves out are derived from the ones it sets
+    # (see _derive_timeouts); the defaults below are what 900 s for a push gives.
     rendezvous_timeout_s: float = Field(
-        120.0, gt=0, description="Bound on forming the group (store connect + mesh setup)."
+        120.0, gt=0,
+        description="Bound on forming the group (store connect + mesh setup). Default: "
+        "push_timeout_s / 3, at most 120.",
     )
     collective_timeout_s: float = Field(
-        300.0, gt=0, description="Bound on any single collective (one bucket's broadcast)."
+        300.0, gt=0,
+        description="Bound on any single collective (one bucket's broadcast). Default: "
+        "push_timeout_s / 3.",
     )
     rpc_timeout_s: float = Field(
-        120.0, gt=0, description="Bound on every control-plane Ray call that is not a transfer."
+        120.0, gt=0,
+        description="Bound on every control-plane Ray call that is not a transfer. Default: "
+        "push_timeout_s / 3, at most 120.",
     )
     push_timeout_s: float = Field(
         900.0, gt=0,
-        description="Bound on one whole push, end to end (forming the group included). Must "
-        "exceed twice collective_timeout_s, so that after a frozen worker stalls a broadcast the "
-        "workers waiting on it still have time to report, and the frozen one can be named.",
+        description="Bound on one whole push, end to end (forming the group and the teardown "
+        "after a failure included). Must exceed twice collective_timeout_s, so that after a "
+        "frozen worker stalls a broadcast the workers waiting on it still have time to report, "
+        "and the frozen one can be named. Default: 3 x collective_timeout_s if that is set, "
+        "else 900.",
     )
     staging: Staging = Field(
         "stream",
@@ -133,6 +143,31 @@ class SyncConfig(BaseModel):
     max_metadata_bytes: int = Field(
         64 * MiB, gt=0, description="Largest serialized plan a worker accepts."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derive_timeouts(cls, data: object) -> object:
+        """Fill in the timeouts left out from the ones given: push_timeout_s=20 alone must not be
+        refused for the default collective_timeout_s of 300, nor collective_timeout_s=600 alone
+        for the default push_timeout_s of 900. Values given are never changed."""
+        if not isinstance(data, dict):
+            return data
+        given = {key: data[key] for key in _TIMEOUTS if data.get(key) is not None}
+        if not given.keys() & {"push_timeout_s", "collective_timeout_s"}:
+            return data
+        try:
+            push = float(given["push_timeout_s"]) if "push_timeout_s" in given else 3 * float(given["collective_timeout_s"])
+        except (TypeError, ValueError):
+            return data  # the fields' own validation reports it
+        if push <= 0:
+            return data
+        derived = {
+            "push_timeout_s": push,
+            "collective_timeout_s": push / 3,
+            "rendezvous_timeout_s": min(_DEFAULT_RENDEZVOUS_S, push / 3),
+            "rpc_timeout_s": min(_DEFAULT_RPC_S, push / 3),
+        }
+        return {**data, **{key: value for key, value in derived.items() if key not in given}}
 
     @field_validator("alignment")
     @classmethod
@@ -184,6 +219,11 @@ class SyncConfig(BaseModel):
                 "address, or pass allow_all_interfaces=True if that is really meant"
             )
         return self
+
+
+_TIMEOUTS = ("push_timeout_s", "collective_timeout_s", "rendezvous_timeout_s", "rpc_timeout_s")
+_DEFAULT_RENDEZVOUS_S = 120.0
+_DEFAULT_RPC_S = 120.0
 
 
 def _is_wildcard(addr: str) -> bool:

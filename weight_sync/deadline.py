@@ -10,10 +10,11 @@ from weight_sync.errors import SyncTimeoutError
 class Deadline:
     """``seconds`` from now. Each step asks for ``left(cap)``: its own timeout, cut to what remains."""
 
-    def __init__(self, seconds: float, what: str) -> None:
+    def __init__(self, seconds: float, what: str, start: float | None = None) -> None:
+        """``start``: when the clock started (``time.monotonic()``), if before now."""
         self._seconds = seconds
         self._what = what
-        self._end = time.monotonic() + seconds
+        self._end = (time.monotonic() if start is None else start) + seconds
 
     @property
     def seconds(self) -> float:

@@ -73,6 +73,12 @@ logger = logging.getLogger(__name__)
 _GRACE_S = 5.0
 
 
+def _teardown_reserve(push_timeout_s: float) -> float:
+    """What a push keeps of its bound for leaving the group after a failure (asking every member
+    to leave, without waiting long for any): 2 s, or a tenth of a short bound."""
+    return min(2.0, push_timeout_s / 10)
+
+
 @dataclass(frozen=True)
 class PushResult:
     """What one push moved. ``version`` is now committed on every worker."""
@@ -180,9 +186,10 @@ class Pusher:
         are dropped from ``workers``); ``SyncTimeoutError``/``TransportError`` when nobody in
         particular is to blame.
         """
+        started = time.monotonic()  # the bound runs from the call: checks and the lock count
         if not isinstance(state_dict, ShardedSource):
             entries = check_state_dict(state_dict, self._config, rename, transform)
-            return self._push(entries, entries.tensors, partial, sharded=False)
+            return self._push(entries, entries.tensors, partial, sharded=False, started=started)
         source, version = state_dict, None
         if not source.is_sender:
             raise ValueError("this rank does not send: call serve() on its ShardedSource")
@@ -194,7 +201,7 @@ class Pusher:
             cast = self._config.cast_dtype
             if self._config.check_finite and not source.all_finite(cast):
                 raise nonfinite_error(cast)
-            result = self._push(entries, source.gathering(entries.tensors), partial, sharded=True)
+            result = self._push(entries, source.gathering(entries.tensors), partial, sharded=True, started=started)
             version = result.version
             return result
         finally:
@@ -210,7 +217,7 @@ class Pusher:
     # -- one push ------------------------------------------------------------------------------
 
     def _push(
-        self, entries: Entries, tensors: Sequence[torch.Tensor], partial: bool, sharded: bool
+        self, entries: Entries, tensors: Sequence[torch.Tensor], partial: bool, sharded: bool, started: float
     ) -> PushResult:
         with self._lock:
             self._check_open()
@@ -223,7 +230,10 @@ class Pusher:
                     "(WeightUpdater.add_workers)"
                 )
             clock = _PhaseClock()
-            deadline = Deadline(self._config.push_timeout_s, "push")
+            # Every wait draws on ``deadline``; the teardown after a failure on what is left of
+            # ``bound``, so that the error is raised within push_timeout_s of the call.
+            bound = self._config.push_timeout_s
+            deadline = Deadline(bound - _teardown_reserve(bound), "push", started)
             broadcasting = False
             try:
                 group = self._ensure_group(entries.tensors, deadline)  # may move _next_version up
@@ -250,7 +260,7 @@ class Pusher:
                 # is intact and is kept.
                 refused = not broadcasting and isinstance(exc, PlanMismatchError | ValueError)
                 if self._group is not None and not refused:
-                    self._teardown(deadline)
+                    self._teardown(Deadline(bound, "push", started))
                 raise
             self._version = version
             result = PushResult(

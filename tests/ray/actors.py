@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from tests.zoo import BufferModel, zoo
 from weight_sync import PushResult, SyncConfig, WeightSyncWorker, WeightUpdater, remote_worker
+from weight_sync.errors import WeightSyncError
 from weight_sync.mapping import fuse
 from weight_sync.metadata import TensorMeta
 from weight_sync.sharded import ShardedSource, push_sharded
@@ -182,6 +183,16 @@ class Trainer:
 
     def push(self, state_dict: Any) -> PushResult:
         return self.updater.push(state_dict)
+
+    def timed_push_zoo(self, seed: int) -> tuple[str, float]:
+        """Push a zoo; how it ended (the error's class name, or "ok") and how long the call took,
+        timed here (so without the Ray call that asked for it)."""
+        start = time.monotonic()
+        try:
+            self.push_zoo(seed)
+        except WeightSyncError as exc:
+            return type(exc).__name__, time.monotonic() - start
+        return "ok", time.monotonic() - start
 
     def push_from_threads(self, seeds: list[int]) -> list[tuple[int, int]]:
         """Push one zoo per thread, all at once; returns (seed, version) pairs."""

@@ -35,9 +35,9 @@ CONFIG: dict[str, Any] = dict(
 class Fleet:
     """A trainer and its workers; every actor (and any stopped process) is killed at the end."""
 
-    def __init__(self, workers: int, **config: Any) -> None:
+    def __init__(self, workers: int, base: dict[str, Any] = CONFIG, **config: Any) -> None:
         self.workers = [SlowWorker.remote(seed=300 + i) for i in range(workers)]
-        self.trainer = Trainer.remote(self.workers, **{**CONFIG, **config})
+        self.trainer = Trainer.remote(self.workers, **{**base, **config})
         self.pids = ray.get([w.pid.remote() for w in self.workers], timeout=TIMEOUT)
         self.extra: list = []
 
@@ -59,8 +59,8 @@ class Fleet:
 def fleet_of() -> Iterator[Callable[..., Fleet]]:
     fleets: list[Fleet] = []
 
-    def make(workers: int = 3, **config: Any) -> Fleet:
-        fleets.append(Fleet(workers, **config))
+    def make(workers: int = 3, base: dict[str, Any] = CONFIG, **config: Any) -> Fleet:
+        fleets.append(Fleet(workers, base, **config))
         return fleets[-1]
 
     yield make
@@ -145,6 +145,22 @@ def test_worker_killed_or_frozen_mid_broadcast_is_named_dropped_and_replaced(
     assert_next_push_lands(fleet, [*survivors, replacement], seed=4)  # full weights to the newcomer
 
 
+def test_push_timeout_alone_bounds_a_push_with_a_frozen_worker(fleet_of: Callable[..., Fleet]) -> None:
+    """Only push_timeout_s is set (the other bounds derive from it): a worker frozen in the middle
+    of a broadcast is reported within push_timeout_s of the call, the teardown included (the
+    trainer times the call itself, so the Ray call that asked for it does not count)."""
+    push_timeout_s = 12.0
+    fleet = fleet_of(3, base={"bucket_bytes": 32 << 10, "direct_min_bytes": None}, push_timeout_s=push_timeout_s)
+    ray.get(fleet.trainer.push_zoo.remote(1), timeout=TIMEOUT)
+    pushing = fleet.trainer.timed_push_zoo.remote(2)
+    wait_until(mid_push(fleet.workers[1]), "the push to be under way")
+    os.kill(fleet.pids[1], signal.SIGSTOP)
+    outcome, seconds = ray.get(pushing, timeout=TIMEOUT)
+    print(f"frozen worker reported after {seconds:.2f}s of push_timeout_s={push_timeout_s}")
+    assert outcome == "WorkerFailedError" and seconds < push_timeout_s, (outcome, seconds)
+    assert ray.get(fleet.trainer.worker_count.remote(), timeout=TIMEOUT) == 2
+
+
 @pytest.mark.parametrize("how", ["hangs-in-join", "stopped-before-push"])
 def test_a_worker_that_never_joins_is_named_and_dropped(fleet_of: Callable[..., Fleet], how: str) -> None:
     fleet = fleet_of(3)
@@ -169,6 +185,9 @@ def test_trainer_killed_mid_push_leaves_workers_able_to_join_a_new_updater(
     fleet = fleet_of(2, staging=staging)
     first = ray.get(fleet.trainer.push_zoo.remote(7), timeout=TIMEOUT)
     trainer_pid = ray.get(fleet.trainer.pid.remote(), timeout=TIMEOUT)  # asked before it is busy
+    # A slow link: staged (atomic) receives skip the slow load_weights, and were over before a
+    # poll could see them under way on a busy machine.
+    ray.get(fleet.workers[0].tamper.remote(delay_s=0.05), timeout=TIMEOUT)
     pushing = fleet.trainer.push_zoo.remote(8)
     wait_until(mid_push(fleet.workers[0]), "the push to be under way")
     os.kill(trainer_pid, signal.SIGKILL)

@@ -54,3 +54,24 @@ def test_an_interface_resolves_to_its_address() -> None:
     assert address_of_interface("lo") == "127.0.0.1"
     with pytest.raises(TransportError, match=r"interface 'nosuch0' has no IPv4 address.*lo"):
         address_of_interface("nosuch0")
+
+
+@pytest.mark.parametrize(
+    ("given", "push", "collective", "rendezvous", "rpc"),
+    [
+        ({}, 900, 300, 120, 120),  # the defaults are what 900 s for a push derives
+        ({"push_timeout_s": 20}, 20, 20 / 3, 20 / 3, 20 / 3),  # one number is enough
+        ({"push_timeout_s": 3000}, 3000, 1000, 120, 120),
+        ({"collective_timeout_s": 600}, 1800, 600, 120, 120),
+        ({"collective_timeout_s": 2}, 6, 2, 2, 2),
+        ({"push_timeout_s": 20, "rpc_timeout_s": 3}, 20, 20 / 3, 20 / 3, 3),  # given: kept
+        ({"push_timeout_s": 100, "collective_timeout_s": 10}, 100, 10, 100 / 3, 100 / 3),
+        ({"rpc_timeout_s": 5}, 900, 300, 120, 5),
+    ],
+)
+def test_timeouts_left_out_are_derived_from_those_given(
+    given: dict, push: float, collective: float, rendezvous: float, rpc: float
+) -> None:
+    config = SyncConfig(**given)
+    got = (config.push_timeout_s, config.collective_timeout_s, config.rendezvous_timeout_s, config.rpc_timeout_s)
+    assert got == pytest.approx((push, collective, rendezvous, rpc))
