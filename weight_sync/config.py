@@ -12,6 +12,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MiB = 1 << 20
+_TIMEOUTS = ("push_timeout_s", "collective_timeout_s", "rendezvous_timeout_s", "rpc_timeout_s")
+_DEFAULT_RENDEZVOUS_S = 120.0
+_DEFAULT_RPC_S = 120.0
 
 Backend = Literal["auto", "gloo", "nccl"]
 GroupMode = Literal["auto", "world", "standalone"]
@@ -90,7 +93,7 @@ class SyncConfig(BaseModel):
     # One number is enough: the timeouts a caller leaves out are derived from the ones it sets
     # (see _derive_timeouts); the defaults below are what 900 s for a push gives.
     rendezvous_timeout_s: float = Field(
-        120.0, gt=0,
+        _DEFAULT_RENDEZVOUS_S, gt=0,
         description="Bound on forming the group (store connect + mesh setup). Default: "
         "push_timeout_s / 3, at most 120.",
     )
@@ -100,7 +103,7 @@ class SyncConfig(BaseModel):
         "push_timeout_s / 3.",
     )
     rpc_timeout_s: float = Field(
-        120.0, gt=0,
+        _DEFAULT_RPC_S, gt=0,
         description="Bound on every control-plane Ray call that is not a transfer. Default: "
         "push_timeout_s / 3, at most 120.",
     )
@@ -156,7 +159,10 @@ class SyncConfig(BaseModel):
         if not given.keys() & {"push_timeout_s", "collective_timeout_s"}:
             return data
         try:
-            push = float(given["push_timeout_s"]) if "push_timeout_s" in given else 3 * float(given["collective_timeout_s"])
+            if "push_timeout_s" in given:
+                push = float(given["push_timeout_s"])
+            else:
+                push = 3 * float(given["collective_timeout_s"])
         except (TypeError, ValueError):
             return data  # the fields' own validation reports it
         if push <= 0:
@@ -219,11 +225,6 @@ class SyncConfig(BaseModel):
                 "address, or pass allow_all_interfaces=True if that is really meant"
             )
         return self
-
-
-_TIMEOUTS = ("push_timeout_s", "collective_timeout_s", "rendezvous_timeout_s", "rpc_timeout_s")
-_DEFAULT_RENDEZVOUS_S = 120.0
-_DEFAULT_RPC_S = 120.0
 
 
 def _is_wildcard(addr: str) -> bool:

@@ -201,7 +201,8 @@ class Pusher:
             cast = self._config.cast_dtype
             if self._config.check_finite and not source.all_finite(cast):
                 raise nonfinite_error(cast)
-            result = self._push(entries, source.gathering(entries.tensors), partial, sharded=True, started=started)
+            gathering = source.gathering(entries.tensors)
+            result = self._push(entries, gathering, partial, sharded=True, started=started)
             version = result.version
             return result
         finally:

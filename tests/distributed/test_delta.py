@@ -23,7 +23,9 @@ pytestmark = [
     pytest.mark.skipif(not shm.available(), reason="the ring needs Linux (memfd, fd passing)"),
 ]
 BUCKET = 1 << 20
-CONFIG = SyncConfig(bucket_bytes=BUCKET, direct_min_bytes=4 << 20, cast_dtype="bfloat16", checksum=True)
+CONFIG = SyncConfig(
+    bucket_bytes=BUCKET, direct_min_bytes=4 << 20, cast_dtype="bfloat16", checksum=True
+)
 BASES = [None, *(f"{'5e' * 8}:{version}" for version in (1, 2, 3))]  # what each push makes
 
 
@@ -78,12 +80,14 @@ def delta_rank(ctx: RankContext) -> dict:
                 baseline.finish(plan, version, partial=False)
                 out["sums"].append(sent.checksums)
                 out["wire"].append(sent.wire_bytes)
-                out["digests"].append(state_dict_digests({n: t.to(torch.bfloat16) for n, t in tensors.items()}))
+                as_held = {n: t.to(torch.bfloat16) for n, t in tensors.items()}
+                out["digests"].append(state_dict_digests(as_held))
         finally:
             ring.close()
         return out
     ctx.ports()
-    held = {name: torch.zeros(meta.shape, dtype=meta.torch_dtype) for name, meta in plan.metas().items()}
+    metas = plan.metas()
+    held = {name: torch.zeros(meta.shape, dtype=meta.torch_dtype) for name, meta in metas.items()}
     held["head"] = held["embed"]
     receiver = Receiver()
     receiver.join(ctx.shm_spec(), max_metadata_bytes=1 << 24)
@@ -91,9 +95,8 @@ def delta_rank(ctx: RankContext) -> dict:
     out = {"sums": [], "digests": []}
     try:
         for version in (1, 2, 3):
-            reply = receiver.prepare(
-                request(plan, version, staging, BASES[version - 1], BASES[version]), expecting(lambda: None), lambda: held
-            )
+            asked = request(plan, version, staging, BASES[version - 1], BASES[version])
+            reply = receiver.prepare(asked, expecting(lambda: None), lambda: held)
             assert reply.accepted and reply.in_place, reply
             report = receiver.receive(version, lambda items: None, held)
             receiver.commit(version, lambda items: None, held)

@@ -150,7 +150,8 @@ def test_push_timeout_alone_bounds_a_push_with_a_frozen_worker(fleet_of: Callabl
     of a broadcast is reported within push_timeout_s of the call, the teardown included (the
     trainer times the call itself, so the Ray call that asked for it does not count)."""
     push_timeout_s = 12.0
-    fleet = fleet_of(3, base={"bucket_bytes": 32 << 10, "direct_min_bytes": None}, push_timeout_s=push_timeout_s)
+    base = {"bucket_bytes": 32 << 10, "direct_min_bytes": None}
+    fleet = fleet_of(3, base=base, push_timeout_s=push_timeout_s)
     ray.get(fleet.trainer.push_zoo.remote(1), timeout=TIMEOUT)
     pushing = fleet.trainer.timed_push_zoo.remote(2)
     wait_until(mid_push(fleet.workers[1]), "the push to be under way")
