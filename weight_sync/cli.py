@@ -34,15 +34,17 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     bench = commands.add_parser(
         "bench",
-        help="measure weight_sync against raw / per_tensor / fanout / object_store",
+        help="measure weight_sync against raw / ray_call / per_tensor / fanout / object_store",
         description="On one local (or joined) Ray cluster, push the workloads with every strategy "
         "on the same trainer and worker actors; writes results.md, results.json and plots.",
     )
-    bench.add_argument("--workloads", default="W1,W2,W3,W4",
+    bench.add_argument("--workloads", default="W1,W2,W3,W4,W5",
                        help="comma-separated, from W1 (GPT-2 small), W2 (4,000 x 4 KB), W3 (1 GiB "
-                       "tensor), W4 (mixed dtypes); default all")
-    bench.add_argument("--strategies", default="weight_sync,raw,per_tensor,fanout,object_store",
-                       help="comma-separated; default all")
+                       "tensor), W4 (mixed dtypes), W5 (64 x 16 KB, 100 pushes: latency); "
+                       "default all")
+    bench.add_argument("--strategies",
+                       default="weight_sync,raw,ray_call,per_tensor,fanout,object_store",
+                       help="comma-separated; default all but memcpy")
     bench.add_argument("--workers", type=positive_int, default=7, help="worker actors (default 7)")
     bench.add_argument("--repeats", type=positive_int, default=5,
                        help="timed transfers per strategy after one warm-up (default 5)")

@@ -2,7 +2,8 @@
 ``Transport``.
 
 The push protocol (``weight_sync.protocol``) speaks to its members in rounds: probe, join,
-prepare (and cancel, when someone refused), receive, commit, leave. A ``ControlPlane`` starts one
+prepare (and cancel, when someone refused), receive, commit, leave -- or, in the steady state of
+members that offer it, one round (push) for prepare, receive and commit. A ``ControlPlane`` starts one
 round's call on the members it is asked to and returns a future per member; ``collect`` waits for
 them, bounded, and sorts what came back into ``Outcomes``, from which the protocol blames and
 drops. Two planes exist, one file each:
@@ -24,7 +25,15 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from weight_sync.errors import SyncTimeoutError, TransportError, WeightSyncError, WorkerFailedError
-from weight_sync.metadata import GroupSpec, MemberInfo, PrepareReply, PrepareRequest, ReceiveReport, SyncPlan
+from weight_sync.metadata import (
+    GroupSpec,
+    MemberInfo,
+    PrepareReply,
+    PrepareRequest,
+    PushReply,
+    ReceiveReport,
+    SyncPlan,
+)
 
 # How a member's failed call ended: its process is gone; it lost a collective because another
 # member failed (alive, not at fault); or it raised (alive, at fault).
@@ -56,6 +65,11 @@ class ControlPlane(Protocol):
 
     def cancel(self, version: int, members: Sequence[int], timeout_s: float) -> list[Future[None]]:
         """``members`` drop prepared push ``version``: another member refused it."""
+
+    def push(self, request: PrepareRequest, timeout_s: float) -> list[Future[PushReply]]:
+        """Every member takes push ``request`` (whose plan it holds) in one call: prepare,
+        receive and commit, agreeing with the others by votes over the group. Asked only when
+        every member offered it (``MemberInfo.one_call``)."""
 
     def receive(self, version: int, atomic: bool, timeout_s: float) -> list[Future[ReceiveReport]]:
         """Every member takes part in the broadcast of ``version`` (returns when it has all)."""

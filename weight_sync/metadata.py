@@ -261,6 +261,9 @@ class MemberInfo(_Wire):
     host: str | None = Field(None, max_length=256)
     # The trainer's copy of the weights this member holds bit for bit, if any (see delta.lineage).
     delta_base: str | None = Field(None, pattern=BASE_PATTERN)
+    # It takes a whole push in one call -- prepare, receive, commit -- agreeing with the other
+    # members by votes over the group (a ``WeightSyncWorker``; see ``Receiver.push``).
+    one_call: bool = False
 
 
 class PrepareRequest(_Wire):
@@ -279,6 +282,9 @@ class PrepareRequest(_Wire):
     new_base: str | None = Field(None, pattern=BASE_PATTERN)
     delta: bool = False
     delta_bucket_bytes: int = Field(0, ge=0)
+    # After the last byte every rank votes over the group, and each member commits in its
+    # receive call once the vote says all have received: no commit round.
+    commit_on_receipt: bool = False
 
     @model_validator(mode="after")
     def _delta_is_planned(self) -> PrepareRequest:
@@ -301,6 +307,14 @@ class ReceiveReport(_Wire):
     buckets: int
     seconds: float
     checksums: tuple[int, ...] | None = None  # CRC32 per bucket, when the push asked for them
+
+
+class PushReply(_Wire):
+    """A member's answer to a push in one call: its verdict on the push, and what it received
+    (``None`` when the push was refused, here or by another member, before any byte moved)."""
+
+    prepared: PrepareReply
+    received: ReceiveReport | None = None
 
 
 Phase = Literal["idle", "prepared", "receiving", "received", "applying"]

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from weight_sync.metadata import SyncPlan, TensorMeta
+from weight_sync.metadata import Segment, SyncPlan, TensorMeta
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -34,6 +35,54 @@ def copy_all(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> N
         torch._foreach_copy_(destinations, sources)
 
 
+# Dtypes that ``copy_`` (and so one batched copy) moves between typed views, casts included;
+# the rest (fp8, fp4, unsigned, complex32) are copied as bytes, one segment at a time.
+_BATCHED = frozenset({
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64,
+    torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+})  # fmt: skip
+
+
+@dataclass
+class _Wholes:
+    """A packed bucket's segments that hold a whole tensor of a batched dtype: their tensors'
+    indices and typed views of the bucket where they go, packed with one batched copy that also
+    casts, gathers strided tensors and moves across devices. ``rest``: the other segments."""
+
+    sources: list[int]
+    targets: list[torch.Tensor]
+    rest: list[Segment]
+
+    @classmethod
+    def of(cls, plan: SyncPlan, bucket_index: int, out: torch.Tensor) -> _Wholes:
+        wholes = cls([], [], [])
+        for seg in plan.buckets[bucket_index].segments:
+            meta = plan.tensors[seg.tensor]
+            if seg.nbytes == meta.nbytes and meta.torch_dtype in _BATCHED:
+                wholes.sources.append(seg.tensor)
+                wholes.targets.append(typed_view(out[seg.bucket_offset : seg.bucket_offset + seg.nbytes], meta))
+            else:
+                wholes.rest.append(seg)
+        return wholes
+
+
+class Staging:
+    """A plan's staging buffers (see ``bucket_buffers``) and what ``Packer`` works out per
+    bucket to fill them: made once per plan and kept by the sender across pushes, so a push of
+    thousands of tensors packs each bucket with one batched copy and no work per tensor."""
+
+    def __init__(self, plan: SyncPlan, device: torch.device) -> None:
+        self.plan = plan
+        self.buffers = bucket_buffers(plan, device)
+        self._wholes: dict[tuple[int, int], _Wholes] = {}
+
+    def wholes(self, bucket_index: int, out: torch.Tensor) -> _Wholes:
+        key = (bucket_index, out.data_ptr())
+        if key not in self._wholes:
+            self._wholes[key] = _Wholes.of(self.plan, bucket_index, out)
+        return self._wholes[key]
+
+
 class Packer:
     """Fills staging buffers from the sender's tensors, one packed bucket at a time.
 
@@ -43,10 +92,14 @@ class Packer:
     made contiguous once and kept only until its last piece is packed.
     """
 
-    def __init__(self, plan: SyncPlan, tensors: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self, plan: SyncPlan, tensors: Sequence[torch.Tensor], staging: Staging | None = None
+    ) -> None:
         assert len(plan.tensors) == len(tensors)
+        assert staging is None or staging.plan is plan
         self._plan = plan
         self._tensors = tensors
+        self._staging = staging
         self._split_source: tuple[int, torch.Tensor] | None = None
 
     def pack(self, bucket_index: int, out: torch.Tensor) -> torch.Tensor:
@@ -56,16 +109,18 @@ class Packer:
         """
         bucket = self._plan.buckets[bucket_index]
         assert not bucket.direct, "direct buckets are sent from the tensor itself"
-        batch: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-        for seg in bucket.segments:
+        if self._staging is not None:
+            wholes = self._staging.wholes(bucket_index, out)
+        else:
+            wholes = _Wholes.of(self._plan, bucket_index, out)
+        if wholes.sources:
+            tensors = self._tensors
+            copy_all(wholes.targets, [tensors[index] for index in wholes.sources])
+        for seg in wholes.rest:
             meta = self._plan.tensors[seg.tensor]
             dest = out[seg.bucket_offset : seg.bucket_offset + seg.nbytes]
             source = self._tensors[seg.tensor]
-            same_bytes = source.dtype == meta.torch_dtype and source.device == out.device
-            if seg.nbytes == meta.nbytes and same_bytes and source.is_contiguous():
-                batch[0].append(dest)
-                batch[1].append(byte_view(source))
-            elif seg.nbytes == meta.nbytes:  # strided, elsewhere or cast: copy_ does all three
+            if seg.nbytes == meta.nbytes:  # strided, elsewhere or cast: copy_ does all three
                 typed_view(dest, meta).copy_(source)
             elif source.dtype != meta.torch_dtype:  # a piece of a cast tensor: cast that piece
                 first = seg.tensor_offset // meta.itemsize
@@ -78,7 +133,6 @@ class Packer:
                 dest.copy_(source[seg.tensor_offset : seg.tensor_offset + seg.nbytes])
                 if seg.tensor_offset + seg.nbytes == meta.nbytes:
                     self._split_source = None
-        copy_all(*batch)
         return out[: bucket.nbytes]
 
     def _contiguous(self, index: int) -> torch.Tensor:
@@ -98,6 +152,26 @@ def can_land_in(destination: torch.Tensor, meta: TensorMeta, device: torch.devic
         and tuple(destination.shape) == meta.shape
         and destination.device == device
     )
+
+
+@dataclass
+class _Landing:
+    """A packed bucket whose every segment lands whole in a destination: the sizes that split
+    its bytes into segments and the gaps between them, which parts are segments (None: all, for
+    want of gaps), each segment's byte range in its destination -- and, once seen, the segments'
+    views into the buffer the bucket arrives in (by its address: the same every push once the
+    buffers are kept), so that a push of thousands of tensors unpacks with one batched copy."""
+
+    sizes: list[int]
+    pieces: list[int] | None
+    targets: list[torch.Tensor]
+    sources: tuple[int, list[torch.Tensor]] | None = None
+
+    def land(self, data: torch.Tensor) -> None:
+        if self.sources is None or self.sources[0] != data.data_ptr():
+            parts = torch.split(data, self.sizes)
+            self.sources = (data.data_ptr(), [parts[i] for i in self.pieces] if self.pieces else list(parts))
+        copy_all(self.targets, self.sources[1])
 
 
 class Unpacker:
@@ -143,6 +217,17 @@ class Unpacker:
                 target = None
             self._tied.setdefault(tie.tensor, []).append((tie.name, target))
         self._partial: dict[int, torch.Tensor] = {}
+        # Worked out once per bucket; an unpacker is reused across pushes of one plan into the
+        # same tensors (see Receiver), and keeps its receive buffers (``buffers``) meanwhile.
+        self._landings: dict[int, _Landing | None] = {}
+        self._device = device
+        self._buffers: list[torch.Tensor] | None = None
+
+    def buffers(self) -> list[torch.Tensor]:
+        """This plan's receive buffers (see ``bucket_buffers``), made on first use and kept."""
+        if self._buffers is None:
+            self._buffers = bucket_buffers(self._plan, self._device)
+        return self._buffers
 
     def empty_tensors(self, device: torch.device) -> NamedTensors:
         """Tensors with no bytes: they need no transfer, only their shape and dtype."""
@@ -169,6 +254,10 @@ class Unpacker:
     def unpack(self, bucket_index: int, data: torch.Tensor) -> NamedTensors:
         bucket = self._plan.buckets[bucket_index]
         assert data.dtype == torch.uint8 and data.numel() == bucket.nbytes
+        landing = self._landing(bucket_index)
+        if landing is not None:
+            landing.land(data)
+            return []
         if self._owned and not bucket.direct:
             data = data.clone()
         done: NamedTensors = []
@@ -205,6 +294,37 @@ class Unpacker:
         for index, whole in completed:
             done.extend(self._ties_of(index, whole))
         return done
+
+    def _landing(self, bucket_index: int) -> _Landing | None:
+        if bucket_index not in self._landings:
+            self._landings[bucket_index] = self._plan_landing(bucket_index)
+        return self._landings[bucket_index]
+
+    def _plan_landing(self, bucket_index: int) -> _Landing | None:
+        """How bucket ``bucket_index`` lands when each of its segments goes whole into a
+        destination: the sizes that split its bytes into segments and the gaps between them,
+        which of the parts are segments (None: all, there being no gaps), and each segment's
+        byte range in its destination."""
+        bucket = self._plan.buckets[bucket_index]
+        if bucket.direct or self._only is not None:
+            return None
+        sizes: list[int] = []
+        pieces: list[int] = []
+        targets: list[torch.Tensor] = []
+        end = 0
+        for seg in bucket.segments:
+            destination = self._destinations.get(seg.tensor)
+            if destination is None or seg.tensor in self._tied:
+                return None
+            if seg.bucket_offset > end:
+                sizes.append(seg.bucket_offset - end)
+            pieces.append(len(sizes))
+            sizes.append(seg.nbytes)
+            targets.append(byte_view(destination)[seg.tensor_offset : seg.tensor_offset + seg.nbytes])
+            end = seg.bucket_offset + seg.nbytes
+        if bucket.nbytes > end:
+            sizes.append(bucket.nbytes - end)
+        return _Landing(sizes, pieces if len(pieces) < len(sizes) else None, targets)
 
     def _ties_of(self, index: int, whole: torch.Tensor) -> NamedTensors:
         """The names tied to tensor ``index``, now that it is complete as ``whole``: copied into

@@ -3,10 +3,13 @@
 A ``Pusher`` lives in the trainer process (rank 0 of the sync group). It reaches its members
 through a ``ControlPlane`` (``weight_sync.control``: Ray actors, or vLLM's own clients) and moves
 bytes over a ``Transport`` (the broadcast group, and a shared-memory ring for the members on its
-own host); it never sees either one's machinery. Per push and per member:
+own host); it never sees either one's machinery. Per push and per member, the long way:
 one ``prepare`` carrying the version and the plan (or the hash of a plan the member already
-holds), one ``receive`` that runs alongside the broadcast, one ``commit``. The number of calls
-never depends on the number of tensors.
+holds), one ``receive`` that runs alongside the broadcast, one ``commit``. In the steady state
+(every member holds the plan and offers it) the three are one call, ``push``: the members agree
+by votes over the group itself -- on their verdicts before any byte moves, and after the last
+byte that every one of them has received -- instead of answering the trainer in between (see
+``_push_in_one_call``). The number of calls never depends on the number of tensors.
 
 Failure: every wait draws on the push's deadline. When something fails, the trainer leaves the
 group first (so members blocked on it fail at once), waits a bounded time for every member's
@@ -71,6 +74,7 @@ logger = logging.getLogger(__name__)
 # After a failure, how long past its own timeout a member's call may take to report (latency of
 # the control plane on a loaded node); a member silent beyond that is taken for frozen.
 _GRACE_S = 5.0
+_AGREED = 0  # a vote's code (see Transport.vote) for "go on"; a member's refusal is larger
 
 
 def _teardown_reserve(push_timeout_s: float) -> float:
@@ -89,8 +93,8 @@ class PushResult:
     seconds: float
     tensors: int = 0  # names delivered, tied ones included
     partial: bool = False
-    # Seconds per phase: group (probe + join, when a group was formed), prepare, transfer,
-    # commit, total.
+    # Seconds per phase: group (probe + join, when a group was formed), then prepare, transfer
+    # and commit -- or push, where they were one call (the steady state) -- and total.
     phases: Mapping[str, float] = field(default_factory=dict)
     wire_bytes: int = 0  # bytes broadcast (a delta push: its header and what changed)
     delta: bool = False  # sent as a delta against the workers' weights (SyncConfig.delta)
@@ -130,11 +134,15 @@ class Pusher:
         self._observer = observer
         self._group: Transport | None = None
         self._planner: PushPlanner | None = None  # made with the first group (needs its device)
+        self._sender: Sender | None = None  # of the current group: keeps its staging buffers
         self._known: list[str | None] = []  # per member: digest of the plan it has cached
         self._routes: list[str] = []  # per member of the current group: "shm" or "group"
         # With SyncConfig.delta: the copy of what the members hold, and which base each holds.
         self._baseline = Baseline() if self._config.delta else None
         self._bases: list[str | None] = []
+        # Every member of the current group commits in its receive call when asked (see
+        # PrepareRequest.commit_on_receipt): learnt by the probe.
+        self._on_receipt = False
         self._version = 0  # last version committed on every member
         self._next_version = 1  # never reused: spent once any member may have committed it
         self._lock = threading.Lock()
@@ -241,15 +249,26 @@ class Pusher:
                 plan = self._plan(group, entries)
                 version = self._next_version
                 clock.lap("group")
-                request, in_place = self._prepare(self._request(version, partial, sharded), plan, deadline)
-                clock.lap("prepare")
-                broadcasting = True
-                wire_bytes, density = self._transfer(group, request, plan, tensors, deadline)
-                clock.lap("transfer")
+                request = self._request(version, partial, sharded, plan)
+                done = None
+                if request.commit_on_receipt and all(known == plan.digest for known in self._known):
+                    done = self._push_in_one_call(group, request, plan, tensors, deadline)
+                    clock.lap("push")
+                if done is None:  # the long way: a round of prepare calls first
+                    request, in_place = self._prepare(request, plan, deadline)
+                    clock.lap("prepare")
+                    broadcasting = True
+                    if request.commit_on_receipt:  # members may claim it from the vote on
+                        self._next_version = version + 1
+                    wire_bytes, density, _ = self._transfer(group, request, plan, tensors, deadline)
+                    clock.lap("transfer")
+                else:
+                    wire_bytes, density, in_place = done
                 self._next_version = version + 1
-                timeout_s = deadline.left(self._config.rpc_timeout_s)
-                self._settle(self._plane.commit(version, timeout_s), "commit", timeout_s)
-                clock.lap("commit")
+                if not request.commit_on_receipt:
+                    timeout_s = deadline.left(self._config.rpc_timeout_s)
+                    self._settle(self._plane.commit(version, timeout_s), "commit", timeout_s)
+                    clock.lap("commit")
                 self._bases = [
                     next_base(held, request.built_on, request.new_base, not partial) if ready else None
                     for held, ready in zip(self._bases, in_place, strict=True)
@@ -257,9 +276,11 @@ class Pusher:
             except BaseException as exc:
                 if self._observer is not None:
                     self._observer.failed(exc)
-                # Refused before any collective (by the members, or a plan too large): the group
+                # Refused before any byte moved (by the members, or a plan too large): the group
                 # is intact and is kept.
-                refused = not broadcasting and isinstance(exc, PlanMismatchError | ValueError)
+                refused = isinstance(exc, PlanMismatchError) or (
+                    not broadcasting and isinstance(exc, ValueError)
+                )
                 if self._group is not None and not refused:
                     self._teardown(Deadline(bound, "push", started))
                 raise
@@ -291,7 +312,7 @@ class Pusher:
             )
         return plan
 
-    def _request(self, version: int, partial: bool, sharded: bool) -> PrepareRequest:
+    def _request(self, version: int, partial: bool, sharded: bool, plan: SyncPlan) -> PrepareRequest:
         """Push ``version``: a delta when the trainer keeps a baseline and every member holds it
         (as far as the trainer knows: each member checks again in ``prepare``)."""
         config, baseline = self._config, self._baseline
@@ -301,10 +322,13 @@ class Pusher:
         elif baseline is not None:
             built_on, new_base = baseline.id, baseline.name_for(version)
         delta = built_on is not None and all(held == built_on for held in self._bases)
+        # The trainer compares checksums before anyone commits: they keep the commit round.
+        on_receipt = self._on_receipt and not config.checksum
         return PrepareRequest(
-            version=version, plan_digest="0" * 64, staging=config.staging,
+            version=version, plan_digest=plan.digest, staging=config.staging,
             checksum=config.checksum, partial=partial, built_on=built_on, new_base=new_base,
             delta=delta, delta_bucket_bytes=config.bucket_bytes if delta else 0,
+            commit_on_receipt=on_receipt,
         )  # fmt: skip
 
     def _prepare(
@@ -314,7 +338,6 @@ class Pusher:
         that some member cannot take goes dense for all (the broadcast costs what its largest
         stream costs). Returns the request that went through, and which members write every
         tensor in place."""
-        request = request.model_copy(update={"plan_digest": plan.digest})
         replies = self._prepare_all(request, plan, deadline)
         dense = [i for i, reply in enumerate(replies) if reply.need_dense]
         if dense:
@@ -359,6 +382,39 @@ class Pusher:
         if not outcomes.ok:
             logger.warning("cancelling a refused push: %s", outcomes.error("cancel", wait_s))
 
+    def _push_in_one_call(
+        self,
+        group: Transport,
+        request: PrepareRequest,
+        plan: SyncPlan,
+        tensors: Sequence[torch.Tensor],
+        deadline: Deadline,
+    ) -> tuple[int, float | None, list[bool]] | None:
+        """The steady state, where every member holds the plan and commits on receipt: one call
+        per member (``Receiver.push``). Before any byte moves, the members vote over the group
+        on their verdicts, and the trainer with them: a refusal anywhere stops the push
+        everywhere, as a prepare round would, and raises ``PlanMismatchError``. Returns what
+        ``_transfer`` does, and which members write every tensor in place; None when a member
+        turned out to need the plan or dense bytes (the push then goes the long way)."""
+        calls = self._plane.push(request, deadline.remaining())
+        try:
+            verdict = group.vote(_AGREED, deadline.left(self._config.collective_timeout_s))
+        except WeightSyncError as exc:
+            raise self._after_failure(calls, "push", deadline) or exc from exc
+        if verdict != _AGREED:
+            timeout_s = deadline.left(self._config.rpc_timeout_s)
+            replies = [reply.prepared for reply in self._settle(calls, "push", timeout_s)]
+            for index, reply in enumerate(replies):
+                if reply.need_plan:
+                    self._known[index] = None
+            if any(reply.need_plan or reply.need_dense for reply in replies):
+                return None
+            raise PlanMismatchError({index: reply.problems or ("refused",)
+                                     for index, reply in enumerate(replies) if not reply.accepted})  # fmt: skip
+        self._next_version = request.version + 1  # members may claim it from the next vote on
+        wire_bytes, density, replies = self._transfer(group, request, plan, tensors, deadline, calls)
+        return wire_bytes, density, [reply.prepared.in_place for reply in replies]
+
     def _transfer(
         self,
         group: Transport,
@@ -366,15 +422,20 @@ class Pusher:
         plan: SyncPlan,
         tensors: Sequence[torch.Tensor],
         deadline: Deadline,
-    ) -> tuple[int, float | None]:
-        """Broadcast the push while every member receives it; returns the bytes broadcast, and
-        the share of elements that changed for a delta."""
+        calls: list[Future[Any]] | None = None,
+    ) -> tuple[int, float | None, list[Any]]:
+        """Broadcast the push while every member receives it (in ``calls``, a push in one call;
+        else in a round of receive calls started here); returns the bytes broadcast, the share
+        of elements that changed for a delta, and every member's answer."""
         config, baseline = self._config, self._baseline
         atomic = config.staging == "atomic"
-        receiving = self._plane.receive(request.version, atomic, deadline.remaining())
+        what = "receive" if calls is None else "push"
+        receiving = calls if calls is not None else self._plane.receive(request.version, atomic, deadline.remaining())
         try:
             if baseline is None or request.new_base is None:
-                sent, wire_bytes = Sender(group).send(plan, tensors, deadline, config.checksum), plan.nbytes
+                if self._sender is None:
+                    self._sender = Sender(group)
+                sent, wire_bytes = self._sender.send(plan, tensors, deadline, config.checksum), plan.nbytes
                 density = None
             else:
                 baseline.begin()
@@ -383,16 +444,16 @@ class Pusher:
                                  with_checksums=config.checksum)  # fmt: skip
                 baseline.finish(plan, request.version, request.partial)
                 sent, wire_bytes, density = out.checksums, out.wire_bytes, out.density
+            if request.commit_on_receipt:  # completes once every member has received
+                group.vote(_AGREED, deadline.left(self._config.collective_timeout_s))
         except WeightSyncError as exc:
-            raise self._after_failure(receiving, "receive", deadline) or exc from exc
+            raise self._after_failure(receiving, what, deadline) or exc from exc
         outcomes = collect(self._plane, receiving, deadline.remaining())
         if not outcomes.ok:
-            raise self._after_failure(receiving, "receive", deadline) or outcomes.error(
-                "receive", deadline.seconds
-            )
+            raise self._after_failure(receiving, what, deadline) or outcomes.error(what, deadline.seconds)
         if sent is not None:
             _check_checksums(outcomes.results, sent)
-        return wire_bytes, density
+        return wire_bytes, density, outcomes.results
 
     # -- failures ------------------------------------------------------------------------------
 
@@ -450,6 +511,12 @@ class Pusher:
         infos: list[MemberInfo] = self._settle(self._plane.probe(probe_s), "probe", probe_s)
         self._known = [None] * len(infos)
         self._bases = [info.delta_base for info in infos]
+        # Committing in the receive call applies an atomic push's staged bytes there: not for a
+        # member that receives those beside its own methods (see actors.worker).
+        self._on_receipt = all(
+            info.one_call and not (info.concurrent and config.staging == "atomic")
+            for info in infos
+        )
         # Versions never go backwards or repeat, even across a trainer restart: a member may
         # have been sent a version it never committed, and that version is spent too.
         held = [info.version for info in infos if info.version is not None]
@@ -530,7 +597,7 @@ class Pusher:
 
     def _close_group(self) -> None:
         group, self._group = self._group, None
-        self._planner = None  # planned for that group's device
+        self._planner = self._sender = None  # planned for that group's device
         if group is not None:
             group.close()
 

@@ -36,16 +36,17 @@ from weight_sync.metadata import (
     Phase,
     PrepareReply,
     PrepareRequest,
+    PushReply,
     ReceiveReport,
     StagingName,
     SyncPlan,
     SyncStatus,
     TensorMeta,
+    dtype_name,
 )
 from weight_sync.packing import (
     NamedTensors,
     Unpacker,
-    bucket_buffers,
     can_land_in,
     checksum,
     staging_slots,
@@ -61,6 +62,7 @@ Destinations = Mapping[str, torch.Tensor]
 # What a worker cannot load of a plan, given whether the push is partial; empty: all of it.
 Check = Callable[[SyncPlan, bool], Sequence[str]]
 _MAX_SPEC_CHARS = 4096
+_AGREED, _REFUSED = 0, 1  # codes of a vote (see Transport.vote): the largest wins
 _PLAN_CACHE_SIZE = 8
 
 
@@ -87,17 +89,17 @@ def accept_all(plan: SyncPlan, partial: bool) -> list[str]:
     return []
 
 
-def expecting(expected: Callable[[], Mapping[str, TensorMeta] | None]) -> Check:
+def expecting(expected: Callable[[], Mapping[str, TensorMeta | torch.Tensor] | None]) -> Check:
     """A ``Check`` against the target ``expected()`` names (see ``check_plan``)."""
     return lambda plan, partial: check_plan(plan, expected(), partial)
 
 
 def check_plan(
-    plan: SyncPlan, expected: Mapping[str, TensorMeta] | None, partial: bool = False
+    plan: SyncPlan, expected: Mapping[str, TensorMeta | torch.Tensor] | None, partial: bool = False
 ) -> list[str]:
     """What in ``plan`` this worker cannot load; empty when it can load all of it.
 
-    ``expected`` is the worker's target (name -> meta); ``None`` accepts any plan (a custom
+    ``expected`` is the worker's target (name -> meta, or the tensor itself); ``None`` accepts any plan (a custom
     ``load_weights`` decides for itself). With a target, every name sent must be in it, and a
     full push must cover all of it: one that covered only part of the model would leave it
     mixing two versions unannounced (a ``partial`` push announces it).
@@ -110,14 +112,24 @@ def check_plan(
         want = expected.get(name)
         if want is None:
             problems.append(f"unknown tensor {name!r}")
-        elif (want.dtype, want.shape) != (meta.dtype, meta.shape):
-            problems.append(
-                f"{name!r}: sent {meta.dtype}{list(meta.shape)}, "
-                f"model has {want.dtype}{list(want.shape)}"
-            )
+            continue
+        dtype, shape = _described(want)
+        if (dtype, shape) != (meta.dtype, meta.shape):
+            problems.append(f"{name!r}: sent {meta.dtype}{list(meta.shape)}, model has {dtype}{list(shape)}")
     if not partial:
         problems.extend(f"missing tensor {name!r}" for name in expected if name not in sent)
     return problems
+
+
+def _described(target: TensorMeta | torch.Tensor) -> tuple[str, tuple[int, ...]]:
+    """The dtype name and shape of a worker's target: a tensor is described on the spot (a
+    TensorMeta per tensor per push costs more than the check on models of thousands)."""
+    if not isinstance(target, torch.Tensor):
+        return target.dtype, target.shape
+    try:
+        return dtype_name(target.dtype), tuple(target.shape)
+    except TypeError:  # a dtype that cannot travel: no push can match it
+        return str(target.dtype), tuple(target.shape)
 
 
 @dataclass(frozen=True)
@@ -161,6 +173,7 @@ class Receiver:
         self._progress = (0, 0)  # buckets done, of how many
         self._last: ReceiveReport | None = None
         self._last_error: str | None = None
+        self._unpackers: tuple[tuple, Unpacker] | None = None  # the last one, by what it serves
 
     # -- membership --------------------------------------------------------------------------
 
@@ -169,13 +182,15 @@ class Receiver:
         """The group this worker is in, if any."""
         return self._transport
 
-    def info(self, concurrent: bool = False) -> MemberInfo:
-        """What this member tells the trainer before a group is built."""
+    def info(self, concurrent: bool = False, one_call: bool = False) -> MemberInfo:
+        """What this member tells the trainer before a group is built. ``one_call``: it takes
+        pushes through ``push`` (its receive call may also end in the commit)."""
         return MemberInfo(
             has_default_group=dist.is_available() and dist.is_initialized(),
             cuda=torch.cuda.is_available(), version=self.version,
             highest_version=self.highest_version, hostname=socket.gethostname(),
             pid=os.getpid(), concurrent=concurrent, host=host_key(), delta_base=self.delta_base,
+            one_call=one_call,
         )  # fmt: skip
 
     def join(self, spec: GroupSpec, max_metadata_bytes: int) -> None:
@@ -273,6 +288,30 @@ class Receiver:
         self._phase = "prepared"
         return PrepareReply(accepted=True, in_place=in_place)
 
+    def push(
+        self, request_json: str, check: Check, loader: Loader | Apply, destinations: Destinations | None
+    ) -> PushReply:
+        """A whole push in one call -- the trainer's steady state, where this worker holds the
+        plan: ``prepare``, then a vote over the group on every member's verdict before any byte
+        moves (so one refusal still stops the push everywhere, as a prepare round would), then
+        ``receive``, which ends in the commit (the request asks ``commit_on_receipt``)."""
+        transport = self._transport
+        if transport is None:
+            raise WeightSyncError("push on a worker that is in no sync group; the trainer rebuilds "
+                                  "the group at its next push")  # fmt: skip
+        try:
+            reply = self.prepare(request_json, check, lambda: destinations)
+        except BaseException:
+            transport.vote(_REFUSED)  # the others must not wait on us for their timeout
+            raise
+        prepared = self._prepared
+        if transport.vote(_AGREED if reply.accepted else _REFUSED) != _AGREED:
+            if prepared is not None:
+                self.cancel(prepared.version)
+            return PushReply(prepared=reply)
+        assert prepared is not None and prepared.request.commit_on_receipt
+        return PushReply(prepared=reply, received=self.receive(prepared.version, loader, destinations))
+
     def cancel(self, version: int) -> None:
         """Drop prepared push ``version`` before any byte of it moved (another worker refused
         it). Idempotent; a push already receiving is not touched."""
@@ -292,6 +331,10 @@ class Receiver:
         window for the whole push) -- and the worker is dirty from the first byte. Atomic: every
         bucket is kept in a staging area and nothing reaches the model (or the version) before
         ``commit``.
+
+        With ``commit_on_receipt`` (the trainer asks for it only of members that offered it),
+        every rank then votes over the group: the vote completes only once all have received,
+        so the push is committed here at once, saving the trainer a round of calls.
         """
         loader = _as_loader(loader)
         push, self._prepared = self._prepared, None
@@ -320,12 +363,15 @@ class Receiver:
                 self.version, self.full_version, self.dirty, self.delta_base = None, None, True, None
                 patched: list[int] | None = [] if push.checksum else None
                 landing, apply, finish = _appliers(push.plan, layout, destinations, loader.load, patched)
-                unpacker = Unpacker(sent, landing, transport.device, owned=loader.keeps)
+                unpacker = self._unpacker(sent, landing, transport.device, loader.keeps, layout is None)
                 with loader.window():
                     _stream(transport, sent, apply, unpacker, sums, self._advance)
                     finish()
                 if sums is not None and patched:
                     sums += patched
+            if push.request.commit_on_receipt and transport.vote(_AGREED) != _AGREED:
+                raise WeightSyncError(f"push {version} was called off by another member after the "
+                                      "last byte; this worker keeps it uncommitted")  # fmt: skip
         except BaseException as exc:
             # With concurrency groups, the updater may already have had this worker leave and
             # join a new group while this receive was failing: touch only what is still ours.
@@ -344,6 +390,8 @@ class Receiver:
             seconds=time.perf_counter() - start,
             checksums=tuple(sums) if sums is not None else None,
         )  # fmt: skip
+        if push.request.commit_on_receipt:
+            self.commit(version, loader, destinations)
         return self._last
 
     def commit(
@@ -385,11 +433,28 @@ class Receiver:
 
     # -- internals ---------------------------------------------------------------------------
 
+    def _unpacker(
+        self, plan: SyncPlan, landing: Destinations | None, device: torch.device, owned: bool, reuse: bool
+    ) -> Unpacker:
+        """The last push's unpacker when this one has its plan and lands in the very same
+        tensors (the steady state): what it worked out per tensor and per bucket is reused."""
+        targets = tuple(
+            (name, tensor.data_ptr(), tensor.dtype, tensor.shape) for name, tensor in (landing or {}).items()
+        )  # fmt: skip
+        key = (plan.digest, targets, device, owned)
+        cached = self._unpackers
+        if reuse and cached is not None and cached[0] == key:
+            return cached[1]
+        unpacker = Unpacker(plan, landing, device, owned=owned)
+        self._unpackers = (key, unpacker) if reuse else None
+        return unpacker
+
     def _advance(self) -> None:
         done, total = self._progress
         self._progress = (done + 1, total)
 
     def _fail(self, exc: BaseException) -> None:
+        self._unpackers = None  # it may hold pieces of a tensor that never completed
         self._phase = "idle"
         self._last_error = f"{type(exc).__name__}: {exc}"[:1000]
 
@@ -408,7 +473,7 @@ def _stream(
         apply(empties)
     if not plan.buckets:
         return
-    buffers = bucket_buffers(plan, transport.device)
+    buffers = unpacker.buffers()
     slots = staging_slots(plan)
 
     def start(index: int) -> tuple[torch.Tensor, Work]:

@@ -15,7 +15,7 @@ from weight_sync.config import SyncConfig
 from weight_sync.deadline import Deadline
 from weight_sync.mapping import Transform
 from weight_sync.metadata import DTYPES, MAX_NAME_CHARS, SyncPlan, TensorMeta, Tied, dtype_name
-from weight_sync.packing import Packer, bucket_buffers, byte_view, checksum, staging_slots
+from weight_sync.packing import Packer, Staging, byte_view, checksum, staging_slots
 from weight_sync.planner import make_plan
 from weight_sync.transport import Transport
 
@@ -106,10 +106,8 @@ def _storage_key(tensor: torch.Tensor) -> tuple | None:
     local = tensor.to_local() if is_dtensor(tensor) else tensor
     if not local.numel():
         return None
-    return (
-        local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.stride()),
-        tuple(tensor.shape), local.dtype, local.device,
-    )  # fmt: skip
+    # The address of the first element stands for storage and offset (storages never overlap).
+    return local.data_ptr(), local.stride(), tensor.shape, local.dtype, local.device
 
 
 def is_dtensor(tensor: object) -> TypeGuard[DTensor]:
@@ -251,6 +249,9 @@ class Sender:
 
     def __init__(self, transport: Transport) -> None:
         self._transport = transport
+        # The last plan's staging buffers and packing, kept: a training loop pushes one plan
+        # over and over, and packs it then with no work per tensor (see packing.Staging).
+        self._staging: Staging | None = None
 
     def send(
         self,
@@ -269,8 +270,10 @@ class Sender:
         sums: list[int] | None = [] if with_checksums else None
         if not plan.buckets:
             return sums
-        packer = Packer(plan, tensors)
-        buffers = bucket_buffers(plan, self._transport.device)
+        if self._staging is None or self._staging.plan is not plan:
+            self._staging = Staging(plan, self._transport.device)
+        packer = Packer(plan, tensors, self._staging)
+        buffers = self._staging.buffers
         slots = staging_slots(plan)
         pending = None
         for index, bucket in enumerate(plan.buckets):

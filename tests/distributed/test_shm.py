@@ -92,6 +92,44 @@ def test_zoo_through_the_ring_and_a_group_at_once() -> None:
     assert dev_shm() == before  # the ring never has a name
 
 
+def voting_rank(ctx: RankContext) -> list[int]:
+    """A mixed group (ranks 1 and 2 on the ring, 3 and 4 in a Gloo group with rank 0) votes
+    between broadcasts: every rank gets the largest code, and the bytes stay in step."""
+    readers = 2
+    data = torch.arange(3 * BUCKET, dtype=torch.int64).view(torch.uint8)[: 3 * BUCKET]
+    if ctx.rank == 0:
+        ring = shm.ShmWriter(ctx.group_id, readers, shm.slot_bytes_for(BUCKET), 30)
+        ctx.ports()
+        ring.accept(30)
+        group_spec = ctx.spec("standalone", world_size=3, rank=0)
+        transport: Fanout | TorchGroup | shm.ShmReader = Fanout(
+            [TorchGroup.join(group_spec, ctx.listener(0)), ring]
+        )
+    else:
+        ctx.ports()
+        if ctx.rank <= readers:
+            transport = shm.ShmReader.join(ctx.shm_spec(world_size=readers + 1))
+        else:
+            transport = TorchGroup.join(ctx.spec("standalone", world_size=3, rank=ctx.rank - readers))
+    outcomes = []
+    try:
+        for round_ in range(3):
+            buffer = data.clone() if ctx.rank == 0 else torch.zeros_like(data)
+            transport.broadcast(buffer, 0).wait()
+            assert torch.equal(buffer, data)
+            # Round 0: everyone agrees (0); then the largest code comes from a ring reader, then
+            # from a member of the Gloo group.
+            voter = {0: None, 1: 2, 2: 4}[round_]
+            outcomes.append(transport.vote(10 + round_ if ctx.rank == voter else 0, timeout_s=20))
+    finally:
+        transport.close()
+    return outcomes
+
+
+def test_a_vote_reaches_every_rank_of_a_mixed_group() -> None:
+    assert run_ranks(voting_rank, 5) == [[0, 11, 12]] * 5
+
+
 def direct_rank(ctx: RankContext) -> dict[str, str]:
     """Tensors far larger than the ring go direct and land in the reader's own tensors."""
     tensors = zoo(seed=13, big=40_000)

@@ -66,13 +66,16 @@ class FlakyWorker(ZooWorker.__ray_actor_class__):  # type: ignore[name-defined]
         self.fail_after = after_calls
 
     def fail_next_commit(self) -> None:
-        self.fail_commit = True
+        """The next commit raises once every worker has received: in its own call, or at the
+        end of a push in one call."""
+        receiver = self._weight_sync_state()
+        commit = receiver.commit
 
-    def _weight_sync_commit(self, version: int, timeout_s: float | None = None) -> None:
-        if getattr(self, "fail_commit", False):
-            self.fail_commit = False
+        def failing(*args: Any, **kwargs: Any) -> None:
+            receiver.commit = commit  # type: ignore[method-assign]
             raise RuntimeError("injected commit failure")
-        super()._weight_sync_commit(version, timeout_s)
+
+        receiver.commit = failing  # type: ignore[method-assign]
 
     def load_weights(self, weights) -> None:
         if self.fail_after is not None:
@@ -103,6 +106,9 @@ class _Tampered:
                     tensor[tensor.numel() // 2] ^= 0x10
 
         return Tampered()
+
+    def vote(self, code: int, timeout_s: float | None = None) -> int:
+        return self._inner.vote(code, timeout_s)
 
     def close(self) -> None:
         self._inner.close()

@@ -4,7 +4,7 @@ import torch
 from tests.zoo import zoo
 from weight_sync import SyncConfig
 from weight_sync.metadata import SyncPlan, TensorMeta
-from weight_sync.packing import Packer, Unpacker, bucket_buffers, byte_view, staging_slots
+from weight_sync.packing import Packer, Staging, Unpacker, bucket_buffers, byte_view, staging_slots
 from weight_sync.planner import make_plan
 from weight_sync.sender import Entries, PushPlanner, check_state_dict
 from weight_sync.verify import tensor_digest
@@ -202,3 +202,31 @@ def test_tied_names_arrive_with_their_tensor(bucket_bytes: int, direct_min_bytes
         assert torch.equal(out[name], embed), name
     if landing == "tied":
         assert out["head"] is out["embed"] is shared
+
+
+@pytest.mark.parametrize(("bucket_bytes", "alignment"), [(4096, 64), (1 << 20, 16), (100, 16)])
+def test_staging_and_unpacker_kept_across_pushes_of_one_plan(bucket_bytes: int, alignment: int) -> None:
+    """The steady state: the sender keeps its staging (buffers and what it packs them with) and
+    the worker its unpacker (receive buffers, landings), one plan pushed three times with new
+    values; every push lands bit-exactly, every dtype, gaps of alignment between tensors."""
+    cpu = torch.device("cpu")
+    first = zoo(seed=1)
+    metas = [TensorMeta.of(n, t) for n, t in first.items()]
+    plan = make_plan(metas, bucket_bytes, alignment)
+    staging = Staging(plan, cpu)
+    model = {n: torch.zeros_like(t.contiguous()) for n, t in first.items()}
+    unpacker = Unpacker(plan, model, cpu)
+    slots = staging_slots(plan)
+    for seed in (1, 2, 3):
+        tensors = zoo(seed=seed)
+        packer = Packer(plan, list(tensors.values()), staging)
+        for index, bucket in enumerate(plan.buckets):
+            slot = slots[index]
+            assert slot is not None
+            landed = unpacker.buffers()[slot][: bucket.nbytes]
+            landed.copy_(packer.pack(index, staging.buffers[slot]))
+            assert unpacker.unpack(index, landed) == []  # everything lands in the model
+        assert {n: tensor_digest(t) for n, t in model.items()} == {
+            n: tensor_digest(t) for n, t in tensors.items()
+        }, f"push {seed}"
+    assert unpacker.buffers() is unpacker.buffers()

@@ -16,7 +16,15 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from weight_sync.actors.worker import SYNC_GROUP
 from weight_sync.control import Fate, first_line, is_collateral, then
-from weight_sync.metadata import GroupSpec, MemberInfo, PrepareReply, PrepareRequest, ReceiveReport, SyncPlan
+from weight_sync.metadata import (
+    GroupSpec,
+    MemberInfo,
+    PrepareReply,
+    PrepareRequest,
+    PushReply,
+    ReceiveReport,
+    SyncPlan,
+)
 
 
 class RayMembers:
@@ -68,6 +76,10 @@ class RayMembers:
         return [self._handles[i]._weight_sync_prepare.remote(with_plan if whole else by_hash,
                                                              timeout_s=timeout_s).future()
                 for i, whole in zip(members, send_plan, strict=True)]  # fmt: skip
+
+    def push(self, request: PrepareRequest, timeout_s: float) -> list[Future[PushReply]]:
+        message = request.model_dump_json()
+        return [h._weight_sync_push.remote(message, timeout_s=timeout_s).future() for h in self._handles]
 
     def cancel(self, version: int, members: Sequence[int], timeout_s: float) -> list[Future[None]]:
         return [self._handles[i]._weight_sync_cancel.remote(version, timeout_s=timeout_s).future()

@@ -18,11 +18,12 @@ import torch
 from weight_sync.metadata import (
     MemberInfo,
     PrepareReply,
+    PushReply,
     ReceiveReport,
     SyncStatus,
     TensorMeta,
 )
-from weight_sync.receiver import Receiver, expecting
+from weight_sync.receiver import Check, Receiver, expecting
 from weight_sync.verify import state_dict_digests
 
 SYNC_GROUP = "weight_sync"  # the protocol's calls; one at a time
@@ -30,8 +31,9 @@ STATUS_GROUP = "weight_sync_status"  # health: answers while a push runs
 CONCURRENCY_GROUPS = {SYNC_GROUP: 1, STATUS_GROUP: 2}
 # Which methods run in which group on a worker made with ``remote_worker``. Receiving is routed
 # per call by the updater: with atomic staging it runs in SYNC_GROUP, beside the actor's own
-# methods (the model is untouched until commit); streaming, and every commit, run in the
-# actor's default group, in turn with its own methods, since they write into the model.
+# methods (the model is untouched until commit); streaming, every commit, and a push in one
+# call, run in the actor's default group, in turn with its own methods, since they write into
+# the model.
 _METHOD_GROUPS = {
     "weights_version": STATUS_GROUP,
     "sync_status": STATUS_GROUP,
@@ -115,7 +117,7 @@ class WeightSyncWorker:
 
     def _weight_sync_info(self, timeout_s: float | None = None) -> MemberInfo:
         concurrent = getattr(self, "_weight_sync_concurrent", False)
-        return self._weight_sync_state().info(concurrent)
+        return self._weight_sync_state().info(concurrent, one_call=True)
 
     def _weight_sync_join(
         self, spec_json: str, max_metadata_bytes: int, timeout_s: float | None = None
@@ -123,8 +125,12 @@ class WeightSyncWorker:
         self._weight_sync_state().join_json(spec_json, max_metadata_bytes)
 
     def _weight_sync_prepare(self, request_json: str, timeout_s: float | None = None) -> PrepareReply:
-        state = self._weight_sync_state()
-        return state.prepare(request_json, expecting(self.weight_sync_expected), self.weight_sync_destinations)
+        check, destinations = self._weight_sync_targets()
+        return self._weight_sync_state().prepare(request_json, check, lambda: destinations)
+
+    def _weight_sync_push(self, request_json: str, timeout_s: float | None = None) -> PushReply:
+        check, destinations = self._weight_sync_targets()
+        return self._weight_sync_state().push(request_json, check, self.load_weights, destinations)
 
     def _weight_sync_cancel(self, version: int, timeout_s: float | None = None) -> None:
         self._weight_sync_state().cancel(version)
@@ -149,6 +155,21 @@ class WeightSyncWorker:
         if receiver is None:
             receiver = self._weight_sync_receiver = Receiver()
         return receiver
+
+    def _weight_sync_targets(self) -> tuple[Check, Mapping[str, torch.Tensor] | None]:
+        """What a push is checked against, and where it may land. With neither hook overridden
+        both are the model's state dict, taken once and checked tensor by tensor (on a model of
+        thousands of tensors, a second state_dict() and a TensorMeta each cost more than the
+        push's own work per tensor)."""
+        destinations = self.weight_sync_destinations()
+        cls = type(self)  # Ray wraps an actor's methods: compare what they wrap
+        if (
+            destinations is not None
+            and inspect.unwrap(cls.weight_sync_expected) is WeightSyncWorker.weight_sync_expected
+            and inspect.unwrap(cls.weight_sync_destinations) is WeightSyncWorker.weight_sync_destinations
+        ):
+            return expecting(lambda: destinations), destinations
+        return expecting(self.weight_sync_expected), destinations
 
     def _weight_sync_custom_load(self) -> bool:
         return inspect.unwrap(type(self).load_weights) is not WeightSyncWorker.load_weights

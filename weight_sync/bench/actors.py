@@ -10,6 +10,8 @@ baseline is written the way its users write it:
   worker carrying its metadata (the OpenRLHF / TRL pattern).
 * ``fanout`` -- the trainer sends every tensor to each worker in turn, point to point.
 * ``object_store`` -- ``ray.put`` the state dict once; every worker ``ray.get``s and loads it.
+* ``ray_call`` -- not a way to push but the floor of the control plane: one Ray call per worker
+  that carries nothing, all at once.
 * ``memcpy`` -- not a way to push but the memory-bandwidth limit of one on a single host: the
   trainer writes the bytes once into memory every worker maps, and every worker reads them once
   into a buffer of its own, all at the same time.
@@ -37,7 +39,7 @@ from weight_sync.metadata import TRAINER_RANK, TensorMeta
 from weight_sync.transport import TorchGroup
 from weight_sync.verify import state_dict_digests
 
-STRATEGIES = ("weight_sync", "raw", "per_tensor", "fanout", "object_store", "memcpy")
+STRATEGIES = ("weight_sync", "raw", "per_tensor", "fanout", "object_store", "memcpy", "ray_call")
 TRAINING = ("after_step", "all_changed")  # pushes in a training loop: need ``setup(trained=True)``
 
 
@@ -171,6 +173,9 @@ class BenchWorker(WeightSyncWorker):
     def memcpy_release(self) -> None:
         for name in ("shared", "own", "shared_map"):
             self.__dict__.pop(name, None)
+
+    def nothing(self) -> None:
+        return None
 
     def object_store_load(self, state_dict: dict[str, torch.Tensor]) -> None:
         self.load_weights(state_dict.items())
@@ -314,6 +319,9 @@ class BenchTrainer:
             for tensor in self.state.values():
                 pg.send([tensor], rank, 0).wait()  # type: ignore[attr-defined]
         ray.get(receiving, timeout=600)
+
+    def _ray_call(self) -> None:
+        ray.get([w.nothing.remote() for w in self.workers], timeout=600)
 
     def _object_store(self) -> None:
         ref = ray.put(self.state)

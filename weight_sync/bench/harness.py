@@ -50,6 +50,12 @@ class Measurement:
     def median(self) -> float:
         return statistics.median(self.seconds) if self.seconds else float("nan")
 
+    def percentile(self, p: int) -> float:
+        """The ``p``-th percentile of the timed runs (interpolated between them)."""
+        if len(self.seconds) < 2:
+            return self.median
+        return statistics.quantiles(self.seconds, n=100, method="inclusive")[p - 1]
+
     @property
     def gbps(self) -> float:
         return self.nbytes / self.median / 1e9
@@ -279,6 +285,8 @@ def run_bench(
             ray.init(address=address)
 
     def repeats_for(case: Case) -> int:
+        if case.workload.repeats is not None and case.suite == "workloads":
+            return case.workload.repeats
         return scaling_repeats if case.suite == "scaling" else repeats
 
     size = max([workers, *(c.workers for c in cases)])

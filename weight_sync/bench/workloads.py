@@ -17,6 +17,7 @@ class Workload:
     title: str
     specs: tuple[Spec, ...]
     bucket_bytes: int | None = None  # None: the SyncConfig default
+    repeats: int | None = None  # timed pushes, where the workload fixes them (a distribution)
 
     @property
     def nbytes(self) -> int:
@@ -54,6 +55,12 @@ def small_tensors(count: int = 4000, nbytes: int = 4096) -> Workload:
     return Workload("W2", f"{count} tensors of {nbytes // 1024} KB", specs)
 
 
+def few_small(count: int = 64, nbytes: int = 16384) -> Workload:
+    """A push dominated by fixed costs (an adapter, a small policy): its latency distribution."""
+    specs = tuple((f"a{i}", torch.float32, (nbytes // 4,)) for i in range(count))
+    return Workload("W5", f"{count} tensors of {nbytes // 1024} KB", specs, repeats=100)
+
+
 def one_big(nbytes: int = 1 << 30) -> Workload:
     return Workload("W3", f"one {nbytes >> 20} MiB tensor, 64 MiB buckets",
                     (("weight", torch.float32, (nbytes // 4,)),), bucket_bytes=64 * MiB)
@@ -84,4 +91,4 @@ def synthetic(total_bytes: int, tensor_bytes: int = 8 * MiB) -> Workload:
     return Workload(f"S{total_bytes >> 20}M", f"{total_bytes >> 20} MB synthetic", specs)
 
 
-WORKLOADS = {"W1": gpt2_small, "W2": small_tensors, "W3": one_big, "W4": mixed}
+WORKLOADS = {"W1": gpt2_small, "W2": small_tensors, "W3": one_big, "W4": mixed, "W5": few_small}

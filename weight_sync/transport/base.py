@@ -35,5 +35,22 @@ class Transport(Protocol):
         waiter would still hold the group until its own timeout ran out.
         """
 
+    def vote(self, code: int, timeout_s: float | None = None) -> int:
+        """A collective in which every rank gives a small non-negative ``code`` and gets back
+        the largest one given: how members agree without a round trip through the trainer's
+        control plane (e.g. that every one of them has received a push). A rank that fails
+        leaves the group, and the vote fails on the others."""
+
+    # Whether ``tally`` already tells every rank the outcome (an all-reduce does).
+    tally_is_final: bool
+
+    def tally(self, code: int, timeout_s: float | None = None) -> int:
+        """Rank 0's first half of ``vote``: the largest code of every rank, while they wait for
+        ``announce`` (unless ``tally_is_final``). Split so that one trainer can vote across
+        several groups (``Fanout``)."""
+
+    def announce(self, code: int, timeout_s: float | None = None) -> int:
+        """Rank 0's second half of ``vote``: the outcome, to every rank; returns it."""
+
     def close(self) -> None:
         """Leave the group and release its sockets. Idempotent."""

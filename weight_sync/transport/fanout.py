@@ -51,6 +51,23 @@ class Fanout:
     def broadcast(self, tensor: torch.Tensor, src: int, timeout_s: float | None = None) -> Work:
         return _All([part.broadcast(tensor, src, timeout_s) for part in self._parts])
 
+    tally_is_final = False
+
+    def vote(self, code: int, timeout_s: float | None = None) -> int:
+        return self.announce(self.tally(code, timeout_s), timeout_s)
+
+    def tally(self, code: int, timeout_s: float | None = None) -> int:
+        """Parts whose tally tells their ranks the outcome (an all-reduce) go last, so that
+        what they tell includes every other part's codes; the rest hear it in ``announce``."""
+        for part in sorted(self._parts, key=lambda part: part.tally_is_final):
+            code = max(code, part.tally(code, timeout_s))
+        return code
+
+    def announce(self, code: int, timeout_s: float | None = None) -> int:
+        for part in self._parts:
+            part.announce(code, timeout_s)
+        return code
+
     def close(self) -> None:
         for part in self._parts:
             part.close()

@@ -44,6 +44,9 @@ _HELLO = struct.Struct("!16sI")  # group id, rank
 _RING = struct.Struct("!QI")  # slot bytes, slots
 _READY = struct.Struct("!QQ")  # chunk sequence number, bytes in its slot
 _DONE = struct.Struct("!Q")  # chunk sequence number
+# A vote travels in place of a DONE (reader to trainer) and its outcome in place of a READY
+# (trainer to readers), marked by the sequence number's top bit.
+_VOTE = 1 << 63
 
 
 class ShmUnavailableError(TransportError):
@@ -242,6 +245,31 @@ class ShmWriter:
                     )
                 self._done[index] += 1
 
+    tally_is_final = False  # the readers wait for announce
+
+    def vote(self, code: int, timeout_s: float | None = None) -> int:
+        return self.announce(self.tally(code, timeout_s), timeout_s)
+
+    def tally(self, code: int, timeout_s: float | None = None) -> int:
+        """The largest of ``code`` and every reader's vote (each reader has copied out every
+        chunk first); the readers wait for ``announce``."""
+        deadline = _deadline(self._timeout_s, timeout_s)
+        self.await_done(self._written, deadline)
+        for index, conn in enumerate(self._conns):
+            conn.settimeout(_left(deadline, index + 1))
+            (word,) = _DONE.unpack(_recv_exact(conn, _DONE.size, index + 1))
+            if not word & _VOTE:
+                raise TransportError(f"shared-memory reader {index + 1} sent chunk {word} where a "
+                                     "vote was due; it disagrees on the plan")  # fmt: skip
+            code = max(code, word & ~_VOTE)
+        return code
+
+    def announce(self, code: int, timeout_s: float | None = None) -> int:
+        result = _READY.pack(_VOTE | code, 0)
+        for rank, conn in enumerate(self._conns, start=1):
+            _send(conn, result, rank)
+        return code
+
     def close(self) -> None:
         """Hang up on every reader (each fails at once if it was waiting) and unmap. Idempotent."""
         conns, self._conns = self._conns, []
@@ -332,6 +360,19 @@ class ShmReader:
             _send(conn, _DONE.pack(chunk), 0)
             self._read += 1
         return _Done()
+
+    def vote(self, code: int, timeout_s: float | None = None) -> int:
+        conn = self._conn
+        if conn is None:
+            raise TransportError("this shared-memory reader has left")
+        deadline = _deadline(self._spec.collective_timeout_s, timeout_s)
+        _send(conn, _DONE.pack(_VOTE | code), 0)
+        conn.settimeout(_left(deadline, 0))
+        word, _ = _READY.unpack(_recv_exact(conn, _READY.size, 0))
+        if not word & _VOTE:
+            raise TransportError(f"shared-memory ring out of step: got chunk {word} where the "
+                                 "outcome of a vote was due")  # fmt: skip
+        return word & ~_VOTE
 
     def close(self) -> None:
         conn, self._conn = self._conn, None

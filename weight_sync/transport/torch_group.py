@@ -40,6 +40,8 @@ class _GroupHandle(Protocol):
 
     def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> dist.Work: ...
 
+    def allreduce(self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions) -> dist.Work: ...
+
     def shutdown(self) -> None: ...
 
 
@@ -138,23 +140,53 @@ class TorchGroup:
         return self._pg
 
     def broadcast(self, tensor: torch.Tensor, src: int, timeout_s: float | None = None) -> TorchWork:
-        if self._pg is None:
-            raise TransportError("the sync group is closed; the next push rebuilds it")
+        pg, timeout = self._open(), self._bound(timeout_s)
         assert tensor.dtype == torch.uint8 and tensor.is_contiguous()
-        timeout = self._timeout
-        if timeout_s is not None:
-            timeout = min(timeout, datetime.timedelta(seconds=timeout_s))
         options = dist.BroadcastOptions()
         options.rootRank = src
         options.rootTensor = 0
         options.timeout = timeout
         try:
-            work = self._pg.broadcast([tensor], options)
+            work = pg.broadcast([tensor], options)
         except RuntimeError as exc:
             raise _collective_error(exc, timeout) from exc
         handle = TorchWork(work, timeout)
         self._works.add(handle)
         return handle
+
+    # One all-reduce tells every rank the outcome at once: nothing is left to announce.
+    tally_is_final = True
+
+    def vote(self, code: int, timeout_s: float | None = None) -> int:
+        return self.tally(code, timeout_s)
+
+    def tally(self, code: int, timeout_s: float | None = None) -> int:
+        """The largest code of the group, on every rank (one all-reduce)."""
+        pg, timeout = self._open(), self._bound(timeout_s)
+        codes = torch.tensor([code], dtype=torch.int32, device=self._device)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX
+        options.timeout = timeout
+        try:
+            work = pg.allreduce([codes], options)
+        except RuntimeError as exc:
+            raise _collective_error(exc, timeout) from exc
+        TorchWork(work, timeout).wait()
+        return int(codes.item())
+
+    def announce(self, code: int, timeout_s: float | None = None) -> int:
+        return code
+
+    def _open(self) -> _GroupHandle:
+        if self._pg is None:
+            raise TransportError("the sync group is closed; the next push rebuilds it")
+        return self._pg
+
+    def _bound(self, timeout_s: float | None) -> datetime.timedelta:
+        """One collective's timeout: the group's, or less where the push has less left."""
+        if timeout_s is None:
+            return self._timeout
+        return min(self._timeout, datetime.timedelta(seconds=max(timeout_s, 1e-3)))
 
     def close(self) -> None:
         """Leave the group so that peers notice at once: every handle to it is released, since

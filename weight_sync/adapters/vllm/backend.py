@@ -71,6 +71,7 @@ from weight_sync.metadata import (
     MemberInfo,
     PrepareReply,
     PrepareRequest,
+    PushReply,
     ReceiveReport,
     SyncPlan,
 )
@@ -361,6 +362,9 @@ class ClientPlane:
 
     def cancel(self, version: int, members: Sequence[int], timeout_s: float) -> list[Future[None]]:
         return [_in_thread(self._end_session)] * len(members)
+
+    def push(self, request: PrepareRequest, timeout_s: float) -> list[Future[PushReply]]:
+        raise AssertionError("vLLM's workers never offer one-call pushes (MemberInfo.one_call)")
 
     def receive(self, version: int, atomic: bool, timeout_s: float) -> list[Future[ReceiveReport]]:
         call = _in_thread(lambda: self._client.update_weights({"version": version}))

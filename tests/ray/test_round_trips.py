@@ -1,0 +1,152 @@
+"""How many calls a push costs each worker: one in the steady state (prepare, receive and commit
+agreed by votes over the group), the long way when a worker lacks the plan or checksums are on,
+and a refusal in one call that still stops the push before any byte moves."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+from tests.ray.actors import BIG, Trainer, ZooWorker
+from tests.zoo import zoo
+from weight_sync import PlanMismatchError, PushResult
+from weight_sync.verify import state_dict_digests
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("ray_cluster")]
+TIMEOUT = 120
+WORKERS = 3
+CALLS = ("prepare", "receive", "commit", "push")
+
+
+@ray.remote(num_cpus=0)
+class CountingWorker(ZooWorker.__ray_actor_class__):  # type: ignore[name-defined]
+    """Counts the protocol's calls it is sent."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed)
+        self.calls: Counter[str] = Counter()
+
+    def _weight_sync_prepare(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls["prepare"] += 1
+        return super()._weight_sync_prepare(*args, **kwargs)
+
+    def _weight_sync_receive(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls["receive"] += 1
+        return super()._weight_sync_receive(*args, **kwargs)
+
+    def _weight_sync_commit(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls["commit"] += 1
+        return super()._weight_sync_commit(*args, **kwargs)
+
+    def _weight_sync_push(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls["push"] += 1
+        return super()._weight_sync_push(*args, **kwargs)
+
+    def counted(self) -> dict[str, int]:
+        calls, self.calls = self.calls, Counter()
+        return {name: calls[name] for name in CALLS}
+
+    def reshape(self, name: str, shape: tuple[int, ...]) -> None:
+        """The model's tensor ``name`` takes another shape (the next push no longer fits it)."""
+        old = getattr(self.model, name)
+        setattr(self.model, name, torch.zeros(shape, dtype=old.dtype))
+
+    def forget_plans(self) -> None:
+        self._weight_sync_state()._plans.clear()
+
+
+@pytest.fixture
+def fleet(ray_cluster: None) -> Iterator[tuple[Any, list]]:
+    workers = [CountingWorker.remote(seed=300 + i) for i in range(WORKERS)]
+    trainer = Trainer.remote(workers, bucket_bytes=256 << 10)
+    try:
+        yield trainer, workers
+    finally:
+        ray.get(trainer.close.remote(), timeout=TIMEOUT)
+        for actor in [trainer, *workers]:
+            ray.kill(actor)
+
+
+def counted(workers: list) -> list[dict[str, int]]:
+    return ray.get([w.counted.remote() for w in workers], timeout=TIMEOUT)
+
+
+def calls(**counts: int) -> dict[str, int]:
+    return {name: counts.get(name, 0) for name in CALLS}
+
+
+def assert_holds(workers: list, seed: int, version: int) -> None:
+    versions = ray.get([w.weights_version.remote() for w in workers], timeout=TIMEOUT)
+    digests = ray.get([w.weight_sync_digests.remote() for w in workers], timeout=TIMEOUT)
+    assert versions == [version] * len(workers)
+    assert digests == [state_dict_digests(zoo(seed, big=BIG))] * len(workers)
+
+
+def test_the_steady_state_costs_one_call_per_worker(fleet: tuple[Any, list]) -> None:
+    trainer, workers = fleet
+    first: PushResult = ray.get(trainer.push_zoo.remote(1), timeout=TIMEOUT)
+    # The first push sends the plan: a prepare round, then a receive that ends in the commit.
+    assert counted(workers) == [calls(prepare=1, receive=1)] * WORKERS
+    assert set(first.phases) == {"group", "prepare", "transfer", "total"}
+    for seed in (2, 3, 4):
+        result: PushResult = ray.get(trainer.push_zoo.remote(seed), timeout=TIMEOUT)
+        assert counted(workers) == [calls(push=1)] * WORKERS
+        assert set(result.phases) == {"group", "push", "total"}
+        assert_holds(workers, seed, result.version)
+
+
+def test_a_refusal_in_one_call_stops_the_push_before_any_byte(fleet: tuple[Any, list]) -> None:
+    trainer, workers = fleet
+    held = ray.get(trainer.push_zoo.remote(5), timeout=TIMEOUT)
+    ray.get(workers[1].reshape.remote("float32_matrix", (13, 7)), timeout=TIMEOUT)
+    counted(workers)
+    with pytest.raises(PlanMismatchError) as info:
+        ray.get(trainer.push_zoo.remote(6), timeout=TIMEOUT)
+    assert list(info.value.problems) == [1] and "float32_matrix" in str(info.value)
+    assert counted(workers) == [calls(push=1)] * WORKERS  # refused within the one call
+    # Nobody took a byte of it: the others keep version and weights; worker 1 its version.
+    versions = ray.get([w.weights_version.remote() for w in workers], timeout=TIMEOUT)
+    assert versions == [held.version] * WORKERS
+    digests = ray.get([w.weight_sync_digests.remote() for w in workers], timeout=TIMEOUT)
+    assert digests[0] == digests[2] == state_dict_digests(zoo(5, big=BIG))
+    # The group was kept, and the next push that fits goes through in one call again.
+    statuses = ray.get([w.sync_status.remote() for w in workers], timeout=TIMEOUT)
+    assert all(status.in_group and status.phase == "idle" for status in statuses)
+    ray.get(workers[1].reshape.remote("float32_matrix", (7, 13)), timeout=TIMEOUT)
+    result = ray.get(trainer.push_zoo.remote(7), timeout=TIMEOUT)
+    assert counted(workers) == [calls(push=1)] * WORKERS
+    assert_holds(workers, 7, result.version)
+
+
+def test_a_worker_that_lost_the_plan_is_sent_it_the_long_way(fleet: tuple[Any, list]) -> None:
+    trainer, workers = fleet
+    ray.get(trainer.push_zoo.remote(8), timeout=TIMEOUT)
+    ray.get(workers[2].forget_plans.remote(), timeout=TIMEOUT)
+    counted(workers)
+    result = ray.get(trainer.push_zoo.remote(9), timeout=TIMEOUT)
+    # Everyone was asked in one call; worker 2 asked for the plan, so the push was called off
+    # before any byte and went the long way: a prepare round (with the plan) and a receive.
+    assert counted(workers) == [calls(push=1, prepare=1, receive=1)] * WORKERS
+    assert_holds(workers, 9, result.version)
+    ray.get(trainer.push_zoo.remote(10), timeout=TIMEOUT)
+    assert counted(workers) == [calls(push=1)] * WORKERS
+
+
+def test_checksums_keep_the_commit_round(ray_cluster: None) -> None:
+    workers = [CountingWorker.remote(seed=400 + i) for i in range(2)]
+    trainer = Trainer.remote(workers, bucket_bytes=256 << 10, checksum=True)
+    try:
+        for seed in (11, 12):
+            result = ray.get(trainer.push_zoo.remote(seed), timeout=TIMEOUT)
+            # The trainer compares every worker's CRCs before anyone commits.
+            assert counted(workers) == [calls(prepare=1, receive=1, commit=1)] * 2
+            assert_holds(workers, seed, result.version)
+    finally:
+        ray.get(trainer.close.remote(), timeout=TIMEOUT)
+        for actor in [trainer, *workers]:
+            ray.kill(actor)
