@@ -258,13 +258,10 @@ class Pusher:
                     request, in_place = self._prepare(request, plan, deadline)
                     clock.lap("prepare")
                     broadcasting = True
-                    if request.commit_on_receipt:  # members may claim it from the vote on
-                        self._next_version = version + 1
                     wire_bytes, density, _ = self._transfer(group, request, plan, tensors, deadline)
                     clock.lap("transfer")
                 else:
                     wire_bytes, density, in_place = done
-                self._next_version = version + 1
                 if not request.commit_on_receipt:
                     timeout_s = deadline.left(self._config.rpc_timeout_s)
                     self._settle(self._plane.commit(version, timeout_s), "commit", timeout_s)
@@ -411,7 +408,6 @@ class Pusher:
                 return None
             raise PlanMismatchError({index: reply.problems or ("refused",)
                                      for index, reply in enumerate(replies) if not reply.accepted})  # fmt: skip
-        self._next_version = request.version + 1  # members may claim it from the next vote on
         wire_bytes, density, replies = self._transfer(group, request, plan, tensors, deadline, calls)
         return wire_bytes, density, [reply.prepared.in_place for reply in replies]
 
@@ -428,9 +424,12 @@ class Pusher:
         else in a round of receive calls started here); returns the bytes broadcast, the share
         of elements that changed for a delta, and every member's answer."""
         config, baseline = self._config, self._baseline
-        atomic = config.staging == "atomic"
-        what = "receive" if calls is None else "push"
-        receiving = calls if calls is not None else self._plane.receive(request.version, atomic, deadline.remaining())
+        # Spent from here on, whatever happens: members may commit it as soon as they all have it.
+        self._next_version = request.version + 1
+        what, receiving = "push", calls
+        if receiving is None:
+            what = "receive"
+            receiving = self._plane.receive(request.version, config.staging == "atomic", deadline.remaining())
         try:
             if baseline is None or request.new_base is None:
                 if self._sender is None:

@@ -121,6 +121,12 @@ def check_plan(
     return problems
 
 
+def _targets_key(targets: Destinations | None) -> tuple:
+    """What identifies a worker's tensors for reuse across pushes: names, addresses, dtypes and
+    shapes (state_dict() hands out new tensor objects every call, so identity cannot)."""
+    return tuple((name, t.data_ptr(), t.dtype, t.shape) for name, t in (targets or {}).items())
+
+
 def _described(target: TensorMeta | torch.Tensor) -> tuple[str, tuple[int, ...]]:
     """The dtype name and shape of a worker's target: a tensor is described on the spot (a
     TensorMeta per tensor per push costs more than the check on models of thousands)."""
@@ -174,6 +180,7 @@ class Receiver:
         self._last: ReceiveReport | None = None
         self._last_error: str | None = None
         self._unpackers: tuple[tuple, Unpacker] | None = None  # the last one, by what it serves
+        self._accepted: tuple | None = None  # (plan digest, partial, targets) last checked good
 
     # -- membership --------------------------------------------------------------------------
 
@@ -289,16 +296,28 @@ class Receiver:
         return PrepareReply(accepted=True, in_place=in_place)
 
     def push(
-        self, request_json: str, check: Check, loader: Loader | Apply, destinations: Destinations | None
+        self,
+        request_json: str,
+        check: Check,
+        loader: Loader | Apply,
+        destinations: Destinations | None,
+        checks_destinations: bool = False,
     ) -> PushReply:
         """A whole push in one call -- the trainer's steady state, where this worker holds the
         plan: ``prepare``, then a vote over the group on every member's verdict before any byte
         moves (so one refusal still stops the push everywhere, as a prepare round would), then
-        ``receive``, which ends in the commit (the request asks ``commit_on_receipt``)."""
+        ``receive``, which ends in the commit (the request asks ``commit_on_receipt``).
+
+        ``checks_destinations``: ``check`` checks against ``destinations`` themselves (a default
+        ``WeightSyncWorker``), so a plan it accepted last time into the very same tensors is not
+        checked again -- on a model of thousands of tensors, that is most of a push's own work."""
         transport = self._transport
         if transport is None:
             raise WeightSyncError("push on a worker that is in no sync group; the trainer rebuilds "
                                   "the group at its next push")  # fmt: skip
+        key = _targets_key(destinations)
+        if checks_destinations:
+            check = self._remembered(check, key)
         try:
             reply = self.prepare(request_json, check, lambda: destinations)
         except BaseException:
@@ -310,7 +329,20 @@ class Receiver:
                 self.cancel(prepared.version)
             return PushReply(prepared=reply)
         assert prepared is not None and prepared.request.commit_on_receipt
-        return PushReply(prepared=reply, received=self.receive(prepared.version, loader, destinations))
+        received = self.receive(prepared.version, loader, destinations, key)
+        return PushReply(prepared=reply, received=received)
+
+    def _remembered(self, check: Check, key: tuple) -> Check:
+        """``check``, skipped for the plan (and partial flag) it last accepted against ``key``."""
+
+        def remembered(plan: SyncPlan, partial: bool) -> Sequence[str]:
+            if self._accepted == (plan.digest, partial, key):
+                return []
+            problems = list(check(plan, partial))
+            self._accepted = None if problems else (plan.digest, partial, key)
+            return problems
+
+        return remembered
 
     def cancel(self, version: int) -> None:
         """Drop prepared push ``version`` before any byte of it moved (another worker refused
@@ -323,6 +355,7 @@ class Receiver:
         version: int,
         loader: Loader | Apply,
         destinations: Mapping[str, torch.Tensor] | None = None,
+        targets_key: tuple | None = None,
     ) -> ReceiveReport:
         """Take part in the broadcast of a prepared push.
 
@@ -330,7 +363,7 @@ class Receiver:
         fit (``can_land_in``) are written there in place, the others go to ``loader`` (one
         window for the whole push) -- and the worker is dirty from the first byte. Atomic: every
         bucket is kept in a staging area and nothing reaches the model (or the version) before
-        ``commit``.
+        ``commit``. ``targets_key``: ``_targets_key(destinations)``, where the caller has it.
 
         With ``commit_on_receipt`` (the trainer asks for it only of members that offered it),
         every rank then votes over the group: the vote completes only once all have received,
@@ -363,7 +396,11 @@ class Receiver:
                 self.version, self.full_version, self.dirty, self.delta_base = None, None, True, None
                 patched: list[int] | None = [] if push.checksum else None
                 landing, apply, finish = _appliers(push.plan, layout, destinations, loader.load, patched)
-                unpacker = self._unpacker(sent, landing, transport.device, loader.keeps, layout is None)
+                if layout is not None:  # a delta's layout changes every push: nothing to reuse
+                    unpacker = Unpacker(sent, landing, transport.device, owned=loader.keeps)
+                else:
+                    key = targets_key if targets_key is not None else _targets_key(landing)
+                    unpacker = self._unpacker(sent, landing, key, transport.device, loader.keeps)
                 with loader.window():
                     _stream(transport, sent, apply, unpacker, sums, self._advance)
                     finish()
@@ -434,20 +471,15 @@ class Receiver:
     # -- internals ---------------------------------------------------------------------------
 
     def _unpacker(
-        self, plan: SyncPlan, landing: Destinations | None, device: torch.device, owned: bool, reuse: bool
+        self, plan: SyncPlan, landing: Destinations | None, targets: tuple, device: torch.device, owned: bool
     ) -> Unpacker:
         """The last push's unpacker when this one has its plan and lands in the very same
-        tensors (the steady state): what it worked out per tensor and per bucket is reused."""
-        targets = tuple(
-            (name, tensor.data_ptr(), tensor.dtype, tensor.shape) for name, tensor in (landing or {}).items()
-        )  # fmt: skip
+        tensors (``targets``: their ``_targets_key``), as in the steady state: what it worked
+        out per tensor and per bucket, and its receive buffers, are reused."""
         key = (plan.digest, targets, device, owned)
-        cached = self._unpackers
-        if reuse and cached is not None and cached[0] == key:
-            return cached[1]
-        unpacker = Unpacker(plan, landing, device, owned=owned)
-        self._unpackers = (key, unpacker) if reuse else None
-        return unpacker
+        if self._unpackers is None or self._unpackers[0] != key:
+            self._unpackers = (key, Unpacker(plan, landing, device, owned=owned))
+        return self._unpackers[1]
 
     def _advance(self) -> None:
         done, total = self._progress

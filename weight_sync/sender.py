@@ -75,12 +75,12 @@ def check_state_dict(
         if not (isinstance(entry, tuple) and len(entry) == 2):
             raise TypeError(f"expected (name, tensor) pairs, got {type(entry).__name__}")
         name, tensor = entry
-        _check_entry(name, tensor, sharded)
+        dtensor = _check_entry(name, tensor, sharded)
         if name in seen:
             mapped = " (after renaming)" if rename is not None or transform is not None else ""
             raise ValueError(f"tensor name {name!r} appears twice{mapped}")
         seen.add(name)
-        key = _storage_key(tensor)
+        key = _storage_key(tensor, dtensor)
         if key is not None and key in storages:
             entries.tied.append(Tied(name=name, tensor=storages[key]))
         else:
@@ -88,7 +88,7 @@ def check_state_dict(
                 storages[key] = len(entries.tensors)
             entries.names.append(name)
             # A DTensor stays the very object the sharded source knows, to gather it by.
-            entries.tensors.append(tensor if is_dtensor(tensor) else tensor.detach())
+            entries.tensors.append(tensor if dtensor else tensor.detach())
         if entries.count > config.max_tensors:
             raise ValueError(
                 f"more than max_tensors={config.max_tensors} tensors; raise the limit in "
@@ -99,15 +99,17 @@ def check_state_dict(
     return entries
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple | None:
+def _storage_key(tensor: torch.Tensor, dtensor: bool = False) -> tuple | None:
     """Identifies a tensor's exact bytes: equal keys mean one tensor under two names. Only
     exact aliases count (same storage, offset, shape, strides and dtype), not overlapping
-    views; tensors with no bytes are never tied."""
-    local = tensor.to_local() if is_dtensor(tensor) else tensor
+    views; tensors with no bytes are never tied. (Run once per tensor per push: each part is
+    the cheapest accessor there is.)"""
+    local = tensor.to_local() if dtensor else tensor
     if not local.numel():
         return None
-    # The address of the first element stands for storage and offset (storages never overlap).
-    return local.data_ptr(), local.stride(), tensor.shape, local.dtype, local.device
+    # The address of the first element stands for storage and offset (storages never
+    # overlap); the device's index (-1 on the CPU) for the device (only CPU and CUDA pass).
+    return local.data_ptr(), local.stride(), tensor.shape, local.dtype, local.get_device()
 
 
 def is_dtensor(tensor: object) -> TypeGuard[DTensor]:
@@ -223,14 +225,16 @@ def _is_contiguous(tensor: torch.Tensor) -> bool:
     return is_dtensor(tensor) or tensor.is_contiguous()
 
 
-def _check_entry(name: object, tensor: object, sharded: bool = False) -> None:
+def _check_entry(name: object, tensor: object, sharded: bool = False) -> bool:
+    """Raises for an entry that cannot be sent; returns whether the tensor is a DTensor."""
     if not isinstance(name, str):
         raise TypeError(f"tensor names must be str, got {type(name).__name__} ({name!r})")
     if not name or len(name) > MAX_NAME_CHARS:
         raise ValueError(f"tensor name must have 1..{MAX_NAME_CHARS} characters: {name[:80]!r}")
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
-    if is_dtensor(tensor) and not sharded:
+    dtensor = is_dtensor(tensor)
+    if dtensor and not sharded:
         raise TypeError(
             f"{name!r} is a DTensor; push a weight_sync.sharded.ShardedSource of the state "
             "dict (from every trainer rank), or pass tensor.full_tensor()"
@@ -238,10 +242,11 @@ def _check_entry(name: object, tensor: object, sharded: bool = False) -> None:
     if tensor.layout != torch.strided:
         raise ValueError(f"{name!r}: only dense tensors can be sent, not {tensor.layout}")
     dtype_name(tensor.dtype)  # TypeError for dtypes that cannot travel as bytes
-    if tensor.device.type not in ("cpu", "cuda"):
+    if not (tensor.is_cpu or tensor.is_cuda):
         raise ValueError(
             f"{name!r} lives on {tensor.device}; only CPU and CUDA tensors can be sent"
         )
+    return dtensor
 
 
 class Sender:

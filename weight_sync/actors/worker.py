@@ -125,12 +125,12 @@ class WeightSyncWorker:
         self._weight_sync_state().join_json(spec_json, max_metadata_bytes)
 
     def _weight_sync_prepare(self, request_json: str, timeout_s: float | None = None) -> PrepareReply:
-        check, destinations = self._weight_sync_targets()
+        check, destinations, _ = self._weight_sync_targets()
         return self._weight_sync_state().prepare(request_json, check, lambda: destinations)
 
     def _weight_sync_push(self, request_json: str, timeout_s: float | None = None) -> PushReply:
-        check, destinations = self._weight_sync_targets()
-        return self._weight_sync_state().push(request_json, check, self.load_weights, destinations)
+        check, destinations, own = self._weight_sync_targets()
+        return self._weight_sync_state().push(request_json, check, self.load_weights, destinations, own)
 
     def _weight_sync_cancel(self, version: int, timeout_s: float | None = None) -> None:
         self._weight_sync_state().cancel(version)
@@ -156,11 +156,11 @@ class WeightSyncWorker:
             receiver = self._weight_sync_receiver = Receiver()
         return receiver
 
-    def _weight_sync_targets(self) -> tuple[Check, Mapping[str, torch.Tensor] | None]:
-        """What a push is checked against, and where it may land. With neither hook overridden
-        both are the model's state dict, taken once and checked tensor by tensor (on a model of
-        thousands of tensors, a second state_dict() and a TensorMeta each cost more than the
-        push's own work per tensor)."""
+    def _weight_sync_targets(self) -> tuple[Check, Mapping[str, torch.Tensor] | None, bool]:
+        """What a push is checked against, where it may land, and whether those are one: with
+        neither hook overridden both are the model's state dict, taken once and checked tensor
+        by tensor (on a model of thousands of tensors, a second state_dict() and a TensorMeta
+        each cost more than the push's own work per tensor)."""
         destinations = self.weight_sync_destinations()
         cls = type(self)  # Ray wraps an actor's methods: compare what they wrap
         if (
@@ -168,8 +168,8 @@ class WeightSyncWorker:
             and inspect.unwrap(cls.weight_sync_expected) is WeightSyncWorker.weight_sync_expected
             and inspect.unwrap(cls.weight_sync_destinations) is WeightSyncWorker.weight_sync_destinations
         ):
-            return expecting(lambda: destinations), destinations
-        return expecting(self.weight_sync_expected), destinations
+            return expecting(lambda: destinations), destinations, True
+        return expecting(self.weight_sync_expected), destinations, False
 
     def _weight_sync_custom_load(self) -> bool:
         return inspect.unwrap(type(self).load_weights) is not WeightSyncWorker.load_weights
