@@ -120,7 +120,10 @@ class Packer:
             meta = self._plan.tensors[seg.tensor]
             dest = out[seg.bucket_offset : seg.bucket_offset + seg.nbytes]
             source = self._tensors[seg.tensor]
-            if seg.nbytes == meta.nbytes:  # strided, elsewhere or cast: copy_ does all three
+            if seg.nbytes == meta.nbytes and source.dtype == meta.torch_dtype \
+                    and source.is_contiguous() and source.device == out.device:  # fmt: skip
+                dest.copy_(byte_view(source))  # a dtype copy_ may not know: its bytes
+            elif seg.nbytes == meta.nbytes:  # strided, elsewhere or cast: copy_ does all three
                 typed_view(dest, meta).copy_(source)
             elif source.dtype != meta.torch_dtype:  # a piece of a cast tensor: cast that piece
                 first = seg.tensor_offset // meta.itemsize
@@ -170,7 +173,8 @@ class _Landing:
     def land(self, data: torch.Tensor) -> None:
         if self.sources is None or self.sources[0] != data.data_ptr():
             parts = torch.split(data, self.sizes)
-            self.sources = (data.data_ptr(), [parts[i] for i in self.pieces] if self.pieces else list(parts))
+            chosen = list(parts) if self.pieces is None else [parts[i] for i in self.pieces]
+            self.sources = (data.data_ptr(), chosen)
         copy_all(self.targets, self.sources[1])
 
 

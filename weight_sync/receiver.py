@@ -99,8 +99,8 @@ def check_plan(
 ) -> list[str]:
     """What in ``plan`` this worker cannot load; empty when it can load all of it.
 
-    ``expected`` is the worker's target (name -> meta, or the tensor itself); ``None`` accepts any plan (a custom
-    ``load_weights`` decides for itself). With a target, every name sent must be in it, and a
+    ``expected`` is the worker's target (name -> meta, or the tensor itself); ``None`` accepts
+    any plan (a custom ``load_weights`` decides for itself). With a target, every name sent must be in it, and a
     full push must cover all of it: one that covered only part of the model would leave it
     mixing two versions unannounced (a ``partial`` push announces it).
     """
@@ -324,7 +324,13 @@ class Receiver:
             transport.vote(_REFUSED)  # the others must not wait on us for their timeout
             raise
         prepared = self._prepared
-        if transport.vote(_AGREED if reply.accepted else _REFUSED) != _AGREED:
+        try:
+            verdict = transport.vote(_AGREED if reply.accepted else _REFUSED)
+        except BaseException as exc:  # a peer or the trainer failed: this group is done
+            self._fail(exc)
+            self.leave()
+            raise
+        if verdict != _AGREED:
             if prepared is not None:
                 self.cancel(prepared.version)
             return PushReply(prepared=reply)
