@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MAX_NAME_CHARS = 1024
 MAX_DIMS = 32
 TRAINER_RANK = 0  # the trainer is rank 0 of every sync group and the source of every broadcast
+PLAN_CACHE_SIZE = 8  # plans a member keeps (by digest), most recently accepted last
 
 # Every dtype a model can hold whose bytes round-trip through a uint8 view.
 _DTYPE_NAMES = (

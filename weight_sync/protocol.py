@@ -47,6 +47,7 @@ from weight_sync.errors import (
 )
 from weight_sync.mapping import Transform
 from weight_sync.metadata import (
+    PLAN_CACHE_SIZE,
     TRAINER_RANK,
     BackendName,
     GroupSpec,
@@ -135,7 +136,9 @@ class Pusher:
         self._group: Transport | None = None
         self._planner: PushPlanner | None = None  # made with the first group (needs its device)
         self._sender: Sender | None = None  # of the current group: keeps its staging buffers
-        self._known: list[str | None] = []  # per member: digest of the plan it has cached
+        # Per member: digests of the plans it holds, most recent last, as its own cache keeps
+        # them (a guess: a member that lost one asks for it, and the push goes the long way).
+        self._known: list[list[str]] = []
         self._routes: list[str] = []  # per member of the current group: "shm" or "group"
         # With SyncConfig.delta: the copy of what the members hold, and which base each holds.
         self._baseline = Baseline() if self._config.delta else None
@@ -251,7 +254,7 @@ class Pusher:
                 clock.lap("group")
                 request = self._request(version, partial, sharded, plan)
                 done = None
-                if request.commit_on_receipt and all(known == plan.digest for known in self._known):
+                if request.commit_on_receipt and all(plan.digest in known for known in self._known):
                     done = self._push_in_one_call(group, request, plan, tensors, deadline)
                     clock.lap("push")
                 if done is None:  # the long way: a round of prepare calls first
@@ -347,7 +350,7 @@ class Pusher:
             accepted = [i for i, reply in enumerate(replies) if reply.accepted]
             self._cancel(request.version, accepted, deadline)
             raise PlanMismatchError(problems)
-        self._known = [plan.digest] * len(self._plane)
+        self._learnt(plan.digest)
         return request, [reply.in_place for reply in replies]
 
     def _prepare_all(self, request: PrepareRequest, plan: SyncPlan, deadline: Deadline) -> list[PrepareReply]:
@@ -357,7 +360,7 @@ class Pusher:
         lacking = [i for i, reply in enumerate(replies) if reply.need_plan]
         if lacking:  # a member lost its cached plan (e.g. was restarted): send it in full
             for index in lacking:
-                self._known[index] = None
+                self._forgot(index, plan.digest)
             again = iter(self._prepare_round(request, plan, lacking, deadline))
             replies = [next(again) if reply.need_plan else reply for reply in replies]
         return replies
@@ -366,7 +369,7 @@ class Pusher:
         self, request: PrepareRequest, plan: SyncPlan, members: Sequence[int], deadline: Deadline
     ) -> list[PrepareReply]:
         timeout_s = deadline.left(self._config.rpc_timeout_s)
-        send_plan = [self._known[i] != plan.digest for i in members]
+        send_plan = [plan.digest not in self._known[i] for i in members]
         calls = self._plane.prepare(request, plan, list(members), send_plan, timeout_s)
         return self._settle(calls, "prepare", timeout_s)
 
@@ -403,13 +406,23 @@ class Pusher:
             replies = [reply.prepared for reply in self._settle(calls, "push", timeout_s)]
             for index, reply in enumerate(replies):
                 if reply.need_plan:
-                    self._known[index] = None
+                    self._forgot(index, plan.digest)
             if any(reply.need_plan or reply.need_dense for reply in replies):
                 return None
             raise PlanMismatchError({index: reply.problems or ("refused",)
                                      for index, reply in enumerate(replies) if not reply.accepted})  # fmt: skip
         wire_bytes, density, replies = self._transfer(group, request, plan, tensors, deadline, calls)
+        self._learnt(plan.digest)
         return wire_bytes, density, [reply.prepared.in_place for reply in replies]
+
+    def _learnt(self, digest: str) -> None:
+        """Every member accepted the plan ``digest``: it holds it now, as its latest."""
+        for index, known in enumerate(self._known):
+            self._known[index] = [*(d for d in known if d != digest), digest][-PLAN_CACHE_SIZE:]
+
+    def _forgot(self, index: int, digest: str) -> None:
+        """Member ``index`` asked for the plan ``digest``: it no longer holds it."""
+        self._known[index] = [d for d in self._known[index] if d != digest]
 
     def _transfer(
         self,
@@ -508,7 +521,7 @@ class Pusher:
         config = self._config
         probe_s = deadline.left(config.rpc_timeout_s)
         infos: list[MemberInfo] = self._settle(self._plane.probe(probe_s), "probe", probe_s)
-        self._known = [None] * len(infos)
+        self._known = [[] for _ in infos]
         self._bases = [info.delta_base for info in infos]
         # Committing in the receive call applies an atomic push's staged bytes there: not for a
         # member that receives those beside its own methods (see actors.worker).

@@ -30,6 +30,7 @@ from weight_sync.delta.lineage import next_base
 from weight_sync.delta.transfer import Patcher, receive_layout, staged_checksums
 from weight_sync.errors import WeightSyncError
 from weight_sync.metadata import (
+    PLAN_CACHE_SIZE,
     TRAINER_RANK,
     GroupSpec,
     MemberInfo,
@@ -63,7 +64,6 @@ Destinations = Mapping[str, torch.Tensor]
 Check = Callable[[SyncPlan, bool], Sequence[str]]
 _MAX_SPEC_CHARS = 4096
 _AGREED, _REFUSED = 0, 1  # codes of a vote (see Transport.vote): the largest wins
-_PLAN_CACHE_SIZE = 8
 
 
 @dataclass(frozen=True)
@@ -282,7 +282,7 @@ class Receiver:
             return _refuse(*problems)
         self._plans[plan.digest] = plan
         self._plans.move_to_end(plan.digest)
-        while len(self._plans) > _PLAN_CACHE_SIZE:
+        while len(self._plans) > PLAN_CACHE_SIZE:
             self._plans.popitem(last=False)
         in_place = request.new_base is not None and _in_place(plan, destinations, self._transport.device)
         if request.delta and not (in_place and self.delta_base == request.built_on):

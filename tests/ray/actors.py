@@ -190,6 +190,11 @@ class Trainer:
     def push(self, state_dict: Any) -> PushResult:
         return self.updater.push(state_dict)
 
+    def push_partial_zoo(self, seed: int, names: list[str]) -> PushResult:
+        """Push only ``names`` of a zoo (``partial=True``)."""
+        tensors = zoo(seed, big=BIG)
+        return self.updater.push({name: tensors[name] for name in names}, partial=True)
+
     def timed_push_zoo(self, seed: int) -> tuple[str, float]:
         """Push a zoo; how it ended (the error's class name, or "ok") and how long the call took,
         timed here (so without the Ray call that asked for it)."""

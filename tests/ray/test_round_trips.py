@@ -150,3 +150,19 @@ def test_checksums_keep_the_commit_round(ray_cluster: None) -> None:
         ray.get(trainer.close.remote(), timeout=TIMEOUT)
         for actor in [trainer, *workers]:
             ray.kill(actor)
+
+
+def test_pushes_alternating_between_plans_stay_at_one_call(fleet: tuple[Any, list]) -> None:
+    """A full push and a partial one in turn (two plans): each worker keeps both, and so does
+    the trainer's record of what it holds."""
+    trainer, workers = fleet
+    ray.get(trainer.push_zoo.remote(13), timeout=TIMEOUT)
+    ray.get(trainer.push_partial_zoo.remote(14, ["float32_matrix", "int64_matrix"]), timeout=TIMEOUT)
+    counted(workers)
+    for seed in (15, 16):
+        full = ray.get(trainer.push_zoo.remote(seed), timeout=TIMEOUT)
+        assert counted(workers) == [calls(push=1)] * WORKERS
+        part = ray.get(trainer.push_partial_zoo.remote(seed + 10, ["float32_matrix", "int64_matrix"]),
+                       timeout=TIMEOUT)  # fmt: skip
+        assert counted(workers) == [calls(push=1)] * WORKERS
+        assert part.partial and part.version == full.version + 1
