@@ -3,10 +3,10 @@
 
 The push protocol (``weight_sync.protocol``) speaks to its members in rounds: probe, join,
 prepare (and cancel, when someone refused), receive, commit, leave -- or, in the steady state of
-members that offer it, one round (push) for prepare, receive and commit. A ``ControlPlane`` starts one
-round's call on the members it is asked to and returns a future per member; ``collect`` waits for
-them, bounded, and sorts what came back into ``Outcomes``, from which the protocol blames and
-drops. Two planes exist, one file each:
+members that offer it, one round (push) for prepare, receive and commit. A ``ControlPlane``
+starts one round's call on the members it is asked to and returns a future per member;
+``collect`` waits for them, bounded, and sorts what came back into ``Outcomes``, from which the
+protocol blames and drops. Two planes exist, one file each:
 
 * ``actors.members.RayMembers`` -- ``WeightSyncWorker`` / ``VLLMEngine`` Ray actors, one actor
   call per member per round;

@@ -60,15 +60,17 @@ class CountingWorker(ZooWorker.__ray_actor_class__):  # type: ignore[name-define
         self._weight_sync_state()._plans.clear()
 
 
-@pytest.fixture
-def fleet(ray_cluster: None) -> Iterator[tuple[Any, list]]:
+@pytest.fixture(scope="module")
+def fleet(ray_cluster: None) -> Iterator[tuple[list, list]]:
+    """One trainer and three workers for the module (each test starts by pushing, and leaves
+    every worker able to take the next push); the last test brings a trainer of its own."""
     workers = [CountingWorker.remote(seed=300 + i) for i in range(WORKERS)]
-    trainer = Trainer.remote(workers, bucket_bytes=256 << 10)
+    trainers = [Trainer.remote(workers, bucket_bytes=256 << 10)]
     try:
-        yield trainer, workers
+        yield trainers, workers
     finally:
-        ray.get(trainer.close.remote(), timeout=TIMEOUT)
-        for actor in [trainer, *workers]:
+        ray.get([trainer.close.remote() for trainer in trainers], timeout=TIMEOUT)
+        for actor in [*trainers, *workers]:
             ray.kill(actor)
 
 
@@ -87,8 +89,8 @@ def assert_holds(workers: list, seed: int, version: int) -> None:
     assert digests == [state_dict_digests(zoo(seed, big=BIG))] * len(workers)
 
 
-def test_the_steady_state_costs_one_call_per_worker(fleet: tuple[Any, list]) -> None:
-    trainer, workers = fleet
+def test_the_steady_state_costs_one_call_per_worker(fleet: tuple[list, list]) -> None:
+    (trainer, *_), workers = fleet
     first: PushResult = ray.get(trainer.push_zoo.remote(1), timeout=TIMEOUT)
     # The first push sends the plan: a prepare round, then a receive that ends in the commit.
     assert counted(workers) == [calls(prepare=1, receive=1)] * WORKERS
@@ -100,8 +102,8 @@ def test_the_steady_state_costs_one_call_per_worker(fleet: tuple[Any, list]) -> 
         assert_holds(workers, seed, result.version)
 
 
-def test_a_refusal_in_one_call_stops_the_push_before_any_byte(fleet: tuple[Any, list]) -> None:
-    trainer, workers = fleet
+def test_a_refusal_in_one_call_stops_the_push_before_any_byte(fleet: tuple[list, list]) -> None:
+    (trainer, *_), workers = fleet
     held = ray.get(trainer.push_zoo.remote(5), timeout=TIMEOUT)
     ray.get(workers[1].reshape.remote("float32_matrix", (13, 7)), timeout=TIMEOUT)
     counted(workers)
@@ -123,8 +125,8 @@ def test_a_refusal_in_one_call_stops_the_push_before_any_byte(fleet: tuple[Any, 
     assert_holds(workers, 7, result.version)
 
 
-def test_a_worker_that_lost_the_plan_is_sent_it_the_long_way(fleet: tuple[Any, list]) -> None:
-    trainer, workers = fleet
+def test_a_worker_that_lost_the_plan_is_sent_it_the_long_way(fleet: tuple[list, list]) -> None:
+    (trainer, *_), workers = fleet
     ray.get(trainer.push_zoo.remote(8), timeout=TIMEOUT)
     ray.get(workers[2].forget_plans.remote(), timeout=TIMEOUT)
     counted(workers)
@@ -137,25 +139,10 @@ def test_a_worker_that_lost_the_plan_is_sent_it_the_long_way(fleet: tuple[Any, l
     assert counted(workers) == [calls(push=1)] * WORKERS
 
 
-def test_checksums_keep_the_commit_round(ray_cluster: None) -> None:
-    workers = [CountingWorker.remote(seed=400 + i) for i in range(2)]
-    trainer = Trainer.remote(workers, bucket_bytes=256 << 10, checksum=True)
-    try:
-        for seed in (11, 12):
-            result = ray.get(trainer.push_zoo.remote(seed), timeout=TIMEOUT)
-            # The trainer compares every worker's CRCs before anyone commits.
-            assert counted(workers) == [calls(prepare=1, receive=1, commit=1)] * 2
-            assert_holds(workers, seed, result.version)
-    finally:
-        ray.get(trainer.close.remote(), timeout=TIMEOUT)
-        for actor in [trainer, *workers]:
-            ray.kill(actor)
-
-
-def test_pushes_alternating_between_plans_stay_at_one_call(fleet: tuple[Any, list]) -> None:
+def test_pushes_alternating_between_plans_stay_at_one_call(fleet: tuple[list, list]) -> None:
     """A full push and a partial one in turn (two plans): each worker keeps both, and so does
     the trainer's record of what it holds."""
-    trainer, workers = fleet
+    (trainer, *_), workers = fleet
     ray.get(trainer.push_zoo.remote(13), timeout=TIMEOUT)
     ray.get(trainer.push_partial_zoo.remote(14, ["float32_matrix", "int64_matrix"]), timeout=TIMEOUT)
     counted(workers)
@@ -166,3 +153,15 @@ def test_pushes_alternating_between_plans_stay_at_one_call(fleet: tuple[Any, lis
                        timeout=TIMEOUT)  # fmt: skip
         assert counted(workers) == [calls(push=1)] * WORKERS
         assert part.partial and part.version == full.version + 1
+
+
+def test_checksums_keep_the_commit_round(fleet: tuple[list, list]) -> None:
+    trainers, workers = fleet
+    ray.get(trainers[0].close.remote(), timeout=TIMEOUT)  # the workers join the new one's group
+    trainers.append(Trainer.remote(workers, bucket_bytes=256 << 10, checksum=True))
+    counted(workers)
+    for seed in (31, 32):
+        result = ray.get(trainers[-1].push_zoo.remote(seed), timeout=TIMEOUT)
+        # The trainer compares every worker's CRCs before anyone commits.
+        assert counted(workers) == [calls(prepare=1, receive=1, commit=1)] * WORKERS
+        assert_holds(workers, seed, result.version)
