@@ -162,17 +162,22 @@ class WeightSyncWorker:
         by tensor (on a model of thousands of tensors, a second state_dict() and a TensorMeta
         each cost more than the push's own work per tensor)."""
         destinations = self.weight_sync_destinations()
-        cls = type(self)  # Ray wraps an actor's methods: compare what they wrap
-        if (
-            destinations is not None
-            and inspect.unwrap(cls.weight_sync_expected) is WeightSyncWorker.weight_sync_expected
-            and inspect.unwrap(cls.weight_sync_destinations) is WeightSyncWorker.weight_sync_destinations
+        if destinations is not None and not self._weight_sync_overrides(
+            "weight_sync_expected", "weight_sync_destinations"
         ):
             return expecting(lambda: destinations), destinations, True
         return expecting(self.weight_sync_expected), destinations, False
 
     def _weight_sync_custom_load(self) -> bool:
-        return inspect.unwrap(type(self).load_weights) is not WeightSyncWorker.load_weights
+        return self._weight_sync_overrides("load_weights")
+
+    def _weight_sync_overrides(self, *names: str) -> bool:
+        """Whether this worker's class replaces any of the methods ``names`` (Ray wraps an
+        actor's methods: what they wrap is compared)."""
+        cls = type(self)
+        return any(
+            inspect.unwrap(getattr(cls, name)) is not getattr(WeightSyncWorker, name) for name in names
+        )
 
     def _weight_sync_model(self) -> torch.nn.Module:
         model = getattr(self, "model", None)
