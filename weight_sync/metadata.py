@@ -175,7 +175,7 @@ class SyncPlan(_Wire):
         """Bytes on the wire (alignment padding between tensors included)."""
         return sum(bucket.nbytes for bucket in self.buckets)
 
-    @property
+    @cached_property
     def payload_bytes(self) -> int:
         """Bytes of the tensors themselves."""
         return sum(meta.nbytes for meta in self.tensors)

@@ -221,6 +221,7 @@ class Unpacker:
                 target = None
             self._tied.setdefault(tie.tensor, []).append((tie.name, target))
         self._partial: dict[int, torch.Tensor] = {}
+        self._empty = [index for index, meta in enumerate(plan.tensors) if meta.nbytes == 0]
         # Worked out once per bucket; an unpacker is reused across pushes of one plan into the
         # same tensors (see Receiver), and keeps its receive buffers (``buffers``) meanwhile.
         self._landings: dict[int, _Landing | None] = {}
@@ -236,13 +237,13 @@ class Unpacker:
     def empty_tensors(self, device: torch.device) -> NamedTensors:
         """Tensors with no bytes: they need no transfer, only their shape and dtype."""
         done: NamedTensors = []
-        for index, meta in enumerate(self._plan.tensors):
-            if meta.nbytes == 0:
-                empty = self._destinations.get(index)
-                if empty is None:
-                    empty = torch.empty(meta.shape, dtype=meta.torch_dtype, device=device)
-                    done.append((meta.name, empty))
-                done.extend(self._ties_of(index, empty))
+        for index in self._empty:
+            meta = self._plan.tensors[index]
+            empty = self._destinations.get(index)
+            if empty is None:
+                empty = torch.empty(meta.shape, dtype=meta.torch_dtype, device=device)
+                done.append((meta.name, empty))
+            done.extend(self._ties_of(index, empty))
         return done
 
     def direct_target(self, bucket_index: int, device: torch.device) -> torch.Tensor:

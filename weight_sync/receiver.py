@@ -13,13 +13,14 @@ every tensor -- where it was, so the mix of versions is always stated, never sil
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import socket
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -64,6 +65,7 @@ Destinations = Mapping[str, torch.Tensor]
 Check = Callable[[SyncPlan, bool], Sequence[str]]
 _MAX_SPEC_CHARS = 4096
 _AGREED, _REFUSED = 0, 1  # codes of a vote (see Transport.vote): the largest wins
+_DTYPE, _SHAPE = operator.attrgetter("dtype"), operator.attrgetter("shape")
 
 
 @dataclass(frozen=True)
@@ -121,10 +123,32 @@ def check_plan(
     return problems
 
 
-def _targets_key(targets: Destinations | None) -> tuple:
-    """What identifies a worker's tensors for reuse across pushes: names, addresses, dtypes and
-    shapes (state_dict() hands out new tensor objects every call, so identity cannot)."""
-    return tuple((name, t.data_ptr(), t.dtype, t.shape) for name, t in (targets or {}).items())
+@dataclass(frozen=True)
+class _Targets:
+    """What identifies a worker's tensors for reuse across pushes (of its plan check and its
+    unpacker): names, addresses, dtypes and shapes -- taken column by column, since on a model
+    of thousands of tensors a tuple per tensor costs 3x more. ``tensors``, not compared, let
+    the next push recognise the very same tensor objects (a default worker's are the model's
+    own) at their old addresses, and take their dtypes and shapes as read: only an in-place
+    reshape that kept the address would escape that, and nothing does that to weights."""
+
+    names: tuple[str, ...]
+    addresses: tuple[int, ...]
+    dtypes: tuple[torch.dtype, ...]
+    shapes: tuple[torch.Size, ...]
+    tensors: list[torch.Tensor] = field(compare=False, repr=False)
+
+    @classmethod
+    def of(cls, targets: Destinations | None, last: _Targets | None = None) -> _Targets:
+        targets = targets or {}
+        tensors = list(targets.values())
+        names, addresses = tuple(targets), tuple(map(torch.Tensor.data_ptr, tensors))
+        if (
+            last is not None and last.names == names and last.addresses == addresses
+            and all(map(operator.is_, tensors, last.tensors))
+        ):  # fmt: skip
+            return last
+        return cls(names, addresses, tuple(map(_DTYPE, tensors)), tuple(map(_SHAPE, tensors)), tensors)
 
 
 def _described(target: TensorMeta | torch.Tensor) -> tuple[str, tuple[int, ...]]:
@@ -181,6 +205,7 @@ class Receiver:
         self._last_error: str | None = None
         self._unpackers: tuple[tuple, Unpacker] | None = None  # the last one, by what it serves
         self._accepted: tuple | None = None  # (plan digest, partial, targets) last checked good
+        self._targets: _Targets | None = None  # the last destinations seen
 
     # -- membership --------------------------------------------------------------------------
 
@@ -315,7 +340,7 @@ class Receiver:
         if transport is None:
             raise WeightSyncError("push on a worker that is in no sync group; the trainer rebuilds "
                                   "the group at its next push")  # fmt: skip
-        key = _targets_key(destinations)
+        key = self._targets_of(destinations)
         if checks_destinations:
             check = self._remembered(check, key)
         try:
@@ -338,7 +363,7 @@ class Receiver:
         received = self.receive(prepared.version, loader, destinations, key)
         return PushReply(prepared=reply, received=received)
 
-    def _remembered(self, check: Check, key: tuple) -> Check:
+    def _remembered(self, check: Check, key: _Targets) -> Check:
         """``check``, skipped for the plan (and partial flag) it last accepted against ``key``."""
 
         def remembered(plan: SyncPlan, partial: bool) -> Sequence[str]:
@@ -356,12 +381,13 @@ class Receiver:
         if self._prepared is not None and self._prepared.version == version:
             self._prepared, self._phase = None, "idle"
 
+    @torch.no_grad()  # destinations may be the model's parameters themselves
     def receive(
         self,
         version: int,
         loader: Loader | Apply,
         destinations: Mapping[str, torch.Tensor] | None = None,
-        targets_key: tuple | None = None,
+        targets_key: _Targets | None = None,
     ) -> ReceiveReport:
         """Take part in the broadcast of a prepared push.
 
@@ -369,7 +395,7 @@ class Receiver:
         fit (``can_land_in``) are written there in place, the others go to ``loader`` (one
         window for the whole push) -- and the worker is dirty from the first byte. Atomic: every
         bucket is kept in a staging area and nothing reaches the model (or the version) before
-        ``commit``. ``targets_key``: ``_targets_key(destinations)``, where the caller has it.
+        ``commit``. ``targets_key``: what identifies ``destinations``, where the caller has it.
 
         With ``commit_on_receipt`` (the trainer asks for it only of members that offered it),
         every rank then votes over the group: the vote completes only once all have received,
@@ -405,7 +431,7 @@ class Receiver:
                 if layout is not None:  # a delta's layout changes every push: nothing to reuse
                     unpacker = Unpacker(sent, landing, transport.device, owned=loader.keeps)
                 else:
-                    key = targets_key if targets_key is not None else _targets_key(landing)
+                    key = targets_key if targets_key is not None else self._targets_of(landing)
                     unpacker = self._unpacker(sent, landing, key, transport.device, loader.keeps)
                 with loader.window():
                     _stream(transport, sent, apply, unpacker, sums, self._advance)
@@ -437,6 +463,7 @@ class Receiver:
             self.commit(version, loader, destinations)
         return self._last
 
+    @torch.no_grad()
     def commit(
         self,
         version: int,
@@ -477,15 +504,19 @@ class Receiver:
     # -- internals ---------------------------------------------------------------------------
 
     def _unpacker(
-        self, plan: SyncPlan, landing: Destinations | None, targets: tuple, device: torch.device, owned: bool
+        self, plan: SyncPlan, landing: Destinations | None, targets: _Targets, device: torch.device, owned: bool
     ) -> Unpacker:
         """The last push's unpacker when this one has its plan and lands in the very same
-        tensors (``targets``: their ``_targets_key``), as in the steady state: what it worked
-        out per tensor and per bucket, and its receive buffers, are reused."""
+        tensors (``targets``), as in the steady state: what it worked out per tensor and per
+        bucket, and its receive buffers, are reused."""
         key = (plan.digest, targets, device, owned)
         if self._unpackers is None or self._unpackers[0] != key:
             self._unpackers = (key, Unpacker(plan, landing, device, owned=owned))
         return self._unpackers[1]
+
+    def _targets_of(self, destinations: Destinations | None) -> _Targets:
+        self._targets = _Targets.of(destinations, self._targets)
+        return self._targets
 
     def _advance(self) -> None:
         done, total = self._progress

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
+import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import TypeGuard
 
 import torch
@@ -25,6 +28,11 @@ StateDict = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 Rename = Callable[[str], str | None]
 _CASTABLE = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
 _FINITE_CHUNK = 1 << 22  # elements per chunk of the exact finiteness check
+_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+_SENDABLE = frozenset(DTYPES.values())
+_DTYPE, _SHAPE, _LAYOUT = attrgetter("dtype"), attrgetter("shape"), attrgetter("layout")
+_ITEMSIZE = attrgetter("itemsize")
+_IS_CPU, _REQUIRES_GRAD = attrgetter("is_cpu"), attrgetter("requires_grad")
 # isfinite has kernels for these; fp8/fp4 storage dtypes are skipped (too coarse to hold a NaN
 # the trainer did not put there on purpose).
 _FINITE_CHECKABLE = frozenset(
@@ -63,22 +71,77 @@ def check_state_dict(
     bytes as an earlier one (tied weights) are sent once. ``sharded`` admits DTensors (see
     ``weight_sync.sharded``, which checks their values itself).
     """
-    items: Iterable = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
-    if transform is not None:
-        items = transform(items)
-    if rename is not None:
-        items = mapping.rename(rename)(items)
+    names, tensors = _columns(state_dict, config.max_tensors, rename, transform)
+    entries = None if sharded else _plain_entries(names, tensors)
+    if entries is None:
+        entries = _entries(names, tensors, sharded, renamed=rename is not None or transform is not None)
+    if config.check_finite and not sharded:
+        _check_finite(entries.names, entries.tensors, config.cast_dtype)
+    return entries
+
+
+def _columns(
+    state_dict: StateDict, limit: int, rename: Rename | None, transform: Transform | None
+) -> tuple[list, list]:
+    """The names and the tensors, mapped, as two lists: no tuple per entry, which on thousands
+    of tensors would wake the garbage collector every push (it cost more than the checks)."""
+    if isinstance(state_dict, Mapping) and rename is None and transform is None:
+        names, tensors = list(state_dict), list(state_dict.values())
+    else:
+        items: Iterable = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
+        if transform is not None:
+            items = transform(items)
+        if rename is not None:
+            items = mapping.rename(rename)(items)
+        pairs = list(itertools.islice(items, limit + 1))
+        for entry in pairs:
+            if not (isinstance(entry, tuple) and len(entry) == 2):
+                raise TypeError(f"expected (name, tensor) pairs, got {type(entry).__name__}")
+        names, tensors = [name for name, _ in pairs], [tensor for _, tensor in pairs]
+    if len(names) > limit:
+        raise ValueError(
+            f"more than max_tensors={limit} tensors; raise the limit in SyncConfig or push in parts"
+        )
+    return names, tensors
+
+
+def _plain_entries(names: list, tensors: list) -> Entries | None:
+    """The usual state dict, checked column by column: distinct names, plain dense CPU or CUDA
+    tensors of dtypes that travel, no two at one address (so none tied). A training loop pushes
+    one every step, and on a model of thousands of tensors a Python loop over them costs more
+    than the push's own work per tensor. None for anything else: ``_entries`` then goes entry
+    by entry, naming what is wrong or finding the ties; where this returns entries, it returns
+    the same ones."""
+    if not names:
+        return Entries([], [])
+    if set(map(type, names)) != {str} or not set(map(type, tensors)) <= _PLAIN_TENSORS:
+        return None
+    lengths = list(map(len, names))
+    if (
+        min(lengths) < 1 or max(lengths) > MAX_NAME_CHARS or len(set(names)) < len(names)
+        or set(map(_LAYOUT, tensors)) != {torch.strided}
+        or not set(map(_DTYPE, tensors)) <= _SENDABLE
+        or not (all(map(_IS_CPU, tensors)) or all(t.is_cpu or t.is_cuda for t in tensors))
+    ):  # fmt: skip
+        return None
+    addresses = set(map(torch.Tensor.data_ptr, tensors))  # dense tensors on a real device only
+    if len(addresses) < len(tensors):
+        return None
+    if any(map(_REQUIRES_GRAD, tensors)):
+        tensors = list(map(_detached, tensors))
+    return Entries(names, tensors)
+
+
+def _entries(names: list, tensors: list, sharded: bool, renamed: bool) -> Entries:
+    """Check each entry, raising for the first bad one; find tied weights (names sharing one
+    tensor's exact bytes), which travel as metadata."""
     entries = Entries([], [], [])
     seen: set[str] = set()
     storages: dict[tuple, int] = {}
-    for entry in items:
-        if not (isinstance(entry, tuple) and len(entry) == 2):
-            raise TypeError(f"expected (name, tensor) pairs, got {type(entry).__name__}")
-        name, tensor = entry
+    for name, tensor in zip(names, tensors, strict=True):
         dtensor = _check_entry(name, tensor, sharded)
         if name in seen:
-            mapped = " (after renaming)" if rename is not None or transform is not None else ""
-            raise ValueError(f"tensor name {name!r} appears twice{mapped}")
+            raise ValueError(f"tensor name {name!r} appears twice{' (after renaming)' if renamed else ''}")
         seen.add(name)
         key = _storage_key(tensor, dtensor)
         if key is not None and key in storages:
@@ -88,15 +151,14 @@ def check_state_dict(
                 storages[key] = len(entries.tensors)
             entries.names.append(name)
             # A DTensor stays the very object the sharded source knows, to gather it by.
-            entries.tensors.append(tensor if dtensor else tensor.detach())
-        if entries.count > config.max_tensors:
-            raise ValueError(
-                f"more than max_tensors={config.max_tensors} tensors; raise the limit in "
-                "SyncConfig or push in parts"
-            )
-    if config.check_finite and not sharded:
-        _check_finite(entries.names, entries.tensors, config.cast_dtype)
+            entries.tensors.append(tensor if dtensor else _detached(tensor))
     return entries
+
+
+def _detached(tensor: torch.Tensor) -> torch.Tensor:
+    # Packing must not record autograd history; detaching only what has any costs nothing
+    # for a state_dict(), whose tensors are detached already.
+    return tensor.detach() if tensor.requires_grad else tensor
 
 
 def _storage_key(tensor: torch.Tensor, dtensor: bool = False) -> tuple | None:
@@ -189,35 +251,63 @@ class PushPlanner:
     def __init__(self, config: SyncConfig, device: torch.device) -> None:
         self._config = config
         self._device = device
-        self._last: tuple[tuple, SyncPlan] | None = None
+        self._last: _Planned | None = None
 
     def plan(self, entries: Entries) -> SyncPlan:
-        threshold = self._config.direct_min_bytes
-        names, tensors = entries.names, entries.tensors
-        wire = [wire_dtype(t.dtype, self._config.cast_dtype) for t in tensors]
-        direct = tuple(
-            threshold is not None and _nbytes(t) >= threshold and _is_contiguous(t)
-            and t.device == self._device and t.dtype == dtype
-            for t, dtype in zip(tensors, wire, strict=True)
-        )  # fmt: skip
-        key = (
-            tuple((n, t.dtype, t.shape) for n, t in zip(names, tensors, strict=True)),
-            direct, tuple(entries.tied),
-        )  # fmt: skip
-        if self._last is not None and self._last[0] == key:
-            return self._last[1]
+        # Column by column, as in _plain_entries: this runs on every push. The shapes are
+        # compared one by one as they are read, not kept: thousands of torch.Size objects alive
+        # at once would wake the garbage collector.
+        names, tensors, tied = entries.names, entries.tensors, entries.tied
+        dtypes = list(map(_DTYPE, tensors))
+        casts = {dtype: wire_dtype(dtype, self._config.cast_dtype) for dtype in set(dtypes)}
+        wire = list(map(casts.__getitem__, dtypes))
+        direct = self._direct(tensors, dtypes, wire)
+        last = self._last
+        if (
+            last is not None and last.names == names and last.dtypes == dtypes
+            and last.direct == direct and last.tied == tied
+            and all(map(operator.eq, map(_SHAPE, tensors), last.shapes))
+        ):  # fmt: skip
+            return last.plan
         metas = [
             TensorMeta.of(name, tensor, dtype)
             for name, tensor, dtype in zip(names, tensors, wire, strict=True)
         ]
         config = self._config
-        plan = make_plan(metas, config.bucket_bytes, config.alignment, direct, entries.tied)
-        self._last = (key, plan)
+        plan = make_plan(metas, config.bucket_bytes, config.alignment, direct, tied)
+        shapes = [meta.shape for meta in metas]
+        self._last = _Planned(list(names), dtypes, shapes, direct, list(tied), plan)
         return plan
 
+    def _direct(
+        self, tensors: list[torch.Tensor], dtypes: list[torch.dtype], wire: list[torch.dtype]
+    ) -> list[bool]:
+        """Which tensors are sent from their own storage: large enough (the full tensor's
+        size, for a DTensor too), contiguous, on the transport's device and not cast."""
+        threshold = self._config.direct_min_bytes
+        direct = [False] * len(tensors)
+        if threshold is None:
+            return direct
+        sizes = map(operator.mul, map(torch.Tensor.numel, tensors), map(_ITEMSIZE, dtypes))
+        large = itertools.compress(range(len(tensors)), map(operator.ge, sizes, itertools.repeat(threshold)))
+        for index in large:
+            tensor = tensors[index]
+            direct[index] = (
+                _is_contiguous(tensor) and tensor.device == self._device and dtypes[index] == wire[index]
+            )
+        return direct
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()  # of the full tensor, for a DTensor too
+
+@dataclass(frozen=True)
+class _Planned:
+    """A plan and the layout it was made for (a tensor's shape as its plan has it: a tuple)."""
+
+    names: list[str]
+    dtypes: list[torch.dtype]
+    shapes: list[tuple[int, ...]]
+    direct: list[bool]
+    tied: list[Tied]
+    plan: SyncPlan
 
 
 def _is_contiguous(tensor: torch.Tensor) -> bool:

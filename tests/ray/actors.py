@@ -287,7 +287,11 @@ class LMWorker(WeightSyncWorker):
         self.model = TinyLM(fused=fused, seed=1)
 
     def still_tied(self) -> bool:
-        return self.model.lm_head.weight is self.model.embed.weight
+        """The tie kept, and every parameter still a trainable leaf: pushes land in them in
+        place (under no_grad) and record no autograd history."""
+        params = list(self.model.parameters())
+        trainable = all(p.requires_grad and p.is_leaf and p.grad_fn is None for p in params)
+        return trainable and self.model.lm_head.weight is self.model.embed.weight
 
 
 @ray.remote(num_cpus=0)

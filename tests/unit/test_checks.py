@@ -8,8 +8,8 @@ from weight_sync import SyncConfig
 from weight_sync.mapping import fuse
 from weight_sync.metadata import PrepareRequest, TensorMeta
 from weight_sync.planner import make_plan
-from weight_sync.receiver import Receiver, accept_all, check_plan
-from weight_sync.sender import PushPlanner, check_state_dict
+from weight_sync.receiver import Receiver, _Targets, accept_all, check_plan
+from weight_sync.sender import PushPlanner, _entries, _plain_entries, check_state_dict
 
 
 def expected_of(**tensors: torch.Tensor) -> dict[str, TensorMeta]:
@@ -128,6 +128,42 @@ def test_bad_state_dicts_are_refused(state_dict, error: type, message: str) -> N
         check_state_dict(state_dict, SyncConfig())
 
 
+_W = torch.zeros(2, 8)
+
+
+@pytest.mark.parametrize(
+    ("pairs", "plain"),
+    [
+        ([], True),
+        ([("a", torch.zeros(3)), ("b", torch.ones(2, 2, dtype=torch.bfloat16))], True),
+        ([("a", torch.nn.Parameter(torch.ones(3)))], True),  # detached on the way
+        ([("a", torch.nn.Parameter(torch.ones(3), requires_grad=False))], True),
+        ([("a", torch.zeros(8, 8).t())], True),  # strided: packing gathers it
+        ([("a", _W), ("b", _W)], False),  # tied: found entry by entry
+        ([("a", _W), ("b", _W.view(16))], False),  # one address, not tied: settled there too
+        ([("a", torch.zeros(0)), ("b", torch.zeros(0))], False),
+        ([("a", torch.zeros(1)), ("a", torch.zeros(1))], False),  # the errors are named there
+        ([("", torch.zeros(1))], False),
+        ([("a", torch.zeros(2, device="meta"))], False),
+        ([("a", torch.zeros(2, 2).to_sparse())], False),
+        ([("a", torch.empty(2, dtype=torch.bits16))], False),
+        ([("a", [1.0])], False),
+    ],
+)
+def test_the_column_check_agrees_with_the_entry_by_entry_one(pairs: list, plain: bool) -> None:
+    """``_plain_entries`` is a fast path: where it answers, the loop would answer the same."""
+    names, tensors = [name for name, _ in pairs], [tensor for _, tensor in pairs]
+    fast = _plain_entries(names, tensors)
+    assert (fast is not None) is plain
+    if fast is not None:
+        slow = _entries(names, tensors, sharded=False, renamed=False)
+        assert fast.names == slow.names and fast.tied == slow.tied == []
+        assert [(t.data_ptr(), t.shape, t.stride()) for t in fast.tensors] == [
+            (t.data_ptr(), t.shape, t.stride()) for t in slow.tensors
+        ]
+        assert not any(t.requires_grad for t in fast.tensors)
+
+
 def test_too_many_tensors() -> None:
     with pytest.raises(ValueError, match="max_tensors=3"):
         check_state_dict({f"w{i}": torch.zeros(1) for i in range(4)}, SyncConfig(max_tensors=3))
@@ -223,3 +259,19 @@ def test_finiteness_check_looks_through_the_cast(tensor: torch.Tensor, cast: str
             check_state_dict({"w": tensor}, config)
     else:
         check_state_dict({"w": tensor}, config)
+
+
+def test_a_workers_tensors_are_recognised_across_pushes() -> None:
+    """What the receiver's reuse (of its plan check and unpacker) is keyed by: the same tensors
+    at the same addresses match; a swapped storage, a new name or a new shape do not."""
+    model = torch.nn.Linear(4, 4)
+    first = _Targets.of(model.state_dict(keep_vars=True))
+    assert _Targets.of(model.state_dict(keep_vars=True), first) is first  # the very objects
+    detached = _Targets.of(model.state_dict(), first)  # new objects, same tensors: equal
+    assert detached is not first and detached == first
+    model.bias.data = torch.zeros(4)  # a new storage under the same Parameter
+    assert _Targets.of(model.state_dict(keep_vars=True), first) != first
+    model.register_buffer("scale", torch.ones(1))
+    assert _Targets.of(model.state_dict(keep_vars=True), first) != first
+    reshaped = {"w": torch.zeros(16)}
+    assert _Targets.of({"w": reshaped["w"].view(4, 4)}, _Targets.of(reshaped)) != _Targets.of(reshaped)
