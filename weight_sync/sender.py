@@ -7,7 +7,6 @@ import logging
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import TypeGuard
 
 import torch
@@ -30,9 +29,10 @@ _CASTABLE = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat
 _FINITE_CHUNK = 1 << 22  # elements per chunk of the exact finiteness check
 _PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 _SENDABLE = frozenset(DTYPES.values())
-_DTYPE, _SHAPE, _LAYOUT = attrgetter("dtype"), attrgetter("shape"), attrgetter("layout")
-_ITEMSIZE = attrgetter("itemsize")
-_IS_CPU, _REQUIRES_GRAD = attrgetter("is_cpu"), attrgetter("requires_grad")
+# Read column by column: see _plain_entries.
+_DTYPE, _SHAPE, _LAYOUT, _ITEMSIZE, _IS_CPU, _REQUIRES_GRAD = map(
+    operator.attrgetter, ("dtype", "shape", "layout", "itemsize", "is_cpu", "requires_grad")
+)
 # isfinite has kernels for these; fp8/fp4 storage dtypes are skipped (too coarse to hold a NaN
 # the trainer did not put there on purpose).
 _FINITE_CHECKABLE = frozenset(
