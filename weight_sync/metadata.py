@@ -21,6 +21,9 @@ MAX_NAME_CHARS = 1024
 MAX_DIMS = 32
 TRAINER_RANK = 0  # the trainer is rank 0 of every sync group and the source of every broadcast
 PLAN_CACHE_SIZE = 8  # plans a member keeps (by digest), most recently accepted last
+# Codes of a vote over the group (see Transport.vote), given by the trainer and every member:
+# every rank gets back the largest, so one refusal calls the push off everywhere.
+VOTE_AGREED, VOTE_REFUSED = 0, 1
 
 # Every dtype a model can hold whose bytes round-trip through a uint8 view.
 _DTYPE_NAMES = (

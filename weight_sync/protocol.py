@@ -49,6 +49,7 @@ from weight_sync.mapping import Transform
 from weight_sync.metadata import (
     PLAN_CACHE_SIZE,
     TRAINER_RANK,
+    VOTE_AGREED,
     BackendName,
     GroupSpec,
     MemberInfo,
@@ -75,7 +76,6 @@ logger = logging.getLogger(__name__)
 # After a failure, how long past its own timeout a member's call may take to report (latency of
 # the control plane on a loaded node); a member silent beyond that is taken for frozen.
 _GRACE_S = 5.0
-_AGREED = 0  # a vote's code (see Transport.vote) for "go on"; a member's refusal is larger
 
 
 def _teardown_reserve(push_timeout_s: float) -> float:
@@ -398,10 +398,10 @@ class Pusher:
         turned out to need the plan or dense bytes (the push then goes the long way)."""
         calls = self._plane.push(request, deadline.remaining())
         try:
-            verdict = group.vote(_AGREED, deadline.left(self._config.collective_timeout_s))
+            verdict = group.vote(VOTE_AGREED, deadline.left(self._config.collective_timeout_s))
         except WeightSyncError as exc:
             raise self._after_failure(calls, "push", deadline) or exc from exc
-        if verdict != _AGREED:
+        if verdict != VOTE_AGREED:
             timeout_s = deadline.left(self._config.rpc_timeout_s)
             replies = [reply.prepared for reply in self._settle(calls, "push", timeout_s)]
             for index, reply in enumerate(replies):
@@ -457,7 +457,7 @@ class Pusher:
                 baseline.finish(plan, request.version, request.partial)
                 sent, wire_bytes, density = out.checksums, out.wire_bytes, out.density
             if request.commit_on_receipt:  # completes once every member has received
-                group.vote(_AGREED, deadline.left(self._config.collective_timeout_s))
+                group.vote(VOTE_AGREED, deadline.left(self._config.collective_timeout_s))
         except WeightSyncError as exc:
             raise self._after_failure(receiving, what, deadline) or exc from exc
         outcomes = collect(self._plane, receiving, deadline.remaining())

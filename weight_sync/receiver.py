@@ -33,6 +33,8 @@ from weight_sync.errors import WeightSyncError
 from weight_sync.metadata import (
     PLAN_CACHE_SIZE,
     TRAINER_RANK,
+    VOTE_AGREED,
+    VOTE_REFUSED,
     GroupSpec,
     MemberInfo,
     Phase,
@@ -64,7 +66,6 @@ Destinations = Mapping[str, torch.Tensor]
 # What a worker cannot load of a plan, given whether the push is partial; empty: all of it.
 Check = Callable[[SyncPlan, bool], Sequence[str]]
 _MAX_SPEC_CHARS = 4096
-_AGREED, _REFUSED = 0, 1  # codes of a vote (see Transport.vote): the largest wins
 _DTYPE, _SHAPE = operator.attrgetter("dtype"), operator.attrgetter("shape")
 
 
@@ -346,16 +347,16 @@ class Receiver:
         try:
             reply = self.prepare(request_json, check, lambda: destinations)
         except BaseException:
-            transport.vote(_REFUSED)  # the others must not wait on us for their timeout
+            transport.vote(VOTE_REFUSED)  # the others must not wait on us for their timeout
             raise
         prepared = self._prepared
         try:
-            verdict = transport.vote(_AGREED if reply.accepted else _REFUSED)
+            verdict = transport.vote(VOTE_AGREED if reply.accepted else VOTE_REFUSED)
         except BaseException as exc:  # a peer or the trainer failed: this group is done
             self._fail(exc)
             self.leave()
             raise
-        if verdict != _AGREED:
+        if verdict != VOTE_AGREED:
             if prepared is not None:
                 self.cancel(prepared.version)
             return PushReply(prepared=reply)
@@ -438,7 +439,7 @@ class Receiver:
                     finish()
                 if sums is not None and patched:
                     sums += patched
-            if push.request.commit_on_receipt and transport.vote(_AGREED) != _AGREED:
+            if push.request.commit_on_receipt and transport.vote(VOTE_AGREED) != VOTE_AGREED:
                 raise WeightSyncError(f"push {version} was called off by another member after the "
                                       "last byte; this worker keeps it uncommitted")  # fmt: skip
         except BaseException as exc:
