@@ -5,7 +5,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import ray
+
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,6 +24,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def ray_cluster() -> Iterator[None]:
     """One local Ray cluster for every Ray test (starting one costs seconds on 2 cores)."""
     # Actor classes defined in test modules are imported by reference in the workers.
+    import ray  # here, not at the top: the GPU suite runs where Ray is not installed
+
     paths = [str(REPO), os.environ.get("PYTHONPATH", "")]
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

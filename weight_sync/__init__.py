@@ -4,7 +4,10 @@
     result = updater.push(model.state_dict())
 """
 
-from weight_sync.actors import PushResult, WeightSyncWorker, WeightUpdater, remote_worker
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from weight_sync.config import SyncConfig
 from weight_sync.errors import (
     ChecksumMismatchError,
@@ -15,6 +18,23 @@ from weight_sync.errors import (
     WorkerFailedError,
 )
 from weight_sync.metadata import SyncStatus
+from weight_sync.protocol import PushResult
+
+if TYPE_CHECKING:
+    from weight_sync.actors import WeightSyncWorker, WeightUpdater, remote_worker
+
+# The Ray glue is imported when first used: the data plane, the protocol and their tests run
+# where Ray is not installed (a GPU machine, a torchrun job).
+_RAY_GLUE = {"WeightSyncWorker", "WeightUpdater", "remote_worker"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RAY_GLUE:
+        from weight_sync import actors
+
+        return getattr(actors, name)
+    raise AttributeError(f"module 'weight_sync' has no attribute {name!r}")
+
 
 __all__ = [
     "ChecksumMismatchError",

@@ -33,11 +33,14 @@ class SyncConfig(BaseModel):
         description="Largest packed bucket in bytes. Bigger buckets mean fewer collectives, "
         "smaller ones more overlap of packing with sending; each side holds two at a time.",
     )
-    direct_min_bytes: int | None = Field(
-        1 * MiB,
+    direct_min_bytes: int | Literal["auto"] | None = Field(
+        "auto",
         description="Contiguous tensors at least this large skip the buckets: each is broadcast "
         "from its own storage and, where the worker's target allows, straight into it. None "
-        "packs everything. 1 MiB measured best on Gloo (benchmarks/README.md).",
+        "packs everything. 'auto' picks by where the buffers live: 1 MiB for host buffers "
+        "(Gloo, the ring; measured best there, benchmarks/README.md), bucket_bytes for GPU "
+        "buffers (NCCL), where packing is a cheap device copy and every extra collective costs "
+        "its launch and latency: only tensors that would fill a bucket anyway go alone.",
     )
     cast_dtype: CastDtype | None = Field(
         None,
@@ -119,8 +122,11 @@ class SyncConfig(BaseModel):
         "stream",
         description="'stream' writes each bucket into the model as it arrives (memory: two "
         "buckets), the worker reporting no version meanwhile; 'atomic' receives the whole push "
-        "into a staging area (memory: one full copy) and applies it only on commit, so a worker "
-        "keeps its old weights and version until every worker has the new ones.",
+        "into a staging area and applies it only on commit, so a worker keeps its old weights "
+        "and version until every worker has the new ones. The staging area is one full copy "
+        "of the push in host memory -- pinned host memory on a GPU worker, never the GPU's own "
+        "(a serving engine's GPU has no room for a second model), copied to the GPU at commit "
+        "on a side stream; a worker that cannot allocate it fails the push before any byte moves.",
     )
     delta: bool = Field(
         False,
@@ -132,8 +138,9 @@ class SyncConfig(BaseModel):
     )
     checksum: bool = Field(
         False,
-        description="Verify a CRC32 of every bucket on every worker before commit; a mismatch "
-        "fails the push. Costs one pass over the bytes on each side.",
+        description="Verify a 64-bit checksum of every bucket on every worker before commit; a "
+        "mismatch fails the push. Computed where the bytes are (on the GPU for NCCL, read once "
+        "per push), the same on any device; costs two passes over the bytes on each side.",
     )
     check_finite: bool = Field(
         False,
@@ -186,9 +193,9 @@ class SyncConfig(BaseModel):
 
     @field_validator("direct_min_bytes")
     @classmethod
-    def _direct_positive(cls, value: int | None) -> int | None:
-        if value is not None and value < 1:
-            raise ValueError(f"direct_min_bytes must be >= 1 or None (got {value})")
+    def _direct_positive(cls, value: int | str | None) -> int | str | None:
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"direct_min_bytes must be >= 1, 'auto' or None (got {value})")
         return value
 
     @field_validator("master_addr")

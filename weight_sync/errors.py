@@ -66,3 +66,18 @@ class ChecksumMismatchError(WorkerFailedError):
 
 class TransportError(WeightSyncError):
     """The process group could not be formed or a collective failed."""
+
+
+class GroupFormationError(TransportError):
+    """The sync group could not be formed: a member never arrived, or its communicator failed
+    to initialise (a duplicate GPU, out of memory, mismatched NCCL settings or versions).
+
+    ``ranks`` are the group ranks to blame (empty when none in particular is).
+    """
+
+    def __init__(self, message: str, ranks: Sequence[int] = ()) -> None:
+        self.ranks = list(ranks)
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple:
+        return type(self), (str(self), self.ranks)

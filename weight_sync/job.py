@@ -91,7 +91,7 @@ class JobTrainer:
 
     def routes(self) -> list[str]:
         assert self.updater is not None
-        return self.updater.routes
+        return list(self.updater.routes)
 
     def close(self) -> None:
         if self.updater is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import math
 from functools import cached_property
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -216,23 +216,27 @@ BASE_PATTERN = r"^[0-9a-f]{16}:[0-9]{1,19}$"  # see weight_sync.delta.lineage
 BackendName = Literal["gloo", "nccl"]
 ModeName = Literal["world", "standalone"]
 StagingName = Literal["stream", "atomic"]
-TransportName = Literal["group", "shm"]
+TransportName = Literal["group", "shm", "cuda_ipc"]
+
+
+GpuUuid = Annotated[str, Field(min_length=1, max_length=64)]
 
 
 class GroupSpec(_Wire):
     """Everything a member needs to join the dedicated sync group.
 
     ``transport`` says which part of it: ``"group"``, the torch.distributed broadcast group at
-    ``address:port``; or ``"shm"``, the trainer's shared-memory ring on this host, reached at the
-    abstract Unix socket named ``address`` (port 0), with ``rank``/``world_size`` counted among the
-    ring's readers (the trainer is 0). Backend and mode are those of the push either way.
+    ``address:port``; ``"shm"``, the trainer's shared-memory ring on this host, or ``"cuda_ipc"``,
+    the ring of CUDA buffers on the trainer's own GPU (see ``transport.cuda_ipc``), either reached
+    at the abstract Unix socket named ``address`` (port 0), with ``rank``/``world_size`` counted
+    among the ring's readers (the trainer is 0). Backend and mode are those of the push either way.
     """
 
     group_id: str = Field(pattern=r"^[0-9a-f]{8,64}$")
     address: str = Field(min_length=1, max_length=255)
     port: int = Field(ge=0, le=65535)
     transport: TransportName = "group"
-    world_size: int = Field(ge=2)
+    world_size: int = Field(ge=1)  # 1: the trainer alone (a one-GPU check of the group's paths)
     rank: int = Field(ge=0)
     backend: BackendName
     mode: ModeName
@@ -243,8 +247,8 @@ class GroupSpec(_Wire):
     def _rank_in_world(self) -> GroupSpec:
         if self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} outside world of {self.world_size}")
-        if (self.port == 0) != (self.transport == "shm"):
-            raise ValueError("a group needs a port (1..65535); a shared-memory ring has none (0)")
+        if (self.port == 0) != (self.transport != "group"):
+            raise ValueError("a group needs a port (1..65535); a ring has none (0)")
         return self
 
 
@@ -265,6 +269,10 @@ class MemberInfo(_Wire):
     host: str | None = Field(None, max_length=256)
     # The trainer's copy of the weights this member holds bit for bit, if any (see delta.lineage).
     delta_base: str | None = Field(None, pattern=BASE_PATTERN)
+    # The UUID of the GPU each of its ranks receives on (``torch.cuda.get_device_properties(i)
+    # .uuid``), empty for a CPU member: members sharing a GPU with the trainer or with each other
+    # are never put in one NCCL group (NCCL refuses two ranks on one device; see weight_sync.routes).
+    gpus: tuple[GpuUuid, ...] = Field((), max_length=4096)
     # It takes a whole push in one call -- prepare, receive, commit -- agreeing with the other
     # members by votes over the group (a ``WeightSyncWorker``; see ``Receiver.push``).
     one_call: bool = False
@@ -310,7 +318,7 @@ class ReceiveReport(_Wire):
     nbytes: int
     buckets: int
     seconds: float
-    checksums: tuple[int, ...] | None = None  # CRC32 per bucket, when the push asked for them
+    checksums: tuple[int, ...] | None = None  # per bucket (packing.checksum), when asked for
 
 
 class PushReply(_Wire):

@@ -22,9 +22,28 @@ from collections.abc import Sequence
 
 from weight_sync.metadata import BucketMeta, Segment, SyncPlan, TensorMeta, Tied
 
+# 'auto' direct threshold for host buffers: measured best on Gloo (benchmarks/README.md).
+HOST_DIRECT_MIN_BYTES = 1 << 20
+
 
 def align_up(offset: int, alignment: int) -> int:
     return -(-offset // alignment) * alignment
+
+
+def direct_threshold(setting: int | str | None, device_type: str, bucket_bytes: int) -> int | None:
+    """The smallest tensor sent from its own storage (None: none is) for buffers on a device of
+    ``device_type``, given ``SyncConfig.direct_min_bytes`` (an explicit value wins).
+
+    'auto' on the host is 1 MiB: a host copy costs about what the bytes cost on the wire, so
+    skipping it pays from small sizes. On a GPU packing is a device copy at memory speed (a
+    32 MiB bucket in some 20 us on an H100) while every collective costs a launch and its
+    latency (tens of us on NVLink): a tensor smaller than a bucket would add a collective to
+    save less than it costs. From ``bucket_bytes`` up it would fill a bucket of its own anyway,
+    so sending it alone adds no collective and saves the copy.
+    """
+    if setting != "auto":
+        return None if setting is None else int(setting)
+    return bucket_bytes if device_type == "cuda" else HOST_DIRECT_MIN_BYTES
 
 
 def make_plan(

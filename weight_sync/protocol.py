@@ -25,7 +25,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -36,6 +36,7 @@ import torch.distributed as dist
 from weight_sync.config import SyncConfig
 from weight_sync.control import ControlPlane, Outcomes, collect
 from weight_sync.deadline import Deadline
+from weight_sync.devices import CPU, gpu_uuid, push_device
 from weight_sync.delta import transfer as delta
 from weight_sync.delta.baseline import Baseline
 from weight_sync.delta.lineage import next_base
@@ -44,6 +45,7 @@ from weight_sync.errors import (
     PlanMismatchError,
     TransportError,
     WeightSyncError,
+    WorkerFailedError,
 )
 from weight_sync.mapping import Transform
 from weight_sync.metadata import (
@@ -68,14 +70,26 @@ from weight_sync.sender import (
     check_state_dict,
     nonfinite_error,
 )
+from weight_sync.routes import Route, choose_routes
 from weight_sync.sharded import ShardedSource
-from weight_sync.transport import Fanout, TorchGroup, Transport, address_of_interface, bind_listener, shm
+from weight_sync.transport import (
+    Fanout,
+    TorchGroup,
+    Transport,
+    address_of_interface,
+    bind_listener,
+    cuda_ipc,
+    shm,
+)
+from weight_sync.transport.ring import RingUnavailableError
 
 logger = logging.getLogger(__name__)
 
 # After a failure, how long past its own timeout a member's call may take to report (latency of
 # the control plane on a loaded node); a member silent beyond that is taken for frozen.
 _GRACE_S = 5.0
+
+Ring = shm.ShmWriter | cuda_ipc.CudaIpcWriter  # the trainer's end of a ring
 
 
 def _teardown_reserve(push_timeout_s: float) -> float:
@@ -139,7 +153,8 @@ class Pusher:
         # Per member: digests of the plans it holds, most recent last, as its own cache keeps
         # them (a guess: a member that lost one asks for it, and the push goes the long way).
         self._known: list[list[str]] = []
-        self._routes: list[str] = []  # per member of the current group: "shm" or "group"
+        self._routes: list[Route] = []  # per member of the current group (see weight_sync.routes)
+        self._ipc_refused = False  # a CUDA ring failed to open here: colocated members take shm
         # With SyncConfig.delta: the copy of what the members hold, and which base each holds.
         self._baseline = Baseline() if self._config.delta else None
         self._bases: list[str | None] = []
@@ -162,9 +177,10 @@ class Pusher:
         return self._group
 
     @property
-    def routes(self) -> list[str]:
-        """How each member receives through the current group: ``"shm"`` (the shared-memory ring
-        of this host) or ``"group"`` (the broadcast group); empty while no group is formed."""
+    def routes(self) -> list[Route]:
+        """How each member receives through the current group: ``"group"`` (the broadcast
+        group), ``"shm"`` (the host ring) or ``"cuda_ipc"`` (the CUDA ring on the trainer's GPU);
+        see ``weight_sync.routes``. Empty while no group is formed."""
         return list(self._routes) if self._group is not None else []
 
     @property
@@ -535,14 +551,18 @@ class Pusher:
         self._version = max([self._version, *held])
         sent = max(info.highest_version for info in infos)
         self._next_version = max(self._next_version, self._version + 1, sent + 1)
-        backend = _choose_backend(config, tensors, infos)
+        device = push_device(tensors)
+        routes = choose_routes(
+            backend=config.backend, same_host=config.same_host, trainer_gpu=gpu_uuid(device),
+            trainer_host=shm.host_key(), infos=infos, ipc_refused=self._ipc_refused,
+        )  # fmt: skip
+        backend = routes.backend
+        # NCCL sends from the weights' GPU; Gloo (and the rings beside it) from host buffers.
+        send_device = device if backend == "nccl" else CPU
         mode = _choose_mode(config, infos)
         group_id = secrets.token_hex(8)
-        local = on_the_ring(config.same_host, backend, [i.host for i in infos], shm.host_key())
-        writer = _open_ring(config, group_id, sum(i.ranks for i, on in zip(infos, local) if on))
-        if writer is None:
-            local = [False] * len(infos)
-        remote = sum(info.ranks for info, on in zip(infos, local, strict=True) if not on)
+        kinds, writers = _open_rings(config, group_id, list(routes.routes), infos, send_device)
+        remote = sum(info.ranks for info, kind in zip(infos, kinds, strict=True) if kind == "group")
         try:
             address = (
                 config.master_addr if config.interface is None
@@ -550,56 +570,63 @@ class Pusher:
             )  # fmt: skip
             listener = bind_listener(address) if remote else None
         except BaseException:
-            _close_all([], None, writer)
+            _close_all(list(writers.values()), None)
             raise
         rendezvous_s = deadline.left(config.rendezvous_timeout_s)
         common = dict(group_id=group_id, backend=backend, mode=mode,
                       rendezvous_timeout_s=rendezvous_s,
                       collective_timeout_s=config.collective_timeout_s)  # fmt: skip
 
-        def spec(rank: int, on_ring: bool) -> GroupSpec:
-            """Rank ``rank`` of the ring or of the group."""
-            if on_ring:
-                assert writer is not None
-                return GroupSpec(address=shm.socket_name(group_id), port=0, transport="shm",
-                                 world_size=writer.world_size, rank=rank, **common)  # fmt: skip
+        def spec(rank: int, kind: Route) -> GroupSpec:
+            """Rank ``rank`` of the group, or of the ring ``kind``."""
+            if kind != "group":
+                ring = writers[kind]
+                return GroupSpec(address=_RING_SOCKETS[kind](group_id), port=0, transport=kind,
+                                 world_size=ring.world_size, rank=rank, **common)  # fmt: skip
             assert listener is not None
             return GroupSpec(address=address, port=listener.getsockname()[1],
                              world_size=remote + 1, rank=rank, **common)  # fmt: skip
 
-        firsts = first_ranks([info.ranks for info in infos], local)
-        specs = [spec(rank, on) for rank, on in zip(firsts, local, strict=True)]
+        firsts = first_ranks([info.ranks for info in infos], kinds)
+        specs = [spec(rank, kind) for rank, kind in zip(firsts, kinds, strict=True)]
         join_s = deadline.left(config.rpc_timeout_s)
         joining = self._plane.join(specs, config.max_metadata_bytes, join_s)
         parts: list[Transport] = []
         try:
             if listener is not None:
-                parts.append(TorchGroup.join(spec(TRAINER_RANK, False), listener))
-            if writer is not None:
-                writer.accept(deadline.left(rendezvous_s))
-                parts.append(writer)
-        except WeightSyncError as exc:
-            _close_all(parts, listener, writer)
-            # The members that joined fail at their own rendezvous timeout, about now.
-            failure = self._blame_late(
-                joining, "join", min(_GRACE_S, deadline.remaining()), rendezvous_s
-            )
+                on = send_device if backend == "nccl" else None
+                parts.append(TorchGroup.join(spec(TRAINER_RANK, "group"), listener, device=on))
+            for ring in writers.values():
+                ring.accept(deadline.left(rendezvous_s))
+        except BaseException as exc:
+            _close_all([*parts, *writers.values()], listener)
+            failure = None
+            if isinstance(exc, WeightSyncError):  # the members that joined fail about now
+                wait_s = min(_GRACE_S, deadline.remaining())
+                failure = self._blame_late(joining, "join", wait_s, rendezvous_s)
             self._leave_members(deadline)
-            raise failure or exc from exc
-        except BaseException:
-            _close_all(parts, listener, writer)
-            self._leave_members(deadline)
+            if isinstance(exc, cuda_ipc.IpcUnavailableError):
+                # Remembered for this updater's life: IPC is a property of the deployment.
+                logger.warning("CUDA IPC refused (%s): workers on the trainer's GPU take the "
+                               "host ring instead", exc)  # fmt: skip
+                self._ipc_refused = True
+                return self._ensure_group(tensors, deadline)
+            if isinstance(exc, WeightSyncError):
+                raise _formation_error(exc, failure, firsts, kinds, infos) from exc
             raise
-        group = parts[0] if len(parts) == 1 else Fanout(parts)
+        parts.extend(writers.values())
+        group = parts[0] if len(parts) == 1 else Fanout(parts, send_device)
         try:
             self._settle(joining, "join", join_s)
         except BaseException:
             group.close()
             self._leave_members(deadline)
             raise
-        if writer is not None:
-            logger.info("%d of %d members receive through shared memory", sum(local), len(local))
-        self._routes = ["shm" if on else "group" for on in local]
+        if writers:
+            counts = {kind: kinds.count(kind) for kind in ("group", "shm", "cuda_ipc")}
+            logger.info("routes of the %d members: %s", len(kinds),
+                        ", ".join(f"{kind} {n}" for kind, n in counts.items() if n))  # fmt: skip
+        self._routes = list(kinds)
         self._group = group
         return group
 
@@ -654,19 +681,9 @@ def _check_checksums(reports: list[ReceiveReport], sent: list[int]) -> None:
     bad = [index for index, report in enumerate(reports) if report.checksums != tuple(sent)]
     if bad:
         raise ChecksumMismatchError(
-            f"worker(s) {bad} received bytes whose CRC32 differs from what was sent; nothing "
+            f"worker(s) {bad} received bytes whose checksum differs from what was sent; nothing "
             "was committed. Check the network path and the workers' memory", bad,
         )  # fmt: skip
-
-
-def _choose_backend(
-    config: SyncConfig, tensors: list[torch.Tensor], infos: list[MemberInfo]
-) -> BackendName:
-    if config.backend != "auto":
-        return config.backend
-    on_cuda = any(t.is_cuda for t in tensors)
-    everyone_has_gpu = torch.cuda.is_available() and all(info.cuda for info in infos)
-    return "nccl" if on_cuda and everyone_has_gpu else "gloo"
 
 
 def _choose_mode(config: SyncConfig, infos: list[MemberInfo]) -> ModeName:
@@ -685,46 +702,101 @@ def _choose_mode(config: SyncConfig, infos: list[MemberInfo]) -> ModeName:
     return config.group_mode
 
 
-def first_ranks(ranks: Sequence[int], local: Sequence[bool]) -> list[int]:
-    """Each member's first rank in its part of the push -- the ring (``local``) or the group --
-    counting from 1 in each (the trainer is rank 0 of both). A member bringing several ranks (an
-    engine with tensor parallelism: each of its workers receives every byte) numbers the rest on
-    from its first."""
-    following = {False: 1, True: 1}
+def first_ranks(ranks: Sequence[int], parts: Sequence[Hashable]) -> list[int]:
+    """Each member's first rank in its part of the push (``parts``: its route -- the group or
+    a ring), counting from 1 in each (the trainer is rank 0 of every part). A member bringing
+    several ranks (an engine with tensor parallelism: each of its workers receives every byte)
+    numbers the rest on from its first."""
+    following: dict[Hashable, int] = {}
     firsts = []
-    for count, on in zip(ranks, local, strict=True):
-        firsts.append(following[on])
-        following[on] += count
+    for count, part in zip(ranks, parts, strict=True):
+        firsts.append(following.get(part, 1))
+        following[part] = firsts[-1] + count
     return firsts
 
 
-def on_the_ring(
-    same_host: str, backend: BackendName, hosts: Sequence[str | None], here: str | None
-) -> list[bool]:
-    """Which members take the shared-memory ring: for a CPU (Gloo) push with ``same_host="shm"``,
-    those whose host key is the trainer's (``here``; None where this platform has no ring)."""
-    if same_host != "shm" or backend != "gloo" or here is None:
-        return [False] * len(hosts)
-    return [host == here for host in hosts]
+_RING_SOCKETS: dict[str, Callable[[str], str]] = {
+    "shm": shm.socket_name, "cuda_ipc": cuda_ipc.socket_name
+}
 
 
-def _open_ring(config: SyncConfig, group_id: str, readers: int) -> shm.ShmWriter | None:
-    """The ring for ``readers`` local ranks, or None (none, or no room: they take the group)."""
-    if not readers:
-        return None
+def _open_rings(
+    config: SyncConfig, group_id: str, kinds: list[Route], infos: Sequence[MemberInfo],
+    device: torch.device,
+) -> tuple[list[Route], dict[Route, Ring]]:
+    """Open the rings the routes call for; members whose ring cannot be had fall back -- from
+    the CUDA ring to the host ring, from the host ring to the group. Returns every member's
+    route as it now stands, and the rings by route."""
+    writers: dict[Route, Ring] = {}
+    wanted = list(kinds)
+    fallbacks: tuple[tuple[Route, Route], ...] = (("cuda_ipc", "shm"), ("shm", "group"))
+    for kind, fallback in fallbacks:
+        members = [index for index, taken in enumerate(kinds) if taken == kind]
+        if not members:
+            continue
+        readers = sum(infos[index].ranks for index in members)
+        ring = _open_ring(config, group_id, readers, kind, device)
+        if ring is not None:
+            writers[kind] = ring
+            continue
+        for index in members:
+            kinds[index] = fallback
+    stranded = [i for i, (want, got) in enumerate(zip(wanted, kinds, strict=True))
+                if want != "group" and got == "group"]  # fmt: skip
+    if device.type == "cuda" and stranded:
+        _close_all(list(writers.values()), None)
+        raise TransportError(
+            f"worker(s) {stranded} share the trainer's GPU, which an NCCL group cannot hold, and "
+            "no ring could be opened for them (see the warnings above); free memory or use "
+            "backend='gloo'"
+        )
+    return kinds, writers
+
+
+def _open_ring(
+    config: SyncConfig, group_id: str, readers: int, kind: Route = "shm",
+    device: torch.device = CPU,
+) -> Ring | None:
+    """The ring ``kind`` for ``readers`` ranks, sending from ``device``; None where it cannot
+    be had (no room, no IPC: those members fall back, see ``_open_rings``)."""
+    slot_bytes = shm.slot_bytes_for(config.bucket_bytes, config.alignment)
+    timeout_s = config.collective_timeout_s
     try:
-        return shm.ShmWriter(group_id, readers, shm.slot_bytes_for(config.bucket_bytes, config.alignment),
-                             config.collective_timeout_s)  # fmt: skip
-    except shm.ShmUnavailableError as exc:
-        logger.warning("workers on this host take the group instead of shared memory: %s", exc)
+        if kind == "cuda_ipc":
+            writer: Ring = cuda_ipc.CudaIpcWriter(group_id, readers, slot_bytes, timeout_s, device)
+        else:
+            writer = shm.ShmWriter(group_id, readers, slot_bytes, timeout_s, device)
+        return writer
+    except RingUnavailableError as exc:
+        instead = ("the host ring", "CUDA IPC") if kind == "cuda_ipc" else ("the group", "shared memory")
+        logger.warning("workers on this host take %s instead of %s: %s", *instead, exc)
         return None
 
 
-def _close_all(parts: Sequence[Transport], listener: socket.socket | None,
-               writer: shm.ShmWriter | None) -> None:  # fmt: skip
+def _close_all(parts: Sequence[Transport], listener: socket.socket | None) -> None:
     for part in parts:
         part.close()
     if listener is not None:
         listener.close()
-    if writer is not None:
-        writer.close()
+
+
+def _formation_error(
+    exc: WeightSyncError,
+    failure: WeightSyncError | None,
+    firsts: Sequence[int],
+    kinds: Sequence[Route],
+    infos: Sequence[MemberInfo],
+) -> WeightSyncError:
+    """The error of a group that did not form: the group's own verdict, naming the members
+    whose ranks it blames (a duplicate GPU, a failed NCCL init, mismatched NCCL settings), or
+    else what the members' join calls reported."""
+    ranks = set(getattr(exc, "ranks", ()))
+    blamed = [
+        index for index, (first, kind, info) in enumerate(zip(firsts, kinds, infos, strict=True))
+        if kind == "group" and ranks & set(range(first, first + info.ranks))
+    ]
+    if not blamed:
+        return failure or exc
+    dropped = failure.dropped if isinstance(failure, WorkerFailedError) else []
+    return WorkerFailedError(f"the sync group could not form, because of worker(s) {blamed}: {exc}",
+                             blamed, dropped)  # fmt: skip

@@ -29,6 +29,7 @@ from pydantic import ValidationError
 from weight_sync.delta.layout import DeltaLayout
 from weight_sync.delta.lineage import next_base
 from weight_sync.delta.transfer import Patcher, receive_layout, staged_checksums
+from weight_sync.devices import CPU, gpu_uuid
 from weight_sync.errors import WeightSyncError
 from weight_sync.metadata import (
     PLAN_CACHE_SIZE,
@@ -49,14 +50,19 @@ from weight_sync.metadata import (
     dtype_name,
 )
 from weight_sync.packing import (
+    Checksum,
     NamedTensors,
     Unpacker,
+    bucket_buffers,
     can_land_in,
-    checksum,
+    checksum_of,
+    pinned_chunks,
+    read_checksums,
     staging_slots,
 )
 from weight_sync.planner import align_up
 from weight_sync.transport import TorchGroup, Transport, Work
+from weight_sync.transport.cuda_ipc import CudaIpcReader
 from weight_sync.transport.shm import ShmReader, host_key
 
 logger = logging.getLogger(__name__)
@@ -176,6 +182,17 @@ class _Push:
     request: PrepareRequest  # its delta fields: built_on, new_base, delta, delta_bucket_bytes
     held: str | None  # delta_base when prepared
     in_place: bool  # every tensor of the push can be written in place (a delta can apply)
+    # An atomic push's staging area, reserved when it was prepared (see _staging_area).
+    area: list[torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class _Staged:
+    """A received atomic push: each bucket's bytes in host memory, and the device the push's
+    transport received on (where they go back at commit)."""
+
+    views: list[torch.Tensor]
+    device: torch.device
 
 
 class Receiver:
@@ -185,7 +202,10 @@ class Receiver:
     actor's status concurrency group); it only reads attributes that are replaced whole.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | Callable[[], torch.device] | None = None) -> None:
+        # Where this member receives: its weights' device (a callable is asked when a group
+        # forms: a worker's model may not exist yet when its Receiver is made). None: the CPU.
+        self._device = device
         self.version: int | None = None  # committed version; None before the first / when dirty
         self.full_version: int | None = None  # the last committed push that covered everything
         self.dirty = False
@@ -198,7 +218,7 @@ class Receiver:
         self._prepared: _Push | None = None
         self._receiving: _Push | None = None
         self._received: _Push | None = None
-        self._staged: list[torch.Tensor] | None = None  # atomic staging: every bucket's bytes
+        self._staged: _Staged | None = None  # atomic staging: every bucket's bytes
         self._staged_layout: DeltaLayout | None = None  # ... and their layout, for a delta
         self._phase: Phase = "idle"
         self._progress = (0, 0)  # buckets done, of how many
@@ -218,18 +238,25 @@ class Receiver:
     def info(self, concurrent: bool = False, one_call: bool = False) -> MemberInfo:
         """What this member tells the trainer before a group is built. ``one_call``: it takes
         pushes through ``push`` (its receive call may also end in the commit)."""
+        gpu = gpu_uuid(self.device)
         return MemberInfo(
             has_default_group=dist.is_available() and dist.is_initialized(),
-            cuda=torch.cuda.is_available(), version=self.version,
+            cuda=gpu is not None, gpus=(gpu,) if gpu is not None else (), version=self.version,
             highest_version=self.highest_version, hostname=socket.gethostname(),
             pid=os.getpid(), concurrent=concurrent, host=host_key(), delta_base=self.delta_base,
             one_call=one_call,
         )  # fmt: skip
 
+    @property
+    def device(self) -> torch.device:
+        """Where this member receives (see ``__init__``)."""
+        device = self._device() if callable(self._device) else self._device
+        return CPU if device is None else device
+
     def join(self, spec: GroupSpec, max_metadata_bytes: int) -> None:
         self.leave()
         self._max_metadata_bytes = max_metadata_bytes
-        self._transport = ShmReader.join(spec) if spec.transport == "shm" else TorchGroup.join(spec)
+        self._transport = _join(spec, self.device)
 
     def join_json(self, spec_json: str, max_metadata_bytes: int, rank_offset: int = 0) -> None:
         """Join the group described by ``spec_json`` as it arrived (bounded, validated), as
@@ -313,9 +340,15 @@ class Receiver:
         in_place = request.new_base is not None and _in_place(plan, destinations, self._transport.device)
         if request.delta and not (in_place and self.delta_base == request.built_on):
             return PrepareReply(accepted=False, need_dense=True, in_place=in_place)
+        area = None
+        if request.staging == "atomic" and not request.delta:  # a delta's size comes later
+            try:
+                area = _staging_area(plan, self._transport.device)
+            except WeightSyncError as exc:  # refused before any byte moves, everywhere
+                return _refuse(str(exc))
         self._prepared = _Push(
             request.version, plan, request.staging, request.checksum, request.partial,
-            self.full_version, request, self.delta_base, in_place,
+            self.full_version, request, self.delta_base, in_place, area,
         )  # fmt: skip
         self.highest_version = max(self.highest_version, request.version)
         self._phase = "prepared"
@@ -412,7 +445,7 @@ class Receiver:
         self._received, self._staged, self._receiving = None, None, push
         self._progress = (0, len(push.plan.buckets))
         self._phase = "receiving"
-        sums: list[int] | None = [] if push.checksum else None
+        sums: list[Checksum] | None = [] if push.checksum else None
         sent = push.plan
         try:
             layout = None
@@ -421,10 +454,12 @@ class Receiver:
                 sent = layout.plan
                 self._progress = (0, len(sent.buckets))
             if push.staging == "atomic":
-                staged = _receive_all(transport, sent, sums, self._advance)
+                area = push.area if layout is None else _staging_area(sent, transport.device)
+                assert area is not None
+                _receive_all(transport, sent, area, sums, self._advance)
                 if sums is not None and layout is not None:
-                    sums += staged_checksums(push.plan, layout, staged, _required(destinations))
-                self._staged, self._staged_layout = staged, layout
+                    sums += staged_checksums(push.plan, layout, area, _required(destinations))
+                self._staged, self._staged_layout = _Staged(area, transport.device), layout
             else:
                 self.version, self.full_version, self.dirty, self.delta_base = None, None, True, None
                 patched: list[int] | None = [] if push.checksum else None
@@ -458,7 +493,7 @@ class Receiver:
         self._last = ReceiveReport(
             version=version, nbytes=sent.nbytes, buckets=len(sent.buckets),
             seconds=time.perf_counter() - start,
-            checksums=tuple(sums) if sums is not None else None,
+            checksums=tuple(read_checksums(sums)) if sums is not None else None,
         )  # fmt: skip
         if push.request.commit_on_receipt:
             self.commit(version, loader, destinations)
@@ -472,7 +507,8 @@ class Receiver:
         destinations: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         """The trainer saw every worker receive ``version``: claim it (atomic: apply it first,
-        in one ``loader`` window; the staging area outlives it, so nothing needs copying)."""
+        in one ``loader`` window, from the staging area -- through the GPU, on the receive side
+        stream, for a GPU worker)."""
         loader = _as_loader(loader)
         push, staged, layout = self._received, self._staged, self._staged_layout
         self._received, self._staged, self._staged_layout = None, None, None
@@ -488,7 +524,7 @@ class Receiver:
             try:
                 landing, apply, finish = _appliers(push.plan, layout, destinations, loader.load)
                 with loader.window():
-                    _apply_staged(layout.plan if layout else push.plan, staged, apply, landing)
+                    _apply_staged(layout.plan if layout else push.plan, staged, apply, landing, loader.keeps)
                     finish()
             except BaseException as exc:
                 self._fail(exc)
@@ -534,93 +570,205 @@ def _stream(
     plan: SyncPlan,
     apply: Apply,
     unpacker: Unpacker,
-    sums: list[int] | None,
+    sums: list[Checksum] | None,
     advance: Callable[[], None],
 ) -> None:
-    """Receive bucket k+1 while applying bucket k."""
-    empties = unpacker.empty_tensors(transport.device)
-    if empties:
-        apply(empties)
-    if not plan.buckets:
-        return
-    buffers = unpacker.buffers()
-    slots = staging_slots(plan)
+    """Receive bucket k+1 while applying bucket k.
 
-    def start(index: int) -> tuple[torch.Tensor, Work]:
-        slot = slots[index]
-        if slot is None:
-            data = unpacker.direct_target(index, transport.device)
-        else:
-            data = buffers[slot][: plan.buckets[index].nbytes]
-        return data, transport.broadcast(data, src=TRAINER_RANK)
+    On a GPU all of it -- receiving, unpacking, ``apply`` (a ``load_weights`` that queues its
+    copies on the current stream is ordered with the rest) -- runs on this worker's receive
+    stream (``_receive_stream``), and waits only by stream order (``Work.after``) until the one
+    host synchronisation at the end (``_drain``). A receive buffer is reused two buckets on,
+    after its bucket was applied: the next broadcast into it is queued behind that work, since
+    the process group makes its stream wait on the current one when the broadcast is posted.
+    """
+    device = transport.device
+    with _receive_stream(device):
+        empties = unpacker.empty_tensors(device)
+        if empties:
+            apply(empties)
+        if not plan.buckets:
+            return
+        buffers = unpacker.buffers()
+        slots = staging_slots(plan)
 
-    data, pending = start(0)
-    for index in range(len(plan.buckets)):
-        pending.wait()
-        current = data
-        if index + 1 < len(plan.buckets):
-            data, pending = start(index + 1)
-        if sums is not None:
-            sums.append(checksum(current))
-        ready = unpacker.unpack(index, current)
-        if ready:
-            apply(ready)
-        advance()
-    if transport.device.type == "cuda":
-        torch.cuda.current_stream(transport.device).synchronize()
+        def start(index: int) -> tuple[torch.Tensor, Work]:
+            slot = slots[index]
+            if slot is None:
+                data = unpacker.direct_target(index, device)
+            else:
+                data = buffers[slot][: plan.buckets[index].nbytes]
+            return data, transport.broadcast(data, src=TRAINER_RANK)
+
+        data, pending = start(0)
+        works = [pending]
+        for index in range(len(plan.buckets)):
+            works[index].after()
+            current = data
+            if index + 1 < len(plan.buckets):
+                data, pending = start(index + 1)
+                works.append(pending)
+            if sums is not None:
+                sums.append(checksum_of(current))
+            ready = unpacker.unpack(index, current)
+            if ready:
+                apply(ready)
+            advance()
+        _drain(device, works, sums)
 
 
 def _receive_all(
-    transport: Transport, plan: SyncPlan, sums: list[int] | None, advance: Callable[[], None]
-) -> list[torch.Tensor]:
-    """Receive every bucket into one staging area, touching nothing else. Two broadcasts are
-    kept in flight, as when streaming."""
-    # Each bucket starts on the plan's alignment, as in a buffer of its own: a bucket that ends
-    # on an odd byte must not leave the next one's tensors misaligned for their dtype.
-    padded = [align_up(bucket.nbytes, plan.alignment) for bucket in plan.buckets]
-    area = torch.empty(sum(padded), dtype=torch.uint8, device=transport.device)
-    views = [
-        part[: bucket.nbytes]
-        for part, bucket in zip(torch.split(area, padded), plan.buckets, strict=True)
-    ]
-    pending: list[Work] = []
-    for index, view in enumerate(views):
-        pending.append(transport.broadcast(view, src=TRAINER_RANK))
-        if index >= 1:
-            _finish(views, pending, index - 1, sums, advance)
-    if views:
-        _finish(views, pending, len(views) - 1, sums, advance)
-    return views
+    transport: Transport,
+    plan: SyncPlan,
+    area: list[torch.Tensor],
+    sums: list[Checksum] | None,
+    advance: Callable[[], None],
+) -> None:
+    """Receive every bucket into the staging area ``area`` (see ``_staging_area``), touching
+    nothing else. Two broadcasts are kept in flight, as when streaming.
+
+    On the host the buckets arrive in the area itself. On a GPU they arrive in two buffers on
+    the device (a direct bucket, in memory of its own while it passes) and are copied out to
+    the area in pinned host memory as they land: asynchronously, on the receive stream, one
+    host synchronisation at the end.
+    """
+    device = transport.device
+    on_host = device.type == "cpu"
+    buffers = [] if on_host else bucket_buffers(plan, device)
+    slots = staging_slots(plan)
+    works: list[Work] = []
+    landed: list[torch.Tensor | None] = []
+    with _receive_stream(device):
+        for index, view in enumerate(area):
+            slot = slots[index]
+            if on_host:
+                data = view
+            elif slot is None:
+                data = torch.empty(view.numel(), dtype=torch.uint8, device=device)
+            else:
+                data = buffers[slot][: view.numel()]
+            works.append(transport.broadcast(data, src=TRAINER_RANK))
+            landed.append(data)
+            if index >= 1:
+                _finish(works[index - 1], landed, area, index - 1, sums, advance)
+        if area:
+            _finish(works[-1], landed, area, len(area) - 1, sums, advance)
+        _drain(device, works, sums)
 
 
 def _finish(
-    views: list[torch.Tensor],
-    pending: list[Work],
+    work: Work,
+    landed: list[torch.Tensor | None],
+    area: list[torch.Tensor],
     index: int,
-    sums: list[int] | None,
+    sums: list[Checksum] | None,
     advance: Callable[[], None],
 ) -> None:
-    pending[index].wait()
+    """Bucket ``index`` of an atomic push has landed (in stream order): its checksum, and its
+    bytes into the staging area if they landed elsewhere (a GPU buffer, released here)."""
+    work.after()
+    data, landed[index] = landed[index], None
+    assert data is not None
     if sums is not None:
-        sums.append(checksum(views[index]))
+        sums.append(checksum_of(data))
+    if data is not area[index]:
+        area[index].copy_(data, non_blocking=True)  # into pinned memory: queued, not waited
     advance()
 
 
 def _apply_staged(
     plan: SyncPlan,
-    staged: list[torch.Tensor],
+    staged: _Staged,
     apply: Apply,
     destinations: Mapping[str, torch.Tensor] | None,
+    owned: bool = False,
 ) -> None:
-    device = staged[0].device if staged else torch.device("cpu")
-    unpacker = Unpacker(plan, destinations, device)
-    empties = unpacker.empty_tensors(device)
-    if empties:
-        apply(empties)
-    for index, data in enumerate(staged):
-        ready = unpacker.unpack(index, data)
-        if ready:
-            apply(ready)
+    """Apply a received atomic push from its staging area. For a GPU worker each bucket goes
+    back to the GPU first, into two buffers used in turn (a direct bucket straight into its
+    destination, where it has one), by asynchronous copies from pinned memory on the receive
+    stream: the model then takes its tensors on the device, as when streaming."""
+    device = staged.device
+    unpacker = Unpacker(plan, destinations, device, owned=owned)
+    on_host = device.type == "cpu"
+    buffers = [] if on_host else unpacker.buffers()
+    slots = staging_slots(plan)
+    with _receive_stream(device):
+        empties = unpacker.empty_tensors(device)
+        if empties:
+            apply(empties)
+        for index, view in enumerate(staged.views):
+            slot = slots[index]
+            if on_host:
+                data = view
+            else:
+                if slot is None:
+                    data = unpacker.direct_target(index, device)
+                else:
+                    data = buffers[slot][: view.numel()]
+                data.copy_(view, non_blocking=True)
+            ready = unpacker.unpack(index, data)
+            if ready:
+                apply(ready)
+        _drain(device, [], None)
+
+
+def _staging_area(plan: SyncPlan, device: torch.device) -> list[torch.Tensor]:
+    """Every bucket's place in the staging area of an atomic push received on ``device``: host
+    memory always. For a GPU worker it is pinned host memory, not a second copy of the model
+    on its GPU (a serving engine's GPU is kept nearly full); pinned so that the copies out of
+    the GPU and back at commit are asynchronous. Raises ``WeightSyncError`` when the memory
+    cannot be had -- ``prepare`` turns that into a refusal, before any byte moves."""
+    sizes = [bucket.nbytes for bucket in plan.buckets]
+    pinned = device.type == "cuda"
+    try:
+        if pinned:
+            chunks, where = pinned_chunks(sizes, plan.alignment)
+            memory = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for size in chunks]
+            return [
+                memory[chunk][offset : offset + size]
+                for (chunk, offset), size in zip(where, sizes, strict=True)
+            ]
+        # Each bucket starts on the plan's alignment, as in a buffer of its own: a bucket that
+        # ends on an odd byte must not leave the next one's tensors misaligned for their dtype.
+        padded = [align_up(size, plan.alignment) for size in sizes]
+        memory = [torch.empty(sum(padded), dtype=torch.uint8)]
+        return [part[:size] for part, size in zip(torch.split(memory[0], padded), sizes, strict=True)]
+    except RuntimeError as exc:  # the allocator's out-of-memory error
+        where_to = "pinned host memory" if pinned else "host memory"
+        raise WeightSyncError(
+            f"cannot allocate the staging area of an atomic push: {sum(sizes)} bytes of "
+            f"{where_to} ({exc}); free host memory or use staging='stream'"
+        ) from exc
+
+
+_RECEIVE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _receive_stream(device: torch.device) -> AbstractContextManager[object]:
+    """Where a push is received on ``device``: a stream of its own on a GPU (made once per
+    device), current for the whole receive. Not the legacy default stream, which a serving
+    engine runs on: the receive's waits (``Work.after``/``wait`` block the current stream:
+    ProcessGroupNCCL.cpp, ``WorkNCCL::synchronizeStream``) then never stall serving, and
+    posting a broadcast waits for nothing of serving's either (the NCCL stream waits on the
+    current stream: ``syncStream``). Nothing on the host."""
+    if device.type != "cuda":
+        return nullcontext()
+    stream = _RECEIVE_STREAMS.get(device)
+    if stream is None:
+        stream = _RECEIVE_STREAMS[device] = torch.cuda.Stream(device)
+    return torch.cuda.stream(stream)
+
+
+def _drain(device: torch.device, works: Sequence[Work], sums: list[Checksum] | None) -> None:
+    """A receive's one host synchronisation, on the current (receive) stream: a bounded wait on
+    every broadcast, in order (one already complete returns at once), then the stream's work
+    -- and every checksum queued, read in place in the same copy."""
+    for work in works:
+        work.wait()
+    if sums:
+        sums[:] = read_checksums(sums)  # a copy to the host: waits for the stream
+    elif device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _in_place(
@@ -660,6 +808,18 @@ def _appliers(
             load(rest)
 
     return patcher.landing(), apply, patcher.finish
+
+
+def _join(spec: GroupSpec, device: torch.device) -> Transport:
+    """This member's end of the part of the push ``spec`` names. A ring's reader copies into
+    buffers on ``device`` for an NCCL push (its weights' GPU); for a Gloo push every buffer is on
+    the host."""
+    if spec.transport == "group":
+        return TorchGroup.join(spec, device=device if spec.backend == "nccl" else None)
+    on = device if spec.backend == "nccl" else CPU
+    if spec.transport == "cuda_ipc":
+        return CudaIpcReader.join(spec, on)
+    return ShmReader.join(spec, on)
 
 
 def _refuse(*problems: str) -> PrepareReply:

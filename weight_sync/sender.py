@@ -17,9 +17,18 @@ from weight_sync.config import SyncConfig
 from weight_sync.deadline import Deadline
 from weight_sync.mapping import Transform
 from weight_sync.metadata import DTYPES, MAX_NAME_CHARS, SyncPlan, TensorMeta, Tied, dtype_name
-from weight_sync.packing import Packer, Staging, byte_view, checksum, staging_slots
-from weight_sync.planner import make_plan
-from weight_sync.transport import Transport
+from weight_sync.packing import (
+    Checksum,
+    Packer,
+    Staging,
+    byte_view,
+    checksum_of,
+    read_checksums,
+    read_values,
+    staging_slots,
+)
+from weight_sync.planner import direct_threshold, make_plan
+from weight_sync.transport import Transport, Work
 
 logger = logging.getLogger(__name__)
 
@@ -69,12 +78,20 @@ def check_state_dict(
     map the trainer's names to the workers'; two tensors ending up under one name is refused,
     since one of them would silently be lost. Names whose tensor is a view of exactly the same
     bytes as an earlier one (tied weights) are sent once. ``sharded`` admits DTensors (see
-    ``weight_sync.sharded``, which checks their values itself).
+    ``weight_sync.sharded``, which checks their values itself). A delta push
+    (``config.delta``) of GPU tensors is refused (see the message).
     """
     names, tensors = _columns(state_dict, config.max_tensors, rename, transform)
     entries = None if sharded else _plain_entries(names, tensors)
     if entries is None:
         entries = _entries(names, tensors, sharded, renamed=rename is not None or transform is not None)
+    if config.delta and not sharded and not all(map(_IS_CPU, entries.tensors)):
+        raise ValueError(
+            "delta=True needs the weights in host memory: its baseline lives there and each push "
+            "compares on the host, which for GPU weights is a device-to-host copy of the whole "
+            "model every push -- slower than sending it dense over NCCL. Set delta=False for GPU "
+            "weights, or push host (CPU) tensors; nothing was sent"
+        )
     if config.check_finite and not sharded:
         _check_finite(entries.names, entries.tensors, config.cast_dtype)
     return entries
@@ -188,12 +205,65 @@ def wire_dtype(dtype: torch.dtype, cast_dtype: str | None) -> torch.dtype:
 def _check_finite(
     names: Sequence[str], tensors: Sequence[torch.Tensor], cast_dtype: str | None
 ) -> None:
-    bad = [name for name, tensor in zip(names, tensors, strict=True) if not is_finite(tensor, cast_dtype)]
+    bad = [name for name, ok in zip(names, finite_flags(tensors, cast_dtype), strict=True) if not ok]
     if bad:
         shown = ", ".join(repr(name) for name in bad[:5])
         more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
         raise ValueError(f"NaN or Inf{_beyond(cast_dtype)} in {shown}{more}; nothing was sent "
                          "(check_finite=True in SyncConfig)")  # fmt: skip
+
+
+def finite_flags(tensors: Sequence[torch.Tensor], cast_dtype: str | None) -> list[bool]:
+    """``is_finite`` of every tensor. Host tensors are checked one by one (``_all_finite``,
+    tuned for the CPU); GPU tensors together on their devices (``device_finite_flags``), read
+    back with one host synchronisation per device for the whole push instead of one to three
+    per tensor."""
+    flags = [True] * len(tensors)
+    on_gpu: list[int] = []
+    for index, tensor in enumerate(tensors):
+        if tensor.is_cuda:
+            on_gpu.append(index)
+        else:
+            flags[index] = is_finite(tensor, cast_dtype)
+    if on_gpu:
+        found = device_finite_flags([tensors[index] for index in on_gpu], cast_dtype)
+        for index, ok in zip(on_gpu, read_values(found), strict=True):
+            flags[index] = ok
+    return flags
+
+
+def device_finite_flags(
+    tensors: Sequence[torch.Tensor], cast_dtype: str | None
+) -> list[torch.Tensor | bool]:
+    """Per tensor, whether it arrives free of NaN and Inf (as ``is_finite``), computed on the
+    tensors' own devices without a host synchronisation: a bool where the answer needs no
+    reduction, else a one-element bool tensor on the tensor's device (read with
+    ``packing.read_values``).
+
+    The largest magnitude of each tensor comes from ``torch._foreach_norm(..., inf)``, one
+    fused launch per dtype and device on CUDA, whose maximum propagates NaN
+    (aten/src/ATen/native/cuda/ForeachReduceOp.cu, ``LpNormFunctor``: ``max_propagate_nan``);
+    a tensor is finite exactly when that is at most its dtype's largest value -- or the wire
+    dtype's, when a cast narrows the range (a value beyond it would arrive as Inf). Exact: no
+    sum that could overflow from finite values. Complex tensors are checked as their real and
+    imaginary parts.
+    """
+    flags: list[torch.Tensor | bool] = [True] * len(tensors)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        if tensor.dtype in _FINITE_CHECKABLE and tensor.numel():
+            groups.setdefault((tensor.device, tensor.dtype), []).append(index)
+    for (_, dtype), indices in groups.items():
+        parts = [tensors[index] for index in indices]
+        if dtype.is_complex:
+            parts = [torch.view_as_real(part) for part in parts]
+        wire = wire_dtype(dtype, cast_dtype)
+        limit = min(torch.finfo(wire).max, torch.finfo(parts[0].dtype).max)
+        largest = torch.stack(torch._foreach_norm(parts, float("inf")))
+        within = (largest <= limit).split(1)
+        for index, ok in zip(indices, within, strict=True):
+            flags[index] = ok
+    return flags
 
 
 def nonfinite_error(cast_dtype: str | None) -> ValueError:
@@ -244,8 +314,9 @@ class PushPlanner:
     while the layout is unchanged -- the usual case in a training loop, which pushes the same
     names, dtypes and shapes every step -- so neither the plan nor its digest is rebuilt.
 
-    Tensors of at least ``direct_min_bytes`` that are contiguous, already on ``device`` and not
-    cast are sent from their own storage; the rest are packed (and cast while packing).
+    Tensors of at least ``direct_min_bytes`` (resolved for ``device``: ``direct_threshold``)
+    that are contiguous, already on ``device`` and not cast are sent from their own storage;
+    the rest are packed (and cast while packing).
     """
 
     def __init__(self, config: SyncConfig, device: torch.device) -> None:
@@ -284,7 +355,8 @@ class PushPlanner:
     ) -> list[bool]:
         """Which tensors are sent from their own storage: large enough (the full tensor's
         size, for a DTensor too), contiguous, on the transport's device and not cast."""
-        threshold = self._config.direct_min_bytes
+        config = self._config
+        threshold = direct_threshold(config.direct_min_bytes, self._device.type, config.bucket_bytes)
         direct = [False] * len(tensors)
         if threshold is None:
             return direct
@@ -340,7 +412,16 @@ def _check_entry(name: object, tensor: object, sharded: bool = False) -> bool:
 
 
 class Sender:
-    """Broadcasts a plan's buckets from this rank: packing bucket k+1 while bucket k is on the wire."""
+    """Broadcasts a plan's buckets from this rank: packing bucket k+1 while bucket k is on the wire.
+
+    On a GPU (NCCL) a steady-state push synchronises with the host once, at its end: packing
+    runs on the current stream, each broadcast is ordered after it by the process group (its
+    NCCL stream waits on the current one: ProcessGroupNCCL.cpp, ``collective`` ->
+    ``syncStream``), and before a staging buffer is packed again the current stream waits for
+    the broadcast still reading it (``Work.after``: ``WorkNCCL::synchronizeStream``, an event
+    wait on the device) -- the host never polls in between. On the host (Gloo, the ring)
+    ``after`` is ``wait``, and the loop is what it always was there.
+    """
 
     def __init__(self, transport: Transport) -> None:
         self._transport = transport
@@ -356,37 +437,87 @@ class Sender:
         with_checksums: bool = False,
         on_packed: Callable[[int, torch.Tensor], None] | None = None,
     ) -> list[int] | None:
-        """Broadcast every bucket; returns each bucket's CRC32 if ``with_checksums``.
+        """Broadcast every bucket; returns each bucket's checksum (``packing.checksum``) if
+        ``with_checksums``.
 
         Each collective is bounded by the group's timeout and by what is left of ``deadline``.
         ``on_packed(index, data)`` sees each bucket's bytes as it goes out, while the bucket
         before it is still on the wire (a delta baseline copies them).
         """
-        sums: list[int] | None = [] if with_checksums else None
+        return self.start(plan, tensors, deadline, with_checksums, on_packed).finish()
+
+    def start(
+        self,
+        plan: SyncPlan,
+        tensors: Sequence[torch.Tensor],
+        deadline: Deadline | None = None,
+        with_checksums: bool = False,
+        on_packed: Callable[[int, torch.Tensor], None] | None = None,
+    ) -> InFlight:
+        """``send`` up to its one host synchronisation: every bucket packed and its broadcast
+        posted; ``finish`` on what this returns waits for them. Split so that the GPU suite can
+        check that nothing before ``finish`` synchronises with the host."""
+        transport = self._transport
+        sums: list[Checksum] | None = [] if with_checksums else None
+        works: list[Work] = []
         if not plan.buckets:
-            return sums
-        if self._staging is None or self._staging.plan is not plan:
-            self._staging = Staging(plan, self._transport.device)
+            return InFlight(works, sums)
+        # GPU tensors over a host transport: their bytes cross in pinned buffers.
+        crossing = _cuda_devices(tensors) if transport.device.type == "cpu" else []
+        if self._staging is None or self._staging.plan is not plan or (crossing and not self._staging.pinned):
+            self._staging = Staging(plan, transport.device, pinned=bool(crossing))
         packer = Packer(plan, tensors, self._staging)
         buffers = self._staging.buffers
         slots = staging_slots(plan)
-        pending = None
+        # On a GPU two broadcasts stay in flight, so the NCCL stream never idles between
+        # buckets. On the host (where ``after`` is ``wait``) one, as before: a second one in
+        # flight measured no faster on Gloo over 2 cores (it competes with packing for them).
+        in_flight = 2 if transport.device.type == "cuda" else 1
         for index, bucket in enumerate(plan.buckets):
+            if index >= 2:
+                # The broadcast two buckets back read the staging buffer this bucket may be
+                # packed into: stream order, not a host wait (on the host, long done already).
+                works[index - 2].after()
             slot = slots[index]
             if slot is None:  # direct: the tensor's own bytes go on the wire
                 data = byte_view(tensors[bucket.segments[0].tensor])
-                assert data.device == self._transport.device
+                assert data.device == transport.device
             else:
                 data = packer.pack(index, buffers[slot])
+                for device in crossing:  # Gloo reads the bytes from its own threads
+                    torch.cuda.current_stream(device).synchronize()
             if sums is not None:
-                sums.append(checksum(data))
+                sums.append(checksum_of(data))
             if on_packed is not None:
                 on_packed(index, data)
-            if pending is not None:
-                pending.wait()
+            if in_flight == 1 and index >= 1:
+                works[index - 1].after()
             timeout = None if deadline is None else deadline.left(float("inf"))
-            pending = self._transport.broadcast(data, src=self._transport.rank, timeout_s=timeout)
-        assert pending is not None
-        pending.wait()
-        logger.debug("sent %d buckets, %d bytes", len(plan.buckets), plan.nbytes)
-        return sums
+            works.append(transport.broadcast(data, src=transport.rank, timeout_s=timeout))
+        logger.debug("posted %d buckets, %d bytes", len(plan.buckets), plan.nbytes)
+        return InFlight(works, sums)
+
+
+@dataclass
+class InFlight:
+    """A push's broadcasts, posted, and its checksums, queued (see ``Sender.start``)."""
+
+    works: list[Work]
+    sums: list[Checksum] | None
+
+    def finish(self) -> list[int] | None:
+        """The push's one host synchronisation: a bounded wait on every broadcast, in order (one
+        already complete returns at once), then every checksum read in one copy."""
+        works, self.works = self.works, []
+        for work in works:
+            work.wait()
+        return None if self.sums is None else read_checksums(self.sums)
+
+
+def _cuda_devices(tensors: Sequence[torch.Tensor]) -> list[torch.device]:
+    """The GPUs among ``tensors`` (copies from each run on that device's current stream). None
+    where CUDA was never initialised in this process, and none for a sequence that makes its
+    tensors on demand (a delta's blobs, always on the host): reading it would make them."""
+    if not torch.cuda.is_initialized() or not isinstance(tensors, list | tuple):
+        return []
+    return list({tensor.device for tensor in tensors if tensor.is_cuda})

@@ -122,9 +122,10 @@ def run_ranks(target: Target, world_size: int, *args: Any, timeout_s: float = 90
                 proc.join(timeout=5)
 
 
-def send_plan(ctx: RankContext, spec: GroupSpec, plan: SyncPlan, tensors: Sequence[torch.Tensor]) -> None:
-    """Rank 0: form the group, broadcast every bucket of ``plan``, leave."""
-    group = TorchGroup.join(spec, ctx.listener(spec_port_index(ctx, spec)))
+def send_plan(ctx: RankContext, spec: GroupSpec, plan: SyncPlan, tensors: Sequence[torch.Tensor],
+              device: torch.device | None = None) -> None:
+    """Rank 0: form the group (NCCL: on ``device``), broadcast every bucket of ``plan``, leave."""
+    group = TorchGroup.join(spec, ctx.listener(spec_port_index(ctx, spec)), device=device)
     try:
         Sender(group).send(plan, tensors)
     finally:
@@ -133,10 +134,11 @@ def send_plan(ctx: RankContext, spec: GroupSpec, plan: SyncPlan, tensors: Sequen
 
 def receive_plan(spec: GroupSpec, plan: SyncPlan, expected: Mapping[str, TensorMeta] | None = None,
                  version: int = 1, destinations: Mapping[str, torch.Tensor] | None = None,
-                 staging: str = "stream") -> dict[str, torch.Tensor]:
-    """Any other rank: join, prepare, receive and commit ``plan``; returns copies of what went
-    through ``load_weights`` merged with ``destinations`` (where tensors may land in place)."""
-    receiver = Receiver()
+                 staging: str = "stream", device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """Any other rank: join, prepare, receive and commit ``plan`` (receiving on ``device``, the
+    CPU by default); returns copies of what went through ``load_weights`` merged with
+    ``destinations`` (where tensors may land in place)."""
+    receiver = Receiver(device)
     receiver.join(spec, max_metadata_bytes=1 << 20)
     try:
         request = PrepareRequest(

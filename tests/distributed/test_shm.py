@@ -1,7 +1,7 @@
 """The shared-memory ring on spawned ranks: the dtype zoo and the direct path through the real
 sender and receiver, a push mixing the ring with a Gloo group, and its failures -- a reader killed
 or frozen mid-push, the trainer killed mid-push, a stranger at the socket, no room for the ring --
-each checked for what survives in /dev/shm."""
+a reader that cannot map the ring -- each checked for what survives in /dev/shm."""
 
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ import torch
 from tests.distributed.harness import RankContext, receive_plan, run_ranks
 from tests.zoo import zoo
 from weight_sync import SyncConfig
-from weight_sync.errors import SyncTimeoutError, TransportError, WeightSyncError
+from weight_sync.errors import TransportError, WeightSyncError
 from weight_sync.metadata import TensorMeta
 from weight_sync.planner import make_plan
 from weight_sync.protocol import _open_ring
 from weight_sync.receiver import Receiver
 from weight_sync.sender import Entries, PushPlanner, Sender
-from weight_sync.transport import Fanout, TorchGroup, shm
+from weight_sync.transport import Fanout, TorchGroup, ring, shm
 from weight_sync.verify import state_dict_digests
 
 pytestmark = [
@@ -36,7 +36,9 @@ BUCKET = 4096  # slots of 1 KiB: every push crosses the ring many times over
 
 
 def dev_shm() -> set[str]:
-    return set(os.listdir("/dev/shm"))
+    """What is in /dev/shm, less multiprocessing's semaphores (``sem.*``): processes of other
+    test runs on the machine make and unlink those at any moment; the ring never does."""
+    return {name for name in os.listdir("/dev/shm") if not name.startswith("sem.")}
 
 
 def writer(ctx: RankContext, readers: int, timeout_s: float = 30, bucket: int = BUCKET) -> shm.ShmWriter:
@@ -163,12 +165,14 @@ NBYTES = 64 << 20
 def struck_rank(ctx: RankContext, victim: int, how: str) -> tuple[str, float] | None:
     """One broadcast goes through; then rank ``victim`` is killed (or frozen) and the others
     start a 64 MiB broadcast over 256 KiB slots. Every survivor reports the error it saw and how
-    long it took."""
+    long it took. The struck broadcast is bounded at 3 s; the first one by the group's 30 s,
+    since a reader's clock starts as soon as it has joined, while the trainer may still wait
+    for a slower reader to start (seconds, on a loaded 2-core machine)."""
     data = torch.ones(NBYTES, dtype=torch.uint8)
     if ctx.rank == 0:
-        transport: shm.ShmWriter | shm.ShmReader = writer(ctx, ctx.world_size - 1, 3, 1 << 20)
+        transport: shm.ShmWriter | shm.ShmReader = writer(ctx, ctx.world_size - 1, 30, 1 << 20)
     else:
-        transport = join_ring(ctx, collective_timeout_s=3)
+        transport = join_ring(ctx, collective_timeout_s=30)
     try:
         transport.broadcast(data[: NBYTES // 4], 0).wait()
         if ctx.rank == victim:
@@ -177,7 +181,7 @@ def struck_rank(ctx: RankContext, victim: int, how: str) -> tuple[str, float] | 
             time.sleep(60)
         start = time.monotonic()
         try:
-            transport.broadcast(data, 0).wait()
+            transport.broadcast(data, 0, timeout_s=3).wait()
         except WeightSyncError as exc:
             return type(exc).__name__, time.monotonic() - start
         return None
@@ -220,6 +224,83 @@ def test_no_room_is_a_clear_error_and_the_updater_falls_back_to_the_group(
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert "take the group instead" in caplog.text and "4.0 MiB" in caplog.text
+
+
+def refusing_rank(ctx: RankContext) -> float | None:
+    """Rank 0 offers its ring to two readers: rank 1 maps it; rank 2 -- a peer speaking the
+    ring's protocol by hand, as a worker whose mapping failed does -- refuses it and says why.
+    ``accept`` raises at once naming rank 2 and its reason, and rank 1 learns that the ring is
+    gone from its very next wait."""
+    if ctx.rank == 0:
+        writer_ = shm.ShmWriter(ctx.group_id, 2, shm.slot_bytes_for(BUCKET), 30)
+        ctx.ports()
+        start = time.monotonic()
+        try:
+            refused = r"readers \[2\].*cannot map it here"
+            with pytest.raises(shm.ShmUnavailableError, match=refused) as err:
+                writer_.accept(30)
+        finally:
+            writer_.close()
+        assert err.value.ranks == [2]
+        return time.monotonic() - start
+    ctx.ports()
+    if ctx.rank == 1:
+        reader = shm.ShmReader.join(ctx.shm_spec(world_size=3))
+        try:
+            hung_up = "the trainer closed its shared-memory connection"
+            with pytest.raises(TransportError, match=hung_up):
+                reader.broadcast(torch.zeros(8, dtype=torch.uint8), 0)
+        finally:
+            reader.close()
+        return None
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(30)
+    try:
+        conn.connect(ring.socket_address(shm.socket_name(ctx.group_id)))
+        conn.sendall(ring.HELLO.pack(ctx.group_id.encode()[:16], 2))
+        _, fds, _, _ = socket.recv_fds(conn, 64, 1)
+        for fd in fds:
+            os.close(fd)
+        assert len(fds) == 1, "the trainer did not offer the ring"
+        conn.sendall(ring.pack_joined("cannot map it here"))
+        assert conn.recv(1) == b"", "the trainer kept a reader that refused its ring"
+    finally:
+        conn.close()
+    return None
+
+
+def test_a_reader_that_cannot_map_the_ring_is_named_at_accept() -> None:
+    before = dev_shm()
+    seconds, _, _ = run_ranks(refusing_rank, 3)
+    assert seconds < 10
+    assert dev_shm() == before
+
+
+def after_rank(ctx: RankContext) -> list[int]:
+    """On the host ring ``after`` is ``wait``: once it returns, every reader has the bytes, and
+    the trainer may overwrite its buffer at once (no stream to order on the CPU)."""
+    data = torch.arange(5 * BUCKET // 8, dtype=torch.int64).view(torch.uint8)
+    if ctx.rank == 0:
+        transport: shm.ShmWriter | shm.ShmReader = writer(ctx, ctx.world_size - 1)
+    else:
+        transport = join_ring(ctx)
+    try:
+        for round_ in range(3):
+            expected = data + round_
+            buffer = expected.clone() if ctx.rank == 0 else torch.zeros_like(data)
+            work = transport.broadcast(buffer, 0)
+            work.after()
+            if ctx.rank == 0:
+                buffer.fill_(255)  # free again: the readers copied it out before after returned
+            else:
+                assert torch.equal(buffer, expected)
+        return [transport.vote(3 if ctx.rank == 1 else 0, timeout_s=20)]
+    finally:
+        transport.close()
+
+
+def test_after_on_the_host_ring_is_wait() -> None:
+    assert run_ranks(after_rank, 3) == [[3]] * 3
 
 
 def test_a_reader_that_cannot_reach_the_ring_fails_fast() -> None:

@@ -3,8 +3,6 @@ NCCL group test is skipped too, since two NCCL ranks may not share a device."""
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
 
@@ -71,4 +69,4 @@ def test_nccl_standalone_group_is_bit_exact() -> None:
 
 def test_checksum_of_a_cuda_buffer_matches_the_host_copy() -> None:
     data = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
-    assert checksum(data.cuda()) == checksum(data) == zlib.crc32(data.numpy().tobytes())
+    assert checksum(data.cuda()) == checksum(data)

@@ -105,6 +105,9 @@ class _Tampered:
                     outer._flip = False
                     tensor[tensor.numel() // 2] ^= 0x10
 
+            def after(self) -> None:  # on the CPU, ordering is waiting
+                self.wait()
+
         return Tampered()
 
     def vote(self, code: int, timeout_s: float | None = None) -> int:

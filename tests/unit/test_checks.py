@@ -7,9 +7,18 @@ import torch
 from weight_sync import SyncConfig
 from weight_sync.mapping import fuse
 from weight_sync.metadata import PrepareRequest, TensorMeta
+from weight_sync.packing import read_values
 from weight_sync.planner import make_plan
 from weight_sync.receiver import Receiver, _Targets, accept_all, check_plan
-from weight_sync.sender import PushPlanner, _entries, _plain_entries, check_state_dict
+from weight_sync.sender import (
+    PushPlanner,
+    _entries,
+    _plain_entries,
+    check_state_dict,
+    device_finite_flags,
+    finite_flags,
+    is_finite,
+)
 
 
 def expected_of(**tensors: torch.Tensor) -> dict[str, TensorMeta]:
@@ -275,3 +284,40 @@ def test_a_workers_tensors_are_recognised_across_pushes() -> None:
     assert _Targets.of(model.state_dict(keep_vars=True), first) != first
     reshaped = {"w": torch.zeros(16)}
     assert _Targets.of({"w": reshaped["w"].view(4, 4)}, _Targets.of(reshaped)) != _Targets.of(reshaped)
+
+
+def _finite_table() -> list[torch.Tensor]:
+    big = torch.finfo(torch.float32).max
+    return [
+        torch.randn(1000),
+        torch.tensor([1.0, float("nan")]),
+        torch.tensor([float("inf"), 1.0]),
+        torch.tensor([-float("inf")], dtype=torch.float64),
+        torch.tensor([big, big]),  # the sum overflows, yet every value is finite
+        torch.tensor([1e5, -2.0]),  # beyond float16's range: Inf when cast to it
+        torch.tensor([65504.0, -65504.0]),  # float16's largest: still finite when cast
+        torch.randn(64, 64).t(),  # strided
+        torch.randn(100).to(torch.bfloat16),
+        torch.tensor([float("nan")], dtype=torch.float16),
+        torch.tensor([1 + 1j, complex(float("nan"), 0)], dtype=torch.complex64),
+        torch.tensor([1 + 1j, 2 - 3j], dtype=torch.complex128),
+        torch.tensor([], dtype=torch.float32),
+        torch.arange(10),  # no NaN to have
+        torch.zeros(3, dtype=torch.float8_e4m3fn),  # storage dtypes pass
+    ]
+
+
+@pytest.mark.parametrize("cast", [None, "float16", "bfloat16", "float32"])
+def test_batched_finiteness_equals_the_per_tensor_answer(cast: str | None) -> None:
+    tensors = _finite_table()
+    expected = [is_finite(tensor, cast) for tensor in tensors]
+    assert read_values(device_finite_flags(tensors, cast)) == expected
+    assert finite_flags(tensors, cast) == expected
+    assert not all(expected)
+
+
+def test_check_finite_names_the_bad_tensors() -> None:
+    config = SyncConfig(check_finite=True, cast_dtype="float16")
+    state = {"ok": torch.ones(3), "nan": torch.tensor([float("nan")]), "big": torch.tensor([1e6])}
+    with pytest.raises(ValueError, match="'nan', 'big'; nothing was sent"):
+        check_state_dict(state, config)

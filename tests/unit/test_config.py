@@ -75,3 +75,17 @@ def test_timeouts_left_out_are_derived_from_those_given(
     config = SyncConfig(**given)
     got = (config.push_timeout_s, config.collective_timeout_s, config.rendezvous_timeout_s, config.rpc_timeout_s)
     assert got == pytest.approx((push, collective, rendezvous, rpc))
+
+
+@pytest.mark.parametrize(
+    ("value", "kept"), [("auto", "auto"), (None, None), (1, 1), (64 << 20, 64 << 20)]
+)
+def test_direct_min_bytes_takes_auto_a_size_or_none(value: object, kept: object) -> None:
+    assert SyncConfig().direct_min_bytes == "auto"
+    assert SyncConfig(direct_min_bytes=value).direct_min_bytes == kept
+
+
+@pytest.mark.parametrize("value", [0, -1, "big"])
+def test_direct_min_bytes_refuses_the_rest(value: object) -> None:
+    with pytest.raises(pydantic.ValidationError):
+        SyncConfig(direct_min_bytes=value)

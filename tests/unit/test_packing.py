@@ -4,7 +4,18 @@ import torch
 from tests.zoo import zoo
 from weight_sync import SyncConfig
 from weight_sync.metadata import SyncPlan, TensorMeta
-from weight_sync.packing import Packer, Staging, Unpacker, bucket_buffers, byte_view, staging_slots
+from weight_sync.packing import (
+    Packer,
+    Staging,
+    Unpacker,
+    bucket_buffers,
+    byte_view,
+    checksum,
+    checksum_of,
+    device_checksum,
+    read_checksums,
+    staging_slots,
+)
 from weight_sync.planner import make_plan
 from weight_sync.sender import Entries, PushPlanner, check_state_dict
 from weight_sync.verify import tensor_digest
@@ -230,3 +241,36 @@ def test_staging_and_unpacker_kept_across_pushes_of_one_plan(bucket_bytes: int, 
             n: tensor_digest(t) for n, t in tensors.items()
         }, f"push {seed}"
     assert unpacker.buffers() is unpacker.buffers()
+
+
+@pytest.mark.parametrize("size", [0, 1, 7, 8, 9, 1000, 8191, 8192, 8193, 3 << 20])
+@pytest.mark.parametrize("offset", [0, 1, 8])
+def test_host_and_device_checksums_agree(size: int, offset: int) -> None:
+    """The trainer and every worker compute one value whatever device each holds the bytes on:
+    the NumPy path (host buffers) and the torch path (what a GPU runs), here on the CPU."""
+    data = torch.randint(0, 256, (size + offset,), dtype=torch.uint8, generator=torch.Generator().manual_seed(size))
+    view = data[offset:]
+    assert checksum(view) == int(device_checksum(view).item()) == checksum(view.clone())
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda d: d.__setitem__(5, d[5] ^ 1),  # one bit
+        lambda d: d.__setitem__(slice(0, 16), d[0:16].flip(0)),  # bytes reordered in place
+        lambda d: d.__setitem__(slice(0, 16), d[8 * 1024 : 8 * 1024 + 16].clone()),  # a word moved
+        lambda d: d.__setitem__(slice(None), d.view(-1, 8 * 1024).flip(0).reshape(-1)),  # rows swapped
+        lambda d: d.__setitem__(slice(None), d.view(-1, 8).flip(0).reshape(-1)),  # words reversed
+    ],
+)
+def test_checksum_sees_damage(damage) -> None:
+    data = torch.randint(0, 256, (64 << 10,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    before = checksum(data)
+    damage(data)
+    assert checksum(data) != before
+
+
+def test_queued_checksums_are_read_in_order() -> None:
+    buffers = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (10, 5000, 1 << 16)]
+    queued = [device_checksum(buffers[0]), 7, checksum_of(buffers[1]), device_checksum(buffers[2])]
+    assert read_checksums(queued) == [checksum(buffers[0]), 7, checksum(buffers[1]), checksum(buffers[2])]

@@ -1,9 +1,11 @@
+import itertools
 import random
 
 import pytest
 
 from weight_sync.metadata import TensorMeta
-from weight_sync.planner import align_up, make_plan
+from weight_sync.packing import pinned_chunks
+from weight_sync.planner import align_up, direct_threshold, make_plan
 
 
 def metas(*sizes_and_dtypes: tuple[int, str]) -> list[TensorMeta]:
@@ -101,3 +103,56 @@ def test_align_up(offset: int, alignment: int, expected: int) -> None:
 def test_bucket_smaller_than_alignment_is_refused() -> None:
     with pytest.raises(ValueError, match="alignment"):
         make_plan(metas((1, "uint8")), 8, 16)
+
+
+@pytest.mark.parametrize(
+    ("setting", "device_type", "bucket_bytes", "threshold"),
+    [
+        ("auto", "cpu", 32 << 20, 1 << 20),  # host buffers: the 1 MiB measured best on Gloo
+        ("auto", "cuda", 32 << 20, 32 << 20),  # GPU buffers: only what fills a bucket goes alone
+        ("auto", "cuda", 4096, 4096),
+        (5000, "cuda", 32 << 20, 5000),  # an explicit value wins, anywhere
+        (5000, "cpu", 32 << 20, 5000),
+        (None, "cuda", 32 << 20, None),  # direct sends switched off
+        (None, "cpu", 32 << 20, None),
+    ],
+)
+def test_direct_threshold_follows_where_the_buffers_live(
+    setting: int | str | None, device_type: str, bucket_bytes: int, threshold: int | None
+) -> None:
+    assert direct_threshold(setting, device_type, bucket_bytes) == threshold
+
+
+@pytest.mark.parametrize(
+    ("sizes", "alignment", "chunks"),
+    [
+        ([], 64, []),
+        ([100], 64, [128]),
+        ([1 << 20] * 4, 64, [1 << 20] * 4),  # full buckets: no rounding at all
+        ([1000, 1000, 1000], 64, [1024] * 3),  # padded to 1024: one per chunk
+        ([3000, 500, 500, 500], 64, [4096, 512]),  # first fit; the last chunk only as large as needed
+        ([(1 << 20) - 64] * 3 + [5 << 20], 64, [8 << 20]),  # a large direct bucket sets the chunk
+    ],
+)
+def test_pinned_chunks_are_powers_of_two_and_hold_every_buffer(
+    sizes: list[int], alignment: int, chunks: list[int]
+) -> None:
+    got, where = pinned_chunks(sizes, alignment)
+    assert got == chunks
+    assert all(size & (size - 1) == 0 for size in got)
+    spans = sorted((chunk, offset, offset + size) for (chunk, offset), size in zip(where, sizes, strict=True))
+    for (chunk, start, end), (next_chunk, next_start, _) in itertools.pairwise(spans):
+        assert next_chunk != chunk or next_start >= end  # no two buffers overlap
+    for (chunk, offset), size in zip(where, sizes, strict=True):
+        assert offset % alignment == 0 and offset + size <= got[chunk]
+
+
+def test_pinned_chunks_waste_at_most_about_twice_the_largest_buffer() -> None:
+    rng = random.Random(5)
+    for _ in range(50):
+        sizes = [rng.randint(1, 1 << 20) for _ in range(rng.randint(1, 60))]
+        chunks, _ = pinned_chunks(sizes, 64)
+        padded = sum(align_up(size, 64) for size in sizes)
+        biggest = 1 << (align_up(max(sizes), 64) - 1).bit_length()
+        # first-fit leaves at most half a chunk per chunk, the last one's rounding at most one
+        assert sum(chunks) - padded <= len(chunks) * biggest // 2 + biggest

@@ -1,5 +1,5 @@
-"""Pure pieces of the shared-memory path: who takes the ring, the ranks in each part, how big
-the slots are, and the spec a ring member is sent."""
+"""Pure pieces of the shared-memory path: the ranks in each part, how big the slots are, and the
+spec a ring member is sent (who takes which route: tests/unit/test_routes.py)."""
 
 from __future__ import annotations
 
@@ -7,28 +7,8 @@ import pytest
 from pydantic import ValidationError
 
 from weight_sync.metadata import GroupSpec
-from weight_sync.protocol import first_ranks, on_the_ring
+from weight_sync.protocol import first_ranks
 from weight_sync.transport import shm
-
-HERE = "boot-a/net:[1]"
-
-
-@pytest.mark.parametrize(
-    ("same_host", "backend", "hosts", "here", "expected"),
-    [
-        ("shm", "gloo", [HERE, HERE], HERE, [True, True]),
-        ("shm", "gloo", [HERE, "boot-a/net:[2]", "boot-b/net:[1]", None], HERE,
-         [True, False, False, False]),  # another namespace, another kernel, an old member
-        ("group", "gloo", [HERE, HERE], HERE, [False, False]),  # forced through the group
-        ("shm", "nccl", [HERE], HERE, [False]),  # CUDA pushes keep NCCL
-        ("shm", "gloo", [None, None], None, [False, False]),  # no ring on this platform
-        ("shm", "gloo", [], HERE, []),
-    ],
-)  # fmt: skip
-def test_who_takes_the_ring(
-    same_host: str, backend: str, hosts: list, here: str | None, expected: list[bool]
-) -> None:
-    assert on_the_ring(same_host, backend, hosts, here) == expected  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -37,10 +17,11 @@ def test_who_takes_the_ring(
         ([1, 1, 1], [False, False, False], [1, 2, 3]),  # everyone on the group
         ([1, 1, 1], [True, False, True], [1, 1, 2]),  # ranks count within each part
         ([2, 1, 3, 1], [False, False, True, True], [1, 3, 1, 4]),  # TP engines take several
+        ([1, 2, 1, 1], ["group", "cuda_ipc", "shm", "cuda_ipc"], [1, 1, 1, 3]),  # three parts
         ([], [], []),
     ],
 )  # fmt: skip
-def test_ranks_within_each_part(ranks: list[int], local: list[bool], firsts: list[int]) -> None:
+def test_ranks_within_each_part(ranks: list[int], local: list, firsts: list[int]) -> None:
     assert first_ranks(ranks, local) == firsts
 
 

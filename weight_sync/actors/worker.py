@@ -15,6 +15,7 @@ from typing import Any
 import ray
 import torch
 
+from weight_sync.devices import CPU, module_device
 from weight_sync.metadata import (
     MemberInfo,
     PrepareReply,
@@ -55,7 +56,7 @@ class WeightSyncWorker:
     """
 
     def __init__(self) -> None:
-        self._weight_sync_receiver = Receiver()
+        self._weight_sync_receiver = Receiver(self.weight_sync_device)
 
     # -- the contract --------------------------------------------------------------------------
 
@@ -108,6 +109,14 @@ class WeightSyncWorker:
             return None
         return self._weight_sync_model().state_dict(keep_vars=True)
 
+    def weight_sync_device(self) -> torch.device:
+        """The device this worker receives on: that of ``self.model``'s weights (the CPU when it
+        has none on a GPU). A worker that loads into an engine of its own should return its
+        engine's GPU here: the trainer routes by it (NCCL, or CUDA IPC for a worker on the
+        trainer's own GPU), and a worker reporting the CPU is sent host buffers over Gloo."""
+        model = getattr(self, "model", None)
+        return module_device(model) if isinstance(model, torch.nn.Module) else CPU
+
     def weight_sync_digests(self) -> dict[str, str]:
         """SHA-256 of every tensor of ``self.model``'s state dict, to compare with the trainer's."""
         return state_dict_digests(self._weight_sync_model().state_dict())
@@ -155,7 +164,7 @@ class WeightSyncWorker:
         # Tolerates a subclass that forgot super().__init__().
         receiver = self.__dict__.get("_weight_sync_receiver")
         if receiver is None:
-            receiver = self._weight_sync_receiver = Receiver()
+            receiver = self._weight_sync_receiver = Receiver(self.weight_sync_device)
         return receiver
 
     def _weight_sync_targets(self) -> tuple[Check, Mapping[str, torch.Tensor] | None, bool]:

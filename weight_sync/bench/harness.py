@@ -24,6 +24,7 @@ from weight_sync import SyncConfig, WeightSyncError
 from weight_sync.bench.actors import STRATEGIES, TRAINING, BenchTrainer, BenchWorker
 from weight_sync.bench.report import write_report
 from weight_sync.bench.workloads import WORKLOADS, MiB, Workload, gpt2_small, synthetic
+from weight_sync.planner import direct_threshold
 
 logger = logging.getLogger(__name__)
 TIMEOUT_S = 1800
@@ -209,7 +210,8 @@ class Bench:
             row = Measurement(
                 case.workload.name, case.workload.title,
                 case.label if strategy == "weight_sync" and case.label else strategy,
-                case.workers, config.bucket_bytes, config.direct_min_bytes, nbytes,
+                case.workers, config.bucket_bytes,
+                direct_threshold(config.direct_min_bytes, self.device, config.bucket_bytes), nbytes,
                 suite=case.suite, device=self.described,
             )  # fmt: skip
             try:

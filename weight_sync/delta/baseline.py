@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import math
 import secrets
-import zlib
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -35,12 +34,13 @@ from weight_sync.delta.layout import (
     encoding,
     span_elements,
     span_runs,
-    sparse_bytes,
     spans_of,
+    sparse_bytes,
 )
 from weight_sync.delta.lineage import base_name, next_base
 from weight_sync.errors import WeightSyncError
 from weight_sync.metadata import SyncPlan, TensorMeta
+from weight_sync.packing import checksum
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class Baseline:
         self, layout: DeltaLayout, plan: SyncPlan, tensors: Sequence[torch.Tensor], sums: list[int] | None
     ) -> _Sources:
         """What ``Sender`` packs for ``layout``: whole tensors as they are, blobs encoded when
-        first packed (bringing the copy up to date, and appending the CRC32 of each sparse
+        first packed (bringing the copy up to date, and appending the checksum of each sparse
         blob's span range, as the worker will hold it, to ``sums``)."""
         return _Sources(self, layout, plan, tensors, sums)
 
@@ -171,7 +171,7 @@ class Baseline:
     def encode(
         self, blob: Blob, meta: TensorMeta, flat: torch.Tensor, crc: bool = False
     ) -> tuple[torch.Tensor, int | None]:
-        """The bytes of ``blob`` (and with ``crc``, for a sparse blob, the CRC32 of its range once
+        """The bytes of ``blob`` (and with ``crc``, for a sparse blob, the checksum of its range once
         updated), bringing the copy's range up to date. ``flat``: the tensor, flattened."""
         size = meta.itemsize
         stop = blob.first + blob.elements
@@ -194,7 +194,7 @@ class Baseline:
             data = encode_sparse(indices, values, size)
         assert data.numel() == sparse_bytes(blob.changed, size)
         updated = self._bytes[meta.name][blob.first * size : stop * size]
-        return data, zlib.crc32(updated.numpy().data) if crc else None
+        return data, checksum(updated) if crc else None
 
     def _keep(
         self, meta: TensorMeta, first_span: int, piece_counts: list[int],

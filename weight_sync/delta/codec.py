@@ -7,12 +7,18 @@ integer of its width (16-byte ones are compared as pairs of int64).
 
 from __future__ import annotations
 
-import zlib
-
 import numpy as np
 import torch
 
-from weight_sync.delta.layout import INDEX_BYTES, SPAN, VALUES_ALIGNMENT, Blob, sparse_bytes, spans_of
+from weight_sync.delta.layout import (
+    INDEX_BYTES,
+    SPAN,
+    VALUES_ALIGNMENT,
+    Blob,
+    spans_of,
+    sparse_bytes,
+)
+from weight_sync.packing import checksum
 from weight_sync.planner import align_up
 
 _WORDS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -78,7 +84,6 @@ def patch(target: torch.Tensor, blob: Blob, data: torch.Tensor, itemsize: int) -
 
 
 def region_checksum(target: torch.Tensor, blob: Blob, itemsize: int) -> int:
-    """CRC32 of the bytes ``blob`` covers in ``target`` (a uint8 view of the whole tensor)."""
-    part = target[blob.first * itemsize : (blob.first + blob.elements) * itemsize]
-    host = part.cpu() if part.device.type != "cpu" else part
-    return zlib.crc32(host.numpy().data)
+    """The checksum (``packing.checksum``, as for buckets) of the bytes ``blob`` covers in
+    ``target`` (a uint8 view of the whole tensor)."""
+    return checksum(target[blob.first * itemsize : (blob.first + blob.elements) * itemsize])

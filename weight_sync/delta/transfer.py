@@ -20,7 +20,14 @@ import torch
 from weight_sync.deadline import Deadline
 from weight_sync.delta.baseline import Baseline
 from weight_sync.delta.codec import patch, region_checksum
-from weight_sync.delta.layout import COUNT_BYTES, DeltaLayout, blob_name, check_counts, delta_layout, header_counts
+from weight_sync.delta.layout import (
+    COUNT_BYTES,
+    DeltaLayout,
+    blob_name,
+    check_counts,
+    delta_layout,
+    header_counts,
+)
 from weight_sync.errors import TransportError
 from weight_sync.metadata import TRAINER_RANK, SyncPlan
 from weight_sync.packing import NamedTensors, Unpacker, byte_view
@@ -98,7 +105,7 @@ class Patcher:
     Dense blobs are byte ranges of a destination, so the ``Unpacker`` lands them there like any
     tensor (``landing``); sparse blobs are handed back and scattered in place (``apply``); tied
     names with storage of their own are refreshed at the end (``finish``). With ``sums``, the
-    CRC32 of each sparse blob's range once patched is appended, to match the trainer's.
+    checksum of each sparse blob's range once patched is appended, to match the trainer's.
     """
 
     def __init__(
@@ -151,7 +158,7 @@ class Patcher:
 def staged_checksums(
     plan: SyncPlan, layout: DeltaLayout, staged: list[torch.Tensor], destinations: Mapping[str, torch.Tensor]
 ) -> list[int]:
-    """The CRC32s ``Patcher`` would report for a push received into a staging area, computed
+    """The checksums ``Patcher`` would report for a push received into a staging area, computed
     before commit on copies of each patched range (the model stays untouched)."""
     sparse = {index for index, blob in layout.blobs.items() if not blob.dense}
     unpacker = Unpacker(layout.plan, None, staged[0].device if staged else torch.device("cpu"), only=sparse)

@@ -13,6 +13,12 @@ class Work(Protocol):
     def wait(self) -> None:
         """Block until the collective is done; raise a ``WeightSyncError`` if it failed."""
 
+    def after(self) -> None:
+        """Order later work on this thread's current CUDA stream after the collective, without
+        blocking the host (NCCL: a stream wait). Buffers the collective reads or writes may be
+        reused by kernels queued after this call. Where there is no device stream to order (Gloo,
+        the host ring), the same as ``wait``. A failure still surfaces in ``wait``."""
+
 
 class Transport(Protocol):
     """A dedicated group over which rank ``src`` broadcasts flat uint8 buffers."""

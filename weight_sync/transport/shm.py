@@ -17,7 +17,13 @@ The same sockets carry the flow control -- ``READY(seq, nbytes)`` from the train
 in its slot, ``DONE(seq)`` from each worker once it has copied it out; a slot is reused only when
 every worker is done with it -- and the liveness of both ends: a dead peer is an EOF at once, a
 frozen one the collective timeout. The trainer's copy of chunk k+1 overlaps the workers' copies of
-chunk k.
+chunk k. That protocol is shared with the CUDA ring and lives in ``transport.ring``.
+
+With CUDA weights (a ring beside an NCCL group, or the fallback where CUDA IPC is refused) the
+writer copies device-to-host into the slots and each reader host-to-device out of them. The
+mapping is then registered with CUDA (``cudaHostRegister``) in each process, so those copies are
+DMA from pinned memory rather than staged through a pageable bounce buffer; it is unregistered
+before it is unmapped. On the CPU nothing of that happens.
 """
 
 from __future__ import annotations
@@ -28,29 +34,36 @@ import os
 import socket
 import struct
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from weight_sync.errors import SyncTimeoutError, TransportError
 from weight_sync.metadata import GroupSpec
-from weight_sync.planner import align_up
+from weight_sync.transport.ring import (
+    SLOTS,
+    DeviceCopies,
+    Link,
+    RingReader,
+    RingUnavailableError,
+    RingWriter,
+    copies_on,
+    slot_bytes_for,
+)
+
+__all__ = ["SLOTS", "ShmReader", "ShmUnavailableError", "ShmWriter", "available", "host_key",
+           "slot_bytes_for", "socket_name"]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
-SLOTS = 4  # the ring holds one bucket in four slots: the trainer writes one while workers read
-_HELLO = struct.Struct("!16sI")  # group id, rank
-_RING = struct.Struct("!QI")  # slot bytes, slots
-_READY = struct.Struct("!QQ")  # chunk sequence number, bytes in its slot
-_DONE = struct.Struct("!Q")  # chunk sequence number
-# A vote travels in place of a DONE (reader to trainer) and its outcome in place of a READY
-# (trainer to readers), marked by the sequence number's top bit.
-_VOTE = 1 << 63
+_RING = struct.Struct("!QI")  # slot bytes, slots: sent with the memfd
+_KIND = "shared-memory"
+_CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
 
 
-class ShmUnavailableError(TransportError):
-    """This host cannot give the ring its memory (or has no memfd): use the group instead."""
+class ShmUnavailableError(RingUnavailableError):
+    """This host cannot give the ring its memory (or has no memfd), or a reader could not map
+    it: use the group instead."""
 
 
 def available() -> bool:
@@ -74,63 +87,85 @@ def socket_name(group_id: str) -> str:
     return f"weight_sync-{group_id}"
 
 
-def slot_bytes_for(bucket_bytes: int, alignment: int = 4096) -> int:
-    """Slot size: the ring as a whole holds one bucket."""
-    return align_up(-(-bucket_bytes // SLOTS), alignment)
-
-
-class _Done:
-    def wait(self) -> None:
-        return None
-
-
-class _Acks:
-    """The writer's side of a broadcast in flight: done when every reader has copied it out."""
-
-    def __init__(self, writer: ShmWriter, through: int, deadline: float) -> None:
-        self._writer, self._through, self._deadline = writer, through, deadline
-
-    def wait(self) -> None:
-        self._writer.await_done(self._through, self._deadline)
+def _checked_device(device: torch.device | str | None) -> torch.device:
+    device = torch.device("cpu") if device is None else torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"the host ring copies from and to CPU or CUDA buffers, not {device}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"the host ring was asked for buffers on {device}, but CUDA is not available"
+        )
+    return device
 
 
 class _Ring:
-    """A mapping of the ring and its slots as uint8 tensors."""
+    """A mapping of the ring and its slots as uint8 tensors; with ``pin``, registered with CUDA
+    for as long as it is mapped."""
 
-    def __init__(self, fd: int, slot_bytes: int, slots: int) -> None:
+    def __init__(self, fd: int, slot_bytes: int, slots: int, pin: bool) -> None:
         self.map = mmap.mmap(fd, slot_bytes * slots, mmap.MAP_SHARED)
         flat = torch.frombuffer(self.map, dtype=torch.uint8)
         self.slots = list(flat.split(slot_bytes))
         self.slot_bytes = slot_bytes
+        self._pinned: int | None = None
+        if pin:
+            self._pin(flat.data_ptr(), flat.numel())
+
+    def _pin(self, address: int, size: int) -> None:
+        # As torch pins shared-memory tensors for its own device copies (torch/cuda/
+        # _pin_memory_utils.py pin_memory, used by torch/distributed/_state_dict_utils.py
+        # _create_cpu_state_dict): cudaHostRegister on the mapping, flag Portable.
+        cudart = torch.cuda.cudart()
+        code = int(cudart.cudaHostRegister(address, size, _CUDA_HOST_REGISTER_PORTABLE))
+        if code != 0:
+            logger.warning(
+                "cannot pin the %d-byte shared-memory ring for CUDA (cudaHostRegister error %d): "
+                "its copies to and from the GPU go through pageable staging, more slowly",
+                size, code,
+            )  # fmt: skip
+            return
+        self._pinned = address
 
     def close(self) -> None:
         self.slots = []
+        if self._pinned is not None:  # before unmapping: the driver holds the pages until then
+            code = int(torch.cuda.cudart().cudaHostUnregister(self._pinned))
+            if code != 0:
+                logger.warning("cudaHostUnregister of the shared-memory ring failed (error %d)",
+                               code)  # fmt: skip
+            self._pinned = None
         try:
             self.map.close()
         except BufferError:  # a view is still alive somewhere: the mapping goes with it
             pass
 
 
-class ShmWriter:
+class ShmWriter(RingWriter):
     """The trainer's end (rank 0): writes each broadcast once into the ring. Implements
     ``Transport`` for the workers of its host."""
 
-    def __init__(self, group_id: str, readers: int, slot_bytes: int, collective_timeout_s: float) -> None:
+    kind = _KIND
+    unavailable = ShmUnavailableError
+
+    def __init__(self, group_id: str, readers: int, slot_bytes: int, collective_timeout_s: float,
+                 device: torch.device | str | None = None) -> None:  # fmt: skip
         """Claims the ring's memory and listens; ``accept`` then takes the readers in.
+
+        ``device`` is where the buffers handed to ``broadcast`` live (default: the CPU). On a
+        CUDA device the ring is pinned and chunks are copied device-to-host into it (CPU
+        buffers are taken as well; see ``takes``).
 
         Raises ``ShmUnavailableError`` (naming the size) where the host cannot give the memory.
         """
-        assert readers >= 1
-        self._group_id = group_id
-        self._readers = readers
-        self._timeout_s = collective_timeout_s
+        self._device = _checked_device(device)
+        self._copies: DeviceCopies | None = None
         size = slot_bytes * SLOTS
         if not available():
             raise ShmUnavailableError("shared memory needs Linux (memfd_create and fd passing)")
         fd = os.memfd_create(socket_name(group_id), os.MFD_CLOEXEC)
         try:
             os.posix_fallocate(fd, 0, size)
-            self._ring = _Ring(fd, slot_bytes, SLOTS)
+            self._ring = _Ring(fd, slot_bytes, SLOTS, pin=self._device.type == "cuda")
         except OSError as exc:
             os.close(fd)
             raise ShmUnavailableError(
@@ -139,286 +174,116 @@ class ShmWriter:
                 "or set same_host='group' in SyncConfig"
             ) from exc
         self._fd: int | None = fd
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            listener.bind("\0" + socket_name(group_id))
-            listener.listen(readers)
-        except OSError as exc:
-            listener.close()
-            self._fd = None
-            os.close(fd)
-            self._ring.close()
-            raise ShmUnavailableError(f"cannot listen for the ring's readers: {exc}") from exc
-        self._listener: socket.socket | None = listener
-        self._conns: list[socket.socket] = []
-        self._written = 0  # chunks written since the group formed
-        self._done = [0] * readers  # per reader: chunks it has copied out
-
-    @property
-    def rank(self) -> int:
-        return 0
-
-    @property
-    def world_size(self) -> int:
-        return self._readers + 1
+            name = socket_name(group_id)
+            super().__init__(name, readers, slot_bytes, collective_timeout_s, group_id)
+        except BaseException:
+            self._release()
+            raise
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cpu")
+        return self._device
 
-    def accept(self, timeout_s: float) -> None:
-        """Take every reader in (they connect while joining), and hand each the ring."""
-        assert self._listener is not None and self._fd is not None
-        deadline = time.monotonic() + timeout_s
-        by_rank: dict[int, socket.socket] = {}
-        try:
-            while len(by_rank) < self._readers:
-                self._listener.settimeout(max(deadline - time.monotonic(), 1e-3))
-                try:
-                    conn, _ = self._listener.accept()
-                except TimeoutError:
-                    missing = sorted(set(range(1, self._readers + 1)) - set(by_rank))
-                    raise SyncTimeoutError(
-                        f"shared-memory readers {missing} did not connect within "
-                        f"{timeout_s:.1f}s; check that those workers are alive"
-                    ) from None
-                rank = self._greet(conn, deadline)
-                if rank is None or rank in by_rank:
-                    conn.close()  # not one of ours: a stale member of an older group, or worse
-                else:
-                    by_rank[rank] = conn
-        except BaseException:
-            for conn in by_rank.values():
-                conn.close()
-            raise
-        finally:
-            self._listener.close()
-            self._listener = None
+    def takes(self, device: torch.device) -> bool:
+        """Whether ``broadcast`` takes buffers on ``device`` (see ``Fanout``): host memory and
+        any CUDA device alike, since a chunk is copied into the ring either way."""
+        return device.type in ("cpu", "cuda")
+
+    def _offer(self, link: Link) -> None:
+        assert self._fd is not None
+        socket.send_fds(link.conn, [_RING.pack(self._ring.slot_bytes, SLOTS)], [self._fd])
+
+    def _fill(self, slot: int, chunk: torch.Tensor, deadline: float) -> None:
+        out = self._ring.slots[slot][: chunk.numel()]
+        if not chunk.is_cuda:
+            out.copy_(chunk)
+            return
+        # A reader reads the slot as soon as it hears READY: the bytes must be in host memory.
+        self._copies = copies_on(self._copies, chunk.device)
+        self._copies.copy(out, chunk, deadline, f"the copy of a chunk from {chunk.device} into the "
+                          "shared-memory ring")  # fmt: skip
+
+    def _accepted(self) -> None:
+        if self._fd is not None:
             os.close(self._fd)  # the readers hold the ring's mapping now
             self._fd = None
-        self._conns = [by_rank[rank] for rank in range(1, self._readers + 1)]
-        logger.info("shared-memory ring of %d x %d bytes to %d readers", SLOTS,
-                    self._ring.slot_bytes, self._readers)  # fmt: skip
 
-    def _greet(self, conn: socket.socket, deadline: float) -> int | None:
-        """A connecting reader's rank, once it has proved it was sent our group id and has been
-        handed the ring; None for anyone else."""
-        assert self._fd is not None
-        try:
-            # An honest reader says hello as it connects; a silent caller must not hold the door.
-            conn.settimeout(min(max(deadline - time.monotonic(), 1e-3), 5.0))
-            group_id, rank = _HELLO.unpack(_recv_exact(conn, _HELLO.size, None))
-            if group_id != self._group_id.encode()[:16] or not 1 <= rank <= self._readers:
-                return None
-            socket.send_fds(conn, [_RING.pack(self._ring.slot_bytes, SLOTS)], [self._fd])
-        except (OSError, TransportError):
-            return None
-        return rank
-
-    def broadcast(self, tensor: torch.Tensor, src: int, timeout_s: float | None = None) -> _Acks:
-        """Copy ``tensor`` into the ring chunk by chunk; waits only for slots to come free."""
-        assert src == 0 and tensor.dtype == torch.uint8 and tensor.is_contiguous()
-        deadline = _deadline(self._timeout_s, timeout_s)
-        flat, size = tensor.view(-1), tensor.numel()
-        slot_bytes = self._ring.slot_bytes
-        for offset in range(0, size, slot_bytes):
-            count = min(slot_bytes, size - offset)
-            chunk = self._written
-            self.await_done(chunk - SLOTS + 1, deadline)  # the slot's previous chunk is read
-            self._ring.slots[chunk % SLOTS][:count].copy_(flat[offset : offset + count])
-            ready = _READY.pack(chunk, count)
-            for rank, conn in enumerate(self._conns, start=1):
-                _send(conn, ready, rank)
-            self._written += 1
-        return _Acks(self, self._written, deadline)
-
-    def await_done(self, through: int, deadline: float) -> None:
-        """Wait until every reader has copied out chunks ``< through``."""
-        for index, conn in enumerate(self._conns):
-            while self._done[index] < through:
-                conn.settimeout(_left(deadline, index + 1))
-                (chunk,) = _DONE.unpack(_recv_exact(conn, _DONE.size, index + 1))
-                if chunk != self._done[index]:
-                    raise TransportError(
-                        f"shared-memory reader {index + 1} acknowledged chunk {chunk}, expected "
-                        f"{self._done[index]}"
-                    )
-                self._done[index] += 1
-
-    tally_is_final = False  # the readers wait for announce
-
-    def vote(self, code: int, timeout_s: float | None = None) -> int:
-        return self.announce(self.tally(code, timeout_s), timeout_s)
-
-    def tally(self, code: int, timeout_s: float | None = None) -> int:
-        """The largest of ``code`` and every reader's vote (each reader has copied out every
-        chunk first); the readers wait for ``announce``."""
-        deadline = _deadline(self._timeout_s, timeout_s)
-        self.await_done(self._written, deadline)
-        for index, conn in enumerate(self._conns):
-            conn.settimeout(_left(deadline, index + 1))
-            (word,) = _DONE.unpack(_recv_exact(conn, _DONE.size, index + 1))
-            if not word & _VOTE:
-                raise TransportError(f"shared-memory reader {index + 1} sent chunk {word} where a "
-                                     "vote was due; it disagrees on the plan")  # fmt: skip
-            code = max(code, word & ~_VOTE)
-        return code
-
-    def announce(self, code: int, timeout_s: float | None = None) -> int:
-        result = _READY.pack(_VOTE | code, 0)
-        for rank, conn in enumerate(self._conns, start=1):
-            _send(conn, result, rank)
-        return code
-
-    def close(self) -> None:
-        """Hang up on every reader (each fails at once if it was waiting) and unmap. Idempotent."""
-        conns, self._conns = self._conns, []
-        for conn in conns:
-            conn.close()
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+    def _release(self) -> None:
+        self._accepted()
         self._ring.close()
 
 
-class ShmReader:
+class ShmReader(RingReader):
     """A worker's end: copies each broadcast out of the ring. Implements ``Transport``."""
 
-    def __init__(self, spec: GroupSpec, conn: socket.socket, ring: _Ring) -> None:
-        self._spec = spec
-        self._conn: socket.socket | None = conn
+    kind = _KIND
+    unavailable = ShmUnavailableError
+
+    def __init__(self, spec: GroupSpec, link: Link, ring: _Ring, device: torch.device) -> None:
+        super().__init__(spec, link, ring.slot_bytes, device)
         self._ring = ring
-        self._read = 0  # chunks copied out since joining
+        self._copies: DeviceCopies | None = None
 
     @classmethod
-    def join(cls, spec: GroupSpec) -> ShmReader:
-        """Connect to the trainer's ring (``spec.transport == 'shm'``) and map it."""
+    def join(cls, spec: GroupSpec, device: torch.device | str | None = None) -> ShmReader:
+        """Connect to the trainer's ring (``spec.transport == 'shm'``) and map it.
+
+        ``device`` is where the buffers handed to ``broadcast`` live (default: the CPU); on a
+        CUDA device the mapping is pinned and chunks are copied host-to-device out of it.
+        """
         assert spec.transport == "shm"
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.settimeout(spec.rendezvous_timeout_s)
+        device = _checked_device(device)
+        link = cls._connect(spec)
         try:
-            conn.connect("\0" + spec.address)
-            conn.sendall(_HELLO.pack(spec.group_id.encode()[:16], spec.rank))
-            message, fds, _, _ = socket.recv_fds(conn, _RING.size, 1)
-            if len(message) != _RING.size or len(fds) != 1:
-                raise TransportError("the trainer hung up while handing over the ring")
-            slot_bytes, slots = _RING.unpack(message)
-            try:
-                ring = _Ring(fds[0], slot_bytes, slots)
-            finally:
-                os.close(fds[0])
+            message, fds, _, _ = socket.recv_fds(link.conn, _RING.size, 1)
         except TimeoutError as exc:
-            conn.close()
+            link.close()
             raise SyncTimeoutError(
                 f"the trainer's shared-memory ring did not answer within "
                 f"{spec.rendezvous_timeout_s}s; check that the trainer is alive"
             ) from exc
         except OSError as exc:
-            conn.close()
+            link.close()
+            raise TransportError(f"the trainer's shared-memory ring failed: {exc}") from exc
+        if len(message) != _RING.size or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            link.close()
+            raise TransportError("the trainer hung up while handing over the ring")
+        slot_bytes, slots = _RING.unpack(message)
+        if slots != SLOTS:
+            os.close(fds[0])
+            link.close()
             raise TransportError(
-                f"cannot reach the trainer's shared-memory ring {spec.address!r}: {exc}; the "
-                "trainer must run on this host, in this network namespace"
-            ) from exc
-        logger.info("joined shared-memory ring %s as reader %d/%d", spec.address, spec.rank,
-                    spec.world_size - 1)  # fmt: skip
-        return cls(spec, conn, ring)
+                f"the trainer's ring has {slots} slots, this worker counts {SLOTS}; check that "
+                "both run the same weight_sync version"
+            )
+        try:
+            ring = _Ring(fds[0], slot_bytes, slots, pin=device.type == "cuda")
+        except (OSError, ValueError, RuntimeError) as exc:  # RuntimeError: CUDA, pinning it
+            raise cls._refuse(spec, link, f"cannot map {slot_bytes * slots} bytes: {exc}") from exc
+        except BaseException:
+            link.close()
+            raise
+        finally:
+            os.close(fds[0])
+        try:
+            cls._joined(spec, link)
+        except BaseException:
+            link.close()
+            ring.close()
+            raise
+        return cls(spec, link, ring, device)
 
-    @property
-    def rank(self) -> int:
-        return self._spec.rank
+    def _drain(self, slot: int, out: torch.Tensor, deadline: float) -> None:
+        source = self._ring.slots[slot][: out.numel()]
+        if not out.is_cuda:
+            out.copy_(source)
+            return
+        self._copies = copies_on(self._copies, out.device)
+        self._copies.copy(out, source, deadline, f"the copy of a chunk out of the shared-memory "
+                          f"ring into {out.device}")  # fmt: skip
 
-    @property
-    def world_size(self) -> int:
-        return self._spec.world_size
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def broadcast(self, tensor: torch.Tensor, src: int, timeout_s: float | None = None) -> _Done:
-        """Receive into ``tensor``, chunk by chunk; returns when all of it has arrived."""
-        conn = self._conn
-        if conn is None:
-            raise TransportError("this shared-memory reader has left")
-        deadline = _deadline(self._spec.collective_timeout_s, timeout_s)
-        flat, size = tensor.view(-1), tensor.numel()
-        slot_bytes = self._ring.slot_bytes
-        for offset in range(0, size, slot_bytes):
-            count = min(slot_bytes, size - offset)
-            conn.settimeout(_left(deadline, 0))
-            chunk, sent = _READY.unpack(_recv_exact(conn, _READY.size, 0))
-            if (chunk, sent) != (self._read, count):
-                raise TransportError(
-                    f"shared-memory ring out of step: got chunk {chunk} of {sent} bytes, expected "
-                    f"chunk {self._read} of {count}; the trainer and this worker disagree on the plan"
-                )
-            slots = self._ring.slots
-            flat[offset : offset + count].copy_(slots[chunk % len(slots)][:count])
-            _send(conn, _DONE.pack(chunk), 0)
-            self._read += 1
-        return _Done()
-
-    def vote(self, code: int, timeout_s: float | None = None) -> int:
-        conn = self._conn
-        if conn is None:
-            raise TransportError("this shared-memory reader has left")
-        deadline = _deadline(self._spec.collective_timeout_s, timeout_s)
-        _send(conn, _DONE.pack(_VOTE | code), 0)
-        conn.settimeout(_left(deadline, 0))
-        word, _ = _READY.unpack(_recv_exact(conn, _READY.size, 0))
-        if not word & _VOTE:
-            raise TransportError(f"shared-memory ring out of step: got chunk {word} where the "
-                                 "outcome of a vote was due")  # fmt: skip
-        return word & ~_VOTE
-
-    def close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.close()
+    def _unmap(self) -> None:
         self._ring.close()
-
-
-def _peer(rank: int | None) -> str:
-    """Who is at the other end of a connection: rank 0 is the trainer; None, a reader that has
-    not said who it is yet."""
-    if rank is None:
-        return "a joining reader"
-    return "the trainer" if rank == 0 else f"shared-memory reader {rank}"
-
-
-def _deadline(limit_s: float, timeout_s: float | None) -> float:
-    """When one broadcast must be done: within ``timeout_s`` if given, never past ``limit_s``."""
-    return time.monotonic() + (limit_s if timeout_s is None else min(limit_s, timeout_s))
-
-
-def _left(deadline: float, rank: int) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise SyncTimeoutError(f"shared-memory ring: timed out waiting for {_peer(rank)}")
-    return left
-
-
-def _recv_exact(conn: socket.socket, size: int, rank: int | None) -> bytes:
-    peer = _peer(rank)
-    data = b""
-    try:
-        while len(data) < size:
-            part = conn.recv(size - len(data))
-            if not part:
-                raise TransportError(f"{peer} closed its shared-memory connection (it died or left)")
-            data += part
-    except TimeoutError as exc:
-        raise SyncTimeoutError(f"timed out waiting for {peer} on the shared-memory ring") from exc
-    except OSError as exc:
-        raise TransportError(f"{peer}: shared-memory connection failed: {exc}") from exc
-    return data
-
-
-def _send(conn: socket.socket, message: bytes, rank: int) -> None:
-    try:
-        conn.sendall(message, socket.MSG_NOSIGNAL)
-    except OSError as exc:  # BrokenPipeError / ConnectionResetError: the peer is gone
-        raise TransportError(f"{_peer(rank)} closed its shared-memory connection: {exc}") from exc

@@ -11,28 +11,73 @@ Two ways to build it, one way to use it:
   group object's own methods (``dist.broadcast(group=...)`` refuses unregistered groups).
 
 Either way the result is a ``ProcessGroup`` whose ``broadcast`` we call directly.
+
+Failure semantics are ours, not the backend's, and the same on Gloo and NCCL:
+
+* Every wait is our own loop (``TorchGroup._settle``): it notices completion at once (Gloo: its
+  C++ ``wait`` in 50 ms slices, which returns on completion; NCCL: ``is_completed`` with a
+  backoff of at most 1 ms), and between slices looks at three things: whether this group was
+  closed or aborted locally (another thread's ``close``), the ``abort`` key in the group's own
+  store (a peer that left on a failure path, or the trainer leaving; a store that no longer
+  answers means the trainer is gone), and the op's own bound.
+* Each op's bound runs from when it could start: the later of its posting and the completion of
+  the op posted before it on this group. A pipelined sender posts bucket k+1 while k is on the
+  wire; k+1 cannot start before k ends (NCCL runs a group's ops in stream order), so timing it
+  from its posting would charge it k's time. The previous op's completion is taken as when this
+  process first saw it, which errs on the side of a later start (a looser bound), never a
+  spurious timeout. NCCL needs this loop: it ignores ``BroadcastOptions.timeout`` (every WorkNCCL
+  gets the group's ``options_->timeout``: ``ProcessGroupNCCL::assignTimeoutToWork``).
+* A timed-out or failed op aborts the group (never ``shutdown``, which finalises and would wait
+  for the op) and raises ``SyncTimeoutError`` / ``TransportError``. ``close`` with work in flight
+  or a wait running, and ``abort``, abort too; only a ``close`` with nothing in flight shuts the
+  group down cleanly. Aborts run on a background thread that ``close`` waits on for at most
+  ``_CLOSE_WAIT_S``: a Gloo group's destructor waits for its ops to end, and ``ncclCommAbort``
+  may take a while, neither of which a leaving member should sit through.
+* The trainer (rank 0) writes the abort key whenever it leaves, and any rank writes it when it
+  aborts, so that peers stop at once: Gloo peers used to learn from the closed sockets, but only
+  once our side's ops had ended; NCCL peers learn nothing at all from a peer's abort.
 """
 
 from __future__ import annotations
 
 import datetime
+import enum
 import fcntl
+import functools
+import json
 import logging
 import os
 import socket
 import struct
+import threading
+import time
 import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, ProcessGroupGloo
 
-from weight_sync.errors import SyncTimeoutError, TransportError
+from weight_sync.errors import (
+    GroupFormationError,
+    SyncTimeoutError,
+    TransportError,
+    WeightSyncError,
+)
 from weight_sync.metadata import GroupSpec
+from weight_sync.transport import nccl
 from weight_sync.transport.rendezvous import local_address_towards, open_store
 
 logger = logging.getLogger(__name__)
+
+ABORT_KEY = "abort"  # in the group's own PrefixStore: see TorchGroup._tell_peers
+_LOOK_EVERY_S = 0.05  # how often a wait looks at the local state, the abort key and its bound
+_LOST_GRACE_S = 1.0  # how long a wait goes on once the store stopped answering (see _look)
+_STORE_LINGER_S = 0.15  # rank 0 keeps serving the abort key this long after leaving
+_CLOSE_WAIT_S = 0.05  # how long close()/abort() wait for a background abort before returning
+_NCCL_MAX_PAUSE_S = 1e-3  # the longest sleep between two is_completed() polls (NCCL)
 
 
 class _GroupHandle(Protocol):
@@ -44,9 +89,17 @@ class _GroupHandle(Protocol):
 
     def shutdown(self) -> None: ...
 
+    def abort(self) -> None: ...
+
+
+class _State(enum.Enum):
+    OPEN = "open"
+    CLOSED = "closed"  # left cleanly (shutdown)
+    ABORTED = "aborted"
+
 
 class TorchWork:
-    """A broadcast in flight.
+    """A collective in flight on a ``TorchGroup``.
 
     A Gloo work handle keeps the group's connections alive, so a handle lingering in an
     exception's traceback would keep peers blocked on us until their timeout instead of failing
@@ -54,54 +107,157 @@ class TorchWork:
     ``TorchGroup.close`` for handles nobody waited on.
     """
 
-    def __init__(self, work: dist.Work, timeout: datetime.timedelta) -> None:
+    def __init__(
+        self,
+        group: TorchGroup,
+        work: dist.Work,
+        bound_s: float,
+        seq: int,
+        previous: TorchWork | None,
+    ) -> None:
+        self._group = group
+        self.seq = seq  # 1 for the first collective posted on the group: the same on every rank
         self._work: dist.Work | None = work
-        self._timeout = timeout
+        self._bound_s = bound_s
+        self._posted = time.monotonic()
+        self._previous = weakref.ref(previous) if previous is not None else None
+        self._start: float | None = None if previous is not None else self._posted
+        self.done_at: float | None = None  # when this process saw it complete (or gave it up)
+        self._settled = False
+        self._failure: WeightSyncError | None = None
 
     def wait(self) -> None:
+        """Block until the collective is done (see ``TorchGroup._settle``). Once it has been
+        waited on (here or by ``after`` on Gloo), later calls return or raise the same again."""
+        if self._settled:
+            if self._failure is not None:
+                raise self._failure
+            return
         work, self._work = self._work, None
         if work is None:
-            raise TransportError("this broadcast was abandoned: the sync group was closed")
+            raise TransportError("this collective was abandoned: the sync group was closed")
         try:
-            work.wait(self._timeout)
-            return
-        except RuntimeError as exc:
-            failure = exc
+            self._group._settle(self, work)
+        except WeightSyncError as exc:
+            self._failure = exc
+            raise
         finally:
+            self._settled = True
             del work  # not even this frame may keep it alive in the traceback
-        raise _collective_error(failure, self._timeout) from failure
+
+    def after(self) -> None:
+        """NCCL: ``WorkNCCL::synchronize`` -> ``synchronizeStream`` makes the current stream of
+        the work's device wait on the collective's end event (``ncclEndEvent_->block``), and
+        does not block the host; ``wait`` still follows. Gloo: there is no stream to order, so
+        this is ``wait``."""
+        if not self._group.is_nccl or self._settled:
+            self.wait()
+            return
+        work = self._work
+        if work is None:
+            raise TransportError("this collective was abandoned: the sync group was closed")
+        self._group._raise_if_left()
+        work.synchronize()
 
     def release(self) -> None:
         self._work = None
+        if self.done_at is None:
+            self.done_at = time.monotonic()
+
+    def finished(self, now: float) -> bool:
+        """Whether this op is known to be over (done, failed, released), recording when."""
+        if self.done_at is None:
+            work = self._work
+            if work is None or work.is_completed():
+                self.done_at = now
+                if work is not None:
+                    self._group._saw_done(self.seq)
+        return self.done_at is not None
+
+    def overdue(self, now: float) -> bool:
+        """Whether this op has run past its bound, counted from when it could start. While the
+        op before it still runs, this one has not started and that one's bound applies."""
+        if self._start is None:
+            previous = self._previous() if self._previous is not None else None
+            if previous is None:  # dropped unwaited: we cannot know better than our posting
+                self._start = self._posted
+            elif previous.finished(now):
+                self._start = max(self._posted, cast(float, previous.done_at))
+            else:
+                return previous.overdue(now)
+            self._previous = None
+        return now - self._start > self._bound_s
+
+    @property
+    def bound_s(self) -> float:
+        return self._bound_s
 
 
 class TorchGroup:
     """A member of the dedicated sync group (implements ``Transport``)."""
 
     def __init__(
-        self, spec: GroupSpec, pg: _GroupHandle, store: dist.Store, device: torch.device
+        self,
+        spec: GroupSpec,
+        pg: _GroupHandle,
+        store: dist.Store,
+        ours: dist.Store,
+        device: torch.device,
     ) -> None:
         self._spec = spec
         self._pg: _GroupHandle | None = pg
-        self._store: dist.Store | None = store
+        self._store: dist.Store | None = store  # rank 0: the TCPStore server itself
+        self._ours: dist.Store | None = ours  # the group's PrefixStore: the abort key
         self._device = device
         self._timeout = datetime.timedelta(seconds=spec.collective_timeout_s)
         self._works: weakref.WeakSet[TorchWork] = weakref.WeakSet()
+        self._last: weakref.ref[TorchWork] | None = None  # the op posted last
+        self._lock = threading.Lock()  # state, posting, the works
+        self._state = _State.OPEN
+        self._waiters = 0
+        self._posted = 0  # collectives posted on this group
+        # NCCL, once aborted: the work objects of collectives that may still run. In blocking-wait
+        # mode nothing else owns a WorkNCCL (workEnqueue skips workMetaList_), and its tensor stash
+        # (``stashed_for_allocator_safety_``, the only thing keeping the caching allocator from
+        # handing the buffers on while the NCCL stream still uses them) goes with it; so they are
+        # dropped only once ncclCommAbort has returned (see ``_abort``).
+        self._held: list[dist.Work] = []
+        self._done_through = 0  # the highest op seq seen complete (see close)
 
     @classmethod
-    def join(cls, spec: GroupSpec, listener: socket.socket | None = None) -> TorchGroup:
+    def join(
+        cls,
+        spec: GroupSpec,
+        listener: socket.socket | None = None,
+        device: torch.device | None = None,
+    ) -> TorchGroup:
         """Join (rank 0: create, taking over ``listener``) the group that ``spec`` describes.
 
-        Blocks until every member has joined or ``spec.rendezvous_timeout_s`` passes.
+        ``device``: where this member's buffers live. NCCL needs it (a CUDA device with an
+        index): a thread's current device is no guide, since pushes run on whatever thread the
+        caller has. Gloo uses the CPU (None or ``cpu``).
+
+        Blocks until the group has formed or ``spec.rendezvous_timeout_s`` passes. For NCCL
+        "formed" means a checked communicator: every rank checks in through the store first
+        (GPU, NCCL version and settings; see ``nccl.judge``), then the communicator is created
+        eagerly and proven with a warm-up all-reduce (``nccl.connect``). Failures raise
+        ``GroupFormationError`` naming the ranks to blame, on every rank.
         """
-        assert (listener is not None) == (spec.rank == 0), "rank 0 and only rank 0 listens"
+        if (listener is not None) != (spec.rank == 0):
+            raise ValueError("rank 0 and only rank 0 passes the listening socket")
+        device = _device_for(spec.backend, device)
+        deadline = time.monotonic() + spec.rendezvous_timeout_s
         store = open_store(
             spec.address, spec.port, spec.world_size, spec.rendezvous_timeout_s, listener
         )
-        device = _device_for(spec.backend)
         rendezvous = datetime.timedelta(seconds=spec.rendezvous_timeout_s)
         collective = datetime.timedelta(seconds=spec.collective_timeout_s)
         ours = PrefixStore(f"weight_sync/{spec.group_id}/", store)  # random per group
+        if spec.backend == "nccl":  # before any NCCL call: who is there, and can they agree?
+            try:
+                nccl.check_in(ours, spec, nccl.local_report(device), deadline)
+            except RuntimeError as exc:  # the store: DistNetworkError when the trainer is gone
+                raise _rendezvous_error(exc, spec) from exc
         pg: _GroupHandle
         try:
             if spec.mode == "world":
@@ -109,15 +265,25 @@ class TorchGroup:
             elif spec.backend == "gloo":
                 pg = _gloo_group(spec, ours, rendezvous, collective)
             else:
-                pg = _nccl_group(spec, ours, collective)
+                pg = cast(_GroupHandle, nccl.nccl_group(spec, ours, collective))
         except RuntimeError as exc:
             raise _rendezvous_error(exc, spec) from exc
+        group = cls(spec, pg, store, ours, device)
+        if spec.backend == "nccl":
+            try:
+                nccl.connect(group._backend(pg), device, ours, spec, deadline)
+            except GroupFormationError:
+                group._abort("the sync group did not form", tell_peers=False)
+                raise
+            except RuntimeError as exc:  # the store failed under the outcomes: a typed error,
+                group._abort("the sync group did not form", tell_peers=False)  # and no live PG
+                raise _rendezvous_error(exc, spec) from exc
         logger.info(
-            "joined sync group %s as rank %d/%d (%s, %s) via %s:%d",
-            spec.group_id, spec.rank, spec.world_size, spec.backend, spec.mode,
+            "joined sync group %s as rank %d/%d (%s, %s, %s) via %s:%d",
+            spec.group_id, spec.rank, spec.world_size, spec.backend, spec.mode, device,
             spec.address, spec.port,
         )  # fmt: skip
-        return cls(spec, pg, store, device)
+        return group
 
     @property
     def rank(self) -> int:
@@ -132,6 +298,10 @@ class TorchGroup:
         return self._device
 
     @property
+    def is_nccl(self) -> bool:
+        return self._spec.backend == "nccl"
+
+    @property
     def process_group(self) -> _GroupHandle:
         """The underlying group object, for tools that need other collectives on the same
         group (the benchmark's baselines). weight_sync itself only broadcasts."""
@@ -139,20 +309,23 @@ class TorchGroup:
             raise TransportError("the sync group is closed")
         return self._pg
 
-    def broadcast(self, tensor: torch.Tensor, src: int, timeout_s: float | None = None) -> TorchWork:
-        pg, timeout = self._open(), self._bound(timeout_s)
+    def broadcast(
+        self, tensor: torch.Tensor, src: int, timeout_s: float | None = None
+    ) -> TorchWork:
         assert tensor.dtype == torch.uint8 and tensor.is_contiguous()
+        if self.is_nccl and tensor.device != self._device:
+            raise ValueError(
+                f"an NCCL sync group on {self._device} got a buffer on {tensor.device}"
+            )
+        timeout = self._bound(timeout_s)
         options = dist.BroadcastOptions()
         options.rootRank = src
         options.rootTensor = 0
-        options.timeout = timeout
-        try:
-            work = pg.broadcast([tensor], options)
-        except RuntimeError as exc:
-            raise _collective_error(exc, timeout) from exc
-        handle = TorchWork(work, timeout)
-        self._works.add(handle)
-        return handle
+        # The op's bound is our wait's (from when the op could start, see the module docstring).
+        # Gloo's own per-op timer starts when a worker thread picks the op up, possibly while
+        # the op before it still runs, so it gets only the group's timeout, as a backstop.
+        options.timeout = self._timeout
+        return self._post(lambda pg: pg.broadcast([tensor], options), timeout)
 
     # One all-reduce tells every rank the outcome at once: nothing is left to announce.
     tally_is_final = True
@@ -162,24 +335,262 @@ class TorchGroup:
 
     def tally(self, code: int, timeout_s: float | None = None) -> int:
         """The largest code of the group, on every rank (one all-reduce)."""
-        pg, timeout = self._open(), self._bound(timeout_s)
+        timeout = self._bound(timeout_s)
         codes = torch.tensor([code], dtype=torch.int32, device=self._device)
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MAX
-        options.timeout = timeout
-        try:
-            work = pg.allreduce([codes], options)
-        except RuntimeError as exc:
-            raise _collective_error(exc, timeout) from exc
-        TorchWork(work, timeout).wait()
+        options.timeout = self._timeout  # a backstop, as in broadcast
+        self._post(lambda pg: pg.allreduce([codes], options), timeout).wait()
         return int(codes.item())
 
     def announce(self, code: int, timeout_s: float | None = None) -> int:
         return code
 
+    def close(self) -> None:
+        """Leave the group. With nothing in flight and no wait running, cleanly (``shutdown``);
+        otherwise as ``abort`` does, never waiting on the op in flight. Idempotent, and safe to
+        call from another thread while a wait runs (that wait raises ``TransportError``)."""
+        now = time.monotonic()
+        with self._lock:
+            if self._state is not _State.OPEN:
+                return
+            busy = self._waiters > 0 or any(not w.finished(now) for w in list(self._works))
+            # A handle dropped unwaited leaves the WeakSet, but its op may still run: NCCL's
+            # shutdown would then wait for it forever. Its ops end in posting order, so the
+            # group is idle only once the last one posted was seen complete.
+            busy = busy or (self.is_nccl and self._done_through < self._posted)
+            if not busy:
+                self._state = _State.CLOSED
+                pg, self._pg = self._pg, None
+                handles = list(self._works)
+        if busy:
+            self.abort("it left with a collective in flight")
+            return
+        for handle in handles:  # Gloo: a live work handle keeps the connections open
+            handle.release()
+        if self.rank == 0:  # members may wait in a collective we will never post: tell them
+            self._tell_peers("the trainer left the sync group", abort=False)
+        try:
+            if self._spec.mode == "world":
+                with nccl.env_window({}):  # the lock: no other thread builds a world meanwhile
+                    dist.destroy_process_group()  # the sync world and every group in it
+            else:
+                cast(_GroupHandle, pg).shutdown()
+        except RuntimeError as exc:  # a dead peer must not stop us from leaving
+            logger.warning("closing sync group %s: %s", self._spec.group_id, exc)
+        del pg
+        self._drop_store()
+        logger.info("left sync group %s (rank %d)", self._spec.group_id, self.rank)
+
+    def _saw_done(self, seq: int) -> None:
+        """The op ``seq`` completed, and with it every op posted before it (stream order)."""
+        self._done_through = max(self._done_through, seq)
+
+    def abort(self, reason: str = "it aborted") -> None:
+        """Leave on a failure path: abort the group (never finalise: that would wait for work in
+        flight) and tell the peers through the store, so they stop at once. Returns within
+        about ``_CLOSE_WAIT_S``; the abort itself may finish on a background thread."""
+        self._abort(reason, tell_peers=True)
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _post(
+        self, start: Callable[[_GroupHandle], dist.Work], timeout: datetime.timedelta
+    ) -> TorchWork:
+        """Post one collective (under the lock, so that no close slips in between the check
+        and the post) and return its handle, chained to the op posted before it."""
+        with self._lock:
+            pg = self._open()
+            try:
+                work = start(pg)
+            except RuntimeError as exc:
+                failure: Exception = exc
+            else:
+                previous = self._last() if self._last is not None else None
+                self._posted += 1
+                handle = TorchWork(self, work, timeout.total_seconds(), self._posted, previous)
+                self._works.add(handle)
+                self._last = weakref.ref(handle)
+                return handle
+        self._abort(f"posting a collective failed: {failure}", tell_peers=True)
+        raise _collective_error(failure, timeout) from failure
+
+    def _settle(self, handle: TorchWork, work: dist.Work) -> None:
+        """Wait for ``work`` (``handle``'s) as the module docstring says; raise typed errors."""
+        pause = 1e-4
+        next_look = time.monotonic() + _LOOK_EVERY_S
+        lost_at: list[float] = []  # when the store stopped answering, if it did
+        with self._waiting():
+            try:
+                # The local state first: once another thread aborts, a NCCL poll may block on
+                # the communicator's mutex (NCCLComm::abort holds it through ncclCommAbort).
+                while not (self._raise_if_left() or self._poll(work)):
+                    now = time.monotonic()
+                    if now >= next_look:
+                        self._look(handle, lost_at, now)
+                        next_look = now + _LOOK_EVERY_S
+                    if handle.overdue(now):
+                        bound = handle.bound_s
+                        self._abort(f"a collective ran past its {bound}s bound", tell_peers=True)
+                        raise SyncTimeoutError(
+                            f"a collective did not finish within {bound}s of when it could "
+                            "start; a worker may be frozen or overloaded -- raise "
+                            "collective_timeout_s or check the workers"
+                        )
+                    if self.is_nccl:
+                        time.sleep(pause)
+                        pause = min(2 * pause, _NCCL_MAX_PAUSE_S)
+                handle.done_at = time.monotonic()
+                # Completed: NCCL (blocking-wait mode) orders the current stream after it and
+                # raises its error, if any (WorkNCCL::wait); Gloo returns or raises at once.
+                work.wait()
+                self._saw_done(handle.seq)
+                return
+            except WeightSyncError:
+                raise
+            except RuntimeError as exc:
+                failure: Exception = exc
+            finally:
+                if self.is_nccl and self._state is not _State.OPEN:
+                    self._held.append(work)  # may still run: kept until the abort is done
+                del work
+        self._abort(f"a collective failed: {failure}", tell_peers=True)
+        raise _collective_error(failure, datetime.timedelta(seconds=handle.bound_s)) from failure
+
+    def _poll(self, work: dist.Work) -> bool:
+        """Whether ``work`` has completed (successfully or not), waiting at most one slice."""
+        if self.is_nccl:
+            return work.is_completed()  # WorkNCCL::isCompleted: an event query, no host block
+        try:  # c10d Work::wait(timeout): returns on completion; "Operation timed out!" if not
+            work.wait(datetime.timedelta(seconds=_LOOK_EVERY_S))
+            return True
+        except RuntimeError:
+            return work.is_completed()  # failed (the final wait raises it) or just a slice
+
+    @contextmanager
+    def _waiting(self) -> Iterator[None]:
+        with self._lock:
+            self._waiters += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._waiters -= 1
+
+    def _raise_if_left(self) -> None:
+        if self._state is not _State.OPEN:
+            raise TransportError(
+                f"the sync group was {self._state.value} while this collective waited (another "
+                "thread closed it, or a failure aborted it); the next push rebuilds it"
+            )
+
+    def _look(self, handle: TorchWork, lost_at: list[float], now: float) -> None:
+        """Raise ``TransportError`` (aborting the group) if a peer says this wait is in vain.
+
+        The abort key ends it at once if a peer aborted, or if the trainer left cleanly before
+        posting this collective (``handle.seq`` beyond the trainer's count; one it did post may
+        still be finishing on its way to us). A store that stopped answering means the trainer
+        is gone: the op gets ``_LOST_GRACE_S`` to finish what is already on its way."""
+        ours = self._ours
+        if ours is None:
+            self._raise_if_left()
+            return
+        try:
+            notice = json.loads(ours.get(ABORT_KEY)) if ours.check([ABORT_KEY]) else None
+        except RuntimeError as exc:  # DistNetworkError & co: the store's owner is gone
+            lost_at.append(now)
+            if now - lost_at[0] < _LOST_GRACE_S:
+                return
+            why = f"the trainer's rendezvous store stopped answering ({exc})"
+        else:
+            if notice is None:
+                return
+            posted = notice.get("posted")
+            if not notice["abort"] and (posted is None or handle.seq <= posted):
+                return
+            why = f"rank {notice['rank']}: {notice['why']}"
+        self._abort(f"a peer left: {why}", tell_peers=False)
+        raise TransportError(
+            f"the sync group was abandoned by a peer ({why}); the trainer left or a member "
+            "failed -- see the trainer's error. The next push rebuilds the group."
+        )
+
+    def _tell_peers(self, why: str, abort: bool = True) -> None:
+        """Write the abort key: who, why, whether it aborted (every wait ends) or left cleanly
+        (waits for collectives beyond ``posted`` end), best effort."""
+        ours = self._ours
+        if ours is None:
+            return
+        notice = {"rank": self.rank, "why": why, "abort": abort, "posted": self._posted}
+        try:
+            ours.set(ABORT_KEY, json.dumps(notice))
+        except RuntimeError as exc:  # nobody left to tell
+            logger.debug("sync group %s: could not set the abort key: %s", self._spec.group_id, exc)
+
+    def _drop_store(self) -> None:
+        """Forget the store. Rank 0 serves it (the TCPStore server lives in this process): it
+        keeps serving for ``_STORE_LINGER_S`` so that waiting members read the abort key
+        rather than find the store gone."""
+        held = [self._store, self._ours]
+        self._store = self._ours = None
+        if self.rank == 0:
+            timer = threading.Timer(_STORE_LINGER_S, held.clear)
+            timer.daemon = True
+            timer.start()
+
+    def _abort(self, reason: str, tell_peers: bool) -> None:
+        with self._lock:
+            if self._state is not _State.OPEN:
+                return
+            self._state = _State.ABORTED
+            pg, self._pg = self._pg, None
+            handles = list(self._works)
+            if self.is_nccl:
+                self._held.extend(h._work for h in handles if h._work is not None)
+        for handle in handles:
+            handle.release()
+        logger.warning(
+            "aborting sync group %s (rank %d): %s", self._spec.group_id, self.rank, reason
+        )
+        if tell_peers or self.rank == 0:
+            self._tell_peers(reason)
+        if self._spec.mode == "world":
+            # Global state: cleared now, under the lock world-mode joins take, so that it can
+            # never clear a world built after this returns. Our group object survives in ``pg``.
+            with nccl.env_window({}):
+                self._quietly(
+                    lambda: nccl.abort_backend(dist.distributed_c10d._abort_process_group)
+                )
+        holder = [cast(_GroupHandle, pg)]
+        del pg
+        finished = threading.Event()
+
+        def finish() -> None:
+            target = holder.pop()
+            try:
+                if self._spec.mode != "world":
+                    self._quietly(functools.partial(nccl.abort_backend, target.abort))
+            finally:
+                del target  # Gloo's destructor waits for its ops to end: here, not in close()
+                self._held.clear()  # the communicator is aborted: its kernels use nothing more
+                finished.set()
+
+        threading.Thread(target=finish, name="weight-sync-abort", daemon=True).start()
+        finished.wait(_CLOSE_WAIT_S)
+        self._drop_store()
+
+    def _quietly(self, step: Callable[[], object]) -> None:
+        """Run a teardown step; a failure there is logged, never raised (we are leaving)."""
+        try:
+            step()
+        except Exception as exc:
+            logger.warning("tearing down sync group %s: %s", self._spec.group_id, exc)
+
     def _open(self) -> _GroupHandle:
-        if self._pg is None:
-            raise TransportError("the sync group is closed; the next push rebuilds it")
+        if self._state is not _State.OPEN or self._pg is None:
+            raise TransportError(
+                f"the sync group is {self._state.value}; the next push rebuilds it"
+            )
         return self._pg
 
     def _bound(self, timeout_s: float | None) -> datetime.timedelta:
@@ -188,23 +599,11 @@ class TorchGroup:
             return self._timeout
         return min(self._timeout, datetime.timedelta(seconds=max(timeout_s, 1e-3)))
 
-    def close(self) -> None:
-        """Leave the group so that peers notice at once: every handle to it is released, since
-        Gloo keeps its connections open while any work handle lives."""
-        pg, self._pg = self._pg, None
-        if pg is None:
-            return
-        for handle in list(self._works):
-            handle.release()
-        try:
-            if self._spec.mode == "world":
-                dist.destroy_process_group()  # the sync world and every group in it
-            else:
-                pg.shutdown()
-        except RuntimeError as exc:  # a dead peer must not stop us from leaving
-            logger.warning("closing sync group %s: %s", self._spec.group_id, exc)
-        self._store = None  # drops the rank-0 listening socket
-        logger.info("left sync group %s (rank %d)", self._spec.group_id, self._spec.rank)
+    def _backend(self, pg: _GroupHandle) -> object:
+        """The ProcessGroupNCCL behind ``pg`` (world mode wraps it in a ProcessGroup)."""
+        if self._spec.mode == "world":
+            return cast(dist.ProcessGroup, pg)._get_backend(self._device)
+        return pg
 
 
 def _join_world(
@@ -213,20 +612,22 @@ def _join_world(
     rendezvous: datetime.timedelta,
     collective: datetime.timedelta,
 ) -> dist.ProcessGroup:
-    if dist.is_initialized():
-        raise TransportError(
-            "group_mode='world' needs a process without a torch.distributed default group, "
-            "but this one has one; use group_mode='standalone' (or 'auto')"
-        )
-    interface = None
-    if spec.backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
+    env: dict[str, str | None] = {}
+    if spec.backend == "nccl":
+        env["TORCH_NCCL_BLOCKING_WAIT"] = "1"  # see weight_sync.transport.nccl
+    elif "GLOO_SOCKET_IFNAME" not in os.environ:
         # init_process_group gives Gloo no device option: the environment is the only way to
         # keep its sockets on the interface that reaches the master (loopback by default).
         # Gloo reads it while the groups form, so it is set for exactly that long.
         interface = _interface_of(local_address_towards(spec.address))
-    if interface is not None:
-        os.environ["GLOO_SOCKET_IFNAME"] = interface
-    try:
+        if interface is not None:
+            env["GLOO_SOCKET_IFNAME"] = interface
+    with nccl.env_window(env):  # the lock also keeps an abort's world cleanup away
+        if dist.is_initialized():
+            raise TransportError(
+                "group_mode='world' needs a process without a torch.distributed default group, "
+                "but this one has one; use group_mode='standalone' (or 'auto')"
+            )
         dist.init_process_group(
             spec.backend, store=store, rank=spec.rank, world_size=spec.world_size,
             timeout=rendezvous,
@@ -234,9 +635,6 @@ def _join_world(
         group = dist.new_group(
             list(range(spec.world_size)), timeout=collective, backend=spec.backend
         )
-    finally:
-        if interface is not None:
-            del os.environ["GLOO_SOCKET_IFNAME"]
     assert isinstance(group, dist.ProcessGroup)
     return group
 
@@ -250,26 +648,34 @@ def _gloo_group(
     options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._timeout = rendezvous  # bounds the full-mesh connect
     # Bind the data sockets to the interface that reaches the master (loopback by default).
-    options._devices = [ProcessGroupGloo.create_device(hostname=local_address_towards(spec.address))]
+    options._devices = [
+        ProcessGroupGloo.create_device(hostname=local_address_towards(spec.address))
+    ]
     group = ProcessGroupGloo(store, spec.rank, spec.world_size, options)
     group.set_timeout(collective)
     return cast(_GroupHandle, group)
 
 
-def _nccl_group(spec: GroupSpec, store: dist.Store, collective: datetime.timedelta) -> _GroupHandle:
-    from torch.distributed import ProcessGroupNCCL
-
-    options = ProcessGroupNCCL.Options()
-    options._timeout = collective
-    return cast(_GroupHandle, ProcessGroupNCCL(store, spec.rank, spec.world_size, options))
-
-
-def _device_for(backend: str) -> torch.device:
+def _device_for(backend: str, device: torch.device | None) -> torch.device:
+    """The member's device: the CPU for Gloo; for NCCL the CUDA device the caller names."""
     if backend == "gloo":
+        if device is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"a Gloo sync group keeps its buffers on the CPU, not {device}")
         return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise TransportError("backend 'nccl' needs a CUDA device in every member process")
-    return torch.device("cuda", torch.cuda.current_device())
+    if device is None:
+        raise ValueError(
+            "backend 'nccl' needs the CUDA device this member sends or receives on "
+            "(TorchGroup.join(..., device=torch.device('cuda', index)))"
+        )
+    device = torch.device(device)
+    if device.type != "cuda" or device.index is None:
+        raise ValueError(f"backend 'nccl' needs a CUDA device with an index, not {device}")
+    if not torch.cuda.is_available() or device.index >= torch.cuda.device_count():
+        raise TransportError(
+            f"backend 'nccl' needs {device}, but this process sees "
+            f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'} CUDA devices"
+        )
+    return device
 
 
 def _interface_of(ip: str) -> str | None:
@@ -278,7 +684,9 @@ def _interface_of(ip: str) -> str | None:
     for _, name in socket.if_nameindex():
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             try:
-                packed = fcntl.ioctl(probe.fileno(), siocgifaddr, struct.pack("256s", name[:15].encode()))
+                packed = fcntl.ioctl(
+                    probe.fileno(), siocgifaddr, struct.pack("256s", name[:15].encode())
+                )
             except OSError:
                 continue
         if socket.inet_ntoa(packed[20:24]) == ip:
@@ -290,11 +698,11 @@ def _collective_error(exc: Exception, timeout: datetime.timedelta) -> Exception:
     text = str(exc)
     if "timed out" in text.lower() or "timeout" in text.lower():
         return SyncTimeoutError(
-            f"a broadcast did not finish within {timeout.total_seconds()}s ({text}); a worker "
+            f"a collective did not finish within {timeout.total_seconds()}s ({text}); a worker "
             "may be frozen or overloaded -- raise collective_timeout_s or check the workers"
         )
     return TransportError(
-        f"a broadcast failed ({text}); a member of the sync group probably died -- check the "
+        f"a collective failed ({text}); a member of the sync group probably died -- check the "
         "workers' logs. The next push rebuilds the group."
     )
 

@@ -126,7 +126,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
-        self._receiver = Receiver()
+        self._receiver = Receiver(device)  # vLLM's device for this worker, never a thread's
         self._target = ReloadTarget(lambda: self.model, vllm_config)
         self._store: Any = None
         self._slot = 0
@@ -167,8 +167,8 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # vLLM's default synchronizes an accelerator, which a CPU worker does not have.
         self.receive_weights(self.parse_update_info(update_info))
-        if self._receiver.transport is not None and self._receiver.transport.device.type == "cuda":
-            torch.cuda.synchronize()
+        if self._receiver.device.type == "cuda":
+            torch.cuda.synchronize(self._receiver.device)
 
     def receive_weights(self, update_info: WeightSyncUpdateInfo) -> None:
         version = update_info.version

@@ -125,6 +125,7 @@ class VLLMEngine:
         return infos[0].model_copy(update={
             "has_default_group": any(info.has_default_group for info in infos),
             "cuda": all(info.cuda for info in infos),
+            "gpus": tuple(gpu for info in infos for gpu in info.gpus),
             "version": versions.pop() if len(versions) == 1 else None,
             "highest_version": max(info.highest_version for info in infos),
             "concurrent": False, "ranks": len(infos),

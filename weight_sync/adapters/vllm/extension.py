@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from pydantic import BaseModel, ConfigDict
 
 from weight_sync.adapters.vllm.reload import ReloadTarget
@@ -111,7 +112,10 @@ class WeightSyncExtension:
         if state is None:
             runner: Any = self.model_runner  # type: ignore[attr-defined]
             target = ReloadTarget(runner.get_model, self.vllm_config, runner)  # type: ignore[attr-defined]
-            state = self.__dict__["_weight_sync"] = (Receiver(), target)
+            # vLLM's worker knows its device (``Worker.device``); a thread's current one may not be it.
+            device = getattr(self, "device", None)
+            receiver = Receiver(device if isinstance(device, torch.device) else None)
+            state = self.__dict__["_weight_sync"] = (receiver, target)
         return state
 
 

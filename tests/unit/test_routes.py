@@ -1,0 +1,89 @@
+"""Who takes which route (weight_sync.routes): the NCCL group, the host ring or the CUDA ring,
+decided from the members' GPU UUIDs and host keys alone -- so it is tested here, without GPUs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weight_sync.devices import CPU, module_device, push_device
+from weight_sync.errors import TransportError
+from weight_sync.metadata import MemberInfo
+from weight_sync.routes import choose_routes
+
+HERE, THERE, OTHER_NS = "boot-a/net:[1]", "boot-b/net:[1]", "boot-a/net:[2]"
+G0, G1, G2, G3 = "GPU-0000", "GPU-1111", "GPU-2222", "GPU-3333"
+
+
+def member(host: str | None, *gpus: str, ranks: int = 1) -> MemberInfo:
+    return MemberInfo(has_default_group=False, cuda=bool(gpus), gpus=gpus, version=None,
+                      hostname="h", pid=1, host=host, ranks=ranks)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("backend", "same_host", "trainer_gpu", "members", "ipc_refused", "chosen", "routes"),
+    [
+        # CPU weights: Gloo; the trainer's host takes the host ring unless told otherwise.
+        ("auto", "shm", None, [member(HERE), member(THERE), member(OTHER_NS), member(None)], False,
+         "gloo", ("shm", "group", "group", "group")),
+        ("auto", "group", None, [member(HERE), member(HERE)], False, "gloo", ("group", "group")),
+        # The reference node: trainer on GPU 0, seven workers on the other GPUs: all NCCL.
+        ("auto", "shm", G0, [member(HERE, G1), member(HERE, G2), member(THERE, G3)], False,
+         "nccl", ("group", "group", "group")),
+        # Colocated: the engine on the trainer's own GPU takes the CUDA ring beside NCCL ...
+        ("auto", "shm", G0, [member(HERE, G0), member(HERE, G1)], False,
+         "nccl", ("cuda_ipc", "group")),
+        # ... or the host ring where IPC was refused on this deployment.
+        ("auto", "shm", G0, [member(HERE, G0), member(HERE, G1)], True, "nccl", ("shm", "group")),
+        # A tensor-parallel engine whose first worker shares the trainer's GPU: all its ranks ring.
+        ("auto", "shm", G0, [member(HERE, G0, G1, ranks=2)], False, "nccl", ("cuda_ipc",)),
+        # Two workers sharing a GPU cannot both be NCCL ranks: Gloo for everyone.
+        ("auto", "shm", G0, [member(THERE, G1), member(THERE, G1)], False,
+         "gloo", ("group", "group")),
+        # A worker without a GPU: Gloo.
+        ("auto", "shm", G0, [member(THERE, G1), member(THERE)], False, "gloo", ("group", "group")),
+        # Sharing the trainer's GPU from another network namespace: no ring reaches it, no NCCL.
+        ("auto", "shm", G0, [member(OTHER_NS, G0)], False, "gloo", ("group",)),
+        # Explicit Gloo with CUDA weights: NCCL's rules do not apply.
+        ("gloo", "shm", G0, [member(HERE, G0), member(THERE, G1)], False,
+         "gloo", ("shm", "group")),
+        ("auto", "shm", G0, [], False, "nccl", ()),
+    ],
+)  # fmt: skip
+def test_routes(
+    backend: str, same_host: str, trainer_gpu: str | None, members: list[MemberInfo],
+    ipc_refused: bool, chosen: str, routes: tuple[str, ...],
+) -> None:
+    got = choose_routes(backend=backend, same_host=same_host, trainer_gpu=trainer_gpu,  # type: ignore[arg-type]
+                        trainer_host=HERE, infos=members, ipc_refused=ipc_refused)  # fmt: skip
+    assert (got.backend, got.routes) == (chosen, routes)
+
+
+@pytest.mark.parametrize(
+    ("trainer_gpu", "members", "says"),
+    [
+        (None, [member(HERE, G1)], "not on a GPU"),
+        (G0, [member(THERE, G1), member(THERE, G1)], "workers 0 and 1 share GPU"),
+        (G0, [member(THERE, G1, G1, ranks=2)], "worker 0 has two ranks on GPU"),
+        (G0, [member(THERE)], "worker 0 does not receive on a GPU"),
+        (G0, [member(OTHER_NS, G0)], "not its host namespace"),
+    ],
+)  # fmt: skip
+def test_an_explicit_nccl_that_cannot_work_is_refused_naming_who(
+    trainer_gpu: str | None, members: list[MemberInfo], says: str
+) -> None:
+    with pytest.raises(TransportError, match=says):
+        choose_routes(backend="nccl", same_host="shm", trainer_gpu=trainer_gpu, trainer_host=HERE,
+                      infos=members)  # fmt: skip
+
+
+def test_the_host_key_of_a_platform_without_rings_puts_nobody_on_one() -> None:
+    got = choose_routes(backend="auto", same_host="shm", trainer_gpu=None, trainer_host=None,
+                        infos=[member(None), member(None)])  # fmt: skip
+    assert got.routes == ("group", "group")
+
+
+def test_the_push_device_comes_from_the_tensors_not_the_thread() -> None:
+    assert push_device([torch.zeros(2), torch.ones(3)]) == CPU
+    assert push_device([]) == CPU
+    assert module_device(torch.nn.Linear(2, 2)) == CPU

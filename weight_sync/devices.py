@@ -1,0 +1,60 @@
+"""Which device a push runs on, and which physical GPU that is.
+
+A push's device comes from the tensors pushed (or, on a worker, from where its weights live),
+never from ``torch.cuda.current_device()``: that is per thread, so a push made from a background
+thread or a Ray concurrency-group thread would see ``cuda:0`` whatever GPU the weights are on.
+GPUs are told apart by UUID, not index: two processes may number one GPU differently
+(``CUDA_VISIBLE_DEVICES``), and NCCL refuses two ranks on one physical device.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+
+import torch
+
+CPU = torch.device("cpu")
+
+
+def push_device(tensors: Iterable[torch.Tensor]) -> torch.device:
+    """The CUDA device of the tensors pushed, or the CPU when none is on a GPU.
+
+    Raises ``ValueError`` for tensors on several GPUs: one process sends from one device (a
+    model spread over GPUs is pushed by one rank per GPU, or moved first).
+    """
+    devices = {tensor.device for tensor in tensors if tensor.is_cuda}
+    if len(devices) > 1:
+        shown = ", ".join(sorted(str(device) for device in devices))
+        raise ValueError(
+            f"the state dict spans several GPUs ({shown}); push from one device: move the "
+            "tensors to one GPU (or to the CPU) first"
+        )
+    if not devices:
+        return CPU
+    (device,) = devices
+    return _indexed(device)
+
+
+def module_device(module: torch.nn.Module) -> torch.device:
+    """Where a model's weights live: the device of its first CUDA parameter or buffer, else
+    the CPU (a model with no tensors, or a CPU model)."""
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        if tensor.is_cuda:
+            return _indexed(tensor.device)
+    return CPU
+
+
+def gpu_uuid(device: torch.device) -> str | None:
+    """The UUID of ``device``'s physical GPU, or None for the CPU."""
+    if device.type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(_indexed(device)).uuid)
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``cuda`` with its index: a bare ``torch.device("cuda")`` means the thread's current
+    device, which is exactly what must not be read later on another thread."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
