@@ -13,7 +13,8 @@ start of a push until every rank has said it holds the bytes (an all-reduce or a
 
     python benchmarks/gpu.py --gib 2 --repeats 5 --out benchmarks/results/gpu
 
-Writes ``gpu.json`` and ``gpu.md`` under ``--out``.
+Writes ``gpu.json`` and ``gpu.md`` under ``--out``. ``--cpu`` runs the same harness over Gloo
+and the host ring on the CPU (a smoke test of the harness itself, not a GPU figure).
 """
 
 from __future__ import annotations
@@ -43,10 +44,10 @@ BUCKET = 256 << 20
 ALIGN = 256
 
 
-def model_shapes(gib: float) -> list[tuple[str, tuple[int, ...]]]:
-    """A Llama-shaped state dict of about ``gib`` GiB in bf16: per layer four square attention
-    matrices, three MLP matrices and two norms."""
-    hidden, mlp = 4096, 11008
+def model_shapes(gib: float, hidden: int = 4096) -> list[tuple[str, tuple[int, ...]]]:
+    """A Llama-shaped state dict of about ``gib`` GiB in bf16 (at least one layer): per layer
+    four square attention matrices, three MLP matrices and two norms."""
+    mlp = hidden * 11008 // 4096
     per_layer = (4 * hidden * hidden + 3 * hidden * mlp + 2 * hidden) * 2
     layers = max(1, int(gib * (1 << 30) / per_layer))
     shapes: list[tuple[str, tuple[int, ...]]] = []
@@ -59,11 +60,11 @@ def model_shapes(gib: float) -> list[tuple[str, tuple[int, ...]]]:
     return shapes
 
 
-def build(gib: float, device: torch.device, seed: int) -> tuple[SyncPlan, dict[str, torch.Tensor]]:
-    generator = torch.Generator(device=device).manual_seed(seed)
+def build(gib: float, hidden: int, device: torch.device) -> tuple[SyncPlan, dict[str, torch.Tensor]]:
+    generator = torch.Generator(device=device).manual_seed(1)
     tensors = {
         name: torch.randn(shape, generator=generator, device=device, dtype=torch.bfloat16)
-        for name, shape in model_shapes(gib)
+        for name, shape in model_shapes(gib, hidden)
     }
     metas = [TensorMeta.of(name, tensor) for name, tensor in tensors.items()]
     direct = [tensor.nbytes >= BUCKET for tensor in tensors.values()]
@@ -93,9 +94,13 @@ def median_time(step: Any, repeats: int) -> float:
 # -- ranks ---------------------------------------------------------------------------------------
 
 
+def _backend(args: argparse.Namespace) -> str:
+    return "gloo" if args.cpu else "nccl"
+
+
 def trainer(args: argparse.Namespace, transport: str, port_queue: Any, world: int) -> dict[str, Any]:
-    device = torch.device("cuda", 0)
-    plan, tensors = build(args.gib, device, seed=1)
+    device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
+    plan, tensors = build(args.gib, args.hidden, device)
     group_id = secrets.token_hex(8)
     listener: socket.socket | None = None
     if transport == "group":
@@ -110,7 +115,8 @@ def trainer(args: argparse.Namespace, transport: str, port_queue: Any, world: in
     for _ in range(world - 1):
         port_queue.put((group_id, port))
     if listener is not None:
-        part = TorchGroup.join(spec(group_id, 0, world, "group", port, "nccl"), listener, device=device)
+        on = None if args.cpu else device
+        part = TorchGroup.join(spec(group_id, 0, world, "group", port, _backend(args)), listener, device=on)
     else:
         part.accept(120)
     sender = Sender(part)
@@ -135,7 +141,8 @@ def trainer(args: argparse.Namespace, transport: str, port_queue: Any, world: in
 
         def floor() -> None:
             copy.copy_(flat)
-            torch.cuda.synchronize(device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
 
         result["d2d_copy_s"] = median_time(floor, args.repeats)
     part.close()
@@ -144,12 +151,16 @@ def trainer(args: argparse.Namespace, transport: str, port_queue: Any, world: in
 
 def worker(args: argparse.Namespace, transport: str, port_queue: Any, world: int, rank: int) -> None:
     device = torch.device("cuda", rank if transport == "group" else 0)
-    torch.cuda.set_device(device)  # for libraries that read it; weight_sync is told the device
+    if args.cpu:
+        device = torch.device("cpu")
+    else:
+        torch.cuda.set_device(device)  # for libraries that read it; weight_sync is told the device
     group_id, port = port_queue.get(timeout=120)
     receiver = Receiver(device)
-    receiver.join(spec(group_id, rank, world, transport, port, "nccl"), 1 << 26)
+    receiver.join(spec(group_id, rank, world, transport, port, _backend(args)), 1 << 26)
     # The same plan as the trainer's, derived here (the shapes alone; no weights are needed).
-    metas = [TensorMeta(name=n, dtype="bfloat16", shape=s) for n, s in model_shapes(args.gib)]
+    shapes = model_shapes(args.gib, args.hidden)
+    metas = [TensorMeta(name=n, dtype="bfloat16", shape=s) for n, s in shapes]
     direct = [m.nbytes >= BUCKET for m in metas]
     plan = make_plan(metas, BUCKET, ALIGN, direct)
     version = 0
@@ -234,17 +245,25 @@ def report(results: dict[str, dict[str, Any]]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=2.0, help="size of the synthetic model")
+    parser.add_argument("--hidden", type=int, default=4096, help="the model's hidden size")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=540.0)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu"))
+    parser.add_argument("--cpu", action="store_true", help="smoke-test the harness on the CPU")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to measure", file=sys.stderr)
+    if args.cpu:
+        cases = [("gloo 1 -> 2", "group", 3), ("host ring 1 -> 1", "shm", 2)]
+        device = f"CPU (smoke test), torch {torch.__version__}"
+    elif not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure (--cpu smoke-tests the harness)", file=sys.stderr)
         return 1
-    gpus = torch.cuda.device_count()
-    cases = [("colocated cuda_ipc", "cuda_ipc", 2), ("colocated shm (host ring)", "shm", 2)]
-    if gpus >= 2:
-        cases.insert(0, (f"nccl 1 -> {gpus - 1}", "group", gpus))
+    else:
+        gpus = torch.cuda.device_count()
+        cases = [("colocated cuda_ipc", "cuda_ipc", 2), ("colocated shm (host ring)", "shm", 2)]
+        if gpus >= 2:
+            cases.insert(0, (f"nccl 1 -> {gpus - 1}", "group", gpus))
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        device = f"{gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}, NCCL {nccl}"
     results: dict[str, dict[str, Any]] = {}
     for name, transport, world in cases:
         try:
@@ -253,8 +272,6 @@ def main() -> int:
             results[name] = {"error": str(exc)}
         print(name, json.dumps(results[name]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    device = f"{gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}, " \
-             f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"
     (args.out / "gpu.json").write_text(json.dumps({"device": device, "results": results}, indent=2))
     table = report(results)
     (args.out / "gpu.md").write_text(f"# GPU benchmark\n\n{device}; median of {args.repeats} "

@@ -71,7 +71,8 @@ class SyncConfig(BaseModel):
         "auto",
         description="'world': init_process_group + new_group (the process must have no default "
         "group); 'standalone': a group on its own store beside any existing default group; "
-        "'auto': 'world' when no member has a default group, else 'standalone'.",
+        "'auto': 'world' for a Gloo push when no member has a default group, else 'standalone' "
+        "(always for NCCL: a standalone group is aborted without blocking the caller).",
     )
     master_addr: str = Field(
         "127.0.0.1",

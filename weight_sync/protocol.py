@@ -559,7 +559,7 @@ class Pusher:
         backend = routes.backend
         # NCCL sends from the weights' GPU; Gloo (and the rings beside it) from host buffers.
         send_device = device if backend == "nccl" else CPU
-        mode = _choose_mode(config, infos)
+        mode = _choose_mode(config, infos, backend)
         group_id = secrets.token_hex(8)
         kinds, writers = _open_rings(config, group_id, list(routes.routes), infos, send_device)
         remote = sum(info.ranks for info, kind in zip(infos, kinds, strict=True) if kind == "group")
@@ -686,13 +686,16 @@ def _check_checksums(reports: list[ReceiveReport], sent: list[int]) -> None:
         )  # fmt: skip
 
 
-def _choose_mode(config: SyncConfig, infos: list[MemberInfo]) -> ModeName:
+def _choose_mode(config: SyncConfig, infos: list[MemberInfo], backend: BackendName) -> ModeName:
     here = dist.is_available() and dist.is_initialized()
     # 'world' makes each member's process group the default one: that needs one rank per
     # process, which a member bringing several ranks (an engine's workers) cannot promise.
     anyone = here or any(info.has_default_group or info.ranks > 1 for info in infos)
     if config.group_mode == "auto":
-        return "standalone" if anyone else "world"
+        # NCCL always stands alone: a standalone group is aborted in the background, while
+        # tearing down a world runs torch's global cleanup on the calling thread (see
+        # transport.torch_group), which a leaving member must not sit through.
+        return "standalone" if anyone or backend == "nccl" else "world"
     if config.group_mode == "world" and anyone:
         raise TransportError(
             "group_mode='world' but a member already has a torch.distributed default group (or "

@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from weight_sync.config import SyncConfig
 from weight_sync.devices import CPU, module_device, push_device
 from weight_sync.errors import TransportError
 from weight_sync.metadata import MemberInfo
+from weight_sync.protocol import _choose_mode
 from weight_sync.routes import choose_routes
 
 HERE, THERE, OTHER_NS = "boot-a/net:[1]", "boot-b/net:[1]", "boot-a/net:[2]"
@@ -87,3 +89,18 @@ def test_the_push_device_comes_from_the_tensors_not_the_thread() -> None:
     assert push_device([torch.zeros(2), torch.ones(3)]) == CPU
     assert push_device([]) == CPU
     assert module_device(torch.nn.Linear(2, 2)) == CPU
+
+
+@pytest.mark.parametrize(
+    ("backend", "mode", "has_default", "expected"),
+    [
+        ("gloo", "auto", False, "world"),
+        ("gloo", "auto", True, "standalone"),
+        ("nccl", "auto", False, "standalone"),  # NCCL always stands alone: aborts don't block
+        ("nccl", "world", False, "world"),  # asked for: kept
+    ],
+)  # fmt: skip
+def test_the_group_mode(backend: str, mode: str, has_default: bool, expected: str) -> None:
+    infos = [member(THERE, G1).model_copy(update={"has_default_group": has_default})]
+    config = SyncConfig(group_mode=mode)  # type: ignore[arg-type]
+    assert _choose_mode(config, infos, backend) == expected  # type: ignore[arg-type]
