@@ -447,8 +447,6 @@ def host_checksum(data: torch.Tensor) -> int:
         return int(mixed + np.int64(size))
 
 
-
-
 def read_values(values: Sequence[torch.Tensor | Any]) -> list[Any]:
     """Values queued on devices (one-element tensors) read on the host in one go -- one copy
     per device, in the order given -- with any plain value passed through: how a push reads

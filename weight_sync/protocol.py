@@ -593,11 +593,13 @@ class Pusher:
         joining = self._plane.join(specs, config.max_metadata_bytes, join_s)
         parts: list[Transport] = []
         try:
+            # The rings first: taking their readers in is quick and local, while an NCCL group's
+            # formation (check-in, communicator, warm-up) may take seconds of the readers' budget.
+            for ring in writers.values():
+                ring.accept(deadline.left(rendezvous_s))
             if listener is not None:
                 on = send_device if backend == "nccl" else None
                 parts.append(TorchGroup.join(spec(TRAINER_RANK, "group"), listener, device=on))
-            for ring in writers.values():
-                ring.accept(deadline.left(rendezvous_s))
         except BaseException as exc:
             _close_all([*parts, *writers.values()], listener)
             failure = None
@@ -614,7 +616,7 @@ class Pusher:
             if isinstance(exc, WeightSyncError):
                 raise _formation_error(exc, failure, firsts, kinds, infos) from exc
             raise
-        parts.extend(writers.values())
+        parts.extend(writers.values())  # the group first: Fanout starts its broadcast first
         group = parts[0] if len(parts) == 1 else Fanout(parts, send_device)
         try:
             self._settle(joining, "join", join_s)

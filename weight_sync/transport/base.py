@@ -36,9 +36,14 @@ class Transport(Protocol):
     def broadcast(self, tensor: torch.Tensor, src: int, timeout_s: float | None = None) -> Work:
         """Start broadcasting ``tensor`` (a contiguous uint8 buffer) from ``src``; returns at once.
 
-        ``timeout_s`` bounds this one collective (default: the group's collective timeout). It
-        is the collective's own timeout, not only the wait's: a collective abandoned by its
-        waiter would still hold the group until its own timeout ran out.
+        ``timeout_s`` bounds this one collective (default: the group's collective timeout),
+        counted from when it could start (a pipelined collective queued behind another is not
+        charged that one's time). It binds the collective, not only the wait: one that runs past
+        it tears the group down, so an abandoned collective cannot hold the group. (NCCL ignores
+        per-op timeouts; ``TorchGroup`` enforces them in its own waits.)
+
+        A transport may also say which devices it takes buffers from with ``takes(device) ->
+        bool`` (``Fanout`` asks; without it, only its own ``device``).
         """
 
     def vote(self, code: int, timeout_s: float | None = None) -> int:
