@@ -395,12 +395,13 @@ def device_checksum(data: torch.Tensor) -> torch.Tensor:
         tail[: size - whole] = data[whole:]
         rest = torch.cat([rest, tail.view(torch.int64)])
     row_sums = body.sum(dim=1)
-    int64 = {"dtype": torch.int64, "device": data.device}
+
+    def weights(count: int) -> torch.Tensor:  # 1, 2, ..., count
+        return torch.arange(1, count + 1, dtype=torch.int64, device=data.device)
+
     total = row_sums.sum() + rest.sum()
-    by_row = (row_sums * torch.arange(1, rows + 1, **int64)).sum() + rest.sum() * (rows + 1)
-    by_column = (body.sum(dim=0) * torch.arange(1, _SUM_COLUMNS + 1, **int64)).sum() + (
-        rest * torch.arange(1, rest.numel() + 1, **int64)
-    ).sum()
+    by_row = (row_sums * weights(rows)).sum() + rest.sum() * (rows + 1)
+    by_column = (body.sum(dim=0) * weights(_SUM_COLUMNS)).sum() + (rest * weights(rest.numel())).sum()
     mixed = total * _MIX[0] + by_row * _MIX[1] + by_column * _MIX[2] + size
     return mixed.reshape(1)
 

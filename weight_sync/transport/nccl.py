@@ -311,9 +311,7 @@ def _connect_bounded(backend: object, device: torch.device, world_size: int, end
             with torch.cuda.device(device):  # anything implicit lands on our device
                 backend.eager_connect_single_device(device)  # type: ignore[attr-defined]
                 probe = torch.ones(1, dtype=torch.int32, device=device)
-                options = dist.AllreduceOptions()
-                options.reduceOp = dist.ReduceOp.SUM
-                work = backend.allreduce([probe], options)  # type: ignore[attr-defined]
+                work = backend.allreduce([probe], dist.AllreduceOptions())  # type: ignore[attr-defined]
                 pause = 1e-4
                 while not work.is_completed():  # WorkNCCL::isCompleted: an event query
                     if time.monotonic() >= end:

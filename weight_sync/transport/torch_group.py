@@ -424,7 +424,10 @@ class TorchGroup:
             try:
                 # The local state first: once another thread aborts, a NCCL poll may block on
                 # the communicator's mutex (NCCLComm::abort holds it through ncclCommAbort).
-                while not (self._raise_if_left() or self._poll(work)):
+                while True:
+                    self._raise_if_left()
+                    if self._poll(work):
+                        break
                     now = time.monotonic()
                     if now >= next_look:
                         self._look(handle, lost_at, now)
