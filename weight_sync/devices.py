@@ -33,7 +33,7 @@ def push_device(tensors: Iterable[torch.Tensor]) -> torch.device:
     if not devices:
         return CPU
     (device,) = devices
-    return _indexed(device)
+    return device  # a tensor's CUDA device always has its index
 
 
 def module_device(module: torch.nn.Module) -> torch.device:
@@ -41,7 +41,7 @@ def module_device(module: torch.nn.Module) -> torch.device:
     the CPU (a model with no tensors, or a CPU model)."""
     for tensor in itertools.chain(module.parameters(), module.buffers()):
         if tensor.is_cuda:
-            return _indexed(tensor.device)
+            return tensor.device
     return CPU
 
 
@@ -49,12 +49,4 @@ def gpu_uuid(device: torch.device) -> str | None:
     """The UUID of ``device``'s physical GPU, or None for the CPU."""
     if device.type != "cuda":
         return None
-    return str(torch.cuda.get_device_properties(_indexed(device)).uuid)
-
-
-def _indexed(device: torch.device) -> torch.device:
-    """``cuda`` with its index: a bare ``torch.device("cuda")`` means the thread's current
-    device, which is exactly what must not be read later on another thread."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
+    return str(torch.cuda.get_device_properties(device).uuid)

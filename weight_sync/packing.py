@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from weight_sync.metadata import Segment, SyncPlan, TensorMeta
+from weight_sync.planner import align_up
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -495,7 +496,7 @@ def pinned_chunks(sizes: Sequence[int], alignment: int) -> tuple[list[int], list
     """
     if not sizes:
         return [], []
-    padded = [-(-max(size, 1) // alignment) * alignment for size in sizes]
+    padded = [align_up(max(size, 1), alignment) for size in sizes]
     chunk = 1 << (max(padded) - 1).bit_length()
     used: list[int] = []
     where: list[tuple[int, int]] = [(0, 0)] * len(sizes)

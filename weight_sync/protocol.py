@@ -19,13 +19,12 @@ never answered are dropped, the rest leave the group, and the next push forms a 
 
 from __future__ import annotations
 
-import itertools
 import logging
 import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -36,10 +35,10 @@ import torch.distributed as dist
 from weight_sync.config import SyncConfig
 from weight_sync.control import ControlPlane, Outcomes, collect
 from weight_sync.deadline import Deadline
-from weight_sync.devices import CPU, gpu_uuid, push_device
 from weight_sync.delta import transfer as delta
 from weight_sync.delta.baseline import Baseline
 from weight_sync.delta.lineage import next_base
+from weight_sync.devices import CPU, gpu_uuid, push_device
 from weight_sync.errors import (
     ChecksumMismatchError,
     PlanMismatchError,
@@ -61,6 +60,7 @@ from weight_sync.metadata import (
     ReceiveReport,
     SyncPlan,
 )
+from weight_sync.routes import Route, choose_routes
 from weight_sync.sender import (
     Entries,
     PushPlanner,
@@ -70,7 +70,6 @@ from weight_sync.sender import (
     check_state_dict,
     nonfinite_error,
 )
-from weight_sync.routes import Route, choose_routes
 from weight_sync.sharded import ShardedSource
 from weight_sync.transport import (
     Fanout,
@@ -581,7 +580,7 @@ class Pusher:
             """Rank ``rank`` of the group, or of the ring ``kind``."""
             if kind != "group":
                 ring = writers[kind]
-                return GroupSpec(address=_RING_SOCKETS[kind](group_id), port=0, transport=kind,
+                return GroupSpec(address=ring.name, port=0, transport=kind,
                                  world_size=ring.world_size, rank=rank, **common)  # fmt: skip
             assert listener is not None
             return GroupSpec(address=address, port=listener.getsockname()[1],
@@ -718,11 +717,6 @@ def first_ranks(ranks: Sequence[int], parts: Sequence[Hashable]) -> list[int]:
         firsts.append(following.get(part, 1))
         following[part] = firsts[-1] + count
     return firsts
-
-
-_RING_SOCKETS: dict[str, Callable[[str], str]] = {
-    "shm": shm.socket_name, "cuda_ipc": cuda_ipc.socket_name
-}
 
 
 def _open_rings(

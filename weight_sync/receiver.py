@@ -69,6 +69,7 @@ logger = logging.getLogger(__name__)
 
 Apply = Callable[[NamedTensors], None]
 Destinations = Mapping[str, torch.Tensor]
+Streams = dict[torch.device, torch.cuda.Stream]  # a Receiver's receive streams, by device
 # What a worker cannot load of a plan, given whether the push is partial; empty: all of it.
 Check = Callable[[SyncPlan, bool], Sequence[str]]
 _MAX_SPEC_CHARS = 4096
@@ -227,6 +228,7 @@ class Receiver:
         self._unpackers: tuple[tuple, Unpacker] | None = None  # the last one, by what it serves
         self._accepted: tuple | None = None  # (plan digest, partial, targets) last checked good
         self._targets: _Targets | None = None  # the last destinations seen
+        self._streams: Streams = {}  # on a GPU: the stream pushes are received on (per device)
 
     # -- membership --------------------------------------------------------------------------
 
@@ -456,7 +458,7 @@ class Receiver:
             if push.staging == "atomic":
                 area = push.area if layout is None else _staging_area(sent, transport.device)
                 assert area is not None
-                _receive_all(transport, sent, area, sums, self._advance)
+                _receive_all(transport, sent, area, sums, self._advance, self._streams)
                 if sums is not None and layout is not None:
                     sums += staged_checksums(push.plan, layout, area, _required(destinations))
                 self._staged, self._staged_layout = _Staged(area, transport.device), layout
@@ -470,7 +472,7 @@ class Receiver:
                     key = targets_key if targets_key is not None else self._targets_of(landing)
                     unpacker = self._unpacker(sent, landing, key, transport.device, loader.keeps)
                 with loader.window():
-                    _stream(transport, sent, apply, unpacker, sums, self._advance)
+                    _stream(transport, sent, apply, unpacker, sums, self._advance, self._streams)
                     finish()
                 if sums is not None and patched:
                     sums += patched
@@ -524,7 +526,8 @@ class Receiver:
             try:
                 landing, apply, finish = _appliers(push.plan, layout, destinations, loader.load)
                 with loader.window():
-                    _apply_staged(layout.plan if layout else push.plan, staged, apply, landing, loader.keeps)
+                    plan = layout.plan if layout else push.plan
+                    _apply_staged(plan, staged, apply, landing, self._streams, loader.keeps)
                     finish()
             except BaseException as exc:
                 self._fail(exc)
@@ -572,6 +575,7 @@ def _stream(
     unpacker: Unpacker,
     sums: list[Checksum] | None,
     advance: Callable[[], None],
+    streams: Streams,
 ) -> None:
     """Receive bucket k+1 while applying bucket k.
 
@@ -583,7 +587,7 @@ def _stream(
     the process group makes its stream wait on the current one when the broadcast is posted.
     """
     device = transport.device
-    with _receive_stream(device):
+    with _receive_stream(device, streams):
         empties = unpacker.empty_tensors(device)
         if empties:
             apply(empties)
@@ -623,6 +627,7 @@ def _receive_all(
     area: list[torch.Tensor],
     sums: list[Checksum] | None,
     advance: Callable[[], None],
+    streams: Streams,
 ) -> None:
     """Receive every bucket into the staging area ``area`` (see ``_staging_area``), touching
     nothing else. Two broadcasts are kept in flight, as when streaming.
@@ -638,7 +643,7 @@ def _receive_all(
     slots = staging_slots(plan)
     works: list[Work] = []
     landed: list[torch.Tensor | None] = []
-    with _receive_stream(device):
+    with _receive_stream(device, streams):
         for index, view in enumerate(area):
             slot = slots[index]
             if on_host:
@@ -681,6 +686,7 @@ def _apply_staged(
     staged: _Staged,
     apply: Apply,
     destinations: Mapping[str, torch.Tensor] | None,
+    streams: Streams,
     owned: bool = False,
 ) -> None:
     """Apply a received atomic push from its staging area. For a GPU worker each bucket goes
@@ -692,7 +698,7 @@ def _apply_staged(
     on_host = device.type == "cpu"
     buffers = [] if on_host else unpacker.buffers()
     slots = staging_slots(plan)
-    with _receive_stream(device):
+    with _receive_stream(device, streams):
         empties = unpacker.empty_tensors(device)
         if empties:
             apply(empties)
@@ -741,21 +747,18 @@ def _staging_area(plan: SyncPlan, device: torch.device) -> list[torch.Tensor]:
         ) from exc
 
 
-_RECEIVE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _receive_stream(device: torch.device) -> AbstractContextManager[object]:
+def _receive_stream(device: torch.device, streams: Streams) -> AbstractContextManager[object]:
     """Where a push is received on ``device``: a stream of its own on a GPU (made once per
-    device), current for the whole receive. Not the legacy default stream, which a serving
+    device and kept in ``streams``, the Receiver's), current for the whole receive. Not the legacy default stream, which a serving
     engine runs on: the receive's waits (``Work.after``/``wait`` block the current stream:
     ProcessGroupNCCL.cpp, ``WorkNCCL::synchronizeStream``) then never stall serving, and
     posting a broadcast waits for nothing of serving's either (the NCCL stream waits on the
     current stream: ``syncStream``). Nothing on the host."""
     if device.type != "cuda":
         return nullcontext()
-    stream = _RECEIVE_STREAMS.get(device)
+    stream = streams.get(device)
     if stream is None:
-        stream = _RECEIVE_STREAMS[device] = torch.cuda.Stream(device)
+        stream = streams[device] = torch.cuda.Stream(device)
     return torch.cuda.stream(stream)
 
 

@@ -42,9 +42,6 @@ class Routes:
     backend: BackendName
     routes: tuple[Route, ...]
 
-    def members(self, route: Route) -> list[int]:
-        return [index for index, taken in enumerate(self.routes) if taken == route]
-
 
 def choose_routes(
     *,

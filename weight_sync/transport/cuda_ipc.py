@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
+from weight_sync.devices import gpu_uuid
 from weight_sync.errors import SyncTimeoutError, TransportError
 from weight_sync.metadata import GroupSpec
 from weight_sync.transport.ring import (
@@ -164,10 +165,6 @@ def _cuda_device(device: torch.device | str) -> torch.device:
     return device
 
 
-def _gpu_uuid(device: torch.device) -> str:
-    return str(torch.cuda.get_device_properties(device.index).uuid)
-
-
 class CudaIpcWriter(RingWriter):
     """The trainer's end (rank 0): each broadcast is copied once into slots on its GPU.
     Implements ``Transport`` for the members on that GPU."""
@@ -231,7 +228,9 @@ class CudaIpcWriter(RingWriter):
         # the writer drops it, never kept in torch's limbo for a reader that may never return
         # it. StorageSharing.cpp THPStorage_releaseIPCCounter decrements exactly that counter.
         torch.UntypedStorage._release_ipc_counter_cuda(counter, counter_offset)
-        return IpcOffer(_gpu_uuid(self._device), slot_bytes, device, bytes(handle), size_bytes,
+        gpu = gpu_uuid(self._device)
+        assert gpu is not None  # a CUDA device
+        return IpcOffer(gpu, slot_bytes, device, bytes(handle), size_bytes,
                         offset_bytes, events)  # fmt: skip
 
     @property
@@ -351,7 +350,7 @@ def _open(offer: IpcOffer, device: torch.device) -> tuple[torch.Tensor, list[tor
     # Matched by UUID and opened on this process's own index of the GPU, as vLLM's IPC weight
     # transfer does (vllm/distributed/weight_transfer/ipc_engine.py receive_weights): indices
     # differ between processes under CUDA_VISIBLE_DEVICES.
-    here = _gpu_uuid(device)
+    here = gpu_uuid(device)
     if here != offer.gpu:
         raise _Refused(
             f"the trainer's ring is on GPU {offer.gpu} (its cuda:{offer.device}); this worker "

@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
+from weight_sync.devices import gpu_uuid
 from weight_sync.errors import GroupFormationError
 from weight_sync.metadata import GroupSpec
 
@@ -140,7 +141,8 @@ class Report:
 
 def local_report(device: torch.device) -> Report:
     """This process's report for ``device`` (a CUDA device with an index)."""
-    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    uuid = gpu_uuid(device)
+    assert uuid is not None, "an NCCL member is on a GPU"
     version = ".".join(str(part) for part in torch.cuda.nccl.version())
     return Report(gpu=uuid, nccl=version, env={name: os.environ.get(name) for name in MUST_AGREE})
 
@@ -256,9 +258,9 @@ def connect(
     ``TORCH_NCCL_NONBLOCKING_TIMEOUT`` (default 30 min, cached process-wide on first read by
     ``nccl_nonblocking_timeout``), which also blocks ``abort`` (it takes that mutex). torch keeps
     nonblocking off by default since 2.7.1 (``useNonblocking``, citing pytorch#153960: hangs
-    with NCCL 2.26). So the connect runs, in torch's default blocking mode, on a daemon thread that this rank waits
-    for until its deadline; a thread still inside ``ncclCommInitRank`` then is abandoned with
-    its group (``TorchGroup`` aborts it in the background).
+    with NCCL 2.26). So the connect runs, in torch's default blocking mode, on a daemon thread
+    that this rank waits for until its deadline; a thread still inside ``ncclCommInitRank`` then
+    is abandoned with its group (``TorchGroup`` aborts it in the background).
 
     Every rank writes its outcome ("ok" or the error) to the store; rank 0 blames the ranks
     that failed, or else those that never reported, and every rank raises the same

@@ -199,6 +199,7 @@ class RingWriter(ABC):
         if readers < 1:
             raise ValueError(f"a ring needs at least one reader, got {readers}")
         self._group_id = group_id
+        self.name = name  # the abstract socket readers dial: their GroupSpec's address
         self._readers = readers
         self._slot_bytes = slot_bytes
         self._timeout_s = collective_timeout_s
