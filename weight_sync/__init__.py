@@ -1,7 +1,7 @@
 """weight_sync: push a trainer's fresh weights to its inference workers, fast and bounded.
 
-    updater = WeightUpdater(workers, SyncConfig())
-    result = updater.push(model.state_dict())
+updater = WeightUpdater(workers, SyncConfig())
+result = updater.push(model.state_dict())
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ __all__ = [
     "SyncTimeoutError",
     "TransportError",
     "WeightSyncError",
-    "WeightUpdater",
     "WeightSyncWorker",
+    "WeightUpdater",
     "WorkerFailedError",
     "remote_worker",
 ]

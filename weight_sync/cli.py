@@ -26,8 +26,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--workers", type=positive_int, default=7, help="worker actors (default 7)")
     demo.add_argument("--steps", type=positive_int, default=5, help="optimizer steps (default 5)")
-    demo.add_argument("--bucket-mb", type=positive_int, default=None,
-                      help="bucket size in MiB (default: SyncConfig's)")
+    demo.add_argument(
+        "--bucket-mb",
+        type=positive_int,
+        default=None,
+        help="bucket size in MiB (default: SyncConfig's)",
+    )
     demo.add_argument(
         "--address", default=None,
         help="Ray cluster to join (e.g. 'auto'); default: start a local one",
@@ -38,29 +42,53 @@ def build_parser() -> argparse.ArgumentParser:
         description="On one local (or joined) Ray cluster, push the workloads with every strategy "
         "on the same trainer and worker actors; writes results.md, results.json and plots.",
     )
-    bench.add_argument("--workloads", default="W1,W2,W3,W4,W5",
-                       help="comma-separated, from W1 (GPT-2 small), W2 (4,000 x 4 KB), W3 (1 GiB "
-                       "tensor), W4 (mixed dtypes), W5 (64 x 16 KB, 100 pushes: latency); "
-                       "default all")
-    bench.add_argument("--strategies",
-                       default="weight_sync,raw,ray_call,per_tensor,fanout,object_store",
-                       help="comma-separated; default all but memcpy")
+    bench.add_argument(
+        "--workloads",
+        default="W1,W2,W3,W4,W5",
+        help="comma-separated, from W1 (GPT-2 small), W2 (4,000 x 4 KB), W3 (1 GiB "
+        "tensor), W4 (mixed dtypes), W5 (64 x 16 KB, 100 pushes: latency); "
+        "default all",
+    )
+    bench.add_argument(
+        "--strategies",
+        default="weight_sync,raw,ray_call,per_tensor,fanout,object_store",
+        help="comma-separated; default all but memcpy",
+    )
     bench.add_argument("--workers", type=positive_int, default=7, help="worker actors (default 7)")
-    bench.add_argument("--repeats", type=positive_int, default=5,
-                       help="timed transfers per strategy after one warm-up (default 5)")
+    bench.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=5,
+        help="timed transfers per strategy after one warm-up (default 5)",
+    )
     bench.add_argument("--sweep", action="store_true", help="also sweep the bucket size on W1")
-    bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                       help="where the weights live; cuda gives every actor a GPU (default cpu)")
-    bench.add_argument("--options", action="store_true",
-                       help="also measure what checksum / atomic staging / check_finite cost on W1")
-    bench.add_argument("--scaling", action="store_true",
-                       help="also measure 1 / 3 / 7 workers at 16 MB .. 2 GB")
-    bench.add_argument("--same-host", default="", metavar="WORKLOADS",
-                       help="also measure these workloads (e.g. W1,W3,W4) through the shared-memory "
-                       "ring against the group, raw and the memory-bandwidth limit")
-    bench.add_argument("--delta", action="store_true",
-                       help="also measure delta pushes (SyncConfig.delta) against dense ones on W1 "
-                       "cast to bf16: after an Adam step at lr 1e-6, and after every value changed")
+    bench.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the weights live; cuda gives every actor a GPU (default cpu)",
+    )
+    bench.add_argument(
+        "--options",
+        action="store_true",
+        help="also measure what checksum / atomic staging / check_finite cost on W1",
+    )
+    bench.add_argument(
+        "--scaling", action="store_true", help="also measure 1 / 3 / 7 workers at 16 MB .. 2 GB"
+    )
+    bench.add_argument(
+        "--same-host",
+        default="",
+        metavar="WORKLOADS",
+        help="also measure these workloads (e.g. W1,W3,W4) through the shared-memory "
+        "ring against the group, raw and the memory-bandwidth limit",
+    )
+    bench.add_argument(
+        "--delta",
+        action="store_true",
+        help="also measure delta pushes (SyncConfig.delta) against dense ones on W1 "
+        "cast to bf16: after an Adam step at lr 1e-6, and after every value changed",
+    )
     bench.add_argument("--out", default="benchmarks/results", help="report folder")
     bench.add_argument("--address", default=None, help="Ray cluster to join; default: start one")
     job = commands.add_parser(

@@ -97,22 +97,26 @@ class SyncConfig(BaseModel):
     # One number is enough: the timeouts a caller leaves out are derived from the ones it sets
     # (see _derive_timeouts); the defaults below are what 900 s for a push gives.
     rendezvous_timeout_s: float = Field(
-        _DEFAULT_RENDEZVOUS_S, gt=0,
+        _DEFAULT_RENDEZVOUS_S,
+        gt=0,
         description="Bound on forming the group (store connect + mesh setup). Default: "
         "push_timeout_s / 3, at most 120.",
     )
     collective_timeout_s: float = Field(
-        300.0, gt=0,
+        300.0,
+        gt=0,
         description="Bound on any single collective (one bucket's broadcast). Default: "
         "push_timeout_s / 3.",
     )
     rpc_timeout_s: float = Field(
-        _DEFAULT_RPC_S, gt=0,
+        _DEFAULT_RPC_S,
+        gt=0,
         description="Bound on every control-plane Ray call that is not a transfer. Default: "
         "push_timeout_s / 3, at most 120.",
     )
     push_timeout_s: float = Field(
-        900.0, gt=0,
+        900.0,
+        gt=0,
         description="Bound on one whole push, end to end (forming the group and the teardown "
         "after a failure included). Must exceed twice collective_timeout_s, so that after a "
         "frozen worker stalls a broadcast the workers waiting on it still have time to report, "
@@ -187,9 +191,7 @@ class SyncConfig(BaseModel):
     @classmethod
     def _alignment_is_power_of_two(cls, value: int) -> int:
         if value < 16 or value & (value - 1):
-            raise ValueError(
-                f"alignment must be a power of two >= 16 (got {value}); try 64"
-            )
+            raise ValueError(f"alignment must be a power of two >= 16 (got {value}); try 64")
         return value
 
     @field_validator("direct_min_bytes")
@@ -211,7 +213,9 @@ class SyncConfig(BaseModel):
     def _interface_name(cls, value: str | None) -> str | None:
         if value is not None and not (0 < len(value) < 16 and "/" not in value and value.isprintable()
                                       and " " not in value):  # fmt: skip
-            raise ValueError(f"interface must be a network interface name such as 'eth0', got {value!r}")
+            raise ValueError(
+                f"interface must be a network interface name such as 'eth0', got {value!r}"
+            )
         return value
 
     @model_validator(mode="after")

@@ -48,7 +48,9 @@ class ControlPlane(Protocol):
     def probe(self, timeout_s: float) -> list[Future[MemberInfo]]:
         """Ask every member what it is before a group is formed."""
 
-    def join(self, specs: Sequence[GroupSpec], max_metadata_bytes: int, timeout_s: float) -> list[Future[None]]:
+    def join(
+        self, specs: Sequence[GroupSpec], max_metadata_bytes: int, timeout_s: float
+    ) -> list[Future[None]]:
         """Member ``i`` joins the group ``specs[i]`` describes (returns once it has joined)."""
 
     def prepare(

@@ -25,7 +25,9 @@ class TinyLM(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+            nn.Sequential(
+                nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)
+            )
             for _ in range(layers)
         )
         self.norm = nn.LayerNorm(dim)
@@ -76,8 +78,13 @@ class DemoTrainer:
         self.updater.close()
 
 
-def run_demo(workers: int = 7, steps: int = 5, address: str | None = None,
-             bucket_mb: int | None = None, timeout_s: float = 600.0) -> int:
+def run_demo(
+    workers: int = 7,
+    steps: int = 5,
+    address: str | None = None,
+    bucket_mb: int | None = None,
+    timeout_s: float = 600.0,
+) -> int:
     """Run the loop and verify every worker; returns a process exit code.
     ``bucket_mb`` None keeps SyncConfig's default bucket size."""
     config = SyncConfig() if bucket_mb is None else SyncConfig(bucket_bytes=bucket_mb * MiB)
@@ -91,19 +98,25 @@ def run_demo(workers: int = 7, steps: int = 5, address: str | None = None,
     handles = [DemoWorker.remote(seed=i + 1) for i in range(workers)]  # type: ignore[attr-defined]
     trainer = DemoTrainer.remote(handles, config)  # type: ignore[attr-defined]
     try:
-        print(f"trainer -> {workers} workers, {config.bucket_bytes // MiB} MiB buckets, {steps} steps")
+        print(
+            f"trainer -> {workers} workers, {config.bucket_bytes // MiB} MiB buckets, {steps} steps"
+        )
         print(f"{'version':>7} {'loss':>7} {'MB':>8} {'buckets':>7} {'seconds':>8} {'GB/s':>6}")
         result = None
         for _ in range(steps):
             loss, result = ray.get(trainer.step.remote(), timeout=timeout_s)
-            print(f"{result.version:>7} {loss:>7.3f} {result.nbytes / 1e6:>8.1f} "
-                  f"{result.buckets:>7} {result.seconds:>8.3f} {result.gbps:>6.2f}")
+            print(
+                f"{result.version:>7} {loss:>7.3f} {result.nbytes / 1e6:>8.1f} "
+                f"{result.buckets:>7} {result.seconds:>8.3f} {result.gbps:>6.2f}"
+            )
         if result is None:
             return 0
         good, tensors = count_verified(trainer, handles, result.version, timeout_s)
         verdict = "OK" if good == workers else "FAILED"
-        print(f"verified: {good}/{workers} workers hold version {result.version}, "
-              f"{tensors} tensors bit-exact (sha256) -- {verdict}")
+        print(
+            f"verified: {good}/{workers} workers hold version {result.version}, "
+            f"{tensors} tensors bit-exact (sha256) -- {verdict}"
+        )
         return 0 if good == workers else 1
     finally:
         take_down(trainer, handles)

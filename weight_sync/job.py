@@ -137,8 +137,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "seconds": [r.seconds for r in results],
             "routes": routes,  # per worker: "shm" (on the trainer's host) or "group"
         }  # fmt: skip
-        print(f"routes: {routes.count('shm')} workers through shared memory, "
-              f"{routes.count('group')} through the group")
+        print(
+            f"routes: {routes.count('shm')} workers through shared memory, "
+            f"{routes.count('group')} through the group"
+        )
         verdict = "OK" if verified == args.workers else "FAILED"
         print(f"verified: {verified}/{args.workers} workers hold version {last}, {tensors} "
               f"tensors bit-exact (sha256); median {report['median_seconds'] or 0:.3f}s "
@@ -181,29 +183,56 @@ def _count_by_node(nodes: list[dict[str, str]]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=positive_int, default=7, help="worker actors (default 7)")
-    parser.add_argument("--size-mb", type=_positive_float, default=256.0,
-                        help="model size in MB, fp32 (default 256)")
+    parser.add_argument(
+        "--size-mb",
+        type=_positive_float,
+        default=256.0,
+        help="model size in MB, fp32 (default 256)",
+    )
     parser.add_argument("--pushes", type=positive_int, default=5, help="pushes (default 5)")
-    parser.add_argument("--spread", action="store_true",
-                        help="spread actors across nodes (default: pack them on one node)")
-    parser.add_argument("--gpus", choices=("auto", "yes", "no"), default="auto",
-                        help="one GPU per actor: auto (if the cluster has GPUs), yes, no")
-    parser.add_argument("--interface", default=None,
-                        help="NIC whose address the group listens on (e.g. eth1)")
-    parser.add_argument("--master-addr", default=None,
-                        help="address the group listens on (default: loopback when on one node, "
-                        "else the trainer node's address)")
-    parser.add_argument("--bucket-mb", type=positive_int, default=None,
-                        help="bucket size in MiB (default: SyncConfig's)")
-    parser.add_argument("--address", default=None,
-                        help="Ray cluster to join (default: RAY_ADDRESS, the job's cluster, or a "
-                        "new local one)")
-    parser.add_argument("--timeout", type=_positive_float, default=600.0,
-                        help="bound on placement and on each push, seconds (default 600)")
+    parser.add_argument(
+        "--spread",
+        action="store_true",
+        help="spread actors across nodes (default: pack them on one node)",
+    )
+    parser.add_argument(
+        "--gpus",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="one GPU per actor: auto (if the cluster has GPUs), yes, no",
+    )
+    parser.add_argument(
+        "--interface", default=None, help="NIC whose address the group listens on (e.g. eth1)"
+    )
+    parser.add_argument(
+        "--master-addr",
+        default=None,
+        help="address the group listens on (default: loopback when on one node, "
+        "else the trainer node's address)",
+    )
+    parser.add_argument(
+        "--bucket-mb",
+        type=positive_int,
+        default=None,
+        help="bucket size in MiB (default: SyncConfig's)",
+    )
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster to join (default: RAY_ADDRESS, the job's cluster, or a new local one)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=600.0,
+        help="bound on placement and on each push, seconds (default 600)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m weight_sync.job", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m weight_sync.job", description=__doc__.split("\n")[0]
+    )
     add_arguments(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     return parser

@@ -45,9 +45,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     try:
         return _NAMES_BY_DTYPE[dtype]
     except KeyError:
-        raise TypeError(
-            f"dtype {dtype} cannot be sent; supported: {', '.join(DTYPES)}"
-        ) from None
+        raise TypeError(f"dtype {dtype} cannot be sent; supported: {', '.join(DTYPES)}") from None
 
 
 class _Wire(BaseModel):
@@ -82,7 +80,9 @@ class TensorMeta(_Wire):
         validation is kept for metadata that arrives over the wire (it would cost ~10 us per
         tensor on every push of a model with thousands of tensors)."""
         if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
-            raise ValueError(f"tensor names must be str of 1..{MAX_NAME_CHARS} characters: {name!r:.80}")
+            raise ValueError(
+                f"tensor names must be str of 1..{MAX_NAME_CHARS} characters: {name!r:.80}"
+            )
         wire = dtype_name(tensor.dtype if dtype is None else dtype)
         return cls.model_construct(name=name, dtype=wire, shape=tuple(tensor.shape))
 
@@ -146,12 +146,15 @@ class SyncPlan(_Wire):
             end = 0
             for seg in bucket.segments:
                 if seg.tensor >= len(self.tensors):
-                    raise ValueError(f"bucket {b}: segment names tensor {seg.tensor}, "
-                                     f"plan has {len(self.tensors)}")
+                    raise ValueError(
+                        f"bucket {b}: segment names tensor {seg.tensor}, "
+                        f"plan has {len(self.tensors)}"
+                    )
                 meta = self.tensors[seg.tensor]
                 if seg.bucket_offset < end or seg.bucket_offset % self.alignment:
-                    raise ValueError(f"bucket {b}: segment at {seg.bucket_offset} overlaps or "
-                                     "is misaligned")
+                    raise ValueError(
+                        f"bucket {b}: segment at {seg.bucket_offset} overlaps or is misaligned"
+                    )
                 end = seg.bucket_offset + seg.nbytes
                 if end > bucket.nbytes:
                     raise ValueError(f"bucket {b}: segment ends past the bucket")
@@ -165,7 +168,8 @@ class SyncPlan(_Wire):
             if end != bucket.nbytes:
                 raise ValueError(f"bucket {b}: declared {bucket.nbytes} bytes, segments fill {end}")
             if bucket.direct and (
-                len(bucket.segments) != 1 or bucket.nbytes != self.tensors[bucket.segments[0].tensor].nbytes
+                len(bucket.segments) != 1
+                or bucket.nbytes != self.tensors[bucket.segments[0].tensor].nbytes
             ):
                 raise ValueError(f"bucket {b}: a direct bucket must hold exactly one whole tensor")
         for meta, done in zip(self.tensors, covered, strict=True):
@@ -300,7 +304,9 @@ class PrepareRequest(_Wire):
 
     @model_validator(mode="after")
     def _delta_is_planned(self) -> PrepareRequest:
-        if self.delta and (self.built_on is None or self.new_base is None or self.delta_bucket_bytes < 16):
+        if self.delta and (
+            self.built_on is None or self.new_base is None or self.delta_bucket_bytes < 16
+        ):
             raise ValueError("a delta push names its base, the base it makes and its bucket size")
         return self
 

@@ -35,7 +35,9 @@ class PushMetrics:
         self._pushes = metrics.Counter(
             "weight_sync_pushes", "Pushes, by outcome", tag_keys=("updater", "outcome")
         )
-        self._bytes = metrics.Counter("weight_sync_push_bytes", "Tensor bytes pushed", tag_keys=keys)
+        self._bytes = metrics.Counter(
+            "weight_sync_push_bytes", "Tensor bytes pushed", tag_keys=keys
+        )
         self._buckets = metrics.Counter(
             "weight_sync_push_buckets", "Buckets broadcast", tag_keys=keys
         )
@@ -44,7 +46,9 @@ class PushMetrics:
             boundaries=_SECONDS_BOUNDARIES, tag_keys=("updater", "phase"),
         )  # fmt: skip
         self._gbps = metrics.Gauge("weight_sync_push_gbps", "GB/s of the last push", tag_keys=keys)
-        self._version = metrics.Gauge("weight_sync_version", "Last committed version", tag_keys=keys)
+        self._version = metrics.Gauge(
+            "weight_sync_version", "Last committed version", tag_keys=keys
+        )
 
     def pushed(
         self, version: int, nbytes: int, buckets: int, phases: Mapping[str, float], gbps: float

@@ -68,7 +68,9 @@ class _Wholes:
             meta = plan.tensors[seg.tensor]
             if seg.nbytes == meta.nbytes and meta.torch_dtype in _BATCHED:
                 wholes.sources.append(seg.tensor)
-                wholes.targets.append(typed_view(out[seg.bucket_offset : seg.bucket_offset + seg.nbytes], meta))
+                wholes.targets.append(
+                    typed_view(out[seg.bucket_offset : seg.bucket_offset + seg.nbytes], meta)
+                )
             else:
                 wholes.rest.append(seg)
         return wholes
@@ -143,13 +145,18 @@ class Packer:
                 typed_view(dest, meta).copy_(source, non_blocking=non_blocking)
             elif source.dtype != meta.torch_dtype:  # a piece of a cast tensor: cast that piece
                 first = seg.tensor_offset // meta.itemsize
-                piece = self._contiguous(seg.tensor).reshape(-1)[first : first + seg.nbytes // meta.itemsize]
+                piece = self._contiguous(seg.tensor).reshape(-1)[
+                    first : first + seg.nbytes // meta.itemsize
+                ]
                 dest.view(meta.torch_dtype).copy_(piece, non_blocking=non_blocking)
                 if seg.tensor_offset + seg.nbytes == meta.nbytes:
                     self._split_source = None
             else:
                 source = byte_view(self._contiguous(seg.tensor))
-                dest.copy_(source[seg.tensor_offset : seg.tensor_offset + seg.nbytes], non_blocking=non_blocking)
+                dest.copy_(
+                    source[seg.tensor_offset : seg.tensor_offset + seg.nbytes],
+                    non_blocking=non_blocking,
+                )
                 if seg.tensor_offset + seg.nbytes == meta.nbytes:
                     self._split_source = None
         return out[: bucket.nbytes]
@@ -293,7 +300,9 @@ class Unpacker:
             last = seg.tensor_offset + seg.nbytes == meta.nbytes
             if destination is not None:
                 if piece.data_ptr() != destination.data_ptr() + seg.tensor_offset:  # not landed
-                    batch[0].append(byte_view(destination)[seg.tensor_offset : seg.tensor_offset + seg.nbytes])
+                    batch[0].append(
+                        byte_view(destination)[seg.tensor_offset : seg.tensor_offset + seg.nbytes]
+                    )
                     batch[1].append(piece)
                 whole = destination
             elif seg.nbytes == meta.nbytes:
@@ -341,7 +350,9 @@ class Unpacker:
                 sizes.append(seg.bucket_offset - end)
             pieces.append(len(sizes))
             sizes.append(seg.nbytes)
-            targets.append(byte_view(destination)[seg.tensor_offset : seg.tensor_offset + seg.nbytes])
+            targets.append(
+                byte_view(destination)[seg.tensor_offset : seg.tensor_offset + seg.nbytes]
+            )
             end = seg.bucket_offset + seg.nbytes
         if bucket.nbytes > end:
             sizes.append(bucket.nbytes - end)
@@ -402,7 +413,9 @@ def device_checksum(data: torch.Tensor) -> torch.Tensor:
 
     total = row_sums.sum() + rest.sum()
     by_row = (row_sums * weights(rows)).sum() + rest.sum() * (rows + 1)
-    by_column = (body.sum(dim=0) * weights(_SUM_COLUMNS)).sum() + (rest * weights(rest.numel())).sum()
+    by_column = (body.sum(dim=0) * weights(_SUM_COLUMNS)).sum() + (
+        rest * weights(rest.numel())
+    ).sum()
     mixed = total * _MIX[0] + by_row * _MIX[1] + by_column * _MIX[2] + size
     return mixed.reshape(1)
 
@@ -430,7 +443,11 @@ def host_checksum(data: torch.Tensor) -> int:
     whole = size - size % 8
     padded = np.zeros(8, dtype=np.uint8)
     padded[: size - whole] = raw[whole:]
-    words = raw[:whole].view(np.int64) if raw.ctypes.data % 8 == 0 else raw[:whole].copy().view(np.int64)
+    words = (
+        raw[:whole].view(np.int64)
+        if raw.ctypes.data % 8 == 0
+        else raw[:whole].copy().view(np.int64)
+    )
     rows = words.size // _SUM_COLUMNS
     body = words[: rows * _SUM_COLUMNS].reshape(rows, _SUM_COLUMNS)
     rest = words[rows * _SUM_COLUMNS :]
@@ -442,10 +459,14 @@ def host_checksum(data: torch.Tensor) -> int:
         by_row = (row_sums * np.arange(1, rows + 1, dtype=np.int64)).sum(dtype=np.int64) + rest.sum(
             dtype=np.int64
         ) * np.int64(rows + 1)
-        by_column = (body.sum(axis=0, dtype=np.int64) * np.arange(1, _SUM_COLUMNS + 1, dtype=np.int64)).sum(
+        by_column = (
+            body.sum(axis=0, dtype=np.int64) * np.arange(1, _SUM_COLUMNS + 1, dtype=np.int64)
+        ).sum(dtype=np.int64) + (rest * np.arange(1, rest.size + 1, dtype=np.int64)).sum(
             dtype=np.int64
-        ) + (rest * np.arange(1, rest.size + 1, dtype=np.int64)).sum(dtype=np.int64)
-        mixed = total * np.int64(_MIX[0]) + by_row * np.int64(_MIX[1]) + by_column * np.int64(_MIX[2])
+        )
+        mixed = (
+            total * np.int64(_MIX[0]) + by_row * np.int64(_MIX[1]) + by_column * np.int64(_MIX[2])
+        )
         return int(mixed + np.int64(size))
 
 
@@ -470,7 +491,9 @@ def read_checksums(sums: Sequence[Checksum]) -> list[int]:
     return read_values(sums)
 
 
-def bucket_buffers(plan: SyncPlan, device: torch.device, pinned: bool = False) -> list[torch.Tensor]:
+def bucket_buffers(
+    plan: SyncPlan, device: torch.device, pinned: bool = False
+) -> list[torch.Tensor]:
     """Two reusable staging buffers (one if the plan has one packed bucket, none if it has
     none): one in flight, one being packed or applied. With direct buckets landing in place,
     this is all the extra memory a push takes, on either side. ``pinned``: in page-locked host

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from typing_extensions import Self
 
 from weight_sync.errors import SyncTimeoutError
 
@@ -92,7 +93,7 @@ class Placement:
     def remove(self) -> None:
         remove_placement_group(self.group)
 
-    def __enter__(self) -> Placement:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -70,8 +70,12 @@ def make_plan(
     for index, meta in enumerate(tensors):
         remaining, tensor_offset = meta.nbytes, 0
         if remaining and direct and direct[index]:
-            whole = Segment.model_construct(tensor=index, tensor_offset=0, bucket_offset=0, nbytes=remaining)
-            buckets.append(BucketMeta.model_construct(nbytes=remaining, segments=(whole,), direct=True))
+            whole = Segment.model_construct(
+                tensor=index, tensor_offset=0, bucket_offset=0, nbytes=remaining
+            )
+            buckets.append(
+                BucketMeta.model_construct(nbytes=remaining, segments=(whole,), direct=True)
+            )
             continue
         if remaining and remaining <= bucket_bytes < align_up(used, alignment) + remaining:
             close_bucket()  # fits in a bucket of its own, but not in what is left of this one

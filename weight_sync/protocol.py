@@ -139,7 +139,10 @@ class Pusher:
     """
 
     def __init__(
-        self, plane: ControlPlane, config: SyncConfig | None = None, observer: PushObserver | None = None
+        self,
+        plane: ControlPlane,
+        config: SyncConfig | None = None,
+        observer: PushObserver | None = None,
     ) -> None:
         if config is not None and not isinstance(config, SyncConfig):
             raise TypeError(f"config must be a SyncConfig, got {type(config).__name__}")
@@ -244,7 +247,12 @@ class Pusher:
     # -- one push ------------------------------------------------------------------------------
 
     def _push(
-        self, entries: Entries, tensors: Sequence[torch.Tensor], partial: bool, sharded: bool, started: float
+        self,
+        entries: Entries,
+        tensors: Sequence[torch.Tensor],
+        partial: bool,
+        sharded: bool,
+        started: float,
     ) -> PushResult:
         with self._lock:
             self._check_open()
@@ -285,7 +293,9 @@ class Pusher:
                     self._settle(self._plane.commit(version, timeout_s), "commit", timeout_s)
                     clock.lap("commit")
                 self._bases = [
-                    next_base(held, request.built_on, request.new_base, not partial) if ready else None
+                    next_base(held, request.built_on, request.new_base, not partial)
+                    if ready
+                    else None
                     for held, ready in zip(self._bases, in_place, strict=True)
                 ]
             except BaseException as exc:
@@ -305,7 +315,9 @@ class Pusher:
                 partial, clock.phases, wire_bytes, request.delta, density,
             )  # fmt: skip
             if self._observer is not None:
-                self._observer.pushed(version, result.nbytes, result.buckets, clock.phases, result.gbps)
+                self._observer.pushed(
+                    version, result.nbytes, result.buckets, clock.phases, result.gbps
+                )
             logger.info(
                 "pushed version %d%s%s: %d tensors, %.1f MB (%.1f MB on the wire) in %d buckets, "
                 "%.3fs (%.2f GB/s; %s)",
@@ -327,7 +339,9 @@ class Pusher:
             )
         return plan
 
-    def _request(self, version: int, partial: bool, sharded: bool, plan: SyncPlan) -> PrepareRequest:
+    def _request(
+        self, version: int, partial: bool, sharded: bool, plan: SyncPlan
+    ) -> PrepareRequest:
         """Push ``version``: a delta when the trainer keeps a baseline and every member holds it
         (as far as the trainer knows: each member checks again in ``prepare``)."""
         config, baseline = self._config, self._baseline
@@ -368,7 +382,9 @@ class Pusher:
         self._learnt(plan.digest)
         return request, [reply.in_place for reply in replies]
 
-    def _prepare_all(self, request: PrepareRequest, plan: SyncPlan, deadline: Deadline) -> list[PrepareReply]:
+    def _prepare_all(
+        self, request: PrepareRequest, plan: SyncPlan, deadline: Deadline
+    ) -> list[PrepareReply]:
         """Every member's reply, sending the plan in full to those that do not hold it."""
         everyone = range(len(self._plane))
         replies = self._prepare_round(request, plan, everyone, deadline)
@@ -426,7 +442,9 @@ class Pusher:
                 return None
             raise PlanMismatchError({index: reply.problems or ("refused",)
                                      for index, reply in enumerate(replies) if not reply.accepted})  # fmt: skip
-        wire_bytes, density, replies = self._transfer(group, request, plan, tensors, deadline, calls)
+        wire_bytes, density, replies = self._transfer(
+            group, request, plan, tensors, deadline, calls
+        )
         self._learnt(plan.digest)
         return wire_bytes, density, [reply.prepared.in_place for reply in replies]
 
@@ -457,12 +475,17 @@ class Pusher:
         what, receiving = "push", calls
         if receiving is None:
             what = "receive"
-            receiving = self._plane.receive(request.version, config.staging == "atomic", deadline.remaining())
+            receiving = self._plane.receive(
+                request.version, config.staging == "atomic", deadline.remaining()
+            )
         try:
             if baseline is None or request.new_base is None:
                 if self._sender is None:
                     self._sender = Sender(group)
-                sent, wire_bytes = self._sender.send(plan, tensors, deadline, config.checksum), plan.nbytes
+                sent, wire_bytes = (
+                    self._sender.send(plan, tensors, deadline, config.checksum),
+                    plan.nbytes,
+                )
                 density = None
             else:
                 baseline.begin()
@@ -477,7 +500,9 @@ class Pusher:
             raise self._after_failure(receiving, what, deadline) or exc from exc
         outcomes = collect(self._plane, receiving, deadline.remaining())
         if not outcomes.ok:
-            raise self._after_failure(receiving, what, deadline) or outcomes.error(what, deadline.seconds)
+            raise self._after_failure(receiving, what, deadline) or outcomes.error(
+                what, deadline.seconds
+            )
         if sent is not None:
             _check_checksums(outcomes.results, sent)
         return wire_bytes, density, outcomes.results
@@ -541,8 +566,7 @@ class Pusher:
         # Committing in the receive call applies an atomic push's staged bytes there: not for a
         # member that receives those beside its own methods (see actors.worker).
         self._on_receipt = all(
-            info.one_call and not (info.concurrent and config.staging == "atomic")
-            for info in infos
+            info.one_call and not (info.concurrent and config.staging == "atomic") for info in infos
         )
         # Versions never go backwards or repeat, even across a trainer restart: a member may
         # have been sent a version it never committed, and that version is spent too.
@@ -572,9 +596,13 @@ class Pusher:
             _close_all(list(writers.values()), None)
             raise
         rendezvous_s = deadline.left(config.rendezvous_timeout_s)
-        common = dict(group_id=group_id, backend=backend, mode=mode,
-                      rendezvous_timeout_s=rendezvous_s,
-                      collective_timeout_s=config.collective_timeout_s)  # fmt: skip
+        common = {
+            "group_id": group_id,
+            "backend": backend,
+            "mode": mode,
+            "rendezvous_timeout_s": rendezvous_s,
+            "collective_timeout_s": config.collective_timeout_s,
+        }
 
         def spec(rank: int, kind: Route) -> GroupSpec:
             """Rank ``rank`` of the group, or of the ring ``kind``."""
@@ -720,7 +748,10 @@ def first_ranks(ranks: Sequence[int], parts: Sequence[Hashable]) -> list[int]:
 
 
 def _open_rings(
-    config: SyncConfig, group_id: str, kinds: list[Route], infos: Sequence[MemberInfo],
+    config: SyncConfig,
+    group_id: str,
+    kinds: list[Route],
+    infos: Sequence[MemberInfo],
     device: torch.device,
 ) -> tuple[list[Route], dict[Route, Ring]]:
     """Open the rings the routes call for; members whose ring cannot be had fall back -- from
@@ -753,7 +784,10 @@ def _open_rings(
 
 
 def _open_ring(
-    config: SyncConfig, group_id: str, readers: int, kind: Route = "shm",
+    config: SyncConfig,
+    group_id: str,
+    readers: int,
+    kind: Route = "shm",
     device: torch.device = CPU,
 ) -> Ring | None:
     """The ring ``kind`` for ``readers`` ranks, sending from ``device``; None where it cannot
@@ -767,7 +801,9 @@ def _open_ring(
             writer = shm.ShmWriter(group_id, readers, slot_bytes, timeout_s, device)
         return writer
     except RingUnavailableError as exc:
-        instead = ("the host ring", "CUDA IPC") if kind == "cuda_ipc" else ("the group", "shared memory")
+        instead = (
+            ("the host ring", "CUDA IPC") if kind == "cuda_ipc" else ("the group", "shared memory")
+        )
         logger.warning("workers on this host take %s instead of %s: %s", *instead, exc)
         return None
 
@@ -791,7 +827,8 @@ def _formation_error(
     else what the members' join calls reported."""
     ranks = set(getattr(exc, "ranks", ()))
     blamed = [
-        index for index, (first, kind, info) in enumerate(zip(firsts, kinds, infos, strict=True))
+        index
+        for index, (first, kind, info) in enumerate(zip(firsts, kinds, infos, strict=True))
         if kind == "group" and ranks & set(range(first, first + info.ranks))
     ]
     if not blamed:

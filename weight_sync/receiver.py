@@ -125,7 +125,9 @@ def check_plan(
             continue
         dtype, shape = _described(want)
         if (dtype, shape) != (meta.dtype, meta.shape):
-            problems.append(f"{name!r}: sent {meta.dtype}{list(meta.shape)}, model has {dtype}{list(shape)}")
+            problems.append(
+                f"{name!r}: sent {meta.dtype}{list(meta.shape)}, model has {dtype}{list(shape)}"
+            )
     if not partial:
         problems.extend(f"missing tensor {name!r}" for name in expected if name not in sent)
     return problems
@@ -156,7 +158,9 @@ class _Targets:
             and all(map(operator.is_, tensors, last.tensors))
         ):  # fmt: skip
             return last
-        return cls(names, addresses, tuple(map(_DTYPE, tensors)), tuple(map(_SHAPE, tensors)), tensors)
+        return cls(
+            names, addresses, tuple(map(_DTYPE, tensors)), tuple(map(_SHAPE, tensors)), tensors
+        )
 
 
 def _described(target: TensorMeta | torch.Tensor) -> tuple[str, tuple[int, ...]]:
@@ -313,12 +317,16 @@ class Receiver:
         dense bytes."""
         self._prepared = None
         if len(request_json) > self._max_metadata_bytes:
-            return _refuse(f"metadata of {len(request_json)} bytes exceeds max_metadata_bytes="
-                           f"{self._max_metadata_bytes}")
+            return _refuse(
+                f"metadata of {len(request_json)} bytes exceeds max_metadata_bytes="
+                f"{self._max_metadata_bytes}"
+            )
         try:
             request = PrepareRequest.model_validate_json(request_json)
         except ValidationError as exc:
-            return _refuse(f"malformed metadata ({exc.error_count()} errors): {exc.errors()[0]['msg']}")
+            return _refuse(
+                f"malformed metadata ({exc.error_count()} errors): {exc.errors()[0]['msg']}"
+            )
         plan = request.plan or self._plans.get(request.plan_digest)
         if plan is None:
             return PrepareReply(accepted=False, need_plan=True)
@@ -327,8 +335,10 @@ class Receiver:
         if self._transport is None:
             return _refuse("this worker is not in a sync group")
         if request.partial and self.version is None:
-            return _refuse("a partial push needs weights to complete, and this worker holds no "
-                           "committed version: push the full state dict first")
+            return _refuse(
+                "a partial push needs weights to complete, and this worker holds no "
+                "committed version: push the full state dict first"
+            )
         try:
             problems = list(check(plan, request.partial))
         except Exception as exc:  # a user's hook: report it instead of crashing the actor call
@@ -339,7 +349,9 @@ class Receiver:
         self._plans.move_to_end(plan.digest)
         while len(self._plans) > PLAN_CACHE_SIZE:
             self._plans.popitem(last=False)
-        in_place = request.new_base is not None and _in_place(plan, destinations, self._transport.device)
+        in_place = request.new_base is not None and _in_place(
+            plan, destinations, self._transport.device
+        )
         if request.delta and not (in_place and self.delta_base == request.built_on):
             return PrepareReply(accepted=False, need_dense=True, in_place=in_place)
         area = None
@@ -463,9 +475,16 @@ class Receiver:
                     sums += staged_checksums(push.plan, layout, area, _required(destinations))
                 self._staged, self._staged_layout = _Staged(area, transport.device), layout
             else:
-                self.version, self.full_version, self.dirty, self.delta_base = None, None, True, None
+                self.version, self.full_version, self.dirty, self.delta_base = (
+                    None,
+                    None,
+                    True,
+                    None,
+                )
                 patched: list[int] | None = [] if push.checksum else None
-                landing, apply, finish = _appliers(push.plan, layout, destinations, loader.load, patched)
+                landing, apply, finish = _appliers(
+                    push.plan, layout, destinations, loader.load, patched
+                )
                 if layout is not None:  # a delta's layout changes every push: nothing to reuse
                     unpacker = Unpacker(sent, landing, transport.device, owned=loader.keeps)
                 else:
@@ -544,7 +563,12 @@ class Receiver:
     # -- internals ---------------------------------------------------------------------------
 
     def _unpacker(
-        self, plan: SyncPlan, landing: Destinations | None, targets: _Targets, device: torch.device, owned: bool
+        self,
+        plan: SyncPlan,
+        landing: Destinations | None,
+        targets: _Targets,
+        device: torch.device,
+        owned: bool,
     ) -> Unpacker:
         """The last push's unpacker when this one has its plan and lands in the very same
         tensors (``targets``), as in the steady state: what it worked out per tensor and per
@@ -738,7 +762,9 @@ def _staging_area(plan: SyncPlan, device: torch.device) -> list[torch.Tensor]:
         # ends on an odd byte must not leave the next one's tensors misaligned for their dtype.
         padded = [align_up(size, plan.alignment) for size in sizes]
         memory = [torch.empty(sum(padded), dtype=torch.uint8)]
-        return [part[:size] for part, size in zip(torch.split(memory[0], padded), sizes, strict=True)]
+        return [
+            part[:size] for part, size in zip(torch.split(memory[0], padded), sizes, strict=True)
+        ]
     except RuntimeError as exc:  # the allocator's out-of-memory error
         where_to = "pinned host memory" if pinned else "host memory"
         raise WeightSyncError(
@@ -782,7 +808,8 @@ def _in_place(
     if targets is None:
         return False
     return all(
-        name in targets and can_land_in(targets[name], meta, device) for name, meta in plan.metas().items()
+        name in targets and can_land_in(targets[name], meta, device)
+        for name, meta in plan.metas().items()
     )
 
 

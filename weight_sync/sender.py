@@ -7,7 +7,7 @@ import logging
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeGuard
+from typing import TypeGuard, cast
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -84,7 +84,9 @@ def check_state_dict(
     names, tensors = _columns(state_dict, config.max_tensors, rename, transform)
     entries = None if sharded else _plain_entries(names, tensors)
     if entries is None:
-        entries = _entries(names, tensors, sharded, renamed=rename is not None or transform is not None)
+        entries = _entries(
+            names, tensors, sharded, renamed=rename is not None or transform is not None
+        )
     if config.delta and not sharded and not all(map(_IS_CPU, entries.tensors)):
         raise ValueError(
             "delta=True needs the weights in host memory: its baseline lives there and each push "
@@ -158,7 +160,9 @@ def _entries(names: list, tensors: list, sharded: bool, renamed: bool) -> Entrie
     for name, tensor in zip(names, tensors, strict=True):
         dtensor = _check_entry(name, tensor, sharded)
         if name in seen:
-            raise ValueError(f"tensor name {name!r} appears twice{' (after renaming)' if renamed else ''}")
+            raise ValueError(
+                f"tensor name {name!r} appears twice{' (after renaming)' if renamed else ''}"
+            )
         seen.add(name)
         key = _storage_key(tensor, dtensor)
         if key is not None and key in storages:
@@ -183,7 +187,7 @@ def _storage_key(tensor: torch.Tensor, dtensor: bool = False) -> tuple | None:
     exact aliases count (same storage, offset, shape, strides and dtype), not overlapping
     views; tensors with no bytes are never tied. (Run once per tensor per push: each part is
     the cheapest accessor there is.)"""
-    local = tensor.to_local() if dtensor else tensor
+    local = cast(DTensor, tensor).to_local() if dtensor else tensor
     if not local.numel():
         return None
     # The address of the first element stands for storage and offset (storages never
@@ -205,7 +209,9 @@ def wire_dtype(dtype: torch.dtype, cast_dtype: str | None) -> torch.dtype:
 def _check_finite(
     names: Sequence[str], tensors: Sequence[torch.Tensor], cast_dtype: str | None
 ) -> None:
-    bad = [name for name, ok in zip(names, finite_flags(tensors, cast_dtype), strict=True) if not ok]
+    bad = [
+        name for name, ok in zip(names, finite_flags(tensors, cast_dtype), strict=True) if not ok
+    ]
     if bad:
         shown = ", ".join(repr(name) for name in bad[:5])
         more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
@@ -304,9 +310,7 @@ def _all_finite(tensor: torch.Tensor, wire: torch.dtype | None = None) -> bool:
     if bool(torch.isfinite(tensor.sum(dtype=wide))):
         return True
     flat = tensor.reshape(-1)
-    return all(
-        bool(torch.isfinite(chunk).all()) for chunk in torch.split(flat, _FINITE_CHUNK)
-    )
+    return all(bool(torch.isfinite(chunk).all()) for chunk in torch.split(flat, _FINITE_CHUNK))
 
 
 class PushPlanner:
@@ -356,16 +360,22 @@ class PushPlanner:
         """Which tensors are sent from their own storage: large enough (the full tensor's
         size, for a DTensor too), contiguous, on the transport's device and not cast."""
         config = self._config
-        threshold = direct_threshold(config.direct_min_bytes, self._device.type, config.bucket_bytes)
+        threshold = direct_threshold(
+            config.direct_min_bytes, self._device.type, config.bucket_bytes
+        )
         direct = [False] * len(tensors)
         if threshold is None:
             return direct
         sizes = map(operator.mul, map(torch.Tensor.numel, tensors), map(_ITEMSIZE, dtypes))
-        large = itertools.compress(range(len(tensors)), map(operator.ge, sizes, itertools.repeat(threshold)))
+        large = itertools.compress(
+            range(len(tensors)), map(operator.ge, sizes, itertools.repeat(threshold))
+        )
         for index in large:
             tensor = tensors[index]
             direct[index] = (
-                _is_contiguous(tensor) and tensor.device == self._device and dtypes[index] == wire[index]
+                _is_contiguous(tensor)
+                and tensor.device == self._device
+                and dtypes[index] == wire[index]
             )
         return direct
 
@@ -464,7 +474,11 @@ class Sender:
             return InFlight(works, sums)
         # GPU tensors over a host transport: their bytes cross in pinned buffers.
         crossing = _cuda_devices(tensors) if transport.device.type == "cpu" else []
-        if self._staging is None or self._staging.plan is not plan or (crossing and not self._staging.pinned):
+        if (
+            self._staging is None
+            or self._staging.plan is not plan
+            or (crossing and not self._staging.pinned)
+        ):
             self._staging = Staging(plan, transport.device, pinned=bool(crossing))
         packer = Packer(plan, tensors, self._staging)
         buffers = self._staging.buffers

@@ -36,7 +36,7 @@ from weight_sync.metadata import DTYPES, dtype_name
 from weight_sync.sender import is_dtensor, is_finite
 
 if TYPE_CHECKING:
-    from weight_sync.protocol import PushResult, Pusher
+    from weight_sync.protocol import Pusher, PushResult
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,9 @@ class ShardedSource:
         group: dist.ProcessGroup | None = None,
     ) -> None:
         if not isinstance(state_dict, Mapping):
-            raise TypeError(f"a ShardedSource needs a state dict (Mapping), got {type(state_dict).__name__}")
+            raise TypeError(
+                f"a ShardedSource needs a state dict (Mapping), got {type(state_dict).__name__}"
+            )
         if not dist.is_initialized():
             raise ValueError("a ShardedSource needs the trainers' torch.distributed group; "
                              "call init_process_group first")  # fmt: skip

@@ -11,7 +11,9 @@ import ray
 logger = logging.getLogger(__name__)
 
 
-def count_verified(trainer: Any, workers: list[Any], version: int, timeout_s: float) -> tuple[int, int]:
+def count_verified(
+    trainer: Any, workers: list[Any], version: int, timeout_s: float
+) -> tuple[int, int]:
     """(workers holding the trainer's weights bit for bit at ``version``, tensors compared). The
     trainer actor answers ``digests()``; workers are ``WeightSyncWorker`` actors."""
     want = ray.get(trainer.digests.remote(), timeout=timeout_s)

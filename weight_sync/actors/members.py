@@ -57,7 +57,9 @@ class RayMembers:
         return [then(h._weight_sync_info.remote(timeout_s=timeout_s).future(), note(i))
                 for i, h in enumerate(self._handles)]  # fmt: skip
 
-    def join(self, specs: Sequence[GroupSpec], max_metadata_bytes: int, timeout_s: float) -> list[Future[None]]:
+    def join(
+        self, specs: Sequence[GroupSpec], max_metadata_bytes: int, timeout_s: float
+    ) -> list[Future[None]]:
         return [h._weight_sync_join.remote(spec.model_dump_json(), max_metadata_bytes,
                                            timeout_s=timeout_s).future()
                 for h, spec in zip(self._handles, specs, strict=True)]  # fmt: skip
@@ -72,14 +74,18 @@ class RayMembers:
     ) -> list[Future[PrepareReply]]:
         """The plan travels whole only to members that may lack it; the others get its hash."""
         by_hash = request.model_dump_json()
-        with_plan = request.model_copy(update={"plan": plan}).model_dump_json() if any(send_plan) else ""
+        with_plan = (
+            request.model_copy(update={"plan": plan}).model_dump_json() if any(send_plan) else ""
+        )
         return [self._handles[i]._weight_sync_prepare.remote(with_plan if whole else by_hash,
                                                              timeout_s=timeout_s).future()
                 for i, whole in zip(members, send_plan, strict=True)]  # fmt: skip
 
     def push(self, request: PrepareRequest, timeout_s: float) -> list[Future[PushReply]]:
         message = request.model_dump_json()
-        return [h._weight_sync_push.remote(message, timeout_s=timeout_s).future() for h in self._handles]
+        return [
+            h._weight_sync_push.remote(message, timeout_s=timeout_s).future() for h in self._handles
+        ]
 
     def cancel(self, version: int, members: Sequence[int], timeout_s: float) -> list[Future[None]]:
         return [self._handles[i]._weight_sync_cancel.remote(version, timeout_s=timeout_s).future()
@@ -109,6 +115,7 @@ class RayMembers:
     def fate(self, error: BaseException) -> tuple[Fate, str]:
         if isinstance(error, RayActorError):
             return "died", f"actor died ({first_line(error)})"
-        cause = error.cause if isinstance(error, RayTaskError) and error.cause is not None else error
+        cause = (
+            error.cause if isinstance(error, RayTaskError) and error.cause is not None else error
+        )
         return ("collateral" if is_collateral(cause) else "raised"), first_line(cause)
-

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import ray
 from ray.actor import ActorHandle
+from typing_extensions import Self
 
 from weight_sync.actors.members import RayMembers
 from weight_sync.config import SyncConfig
@@ -34,7 +35,9 @@ class WeightUpdater(Pusher):
     def __init__(self, workers: Sequence[ActorHandle], config: SyncConfig | None = None) -> None:
         self._members = RayMembers(_check_handles(workers, []))
         config = config if config is not None else SyncConfig()
-        metrics = PushMetrics(secrets.token_hex(4)) if config.metrics and ray.is_initialized() else None
+        metrics = (
+            PushMetrics(secrets.token_hex(4)) if config.metrics and ray.is_initialized() else None
+        )
         super().__init__(self._members, config, metrics)
 
     @property
@@ -52,7 +55,7 @@ class WeightUpdater(Pusher):
             self._members.add(added)
             logger.info("added %d worker(s); %d in all", len(added), len(self._members))
 
-    def __enter__(self) -> WeightUpdater:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -69,7 +72,9 @@ def _check_handles(
     seen = {handle._actor_id for handle in present}
     for index, worker in enumerate(workers):
         if not isinstance(worker, ActorHandle):
-            raise TypeError(f"workers[{index}] is a {type(worker).__name__}, not a Ray actor handle")
+            raise TypeError(
+                f"workers[{index}] is a {type(worker).__name__}, not a Ray actor handle"
+            )
         if worker._actor_id in seen:
             raise ValueError(f"workers[{index}] is already a worker of this updater")
         seen.add(worker._actor_id)

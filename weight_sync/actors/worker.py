@@ -135,13 +135,17 @@ class WeightSyncWorker:
     ) -> None:
         self._weight_sync_state().join_json(spec_json, max_metadata_bytes)
 
-    def _weight_sync_prepare(self, request_json: str, timeout_s: float | None = None) -> PrepareReply:
+    def _weight_sync_prepare(
+        self, request_json: str, timeout_s: float | None = None
+    ) -> PrepareReply:
         check, destinations, _ = self._weight_sync_targets()
         return self._weight_sync_state().prepare(request_json, check, lambda: destinations)
 
     def _weight_sync_push(self, request_json: str, timeout_s: float | None = None) -> PushReply:
         check, destinations, own = self._weight_sync_targets()
-        return self._weight_sync_state().push(request_json, check, self.load_weights, destinations, own)
+        return self._weight_sync_state().push(
+            request_json, check, self.load_weights, destinations, own
+        )
 
     def _weight_sync_cancel(self, version: int, timeout_s: float | None = None) -> None:
         self._weight_sync_state().cancel(version)
@@ -187,15 +191,21 @@ class WeightSyncWorker:
         actor's methods: what they wrap is compared)."""
         cls = type(self)
         return any(
-            inspect.unwrap(getattr(cls, name)) is not getattr(WeightSyncWorker, name) for name in names
+            inspect.unwrap(getattr(cls, name)) is not getattr(WeightSyncWorker, name)
+            for name in names
         )
 
     def _weight_sync_model(self) -> torch.nn.Module:
         model = getattr(self, "model", None)
-        if not isinstance(model, torch.nn.Module):
+        if model is None:
             raise AttributeError(
-                f"{type(self).__name__} has no `self.model` nn.Module; set one in __init__ or "
+                f"{type(self).__name__} has no `self.model`; set an nn.Module in __init__ or "
                 "override load_weights (and weight_sync_expected)"
+            )
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"{type(self).__name__}.model is a {type(model).__name__}, not an nn.Module; "
+                "set one in __init__ or override load_weights (and weight_sync_expected)"
             )
         return model
 
@@ -217,7 +227,9 @@ def remote_worker(cls: type | None = None, /, **ray_options: Any) -> Any:
         taken = sorted(groups.keys() & CONCURRENCY_GROUPS.keys())
         if taken:
             raise ValueError(f"concurrency group names {taken} are weight_sync's; rename yours")
-        methods = {name: _in_group(getattr(cls, name), group) for name, group in _METHOD_GROUPS.items()}
+        methods = {
+            name: _in_group(getattr(cls, name), group) for name, group in _METHOD_GROUPS.items()
+        }
         tagged = type(cls.__name__, (cls,), {
             **methods, "_weight_sync_concurrent": True, "__module__": cls.__module__,
             "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,

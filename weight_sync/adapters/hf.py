@@ -93,5 +93,7 @@ def load_model(model: str | dict[str, Any] | Any, model_class: str = "AutoModelF
             raise ValueError("a config dict needs a 'model_type' (e.g. 'qwen2', 'llama')")
         model = transformers.AutoConfig.for_model(model_type, **fields)
     if not isinstance(model, transformers.PretrainedConfig):
-        raise TypeError(f"model must be a name, a PretrainedConfig or a dict, not {type(model).__name__}")
+        raise TypeError(
+            f"model must be a name, a PretrainedConfig or a dict, not {type(model).__name__}"
+        )
     return auto.from_config(model)

@@ -198,7 +198,9 @@ class BenchTrainer:
     def describe(self) -> str:
         return describe(self.device.type)
 
-    def setup(self, workload: Workload, workers: int, config: SyncConfig, trained: bool = False) -> int:
+    def setup(
+        self, workload: Workload, workers: int, config: SyncConfig, trained: bool = False
+    ) -> int:
         """Build the workload, form a group over the first ``workers`` workers (one warm-up push
         that must land bit-exactly); returns the payload bytes. ``trained``: the values of a
         model's weights and an optimizer to step them (for ``after_step``)."""

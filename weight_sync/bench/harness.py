@@ -76,8 +76,10 @@ class Progress:
         width = 30
         filled = width * self.done // max(self.total, 1)
         elapsed = time.monotonic() - self.start
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
-                         f"{elapsed:6.0f}s  {label:<48}")
+        sys.stderr.write(
+            f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
+            f"{elapsed:6.0f}s  {label:<48}"
+        )
         sys.stderr.flush()
         if self.done >= self.total:
             sys.stderr.write("\n")
@@ -131,44 +133,90 @@ def plan_cases(
         cases.append(Case(workload, workers, tuple(strategies)))
         if name in ("W1", "W3") and "weight_sync" in strategies:
             # What direct transfers buy: the same push with every tensor packed.
-            cases.append(Case(workload, workers, ("weight_sync",), (("direct_min_bytes", None),),
-                              "weight_sync (all packed)"))
+            cases.append(
+                Case(
+                    workload,
+                    workers,
+                    ("weight_sync",),
+                    (("direct_min_bytes", None),),
+                    "weight_sync (all packed)",
+                )
+            )
     if sweep:
         # Everything packed: with direct transfers on, W1's buckets carry only sub-MiB tensors
         # and the bucket size hardly matters. The sweep measures its own floor.
         cases.append(Case(gpt2_small(), workers, ("raw",), suite="bucket sweep"))
         for bucket_mib in (8, 16, 32, 64, 128, 256):
             config = (("bucket_bytes", bucket_mib * MiB), ("direct_min_bytes", None))
-            cases.append(Case(gpt2_small(), workers, ("weight_sync",), config,
-                              "weight_sync (all packed)", suite="bucket sweep"))
+            cases.append(
+                Case(
+                    gpt2_small(),
+                    workers,
+                    ("weight_sync",),
+                    config,
+                    "weight_sync (all packed)",
+                    suite="bucket sweep",
+                )
+            )
     if scaling:
         for count in (1, 3, 7):
             # 2 GB with 7 workers would need ~32 GB here (models + raw buffers): capped at 1 GB.
-            sizes = (16, 64, 256, 1024) + ((2048,) if count <= 3 else ())
+            sizes: tuple[int, ...] = (16, 64, 256, 1024) + ((2048,) if count <= 3 else ())
             for size_mb in sizes:
-                cases.append(Case(synthetic(size_mb * MiB), count, ("weight_sync", "raw"),
-                                  suite="scaling"))
+                cases.append(
+                    Case(synthetic(size_mb * MiB), count, ("weight_sync", "raw"), suite="scaling")
+                )
     for name in same_host:
         # Workers on the trainer's host: the shared-memory ring against the same push over the
         # group, the flat broadcast, and the memory-bandwidth limit (one write, N reads).
         workload = WORKLOADS[name]()
-        cases.append(Case(workload, workers, ("weight_sync", "raw", "memcpy"),
-                          label="weight_sync (group)", suite="same host"))
-        cases.append(Case(workload, workers, ("weight_sync",), (("same_host", "shm"),),
-                          "weight_sync (shared memory)", suite="same host"))
+        cases.append(
+            Case(
+                workload,
+                workers,
+                ("weight_sync", "raw", "memcpy"),
+                label="weight_sync (group)",
+                suite="same host",
+            )
+        )
+        cases.append(
+            Case(
+                workload,
+                workers,
+                ("weight_sync",),
+                (("same_host", "shm"),),
+                "weight_sync (shared memory)",
+                suite="same host",
+            )
+        )
     if delta:
         # W1 as a policy trained in fp32 and served in bf16 (cast on the way), over the default
         # transports: dense pushes against delta pushes, after an RL step and after everything
         # changed.
         for on in (False, True):
-            config = (("cast_dtype", "bfloat16"), ("same_host", "shm"), ("delta", on))
-            cases.append(Case(gpt2_small(), workers, TRAINING, config,
-                              suite="delta" if on else "dense"))
+            delta_config: tuple[tuple[str, object], ...] = (
+                ("cast_dtype", "bfloat16"),
+                ("same_host", "shm"),
+                ("delta", on),
+            )
+            cases.append(
+                Case(
+                    gpt2_small(), workers, TRAINING, delta_config, suite="delta" if on else "dense"
+                )
+            )
     if options:
         cases.append(Case(gpt2_small(), workers, ("raw", "weight_sync"), suite="options"))
         for label, variant in OPTIONS:
-            cases.append(Case(gpt2_small(), workers, ("weight_sync",), variant,
-                              f"weight_sync ({label})", suite="options"))
+            cases.append(
+                Case(
+                    gpt2_small(),
+                    workers,
+                    ("weight_sync",),
+                    variant,
+                    f"weight_sync ({label})",
+                    suite="options",
+                )
+            )
     return cases
 
 
@@ -195,10 +243,14 @@ class Bench:
 
     def _setup(self, case: Case) -> int:
         workers = self.workers[: case.workers]
-        ray.get([w.setup.remote(case.workload, case.worker_dtype) for w in workers], timeout=TIMEOUT_S)
+        ray.get(
+            [w.setup.remote(case.workload, case.worker_dtype) for w in workers], timeout=TIMEOUT_S
+        )
         trained = case.suite in ("dense", "delta")
-        return ray.get(self.trainer.setup.remote(case.workload, case.workers, case.sync_config(), trained),
-                       timeout=TIMEOUT_S)
+        return ray.get(
+            self.trainer.setup.remote(case.workload, case.workers, case.sync_config(), trained),
+            timeout=TIMEOUT_S,
+        )
 
     def measure(self, case: Case, repeats: int, progress: Progress) -> list[Measurement]:
         """Every strategy of ``case``. A strategy that fails (a baseline running the machine out
@@ -226,14 +278,19 @@ class Bench:
             results.append(row)
         return results
 
-    def _runs(self, case: Case, strategy: str, row: Measurement, repeats: int,
-              progress: Progress) -> None:
+    def _runs(
+        self, case: Case, strategy: str, row: Measurement, repeats: int, progress: Progress
+    ) -> None:
         workers = self.workers[: case.workers]
         self._attempts = 0
         for attempt in range(repeats + 1):
             ray.get([w.memory_reset.remote() for w in workers], timeout=TIMEOUT_S)
-            seconds, trainer_extra, wire = ray.get(self.trainer.run.remote(strategy), timeout=TIMEOUT_S)
-            worker_extra = max(ray.get([w.memory_peak.remote() for w in workers], timeout=TIMEOUT_S))
+            seconds, trainer_extra, wire = ray.get(
+                self.trainer.run.remote(strategy), timeout=TIMEOUT_S
+            )
+            worker_extra = max(
+                ray.get([w.memory_peak.remote() for w in workers], timeout=TIMEOUT_S)
+            )
             if attempt:  # the first run of each strategy is the warm-up
                 row.seconds.append(seconds)
                 row.trainer_extra.append(trainer_extra)
@@ -241,7 +298,9 @@ class Bench:
                 if wire is not None:
                     row.wire_bytes.append(wire)
             self._attempts += 1
-            progress.advance(1, f"{case.workload.name} x{case.workers} {row.strategy} {attempt}/{repeats}")
+            progress.advance(
+                1, f"{case.workload.name} x{case.workers} {row.strategy} {attempt}/{repeats}"
+            )
 
     def close(self) -> None:
         try:

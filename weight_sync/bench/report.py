@@ -25,16 +25,25 @@ def machine_line() -> str:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as info:
-            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+            cpu = next(
+                line.split(":", 1)[1].strip() for line in info if line.startswith("model name")
+            )
     except (OSError, StopIteration):
         pass
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (f"{cpu}, {os.cpu_count()} cores, {memory:.0f} GiB RAM; Python {platform.python_version()}, "
-            f"torch {torch.__version__}, ray {ray.__version__}; {time.strftime('%Y-%m-%d')}")
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {memory:.0f} GiB RAM; Python {platform.python_version()}, "
+        f"torch {torch.__version__}, ray {ray.__version__}; {time.strftime('%Y-%m-%d')}"
+    )
 
 
-def _find(rows: Sequence[Measurement], workload: str, strategy: str, workers: int | None = None,
-          suite: str = "workloads") -> Measurement | None:
+def _find(
+    rows: Sequence[Measurement],
+    workload: str,
+    strategy: str,
+    workers: int | None = None,
+    suite: str = "workloads",
+) -> Measurement | None:
     for row in rows:
         if (row.workload, row.strategy, row.suite) == (workload, strategy, suite) and (
             workers is None or row.workers == workers
@@ -67,16 +76,26 @@ def targets(rows: Sequence[Measurement]) -> list[tuple[str, str, bool]]:
     push = _find(rows, "W5", "weight_sync")
     if floor is not None and push is not None and push.seconds:
         value = push.median / floor
-        checks.append(("W5: median push at most 2x (ray_call + raw)", f"{value:.2f}x", value <= 2.0))
+        checks.append(
+            ("W5: median push at most 2x (ray_call + raw)", f"{value:.2f}x", value <= 2.0)
+        )
     shm = _find(rows, "W1", "weight_sync (shared memory)", suite="same host")
     for baseline, bound in (("raw", 0.6), ("memcpy", 1.5)):
         base = _find(rows, "W1", baseline, suite="same host")
         if shm and base and shm.seconds and base.seconds:
             value = shm.median / base.median
-            checks.append((f"W1, same host: shared memory at most {bound}x {baseline}",
-                           f"{value:.2f}x", value <= bound))
+            checks.append(
+                (
+                    f"W1, same host: shared memory at most {bound}x {baseline}",
+                    f"{value:.2f}x",
+                    value <= bound,
+                )
+            )
     for strategy, wire_bound, time_bound in (("after_step", 0.10, 1.0), ("all_changed", None, 1.1)):
-        dense, delta = _find(rows, "W1", strategy, suite="dense"), _find(rows, "W1", strategy, suite="delta")
+        dense, delta = (
+            _find(rows, "W1", strategy, suite="dense"),
+            _find(rows, "W1", strategy, suite="delta"),
+        )
         if not (dense and delta and dense.seconds and delta.seconds):
             continue
         if wire_bound is not None:
@@ -91,10 +110,19 @@ def targets(rows: Sequence[Measurement]) -> list[tuple[str, str, bool]]:
                 and row.seconds and row.strategy != "weight_sync (all packed)":  # fmt: skip
             bound = 3 * row.bucket_bytes
             worst = max(max(row.trainer_extra), max(row.worker_extra))
-            checks.append((f"{row.workload}, {row.strategy}: peak extra memory <= 3 x bucket "
-                           f"({bound / MB:.0f} MB)",
-                           f"trainer {max(row.trainer_extra) / MB:.0f} MB, "
-                           f"worker {max(row.worker_extra) / MB:.0f} MB", worst <= bound))
+            checks.append(
+                (
+                    (
+                        f"{row.workload}, {row.strategy}: peak extra memory <= 3 x bucket "
+                        f"({bound / MB:.0f} MB)"
+                    ),
+                    (
+                        f"trainer {max(row.trainer_extra) / MB:.0f} MB, "
+                        f"worker {max(row.worker_extra) / MB:.0f} MB"
+                    ),
+                    worst <= bound,
+                )
+            )
     return checks
 
 
@@ -110,64 +138,107 @@ def _control_floor(rows: Sequence[Measurement], workload: str) -> float | None:
 def markdown(rows: Sequence[Measurement]) -> str:
     devices = sorted({r.device for r in rows}) or ["cpu"]
     on_gpu = any(d.startswith("cuda") for d in devices)
-    where = (f"CUDA tensors on {', '.join(devices)}, one GPU per actor" if on_gpu
-             else "Gloo over loopback, CPU tensors")
-    memory = ("peak CUDA memory allocated above the baseline" if on_gpu
-              else "peak resident memory above the baseline")
-    lines = ["# weight_sync benchmark results", "", f"Machine: {machine_line()}.", "",
-             f"{where}; one trainer actor and N worker actors in one Ray cluster; every strategy "
-             "on the same processes and group. Seconds: median / min / max over the timed "
-             "transfers after one warm-up, measured in the trainer around the whole transfer "
-             "(Ray calls included). GB/s = payload bytes / median. x raw = median / raw's "
-             f"median. Memory: {memory} during a transfer (max over runs; for workers, the "
-             "largest worker).", ""]
-    header = ("| strategy | median s | min s | max s | GB/s | x raw | trainer extra MB | "
-              "worker extra MB |\n|---|---|---|---|---|---|---|---|")
+    where = (
+        f"CUDA tensors on {', '.join(devices)}, one GPU per actor"
+        if on_gpu
+        else "Gloo over loopback, CPU tensors"
+    )
+    memory = (
+        "peak CUDA memory allocated above the baseline"
+        if on_gpu
+        else "peak resident memory above the baseline"
+    )
+    lines = [
+        "# weight_sync benchmark results",
+        "",
+        f"Machine: {machine_line()}.",
+        "",
+        (
+            f"{where}; one trainer actor and N worker actors in one Ray cluster; every strategy "
+            "on the same processes and group. Seconds: median / min / max over the timed "
+            "transfers after one warm-up, measured in the trainer around the whole transfer "
+            "(Ray calls included). GB/s = payload bytes / median. x raw = median / raw's "
+            f"median. Memory: {memory} during a transfer (max over runs; for workers, the "
+            "largest worker)."
+        ),
+        "",
+    ]
+    header = (
+        "| strategy | median s | min s | max s | GB/s | x raw | trainer extra MB | "
+        "worker extra MB |\n|---|---|---|---|---|---|---|---|"
+    )
     for name in dict.fromkeys(r.workload for r in rows if r.suite == "workloads"):
         group = [r for r in rows if r.workload == name and r.suite == "workloads"]
         first = group[0]
         raw = _find(rows, name, "raw", first.workers)
-        lines += [f"## {name}: {first.title}", "",
-                  f"{first.nbytes / MB:.0f} MB to {first.workers} workers, "
-                  f"{first.bucket_bytes >> 20} MiB buckets, {len(first.seconds)} timed runs.", "",
-                  header]
+        lines += [
+            f"## {name}: {first.title}",
+            "",
+            (
+                f"{first.nbytes / MB:.0f} MB to {first.workers} workers, "
+                f"{first.bucket_bytes >> 20} MiB buckets, {len(first.seconds)} timed runs."
+            ),
+            "",
+            header,
+        ]
         for r in group:
             if r.error:
                 lines.append(f"| {r.strategy} | failed: {r.error} | | | | | | |")
                 continue
             times = r.median / raw.median if raw else float("nan")
-            lines.append(f"| {r.strategy} | {r.median:.3f} | {min(r.seconds):.3f} | "
-                         f"{max(r.seconds):.3f} | {r.gbps:.3f} | {times:.2f} | "
-                         f"{max(r.trainer_extra) / MB:.0f} | {max(r.worker_extra) / MB:.0f} |")
+            lines.append(
+                f"| {r.strategy} | {r.median:.3f} | {min(r.seconds):.3f} | "
+                f"{max(r.seconds):.3f} | {r.gbps:.3f} | {times:.2f} | "
+                f"{max(r.trainer_extra) / MB:.0f} | {max(r.worker_extra) / MB:.0f} |"
+            )
         lines.append("")
     latency = [r for r in rows if r.suite == "workloads" and len(r.seconds) >= 20]
     if latency:
-        lines += ["## Per-push latency", "",
-                  "Workloads pushed many times: the distribution of one push, in milliseconds. "
-                  "ray_call is one Ray call per worker carrying nothing (the control plane's "
-                  "floor); floor = ray_call + raw (medians).", "",
-                  "| workload | strategy | runs | median ms | p90 ms | p99 ms | x floor |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            "## Per-push latency",
+            "",
+            (
+                "Workloads pushed many times: the distribution of one push, in milliseconds. "
+                "ray_call is one Ray call per worker carrying nothing (the control plane's "
+                "floor); floor = ray_call + raw (medians)."
+            ),
+            "",
+            "| workload | strategy | runs | median ms | p90 ms | p99 ms | x floor |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for r in latency:
             floor = _control_floor(rows, r.workload)
             times = r.median / floor if floor else float("nan")
-            lines.append(f"| {r.workload} | {r.strategy} | {len(r.seconds)} | {r.median * 1e3:.2f} | "
-                         f"{r.percentile(90) * 1e3:.2f} | {r.percentile(99) * 1e3:.2f} | {times:.2f} |")
+            lines.append(
+                f"| {r.workload} | {r.strategy} | {len(r.seconds)} | {r.median * 1e3:.2f} | "
+                f"{r.percentile(90) * 1e3:.2f} | {r.percentile(99) * 1e3:.2f} | {times:.2f} |"
+            )
         lines.append("")
     checks = targets(rows)
     if checks:
         lines += ["## Targets", "", "| target | measured | met |", "|---|---|---|"]
-        lines += [f"| {text} | {value} | {'yes' if met else '**no**'} |" for text, value, met in checks]
+        lines += [
+            f"| {text} | {value} | {'yes' if met else '**no**'} |" for text, value, met in checks
+        ]
         lines.append("")
     local = [r for r in rows if r.suite == "same host"]
     if local:
-        lines += ["## Workers on the trainer's host", "",
-                  "The push through the shared-memory ring against the same push over the Gloo "
-                  "group, the flat Gloo broadcast (raw) and the memory-bandwidth limit (memcpy: "
-                  "the trainer writes the bytes once into memory every worker maps, and every "
-                  "worker reads them once, all at the same time).", "",
-                  "| workload | strategy | median s | min s | max s | GB/s | x raw | x memcpy | "
-                  "trainer extra MB | worker extra MB |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "## Workers on the trainer's host",
+            "",
+            (
+                "The push through the shared-memory ring against the same push over the Gloo "
+                "group, the flat Gloo broadcast (raw) and the memory-bandwidth limit (memcpy: "
+                "the trainer writes the bytes once into memory every worker maps, and every "
+                "worker reads them once, all at the same time)."
+            ),
+            "",
+            (
+                "| workload | strategy | median s | min s | max s | GB/s | x raw | x memcpy | "
+                "trainer extra MB | worker extra MB |"
+            ),
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in local:
             if r.error:
                 lines.append(f"| {r.workload} | {r.strategy} | failed: {r.error} | | | | | | | |")
@@ -176,19 +247,30 @@ def markdown(rows: Sequence[Measurement]) -> str:
             for baseline in ("raw", "memcpy"):
                 base = _find(rows, r.workload, baseline, r.workers, suite="same host")
                 ratios.append(r.median / base.median if base and base.seconds else float("nan"))
-            lines.append(f"| {r.workload} | {r.strategy} | {r.median:.3f} | {min(r.seconds):.3f} | "
-                         f"{max(r.seconds):.3f} | {r.gbps:.3f} | {ratios[0]:.2f} | {ratios[1]:.2f} | "
-                         f"{max(r.trainer_extra) / MB:.0f} | {max(r.worker_extra) / MB:.0f} |")
+            lines.append(
+                f"| {r.workload} | {r.strategy} | {r.median:.3f} | {min(r.seconds):.3f} | "
+                f"{max(r.seconds):.3f} | {r.gbps:.3f} | {ratios[0]:.2f} | {ratios[1]:.2f} | "
+                f"{max(r.trainer_extra) / MB:.0f} | {max(r.worker_extra) / MB:.0f} |"
+            )
         lines.append("")
     deltas = [r for r in rows if r.suite in ("dense", "delta")]
     if deltas:
-        lines += ["## Delta pushes", "",
-                  "W1 held in fp32 by the trainer, cast to bf16 on the way (the workers hold bf16), "
-                  "over the default transports. after_step: the push after one Adam step at lr "
-                  "1e-6 (weights drawn normal, std 0.02); all_changed: after every value changed. "
-                  "Dense: SyncConfig(delta=False); delta: SyncConfig(delta=True).", "",
-                  "| strategy | push | median s | min s | max s | MB on the wire | x dense time | "
-                  "trainer extra MB | worker extra MB |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "## Delta pushes",
+            "",
+            (
+                "W1 held in fp32 by the trainer, cast to bf16 on the way (the workers hold bf16), "
+                "over the default transports. after_step: the push after one Adam step at lr "
+                "1e-6 (weights drawn normal, std 0.02); all_changed: after every value changed. "
+                "Dense: SyncConfig(delta=False); delta: SyncConfig(delta=True)."
+            ),
+            "",
+            (
+                "| strategy | push | median s | min s | max s | MB on the wire | x dense time | "
+                "trainer extra MB | worker extra MB |"
+            ),
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in deltas:
             if r.error:
                 lines.append(f"| {r.strategy} | {r.suite} | failed: {r.error} | | | | | | |")
@@ -196,42 +278,61 @@ def markdown(rows: Sequence[Measurement]) -> str:
             dense = _find(rows, r.workload, r.strategy, r.workers, suite="dense")
             ratio = r.median / dense.median if dense and dense.seconds else float("nan")
             wire = statistics.median(r.wire_bytes) / MB if r.wire_bytes else float("nan")
-            lines.append(f"| {r.strategy} | {r.suite} | {r.median:.3f} | {min(r.seconds):.3f} | "
-                         f"{max(r.seconds):.3f} | {wire:.1f} | {ratio:.2f} | "
-                         f"{max(r.trainer_extra) / MB:.0f} | {max(r.worker_extra) / MB:.0f} |")
+            lines.append(
+                f"| {r.strategy} | {r.suite} | {r.median:.3f} | {min(r.seconds):.3f} | "
+                f"{max(r.seconds):.3f} | {wire:.1f} | {ratio:.2f} | "
+                f"{max(r.trainer_extra) / MB:.0f} | {max(r.worker_extra) / MB:.0f} |"
+            )
         lines.append("")
     sweep = [r for r in rows if r.suite == "bucket sweep" and r.strategy != "raw"]
     if sweep:
         raw = _find(rows, sweep[0].workload, "raw", sweep[0].workers, suite="bucket sweep")
-        lines += ["## Bucket-size sweep (W1, every tensor packed)", "", "| bucket MiB | median s | GB/s | x raw | "
-                  "trainer extra MB | worker extra MB |", "|---|---|---|---|---|---|"]
+        lines += [
+            "## Bucket-size sweep (W1, every tensor packed)",
+            "",
+            "| bucket MiB | median s | GB/s | x raw | trainer extra MB | worker extra MB |",
+            "|---|---|---|---|---|---|",
+        ]
         for r in sorted(sweep, key=lambda r: r.bucket_bytes):
             times = r.median / raw.median if raw else float("nan")
-            lines.append(f"| {r.bucket_bytes >> 20} | {r.median:.3f} | {r.gbps:.3f} | {times:.2f} | "
-                         f"{max(r.trainer_extra) / MB:.0f} | {max(r.worker_extra) / MB:.0f} |")
+            lines.append(
+                f"| {r.bucket_bytes >> 20} | {r.median:.3f} | {r.gbps:.3f} | {times:.2f} | "
+                f"{max(r.trainer_extra) / MB:.0f} | {max(r.worker_extra) / MB:.0f} |"
+            )
         lines.append("")
     costs = [r for r in rows if r.suite == "options" and r.strategy != "raw"]
     if costs:
         raw = _find(rows, costs[0].workload, "raw", costs[0].workers, suite="options")
         base = _find(rows, costs[0].workload, "weight_sync", costs[0].workers, suite="options")
-        lines += [f"## What the safety options cost ({costs[0].workload}, {costs[0].workers} workers)",
-                  "", "| variant | median s | min s | max s | x raw | x defaults | trainer extra MB | "
-                  "worker extra MB |", "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## What the safety options cost ({costs[0].workload}, {costs[0].workers} workers)",
+            "",
+            (
+                "| variant | median s | min s | max s | x raw | x defaults | trainer extra MB | "
+                "worker extra MB |"
+            ),
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for r in costs:
             if r.error:
                 lines.append(f"| {r.strategy} | failed: {r.error.split(':')[0]} | | | | | | |")
                 continue
             x_raw = r.median / raw.median if raw and raw.seconds else float("nan")
             x_base = r.median / base.median if base and base.seconds else float("nan")
-            lines.append(f"| {r.strategy} | {r.median:.3f} | {min(r.seconds):.3f} | "
-                         f"{max(r.seconds):.3f} | {x_raw:.2f} | {x_base:.2f} | "
-                         f"{max(r.trainer_extra) / MB:.0f} | {max(r.worker_extra) / MB:.0f} |")
+            lines.append(
+                f"| {r.strategy} | {r.median:.3f} | {min(r.seconds):.3f} | "
+                f"{max(r.seconds):.3f} | {x_raw:.2f} | {x_base:.2f} | "
+                f"{max(r.trainer_extra) / MB:.0f} | {max(r.worker_extra) / MB:.0f} |"
+            )
         lines.append("")
     scaling = [r for r in rows if r.suite == "scaling"]
     if scaling:
-        lines += ["## Scaling (synthetic fp32, 8 MB tensors)", "",
-                  "| workers | MB | weight_sync s | raw s | x raw | weight_sync GB/s |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            "## Scaling (synthetic fp32, 8 MB tensors)",
+            "",
+            "| workers | MB | weight_sync s | raw s | x raw | weight_sync GB/s |",
+            "|---|---|---|---|---|---|",
+        ]
         for r in scaling:
             if r.strategy != "weight_sync":
                 continue
@@ -241,8 +342,10 @@ def markdown(rows: Sequence[Measurement]) -> str:
                 ratio_text = "-"
             else:
                 raw_text, ratio_text = f"{raw.median:.3f}", f"{r.median / raw.median:.2f}"
-            lines.append(f"| {r.workers} | {r.nbytes / MB:.0f} | {r.median:.3f} | {raw_text} | "
-                         f"{ratio_text} | {r.gbps:.3f} |")
+            lines.append(
+                f"| {r.workers} | {r.nbytes / MB:.0f} | {r.median:.3f} | {raw_text} | "
+                f"{ratio_text} | {r.gbps:.3f} |"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -261,12 +364,23 @@ def plot(rows: Sequence[Measurement], out: Path) -> list[Path]:
         fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 4), squeeze=False)
         for ax, name in zip(axes[0], names, strict=True):
             group = [r for r in rows if r.workload == name and r.suite == "workloads" and r.seconds]
-            ax.bar(range(len(group)), [r.median for r in group],
-                   yerr=[[r.median - min(r.seconds) for r in group], [max(r.seconds) - r.median for r in group]],
-                   color=["tab:green" if r.strategy.startswith("weight_sync") else "tab:gray" for r in group])
+            ax.bar(
+                range(len(group)),
+                [r.median for r in group],
+                yerr=[
+                    [r.median - min(r.seconds) for r in group],
+                    [max(r.seconds) - r.median for r in group],
+                ],
+                color=[
+                    "tab:green" if r.strategy.startswith("weight_sync") else "tab:gray"
+                    for r in group
+                ],
+            )
             ax.set_xticks(range(len(group)), [r.strategy for r in group], rotation=35, ha="right")
             ax.set_yscale("log")
-            ax.set_title(f"{name}: {group[0].nbytes / MB:.0f} MB to {group[0].workers} workers", fontsize=9)
+            ax.set_title(
+                f"{name}: {group[0].nbytes / MB:.0f} MB to {group[0].workers} workers", fontsize=9
+            )
             ax.set_ylabel("seconds per push (median, min-max)")
         fig.tight_layout()
         written.append(_save(fig, out / "workloads.png"))
@@ -275,21 +389,35 @@ def plot(rows: Sequence[Measurement], out: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(6, 4))
         for count in sorted({r.workers for r in scaling}):
             for strategy, style in (("weight_sync", "-o"), ("raw", "--x")):
-                points = sorted((r.nbytes, r.gbps) for r in scaling if r.workers == count and r.strategy == strategy)
-                ax.plot([p[0] / MB for p in points], [p[1] for p in points], style,
-                        label=f"{strategy}, {count} worker{'s' if count > 1 else ''}")
+                points = sorted(
+                    (r.nbytes, r.gbps)
+                    for r in scaling
+                    if r.workers == count and r.strategy == strategy
+                )
+                ax.plot(
+                    [p[0] / MB for p in points],
+                    [p[1] for p in points],
+                    style,
+                    label=f"{strategy}, {count} worker{'s' if count > 1 else ''}",
+                )
         ax.set_xscale("log")
         ax.set_xlabel("state dict MB")
         ax.set_ylabel("GB/s (payload / median)")
         ax.legend(fontsize=7)
         fig.tight_layout()
         written.append(_save(fig, out / "scaling.png"))
-    sweep = sorted((r for r in rows if r.suite == "bucket sweep" and r.strategy != "raw"),
-                   key=lambda r: r.bucket_bytes)
+    sweep = sorted(
+        (r for r in rows if r.suite == "bucket sweep" and r.strategy != "raw"),
+        key=lambda r: r.bucket_bytes,
+    )
     if sweep:
         fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot([r.bucket_bytes >> 20 for r in sweep], [r.median for r in sweep], "-o",
-                label="weight_sync, every tensor packed")
+        ax.plot(
+            [r.bucket_bytes >> 20 for r in sweep],
+            [r.median for r in sweep],
+            "-o",
+            label="weight_sync, every tensor packed",
+        )
         raw = _find(rows, sweep[0].workload, "raw", sweep[0].workers, suite="bucket sweep")
         if raw:
             ax.axhline(raw.median, linestyle="--", color="gray", label="raw (floor)")
@@ -316,8 +444,10 @@ def load_rows(path: Path) -> list[Measurement]:
     from weight_sync.bench.harness import Measurement
 
     fields = set(Measurement.__dataclass_fields__)
-    return [Measurement(**{k: v for k, v in row.items() if k in fields})
-            for row in json.loads(path.read_text())]
+    return [
+        Measurement(**{k: v for k, v in row.items() if k in fields})
+        for row in json.loads(path.read_text())
+    ]
 
 
 def write_report(rows: Sequence[Measurement], out: Path) -> Path:

@@ -62,8 +62,12 @@ def few_small(count: int = 64, nbytes: int = 16384) -> Workload:
 
 
 def one_big(nbytes: int = 1 << 30) -> Workload:
-    return Workload("W3", f"one {nbytes >> 20} MiB tensor, 64 MiB buckets",
-                    (("weight", torch.float32, (nbytes // 4,)),), bucket_bytes=64 * MiB)
+    return Workload(
+        "W3",
+        f"one {nbytes >> 20} MiB tensor, 64 MiB buckets",
+        (("weight", torch.float32, (nbytes // 4,)),),
+        bucket_bytes=64 * MiB,
+    )
 
 
 def mixed() -> Workload:
@@ -78,8 +82,12 @@ def mixed() -> Workload:
         specs += [(f"layers{i}_input_norm", torch.float32, (d,)),
                   (f"layers{i}_post_norm", torch.float32, (d,)),
                   (f"layers{i}_rotary_inv_freq", torch.float32, (64,))]  # fmt: skip
-    specs += [("norm", torch.float32, (d,)), ("lm_head", torch.bfloat16, (vocab, d)),
-              ("position_ids", torch.int64, (1, 4096)), ("token_counts", torch.int64, (vocab,))]
+    specs += [
+        ("norm", torch.float32, (d,)),
+        ("lm_head", torch.bfloat16, (vocab, d)),
+        ("position_ids", torch.int64, (1, 4096)),
+        ("token_counts", torch.int64, (vocab,)),
+    ]
     return Workload("W4", "mixed bf16 / fp32 / int64 (Llama-shaped)", tuple(specs))
 
 

@@ -15,6 +15,7 @@ the model.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import secrets
@@ -116,27 +117,38 @@ class Baseline:
                 new = scratch.words(flat, meta, start, stop)
                 indices = changed(new, held[start:stop], scratch.mask(stop - start)).numpy()
                 part_counts = span_counts(indices, stop - start)
-                if start == 0 and encoding(part_counts[0], span_elements(numel, 0), meta.itemsize) == DENSE:
+                if (
+                    start == 0
+                    and encoding(part_counts[0], span_elements(numel, 0), meta.itemsize) == DENSE
+                ):
                     tensor_counts = [span_elements(numel, s) for s in range(spans_of(numel))]
                     break
                 tensor_counts += part_counts
                 parts.append((indices + start % PIECE, new.numpy()[indices]))
                 if stop % PIECE == 0 or stop == numel:  # a piece is whole: encode its sparse runs
                     first_span = (stop - 1) // PIECE * RUN_SPANS
-                    budget -= self._keep(meta, first_span, tensor_counts[first_span:], parts, budget)
+                    budget -= self._keep(
+                        meta, first_span, tensor_counts[first_span:], parts, budget
+                    )
                     parts = []
             counts += tensor_counts
         return counts
 
     def sources(
-        self, layout: DeltaLayout, plan: SyncPlan, tensors: Sequence[torch.Tensor], sums: list[int] | None
+        self,
+        layout: DeltaLayout,
+        plan: SyncPlan,
+        tensors: Sequence[torch.Tensor],
+        sums: list[int] | None,
     ) -> _Sources:
         """What ``Sender`` packs for ``layout``: whole tensors as they are, blobs encoded when
         first packed (bringing the copy up to date, and appending the checksum of each sparse
         blob's span range, as the worker will hold it, to ``sums``)."""
         return _Sources(self, layout, plan, tensors, sums)
 
-    def recorder(self, plan: SyncPlan, sent: SyncPlan, whole: Mapping[int, int]) -> Callable[[int, torch.Tensor], None]:
+    def recorder(
+        self, plan: SyncPlan, sent: SyncPlan, whole: Mapping[int, int]
+    ) -> Callable[[int, torch.Tensor], None]:
         """A ``Sender`` hook that copies the bytes of whole tensors into the copy as each bucket
         of ``sent`` goes out (``whole`` maps ``sent``'s tensors to ``plan``'s)."""
 
@@ -204,7 +216,10 @@ class Baseline:
         the piece, and the new values) if they fit in ``budget`` bytes, bringing the copy up to
         date there; returns the bytes kept."""
         size, numel = meta.itemsize, math.prod(meta.shape)
-        ways = [encoding(c, span_elements(numel, first_span + s), size) for s, c in enumerate(piece_counts)]
+        ways = [
+            encoding(c, span_elements(numel, first_span + s), size)
+            for s, c in enumerate(piece_counts)
+        ]
         runs = [(start, stop) for start, stop, way in span_runs(ways) if way == SPARSE]
         kept = sum(sparse_bytes(sum(piece_counts[start:stop]), size) for start, stop in runs)
         if not runs or kept > budget:
@@ -214,7 +229,10 @@ class Baseline:
         ends = np.cumsum([0, *piece_counts]).tolist()
         held = words(self._bytes[meta.name], size).numpy()[first_span * SPAN :]
         for start, stop in runs:
-            run_indices, run_values = indices[ends[start] : ends[stop]], values[ends[start] : ends[stop]]
+            run_indices, run_values = (
+                indices[ends[start] : ends[stop]],
+                values[ends[start] : ends[stop]],
+            )
             held[run_indices] = run_values
             blob = encode_sparse(torch.from_numpy(run_indices), torch.from_numpy(run_values), size)
             self._encoded[(meta.name, first_span + start)] = blob
@@ -286,7 +304,7 @@ def _pieces(numel: int) -> list[tuple[int, int]]:
     """Where counting compares: the first span alone (it decides whether to go on), then the
     rest of the first piece, then whole pieces."""
     bounds = [0, min(SPAN, numel), *range(PIECE, numel, PIECE), numel]
-    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+    return [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
 
 
 def _bytes(flat: torch.Tensor, meta: TensorMeta, start: int, stop: int) -> torch.Tensor:

@@ -31,7 +31,9 @@ SPAN = 1 << 16  # elements per span: an index inside one fits in 16 bits
 RUN_SPANS = 16  # spans per blob at most (1M elements)
 NONE, SPARSE, DENSE = 0, 1, 2
 INDEX_BYTES = 2
-VALUES_ALIGNMENT = 8  # a sparse blob's values start here, whatever the dtype (16-byte ones as pairs)
+VALUES_ALIGNMENT = (
+    8  # a sparse blob's values start here, whatever the dtype (16-byte ones as pairs)
+)
 COUNT_BYTES = 4  # the header holds one int32 count per span
 
 
@@ -114,13 +116,17 @@ def check_counts(plan: SyncPlan, counts: Sequence[int]) -> None:
     """Refuse a header that cannot belong to ``plan`` (``ValueError``): it decides every size
     that follows, and a receive sized wrong would abort the process."""
     if len(counts) != header_counts(plan):
-        raise ValueError(f"delta header has {len(counts)} counts, the plan needs {header_counts(plan)}")
+        raise ValueError(
+            f"delta header has {len(counts)} counts, the plan needs {header_counts(plan)}"
+        )
     at = 0
     for meta in plan.tensors:
         numel = math.prod(meta.shape)
         for span in range(spans_of(numel)):
             if not 0 <= counts[at] <= span_elements(numel, span):
-                raise ValueError(f"delta header: {counts[at]} changes in span {span} of {meta.name!r}")
+                raise ValueError(
+                    f"delta header: {counts[at]} changes in span {span} of {meta.name!r}"
+                )
             at += 1
 
 
@@ -138,7 +144,9 @@ def delta_layout(plan: SyncPlan, counts: Sequence[int], bucket_bytes: int) -> De
         spans = spans_of(numel)
         tensor_counts = counts[at : at + spans]
         at += spans
-        ways = [encoding(c, span_elements(numel, s), meta.itemsize) for s, c in enumerate(tensor_counts)]
+        ways = [
+            encoding(c, span_elements(numel, s), meta.itemsize) for s, c in enumerate(tensor_counts)
+        ]
         if all(way == DENSE for way in ways):  # every span (or none: an empty tensor)
             whole[len(metas)] = index
             metas.append(meta)
@@ -148,9 +156,15 @@ def delta_layout(plan: SyncPlan, counts: Sequence[int], bucket_bytes: int) -> De
             if way == NONE:
                 continue
             blob = Blob(index, start, tuple(tensor_counts[start:stop]), way == DENSE, numel)
-            size = blob.elements * meta.itemsize if blob.dense else sparse_bytes(blob.changed, meta.itemsize)
+            size = (
+                blob.elements * meta.itemsize
+                if blob.dense
+                else sparse_bytes(blob.changed, meta.itemsize)
+            )
             blobs[len(metas)] = blob
-            metas.append(TensorMeta.model_construct(name=blob_name(blob), dtype="uint8", shape=(size,)))
+            metas.append(
+                TensorMeta.model_construct(name=blob_name(blob), dtype="uint8", shape=(size,))
+            )
             flags.append(False)
     ties = tuple(
         tie.model_copy(update={"tensor": position})

@@ -39,7 +39,9 @@ from weight_sync.transport import Transport
 class Sent:
     checksums: list[int] | None  # per bucket, then per sparse blob
     wire_bytes: int  # what went over the transport, header included
-    density: float | None = None  # of a delta: changed elements / elements (whole tensors count as changed)
+    density: float | None = (
+        None  # of a delta: changed elements / elements (whole tensors count as changed)
+    )
 
 
 def send(
@@ -63,7 +65,9 @@ def send(
     header = _header(counts)
     if counts:
         timeout = None if deadline is None else deadline.left(float("inf"))
-        transport.broadcast(header.to(transport.device), src=transport.rank, timeout_s=timeout).wait()
+        transport.broadcast(
+            header.to(transport.device), src=transport.rank, timeout_s=timeout
+        ).wait()
     layout = delta_layout(plan, counts, bucket_bytes)
     blob_sums: list[int] | None = [] if with_checksums else None
     sources = baseline.sources(layout, plan, tensors, blob_sums)
@@ -72,13 +76,17 @@ def send(
     if sums is not None and blob_sums is not None:
         sums += blob_sums
     elements = sum(math.prod(meta.shape) for meta in plan.tensors)
-    return Sent(sums, (header.numel() if counts else 0) + layout.plan.nbytes, sum(counts) / max(elements, 1))
+    return Sent(
+        sums, (header.numel() if counts else 0) + layout.plan.nbytes, sum(counts) / max(elements, 1)
+    )
 
 
 def receive_layout(transport: Transport, plan: SyncPlan, bucket_bytes: int) -> DeltaLayout:
     """A worker's first step of a delta push: the trainer's header, checked, and the layout."""
     count = header_counts(plan)
-    header = torch.empty((count + 1) * COUNT_BYTES if count else 0, dtype=torch.uint8, device=transport.device)
+    header = torch.empty(
+        (count + 1) * COUNT_BYTES if count else 0, dtype=torch.uint8, device=transport.device
+    )
     if count:
         transport.broadcast(header, src=TRAINER_RANK).wait()
     *counts, crc = header.cpu().view(torch.int32).tolist() or [0]
@@ -95,7 +103,9 @@ def _header(counts: list[int]) -> torch.Tensor:
     """The counts as int32, then their CRC32 (as an int32)."""
     body = torch.tensor(counts, dtype=torch.int32)
     crc = zlib.crc32(body.numpy().data)
-    return torch.cat([body, torch.tensor([crc - (1 << 32) if crc >= 1 << 31 else crc], dtype=torch.int32)]).view(torch.uint8)
+    return torch.cat(
+        [body, torch.tensor([crc - (1 << 32) if crc >= 1 << 31 else crc], dtype=torch.int32)]
+    ).view(torch.uint8)
 
 
 class Patcher:
@@ -118,7 +128,8 @@ class Patcher:
         self._plan, self._layout, self._sums = plan, layout, sums
         self._destinations = destinations
         self._targets = {
-            index: byte_view(destinations[plan.tensors[index].name]) for index in layout.changed_tensors
+            index: byte_view(destinations[plan.tensors[index].name])
+            for index in layout.changed_tensors
         }
         self._blobs = layout.named_blobs()
 
@@ -129,7 +140,9 @@ class Patcher:
             if blob.dense:
                 size = self._plan.tensors[blob.tensor].itemsize
                 target = self._targets[blob.tensor]
-                ranges[blob_name(blob)] = target[blob.first * size : (blob.first + blob.elements) * size]
+                ranges[blob_name(blob)] = target[
+                    blob.first * size : (blob.first + blob.elements) * size
+                ]
         return {**self._destinations, **ranges}
 
     def apply(self, named: NamedTensors) -> NamedTensors:
@@ -156,12 +169,17 @@ class Patcher:
 
 
 def staged_checksums(
-    plan: SyncPlan, layout: DeltaLayout, staged: list[torch.Tensor], destinations: Mapping[str, torch.Tensor]
+    plan: SyncPlan,
+    layout: DeltaLayout,
+    staged: list[torch.Tensor],
+    destinations: Mapping[str, torch.Tensor],
 ) -> list[int]:
     """The checksums ``Patcher`` would report for a push received into a staging area, computed
     before commit on copies of each patched range (the model stays untouched)."""
     sparse = {index for index, blob in layout.blobs.items() if not blob.dense}
-    unpacker = Unpacker(layout.plan, None, staged[0].device if staged else torch.device("cpu"), only=sparse)
+    unpacker = Unpacker(
+        layout.plan, None, staged[0].device if staged else torch.device("cpu"), only=sparse
+    )
     sums: list[int] = []
     by_name = layout.named_blobs()
     for index, data in enumerate(staged):
@@ -174,4 +192,3 @@ def staged_checksums(
             patch(region, alone, blob_bytes, size)
             sums.append(region_checksum(region, alone, size))
     return sums
-

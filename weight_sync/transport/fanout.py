@@ -101,7 +101,7 @@ class Fanout:
         for part in self._parts:
             try:
                 part.close()
-            except BaseException as exc:  # noqa: BLE001 -- the others must still close
+            except BaseException as exc:  # the others must still close
                 failure = failure or exc
         if failure is not None:
             raise failure

@@ -338,7 +338,7 @@ class TorchGroup:
         timeout = self._bound(timeout_s)
         codes = torch.tensor([code], dtype=torch.int32, device=self._device)
         options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.MAX
+        options.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
         options.timeout = self._timeout  # a backstop, as in broadcast
         self._post(lambda pg: pg.allreduce([codes], options), timeout).wait()
         return int(codes.item())

@@ -75,7 +75,7 @@ from weight_sync.metadata import (
     ReceiveReport,
     SyncPlan,
 )
-from weight_sync.protocol import PushResult, Pusher
+from weight_sync.protocol import Pusher, PushResult
 from weight_sync.receiver import Loader, Receiver
 from weight_sync.transport.rendezvous import address_of_interface, bind_listener, open_store
 
@@ -124,7 +124,9 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
     update_info_cls = WeightSyncUpdateInfo
     supports_draft_weight_update = False
 
-    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+    def __init__(
+        self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module
+    ) -> None:
         super().__init__(config, vllm_config, device, model)
         self._receiver = Receiver(device)  # vLLM's device for this worker, never a thread's
         self._target = ReloadTarget(lambda: self.model, vllm_config)
@@ -143,7 +145,9 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         self._store = PrefixStore(_PREFIX, store)
         self._epoch = init_info.epoch
         self._slot = int(self._store.add(f"{self._epoch}/slots", 1))
-        self._answer(f"info/{self._epoch}/{self._slot}", lambda: self._receiver.info().model_dump_json())
+        self._answer(
+            f"info/{self._epoch}/{self._slot}", lambda: self._receiver.info().model_dump_json()
+        )
         spec_json = self._read(f"spec/{self._epoch}/{self._slot}", init_info.max_metadata_bytes)
         self._receiver.join_json(spec_json, init_info.max_metadata_bytes)
 
@@ -237,7 +241,10 @@ class StateDictSource(WeightSource):
         self._module = module
 
     def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self._module.state_dict().items()]
+        return [
+            ParamMeta(name, t.dtype, tuple(t.shape))
+            for name, t in self._module.state_dict().items()
+        ]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self._module.state_dict().items():
@@ -256,7 +263,9 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
 
     def __post_init__(self) -> None:
         if self.world_size < 2:
-            raise ValueError(f"world_size counts the trainer and at least one vLLM worker, got {self.world_size}")
+            raise ValueError(
+                f"world_size counts the trainer and at least one vLLM worker, got {self.world_size}"
+            )
         if not isinstance(self.config, SyncConfig):
             raise TypeError(f"config must be a SyncConfig, got {type(self.config).__name__}")
 
@@ -287,7 +296,11 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         return cls(client=client, source=source, is_sender=init_info.is_sender,
                    config=init_info.config, workers=init_info.world_size - 1)  # fmt: skip
 
-    def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> PushResult | None:
+    # vLLM's base returns None; ours also hands the sending rank its PushResult (a caller that
+    # ignores it loses nothing), and takes the weights here as well as at init.
+    def send_weights(  # type: ignore[override]
+        self, weights: Iterable[tuple[str, torch.Tensor]] | None = None
+    ) -> PushResult | None:
         """Push ``weights`` (default: the source given at init) to every vLLM worker; returns the
         ``PushResult`` on the sending rank."""
         pairs = weights if weights is not None else self.source
@@ -317,10 +330,16 @@ class ClientPlane:
         self._workers = workers
         self._timeout_s = config.rendezvous_timeout_s
         self._max_metadata_bytes = config.max_metadata_bytes
-        address = config.master_addr if config.interface is None else address_of_interface(config.interface)
+        address = (
+            config.master_addr
+            if config.interface is None
+            else address_of_interface(config.interface)
+        )
         listener = bind_listener(address)
         self._address, self._port = address, listener.getsockname()[1]
-        self._mailbox = _Mailbox(PrefixStore(_PREFIX, open_store(address, self._port, 1, self._timeout_s, listener)))
+        self._mailbox = _Mailbox(
+            PrefixStore(_PREFIX, open_store(address, self._port, 1, self._timeout_s, listener))
+        )
         self._epoch = 0
         self._plans: set[str] = set()  # digests whose plan is in the store
         self._joining: Future[Any] | None = None
@@ -336,7 +355,9 @@ class ClientPlane:
         self._joining = _in_thread(lambda: self._client.init_weight_transfer_engine(info))
         return self._round("info", self._epoch, self._joining, MemberInfo)
 
-    def join(self, specs: Sequence[GroupSpec], max_metadata_bytes: int, timeout_s: float) -> list[Future[None]]:
+    def join(
+        self, specs: Sequence[GroupSpec], max_metadata_bytes: int, timeout_s: float
+    ) -> list[Future[None]]:
         assert self._joining is not None, "probe first"
         for slot, spec in enumerate(specs, start=1):
             self._mailbox.post(f"spec/{self._epoch}/{slot}", spec.model_dump_json())
@@ -409,10 +430,14 @@ class ClientPlane:
             self._mailbox.post(f"verdict/{version}", _CANCEL)
             self._client.finish_weight_update()
 
-    def _round(self, step: str, key: int, call: Future[Any], kind: type | None) -> list[Future[Any]]:
+    def _round(
+        self, step: str, key: int, call: Future[Any], kind: type | None
+    ) -> list[Future[Any]]:
         """One future per worker: its answer under ``step/key/slot``, or the client call's error
         if that call fails before the worker answered."""
-        answers = [self._mailbox.expect(f"{step}/{key}/{slot}") for slot in range(1, self._workers + 1)]
+        answers = [
+            self._mailbox.expect(f"{step}/{key}/{slot}") for slot in range(1, self._workers + 1)
+        ]
 
         def failed(done: Future[Any]) -> None:
             if done.exception() is not None:
@@ -444,7 +469,9 @@ class _Mailbox:
         with self._lock:
             self._pending[key] = future
             if self._thread is None:
-                self._thread = threading.Thread(target=self._poll, name="weight-sync-replies", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._poll, name="weight-sync-replies", daemon=True
+                )
                 self._thread.start()
         return future
 

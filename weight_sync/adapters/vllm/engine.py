@@ -97,7 +97,9 @@ class VLLMEngine:
         so that a dirty or lagging worker is never hidden). Waits for a push in flight."""
         return _merge_status(await self._statuses())
 
-    async def generate(self, prompts: Any, sampling_params: Any = None) -> tuple[list[Any], int | None]:
+    async def generate(
+        self, prompts: Any, sampling_params: Any = None
+    ) -> tuple[list[Any], int | None]:
         """Generate (``LLM.generate``'s prompts; ``SamplingParams``, or a dict of their fields so
         that the caller need not import vLLM) and return the ``RequestOutput``s with the weight
         version that produced all of them, read from vLLM's own ``weight_versions`` labels:
@@ -119,7 +121,10 @@ class VLLMEngine:
     # -- protocol, called by WeightUpdater ----------------------------------------------------
 
     async def _weight_sync_info(self, timeout_s: float | None = None) -> MemberInfo:
-        infos = [MemberInfo.model_validate_json(i) for i in await self._call("weight_sync_info", timeout_s)]
+        infos = [
+            MemberInfo.model_validate_json(i)
+            for i in await self._call("weight_sync_info", timeout_s)
+        ]
         versions = {info.version for info in infos}
         hosts = {info.host for info in infos}
         return infos[0].model_copy(update={
@@ -137,7 +142,9 @@ class VLLMEngine:
     ) -> None:
         await self._call("weight_sync_join", timeout_s, spec_json, max_metadata_bytes)
 
-    async def _weight_sync_prepare(self, request_json: str, timeout_s: float | None = None) -> PrepareReply:
+    async def _weight_sync_prepare(
+        self, request_json: str, timeout_s: float | None = None
+    ) -> PrepareReply:
         """Every worker checks the push; once all accept, generation pauses (here, before the
         broadcast: draining requests must not stall it)."""
         replies = [PrepareReply.model_validate_json(r)
@@ -158,7 +165,9 @@ class VLLMEngine:
         finally:
             await self._resume()
 
-    async def _weight_sync_receive(self, version: int, timeout_s: float | None = None) -> ReceiveReport:
+    async def _weight_sync_receive(
+        self, version: int, timeout_s: float | None = None
+    ) -> ReceiveReport:
         self._version = None  # whatever the staging, no version is claimed while receiving
         try:
             reports = [ReceiveReport.model_validate_json(r)
@@ -331,13 +340,19 @@ class _AsyncDriver(_Driver):
         if sampling_params is None:
             sampling_params = importlib.import_module("vllm").SamplingParams()
         batch = prompts if isinstance(prompts, list) else [prompts]
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(batch)
-        return list(await asyncio.gather(*(self._one(p, s) for p, s in zip(batch, params, strict=True))))
+        params = (
+            sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(batch)
+        )
+        return list(
+            await asyncio.gather(*(self._one(p, s) for p, s in zip(batch, params, strict=True)))
+        )
 
     async def _one(self, prompt: Any, sampling_params: Any) -> Any:
         self._requests += 1
         final = None
-        async for output in self._engine.generate(prompt, sampling_params, f"ws-{id(self)}-{self._requests}"):
+        async for output in self._engine.generate(
+            prompt, sampling_params, f"ws-{id(self)}-{self._requests}"
+        ):
             final = output
         return final
 
@@ -354,7 +369,9 @@ def _build(async_engine: bool, engine_kwargs: dict[str, Any]) -> Any:
 
 def _merge_status(statuses: list[SyncStatus]) -> SyncStatus:
     first = statuses[0]
-    return next((s for s in statuses if (s.version, s.dirty) != (first.version, first.dirty)), first)
+    return next(
+        (s for s in statuses if (s.version, s.dirty) != (first.version, first.dirty)), first
+    )
 
 
 def _version_of(outputs: list[Any]) -> int | None:

@@ -60,7 +60,9 @@ class WeightSyncExtension:
     ``self.vllm_config``, ``self.rank``)."""
 
     def weight_sync_info(self) -> str:
-        return self._weight_sync_reply(lambda: self._weight_sync_state()[0].info().model_dump_json())
+        return self._weight_sync_reply(
+            lambda: self._weight_sync_state()[0].info().model_dump_json()
+        )
 
     def weight_sync_join(self, spec_json: str, max_metadata_bytes: int) -> str:
         """Join as the engine's first rank plus this worker's rank within the engine."""

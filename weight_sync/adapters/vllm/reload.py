@@ -49,7 +49,9 @@ class ReloadTarget:
     caches of what the old weights computed reset after each reload, as vLLM's own
     ``reload_weights`` does."""
 
-    def __init__(self, model: Callable[[], torch.nn.Module], vllm_config: Any, runner: Any = None) -> None:
+    def __init__(
+        self, model: Callable[[], torch.nn.Module], vllm_config: Any, runner: Any = None
+    ) -> None:
         self._model = model
         self._vllm_config = vllm_config
         self._runner = runner
@@ -67,7 +69,9 @@ class ReloadTarget:
             from vllm.config import set_current_vllm_config
 
             with set_current_vllm_config(self._vllm_config), torch.no_grad():
-                self._checks[key] = problems(dry_run(self.model, list(plan.metas().values())), partial)
+                self._checks[key] = problems(
+                    dry_run(self.model, list(plan.metas().values())), partial
+                )
             while len(self._checks) > _CHECKS_CACHED:
                 self._checks.popitem(last=False)
         return self._checks[key]
@@ -181,7 +185,9 @@ def problems(run: DryRun, partial: bool) -> list[str]:
     return found
 
 
-def _reload_form(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _reload_form(
+    module: torch.nn.Module,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The parameters and buffers ``module`` holds while vLLM reloads it (see its
     ``restore_layer_on_meta``): the checkpoint-form metadata recorded when the model was
     loaded, plus the live tensors the reload leaves in place. A module with no recorded form
@@ -189,8 +195,10 @@ def _reload_form(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
     from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
 
-    live = ({n: t for n, t in module._parameters.items() if t is not None},
-            {n: t for n, t in module._buffers.items() if t is not None})  # fmt: skip
+    live: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = (
+        {n: t for n, t in module._parameters.items() if t is not None},
+        {n: t for n, t in module._buffers.items() if t is not None},
+    )
     info = LAYERWISE_INFO.get(module)
     if info is None or not any(info.restore_metadata):
         return live
