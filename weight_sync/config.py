@@ -38,7 +38,7 @@ class SyncConfig(BaseModel):
         description="Contiguous tensors at least this large skip the buckets: each is broadcast "
         "from its own storage and, where the worker's target allows, straight into it. None "
         "packs everything. 'auto' picks by where the buffers live: 1 MiB for host buffers "
-        "(Gloo, the ring; measured best there, benchmarks/README.md), bucket_bytes for GPU "
+        "(Gloo, the ring; measured best there: docs/performance), bucket_bytes for GPU "
         "buffers (NCCL), where packing is a cheap device copy and every extra collective costs "
         "its launch and latency: only tensors that would fill a bucket anyway go alone.",
     )

@@ -22,7 +22,8 @@ from collections.abc import Sequence
 
 from weight_sync.metadata import BucketMeta, Segment, SyncPlan, TensorMeta, Tied
 
-# 'auto' direct threshold for host buffers: measured best on Gloo (benchmarks/README.md).
+# 'auto' direct threshold for host buffers: measured best on Gloo (docs/performance, "What the
+# defaults come from").
 HOST_DIRECT_MIN_BYTES = 1 << 20
 
 

@@ -10,18 +10,25 @@ from __future__ import annotations
 
 import logging
 import os
-import statistics
 import sys
-import time
+import threading
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from contextlib import closing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
 
+try:
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+except ImportError as exc:  # an extra, like matplotlib for the plots
+    raise ImportError("the benchmark needs tqdm: pip install 'weight_sync[bench]'") from exc
+
 from weight_sync import SyncConfig, WeightSyncError
 from weight_sync.bench.actors import STRATEGIES, TRAINING, BenchTrainer, BenchWorker
+from weight_sync.bench.measurement import Measurement
 from weight_sync.bench.report import write_report
 from weight_sync.bench.workloads import WORKLOADS, MiB, Workload, gpt2_small, synthetic
 from weight_sync.planner import direct_threshold
@@ -30,59 +37,47 @@ logger = logging.getLogger(__name__)
 TIMEOUT_S = 1800
 
 
-@dataclass
-class Measurement:
-    workload: str
-    title: str
-    strategy: str
-    workers: int
-    bucket_bytes: int
-    direct_min_bytes: int | None
-    nbytes: int
-    seconds: list[float] = field(default_factory=list)
-    trainer_extra: list[int] = field(default_factory=list)
-    worker_extra: list[int] = field(default_factory=list)
-    wire_bytes: list[int] = field(default_factory=list)  # per push, where the strategy was one
-    suite: str = "workloads"
-    error: str | None = None  # why this strategy could not finish (e.g. out of memory)
-    device: str = "cpu"  # where the weights lived, e.g. "cuda (NVIDIA H100 80GB HBM3)"
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.seconds) if self.seconds else float("nan")
-
-    def percentile(self, p: int) -> float:
-        """The ``p``-th percentile of the timed runs (interpolated between them)."""
-        if len(self.seconds) < 2:
-            return self.median
-        return statistics.quantiles(self.seconds, n=100, method="inclusive")[p - 1]
-
-    @property
-    def gbps(self) -> float:
-        return self.nbytes / self.median / 1e9
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "median": self.median, "gbps": self.gbps}
-
-
 class Progress:
-    """A one-line progress bar on stderr."""
+    """The bench's progress bar (tqdm, on stderr): how many transfers of how many are done, and
+    which one runs now -- workload, workers, strategy, warm-up or timed run -- shown before it
+    starts, since one transfer can take a minute. On a terminal the clock ticks every second
+    between updates, so a long transfer never looks hung. stdout stays the report's."""
+
+    TICK_S = 1.0
+    LABEL_WIDTH = 48
 
     def __init__(self, total: int) -> None:
-        self.total, self.done, self.start = total, 0, time.monotonic()
-
-    def advance(self, steps: int, label: str) -> None:
-        self.done += steps
-        width = 30
-        filled = width * self.done // max(self.total, 1)
-        elapsed = time.monotonic() - self.start
-        sys.stderr.write(
-            f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
-            f"{elapsed:6.0f}s  {label:<48}"
+        self._bar = tqdm(
+            total=total,
+            file=sys.stderr,
+            dynamic_ncols=True,
+            bar_format="{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} transfers [{elapsed}] {desc}",
         )
-        sys.stderr.flush()
-        if self.done >= self.total:
-            sys.stderr.write("\n")
+        self._closed = threading.Event()
+        # Only a terminal redraws in place: a log file would just collect one line per tick.
+        if sys.stderr.isatty():
+            threading.Thread(target=self._tick, name="bench-progress", daemon=True).start()
+
+    def _tick(self) -> None:
+        while not self._closed.wait(self.TICK_S):
+            self._bar.refresh()
+
+    def running(self, label: str) -> None:
+        """Show what runs now (until the next label). Padded, so that the bar keeps its width
+        from one label to the next."""
+        self._bar.set_description_str(f"{label:<{self.LABEL_WIDTH}}")
+
+    def advance(self, steps: int = 1) -> None:
+        self._bar.update(steps)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._bar.close()
+
+
+def _workers(count: int) -> str:
+    """How the progress bar counts workers: "1 worker", "7 workers"."""
+    return f"{count} worker{'s' if count != 1 else ''}"
 
 
 @dataclass(frozen=True)
@@ -269,7 +264,8 @@ class Bench:
             try:
                 self._runs(case, strategy, row, repeats, progress)
             except (ray.exceptions.RayError, WeightSyncError) as exc:
-                progress.advance(repeats + 1 - self._attempts, f"{row.strategy} failed")
+                progress.running(f"{self._label(case, row)} failed: restarting the actors")
+                progress.advance(repeats + 1 - self._attempts)
                 row.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}"
                 logger.warning("%s on %s failed: %s", strategy, case.workload.name, row.error)
                 self.close()
@@ -284,6 +280,8 @@ class Bench:
         workers = self.workers[: case.workers]
         self._attempts = 0
         for attempt in range(repeats + 1):
+            run = f"run {attempt}/{repeats}" if attempt else "warm-up"
+            progress.running(f"{self._label(case, row)}, {run}")
             ray.get([w.memory_reset.remote() for w in workers], timeout=TIMEOUT_S)
             seconds, trainer_extra, wire = ray.get(
                 self.trainer.run.remote(strategy), timeout=TIMEOUT_S
@@ -298,9 +296,14 @@ class Bench:
                 if wire is not None:
                     row.wire_bytes.append(wire)
             self._attempts += 1
-            progress.advance(
-                1, f"{case.workload.name} x{case.workers} {row.strategy} {attempt}/{repeats}"
-            )
+            progress.advance()
+
+    @staticmethod
+    def _label(case: Case, row: Measurement) -> str:
+        """Names a strategy's transfers on the progress bar: workload, workers, strategy, and the
+        suite where the same strategy runs in several (dense and delta pushes, say)."""
+        suite = "" if case.suite == "workloads" else f"{case.suite}: "
+        return f"{suite}{case.workload.name} to {_workers(case.workers)}, {row.strategy}"
 
     def close(self) -> None:
         try:
@@ -358,16 +361,20 @@ def run_bench(
             f"device='cuda' needs {size + 1} GPUs in the Ray cluster (one trainer, {size} "
             f"workers); it has {ray.cluster_resources().get('GPU', 0):g}. Pass fewer --workers"
         )
-    progress = Progress(sum(len(c.strategies) * (repeats_for(c) + 1) for c in cases))
-    bench = Bench(size, device)
     rows: list[Measurement] = []
-    try:
-        for case in cases:
-            rows += bench.measure(case, repeats_for(case), progress)
-            if out is not None:  # keep what was measured even if a later case fails
-                write_report(rows, out)
-    finally:
-        bench.close()
-        if started_here:
-            ray.shutdown()
+    total = sum(len(c.strategies) * (repeats_for(c) + 1) for c in cases)
+    # Warnings (a strategy that failed) print above the bar instead of through it.
+    with closing(Progress(total)) as progress, logging_redirect_tqdm():
+        progress.running(f"starting the trainer and {_workers(size)}")
+        bench = Bench(size, device)
+        try:
+            for case in cases:
+                rows += bench.measure(case, repeats_for(case), progress)
+                if out is not None:  # keep what was measured even if a later case fails
+                    write_report(rows, out)
+        finally:
+            progress.running("closing the actors")
+            bench.close()
+            if started_here:
+                ray.shutdown()
     return rows

@@ -10,13 +10,11 @@ import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import ray
 import torch
 
-if TYPE_CHECKING:
-    from weight_sync.bench.harness import Measurement
+from weight_sync.bench.measurement import Measurement
 
 MB = 1e6
 
@@ -441,8 +439,6 @@ def _save(fig: object, path: Path) -> Path:
 
 def load_rows(path: Path) -> list[Measurement]:
     """Measurements back from a results.json (to merge runs into one report)."""
-    from weight_sync.bench.harness import Measurement
-
     fields = set(Measurement.__dataclass_fields__)
     return [
         Measurement(**{k: v for k, v in row.items() if k in fields})
