@@ -18,7 +18,7 @@ from weight_sync.errors import (
     WorkerFailedError,
 )
 from weight_sync.metadata import SyncStatus
-from weight_sync.protocol import PushResult
+from weight_sync.result import PushResult
 
 if TYPE_CHECKING:
     from weight_sync.actors import WeightSyncWorker, WeightUpdater, remote_worker

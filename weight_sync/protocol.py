@@ -15,109 +15,60 @@ Failure: every wait draws on the push's deadline. When something fails, the trai
 group first (so members blocked on it fail at once), waits a bounded time for every member's
 call to end, and then knows each member's fate (see ``control.Outcomes``): members that died or
 never answered are dropped, the rest leave the group, and the next push forms a new one.
+
+A push reads downhill from here: the state dict is checked (``entries``) and planned; the group
+is formed when there is none (``formation``, settling the members' calls through ``roster``);
+the bytes go out through the ``sender`` -- or, where the trainer keeps a baseline, through
+``delta_send``, which has the delta layer encode what goes on the wire and the sender broadcast
+it. None of those modules imports this one.
 """
 
 from __future__ import annotations
 
 import logging
-import secrets
-import socket
 import threading
 import time
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 
 from weight_sync.config import SyncConfig
-from weight_sync.control import ControlPlane, Outcomes, collect
+from weight_sync.control import ControlPlane, collect
 from weight_sync.deadline import Deadline
-from weight_sync.delta import transfer as delta
 from weight_sync.delta.baseline import Baseline
 from weight_sync.delta.lineage import next_base
-from weight_sync.devices import CPU, gpu_uuid, push_device
-from weight_sync.errors import (
-    ChecksumMismatchError,
-    PlanMismatchError,
-    TransportError,
-    WeightSyncError,
-    WorkerFailedError,
-)
+from weight_sync.delta_send import send as send_with_baseline
+from weight_sync.devices import push_device
+from weight_sync.entries import Entries, Rename, StateDict, check_state_dict, nonfinite_error
+from weight_sync.errors import ChecksumMismatchError, PlanMismatchError, WeightSyncError
+from weight_sync.formation import form_group
 from weight_sync.mapping import Transform
 from weight_sync.metadata import (
-    PLAN_CACHE_SIZE,
-    TRAINER_RANK,
     VOTE_AGREED,
-    BackendName,
-    GroupSpec,
     MemberInfo,
-    ModeName,
     PrepareReply,
     PrepareRequest,
     ReceiveReport,
     SyncPlan,
 )
-from weight_sync.routes import Route, choose_routes
-from weight_sync.sender import (
-    Entries,
-    PushPlanner,
-    Rename,
-    Sender,
-    StateDict,
-    check_state_dict,
-    nonfinite_error,
-)
+from weight_sync.result import PushResult
+from weight_sync.roster import GRACE_S, Roster
+from weight_sync.routes import Route
+from weight_sync.sender import PushPlanner, Sender
 from weight_sync.sharded import ShardedSource
-from weight_sync.transport import (
-    Fanout,
-    TorchGroup,
-    Transport,
-    address_of_interface,
-    bind_listener,
-    cuda_ipc,
-    shm,
-)
-from weight_sync.transport.ring import RingUnavailableError
+from weight_sync.transport import Transport, cuda_ipc
+
+__all__ = ["PushObserver", "PushResult", "Pusher"]
 
 logger = logging.getLogger(__name__)
-
-# After a failure, how long past its own timeout a member's call may take to report (latency of
-# the control plane on a loaded node); a member silent beyond that is taken for frozen.
-_GRACE_S = 5.0
-
-Ring = shm.ShmWriter | cuda_ipc.CudaIpcWriter  # the trainer's end of a ring
 
 
 def _teardown_reserve(push_timeout_s: float) -> float:
     """What a push keeps of its bound for leaving the group after a failure (asking every member
     to leave, without waiting long for any): 2 s, or a tenth of a short bound."""
     return min(2.0, push_timeout_s / 10)
-
-
-@dataclass(frozen=True)
-class PushResult:
-    """What one push moved. ``version`` is now committed on every worker."""
-
-    version: int
-    nbytes: int  # bytes of the tensors pushed (alignment padding on the wire not counted)
-    buckets: int
-    seconds: float
-    tensors: int = 0  # names delivered, tied ones included
-    partial: bool = False
-    # Seconds per phase: group (probe + join, when a group was formed), then prepare, transfer
-    # and commit -- or push, where they were one call (the steady state) -- and total.
-    phases: Mapping[str, float] = field(default_factory=dict)
-    wire_bytes: int = 0  # bytes broadcast (a delta push: its header and what changed)
-    delta: bool = False  # sent as a delta against the workers' weights (SyncConfig.delta)
-    density: float | None = None  # of a delta push: the share of elements that changed
-
-    @property
-    def gbps(self) -> float:
-        """Payload gigabytes per second, as seen by the trainer."""
-        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
 class PushObserver(Protocol):
@@ -148,18 +99,16 @@ class Pusher:
             raise TypeError(f"config must be a SyncConfig, got {type(config).__name__}")
         self._plane = plane
         self._config = config or SyncConfig()
+        # The members, what plans each holds and which base each is: see weight_sync.roster.
+        self._roster = Roster(plane, self._config.rpc_timeout_s)
         self._observer = observer
         self._group: Transport | None = None
         self._planner: PushPlanner | None = None  # made with the first group (needs its device)
         self._sender: Sender | None = None  # of the current group: keeps its staging buffers
-        # Per member: digests of the plans it holds, most recent last, as its own cache keeps
-        # them (a guess: a member that lost one asks for it, and the push goes the long way).
-        self._known: list[list[str]] = []
         self._routes: list[Route] = []  # per member of the current group (see weight_sync.routes)
         self._ipc_refused = False  # a CUDA ring failed to open here: colocated members take shm
-        # With SyncConfig.delta: the copy of what the members hold, and which base each holds.
+        # With SyncConfig.delta: the copy of what the members hold.
         self._baseline = Baseline() if self._config.delta else None
-        self._bases: list[str | None] = []
         # Every member of the current group commits in its receive call when asked (see
         # PrepareRequest.commit_on_receipt): learnt by the probe.
         self._on_receipt = False
@@ -277,7 +226,7 @@ class Pusher:
                 clock.lap("group")
                 request = self._request(version, partial, sharded, plan)
                 done = None
-                if request.commit_on_receipt and all(plan.digest in known for known in self._known):
+                if request.commit_on_receipt and self._roster.all_hold(plan.digest):
                     done = self._push_in_one_call(group, request, plan, tensors, deadline)
                     clock.lap("push")
                 if done is None:  # the long way: a round of prepare calls first
@@ -290,13 +239,13 @@ class Pusher:
                     wire_bytes, density, in_place = done
                 if not request.commit_on_receipt:
                     timeout_s = deadline.left(self._config.rpc_timeout_s)
-                    self._settle(self._plane.commit(version, timeout_s), "commit", timeout_s)
+                    self._roster.settle(self._plane.commit(version, timeout_s), "commit", timeout_s)
                     clock.lap("commit")
-                self._bases = [
+                self._roster.bases = [
                     next_base(held, request.built_on, request.new_base, not partial)
                     if ready
                     else None
-                    for held, ready in zip(self._bases, in_place, strict=True)
+                    for held, ready in zip(self._roster.bases, in_place, strict=True)
                 ]
             except BaseException as exc:
                 if self._observer is not None:
@@ -350,7 +299,7 @@ class Pusher:
             baseline.forget()
         elif baseline is not None:
             built_on, new_base = baseline.id, baseline.name_for(version)
-        delta = built_on is not None and all(held == built_on for held in self._bases)
+        delta = built_on is not None and all(held == built_on for held in self._roster.bases)
         # The trainer compares checksums before anyone commits: they keep the commit round.
         on_receipt = self._on_receipt and not config.checksum
         return PrepareRequest(
@@ -377,9 +326,9 @@ class Pusher:
                     if not reply.accepted}  # fmt: skip
         if problems:
             accepted = [i for i, reply in enumerate(replies) if reply.accepted]
-            self._cancel(request.version, accepted, deadline)
+            self._roster.cancel(request.version, accepted, deadline)
             raise PlanMismatchError(problems)
-        self._learnt(plan.digest)
+        self._roster.learnt(plan.digest)
         return request, [reply.in_place for reply in replies]
 
     def _prepare_all(
@@ -391,7 +340,7 @@ class Pusher:
         lacking = [i for i, reply in enumerate(replies) if reply.need_plan]
         if lacking:  # a member lost its cached plan (e.g. was restarted): send it in full
             for index in lacking:
-                self._forgot(index, plan.digest)
+                self._roster.forgot(index, plan.digest)
             again = iter(self._prepare_round(request, plan, lacking, deadline))
             replies = [next(again) if reply.need_plan else reply for reply in replies]
         return replies
@@ -400,18 +349,9 @@ class Pusher:
         self, request: PrepareRequest, plan: SyncPlan, members: Sequence[int], deadline: Deadline
     ) -> list[PrepareReply]:
         timeout_s = deadline.left(self._config.rpc_timeout_s)
-        send_plan = [plan.digest not in self._known[i] for i in members]
+        send_plan = self._roster.lacking(plan.digest, members)
         calls = self._plane.prepare(request, plan, list(members), send_plan, timeout_s)
-        return self._settle(calls, "prepare", timeout_s)
-
-    def _cancel(self, version: int, members: list[int], deadline: Deadline) -> None:
-        """Tell members that accepted a push refused elsewhere to drop it (an engine that paused
-        its generation for the push resumes). Bounded; a member that cannot act on it drops the
-        push at its next prepare anyway."""
-        wait_s = min(_GRACE_S, deadline.remaining())
-        outcomes = collect(self._plane, self._plane.cancel(version, members, wait_s), wait_s)
-        if not outcomes.ok:
-            logger.warning("cancelling a refused push: %s", outcomes.error("cancel", wait_s))
+        return self._roster.settle(calls, "prepare", timeout_s)
 
     def _push_in_one_call(
         self,
@@ -434,10 +374,10 @@ class Pusher:
             raise self._after_failure(calls, "push", deadline) or exc from exc
         if verdict != VOTE_AGREED:
             timeout_s = deadline.left(self._config.rpc_timeout_s)
-            replies = [reply.prepared for reply in self._settle(calls, "push", timeout_s)]
+            replies = [reply.prepared for reply in self._roster.settle(calls, "push", timeout_s)]
             for index, reply in enumerate(replies):
                 if reply.need_plan:
-                    self._forgot(index, plan.digest)
+                    self._roster.forgot(index, plan.digest)
             if any(reply.need_plan or reply.need_dense for reply in replies):
                 return None
             raise PlanMismatchError({index: reply.problems or ("refused",)
@@ -445,17 +385,8 @@ class Pusher:
         wire_bytes, density, replies = self._transfer(
             group, request, plan, tensors, deadline, calls
         )
-        self._learnt(plan.digest)
+        self._roster.learnt(plan.digest)
         return wire_bytes, density, [reply.prepared.in_place for reply in replies]
-
-    def _learnt(self, digest: str) -> None:
-        """Every member accepted the plan ``digest``: it holds it now, as its latest."""
-        for index, known in enumerate(self._known):
-            self._known[index] = [*(d for d in known if d != digest), digest][-PLAN_CACHE_SIZE:]
-
-    def _forgot(self, index: int, digest: str) -> None:
-        """Member ``index`` asked for the plan ``digest``: it no longer holds it."""
-        self._known[index] = [d for d in self._known[index] if d != digest]
 
     def _transfer(
         self,
@@ -489,9 +420,9 @@ class Pusher:
                 density = None
             else:
                 baseline.begin()
-                out = delta.send(group, plan, tensors, baseline, delta=request.delta,
-                                 bucket_bytes=config.bucket_bytes, deadline=deadline,
-                                 with_checksums=config.checksum)  # fmt: skip
+                out = send_with_baseline(group, plan, tensors, baseline, delta=request.delta,
+                                         bucket_bytes=config.bucket_bytes, deadline=deadline,
+                                         with_checksums=config.checksum)  # fmt: skip
                 baseline.finish(plan, request.version, request.partial)
                 sent, wire_bytes, density = out.checksums, out.wire_bytes, out.density
             if request.commit_on_receipt:  # completes once every member has received
@@ -509,13 +440,6 @@ class Pusher:
 
     # -- failures ------------------------------------------------------------------------------
 
-    def _settle(self, calls: Sequence[Future[Any]], what: str, timeout_s: float) -> list:
-        """Every member's answer, or (dropping the dead and frozen) the error naming who failed."""
-        outcomes = collect(self._plane, calls, timeout_s)
-        if not outcomes.ok:
-            raise self._blame(outcomes, what, timeout_s)
-        return outcomes.results
-
     def _after_failure(
         self, calls: Sequence[Future[Any]], what: str, deadline: Deadline
     ) -> WeightSyncError | None:
@@ -525,48 +449,41 @@ class Pusher:
         peer fail at their collective timeout. Whoever is still silent after that is frozen.
         """
         self._close_group()
-        wait_s = min(self._config.collective_timeout_s + _GRACE_S, deadline.remaining())
-        return self._blame_late(calls, what, wait_s)
-
-    def _blame_late(
-        self,
-        calls: Sequence[Future[Any]],
-        what: str,
-        wait_s: float,
-        timeout_s: float | None = None,
-    ) -> WeightSyncError | None:
-        """After a failure here: wait ``wait_s`` for the members' calls, then the error naming
-        (and dropping) who failed, or None if every call succeeded after all. ``timeout_s`` is
-        the bound the error quotes, when the members had longer than ``wait_s``."""
-        outcomes = collect(self._plane, calls, wait_s)
-        quoted = wait_s if timeout_s is None else timeout_s
-        return None if outcomes.ok else self._blame(outcomes, what, quoted)
-
-    def _blame(self, outcomes: Outcomes, what: str, timeout_s: float) -> WeightSyncError:
-        dropped = outcomes.unreachable
-        if dropped:
-            self._plane.drop(dropped)
-            self._known = [known for i, known in enumerate(self._known) if i not in dropped]
-            self._bases = [held for i, held in enumerate(self._bases) if i not in dropped]
-            logger.warning(
-                "dropped worker(s) %s (dead or not answering); %d left", dropped, len(self._plane)
-            )
-        return outcomes.error(what, timeout_s, dropped)
+        wait_s = min(self._config.collective_timeout_s + GRACE_S, deadline.remaining())
+        return self._roster.blame_late(calls, what, wait_s)
 
     # -- the group -----------------------------------------------------------------------------
 
     def _ensure_group(self, tensors: list[torch.Tensor], deadline: Deadline) -> Transport:
+        """The current group, or a new one formed over the members (see ``weight_sync.formation``)
+        after a probe that tells this updater what they hold."""
         if self._group is not None:
             return self._group
-        config = self._config
-        probe_s = deadline.left(config.rpc_timeout_s)
-        infos: list[MemberInfo] = self._settle(self._plane.probe(probe_s), "probe", probe_s)
-        self._known = [[] for _ in infos]
-        self._bases = [info.delta_base for info in infos]
+        probe_s = deadline.left(self._config.rpc_timeout_s)
+        infos: list[MemberInfo] = self._roster.settle(self._plane.probe(probe_s), "probe", probe_s)
+        self._probed(infos)
+        try:
+            formed = form_group(self._roster, self._config, infos, push_device(tensors), deadline,
+                                ipc_refused=self._ipc_refused)  # fmt: skip
+        except cuda_ipc.IpcUnavailableError as exc:
+            # Remembered for this updater's life: IPC is a property of the deployment.
+            logger.warning("CUDA IPC refused (%s): workers on the trainer's GPU take the "
+                           "host ring instead", exc)  # fmt: skip
+            self._ipc_refused = True
+            return self._ensure_group(tensors, deadline)
+        self._routes = formed.routes
+        self._group = formed.group
+        return formed.group
+
+    def _probed(self, infos: list[MemberInfo]) -> None:
+        """Take in the members' answers to a probe: what they hold, how they commit, and which
+        versions they have seen."""
+        self._roster.probed(infos)
         # Committing in the receive call applies an atomic push's staged bytes there: not for a
         # member that receives those beside its own methods (see actors.worker).
         self._on_receipt = all(
-            info.one_call and not (info.concurrent and config.staging == "atomic") for info in infos
+            info.one_call and not (info.concurrent and self._config.staging == "atomic")
+            for info in infos
         )
         # Versions never go backwards or repeat, even across a trainer restart: a member may
         # have been sent a version it never committed, and that version is spent too.
@@ -574,90 +491,6 @@ class Pusher:
         self._version = max([self._version, *held])
         sent = max(info.highest_version for info in infos)
         self._next_version = max(self._next_version, self._version + 1, sent + 1)
-        device = push_device(tensors)
-        routes = choose_routes(
-            backend=config.backend, same_host=config.same_host, trainer_gpu=gpu_uuid(device),
-            trainer_host=shm.host_key(), infos=infos, ipc_refused=self._ipc_refused,
-        )  # fmt: skip
-        backend = routes.backend
-        # NCCL sends from the weights' GPU; Gloo (and the rings beside it) from host buffers.
-        send_device = device if backend == "nccl" else CPU
-        mode = _choose_mode(config, infos, backend)
-        group_id = secrets.token_hex(8)
-        kinds, writers = _open_rings(config, group_id, list(routes.routes), infos, send_device)
-        remote = sum(info.ranks for info, kind in zip(infos, kinds, strict=True) if kind == "group")
-        try:
-            address = (
-                config.master_addr if config.interface is None
-                else address_of_interface(config.interface)
-            )  # fmt: skip
-            listener = bind_listener(address) if remote else None
-        except BaseException:
-            _close_all(list(writers.values()), None)
-            raise
-        rendezvous_s = deadline.left(config.rendezvous_timeout_s)
-        common = {
-            "group_id": group_id,
-            "backend": backend,
-            "mode": mode,
-            "rendezvous_timeout_s": rendezvous_s,
-            "collective_timeout_s": config.collective_timeout_s,
-        }
-
-        def spec(rank: int, kind: Route) -> GroupSpec:
-            """Rank ``rank`` of the group, or of the ring ``kind``."""
-            if kind != "group":
-                ring = writers[kind]
-                return GroupSpec(address=ring.name, port=0, transport=kind,
-                                 world_size=ring.world_size, rank=rank, **common)  # fmt: skip
-            assert listener is not None
-            return GroupSpec(address=address, port=listener.getsockname()[1],
-                             world_size=remote + 1, rank=rank, **common)  # fmt: skip
-
-        firsts = first_ranks([info.ranks for info in infos], kinds)
-        specs = [spec(rank, kind) for rank, kind in zip(firsts, kinds, strict=True)]
-        join_s = deadline.left(config.rpc_timeout_s)
-        joining = self._plane.join(specs, config.max_metadata_bytes, join_s)
-        parts: list[Transport] = []
-        try:
-            # The rings first: taking their readers in is quick and local, while an NCCL group's
-            # formation (check-in, communicator, warm-up) may take seconds of the readers' budget.
-            for ring in writers.values():
-                ring.accept(deadline.left(rendezvous_s))
-            if listener is not None:
-                on = send_device if backend == "nccl" else None
-                parts.append(TorchGroup.join(spec(TRAINER_RANK, "group"), listener, device=on))
-        except BaseException as exc:
-            _close_all([*parts, *writers.values()], listener)
-            failure = None
-            if isinstance(exc, WeightSyncError):  # the members that joined fail about now
-                wait_s = min(_GRACE_S, deadline.remaining())
-                failure = self._blame_late(joining, "join", wait_s, rendezvous_s)
-            self._leave_members(deadline)
-            if isinstance(exc, cuda_ipc.IpcUnavailableError):
-                # Remembered for this updater's life: IPC is a property of the deployment.
-                logger.warning("CUDA IPC refused (%s): workers on the trainer's GPU take the "
-                               "host ring instead", exc)  # fmt: skip
-                self._ipc_refused = True
-                return self._ensure_group(tensors, deadline)
-            if isinstance(exc, WeightSyncError):
-                raise _formation_error(exc, failure, firsts, kinds, infos) from exc
-            raise
-        parts.extend(writers.values())  # the group first: Fanout starts its broadcast first
-        group = parts[0] if len(parts) == 1 else Fanout(parts, send_device)
-        try:
-            self._settle(joining, "join", join_s)
-        except BaseException:
-            group.close()
-            self._leave_members(deadline)
-            raise
-        if writers:
-            counts = {kind: kinds.count(kind) for kind in ("group", "shm", "cuda_ipc")}
-            logger.info("routes of the %d members: %s", len(kinds),
-                        ", ".join(f"{kind} {n}" for kind, n in counts.items() if n))  # fmt: skip
-        self._routes = list(kinds)
-        self._group = group
-        return group
 
     def _check_open(self) -> None:
         if self._closed:
@@ -671,22 +504,7 @@ class Pusher:
 
     def _teardown(self, deadline: Deadline | None = None) -> None:
         self._close_group()
-        self._leave_members(deadline)
-
-    def _leave_members(self, deadline: Deadline | None = None) -> None:
-        """Ask every member to leave, waiting at most what is left of ``deadline``: the request is
-        sent either way, and a member that cannot act on it is left to its own timeouts."""
-        if not len(self._plane):
-            return
-        wait_s = min(_GRACE_S, self._config.rpc_timeout_s)
-        if deadline is not None:
-            wait_s = min(wait_s, deadline.remaining())
-        outcomes = collect(self._plane, self._plane.leave(wait_s), wait_s)
-        if not outcomes.ok:
-            logger.warning(
-                "some workers did not leave the sync group cleanly: %s",
-                outcomes.error("leave", wait_s),
-            )
+        self._roster.leave(deadline)
 
 
 class _PhaseClock:
@@ -713,126 +531,3 @@ def _check_checksums(reports: list[ReceiveReport], sent: list[int]) -> None:
             f"worker(s) {bad} received bytes whose checksum differs from what was sent; nothing "
             "was committed. Check the network path and the workers' memory", bad,
         )  # fmt: skip
-
-
-def _choose_mode(config: SyncConfig, infos: list[MemberInfo], backend: BackendName) -> ModeName:
-    here = dist.is_available() and dist.is_initialized()
-    # 'world' makes each member's process group the default one: that needs one rank per
-    # process, which a member bringing several ranks (an engine's workers) cannot promise.
-    anyone = here or any(info.has_default_group or info.ranks > 1 for info in infos)
-    if config.group_mode == "auto":
-        # NCCL always stands alone: a standalone group is aborted in the background, while
-        # tearing down a world runs torch's global cleanup on the calling thread (see
-        # transport.torch_group), which a leaving member must not sit through.
-        return "standalone" if anyone or backend == "nccl" else "world"
-    if config.group_mode == "world" and anyone:
-        raise TransportError(
-            "group_mode='world' but a member already has a torch.distributed default group (or "
-            "brings several ranks, as a tensor-parallel engine does); use group_mode="
-            "'standalone' or 'auto'"
-        )
-    return config.group_mode
-
-
-def first_ranks(ranks: Sequence[int], parts: Sequence[Hashable]) -> list[int]:
-    """Each member's first rank in its part of the push (``parts``: its route -- the group or
-    a ring), counting from 1 in each (the trainer is rank 0 of every part). A member bringing
-    several ranks (an engine with tensor parallelism: each of its workers receives every byte)
-    numbers the rest on from its first."""
-    following: dict[Hashable, int] = {}
-    firsts = []
-    for count, part in zip(ranks, parts, strict=True):
-        firsts.append(following.get(part, 1))
-        following[part] = firsts[-1] + count
-    return firsts
-
-
-def _open_rings(
-    config: SyncConfig,
-    group_id: str,
-    kinds: list[Route],
-    infos: Sequence[MemberInfo],
-    device: torch.device,
-) -> tuple[list[Route], dict[Route, Ring]]:
-    """Open the rings the routes call for; members whose ring cannot be had fall back -- from
-    the CUDA ring to the host ring, from the host ring to the group. Returns every member's
-    route as it now stands, and the rings by route."""
-    writers: dict[Route, Ring] = {}
-    wanted = list(kinds)
-    fallbacks: tuple[tuple[Route, Route], ...] = (("cuda_ipc", "shm"), ("shm", "group"))
-    for kind, fallback in fallbacks:
-        members = [index for index, taken in enumerate(kinds) if taken == kind]
-        if not members:
-            continue
-        readers = sum(infos[index].ranks for index in members)
-        ring = _open_ring(config, group_id, readers, kind, device)
-        if ring is not None:
-            writers[kind] = ring
-            continue
-        for index in members:
-            kinds[index] = fallback
-    stranded = [i for i, (want, got) in enumerate(zip(wanted, kinds, strict=True))
-                if want != "group" and got == "group"]  # fmt: skip
-    if device.type == "cuda" and stranded:
-        _close_all(list(writers.values()), None)
-        raise TransportError(
-            f"worker(s) {stranded} share the trainer's GPU, which an NCCL group cannot hold, and "
-            "no ring could be opened for them (see the warnings above); free memory or use "
-            "backend='gloo'"
-        )
-    return kinds, writers
-
-
-def _open_ring(
-    config: SyncConfig,
-    group_id: str,
-    readers: int,
-    kind: Route = "shm",
-    device: torch.device = CPU,
-) -> Ring | None:
-    """The ring ``kind`` for ``readers`` ranks, sending from ``device``; None where it cannot
-    be had (no room, no IPC: those members fall back, see ``_open_rings``)."""
-    slot_bytes = shm.slot_bytes_for(config.bucket_bytes, config.alignment)
-    timeout_s = config.collective_timeout_s
-    try:
-        if kind == "cuda_ipc":
-            writer: Ring = cuda_ipc.CudaIpcWriter(group_id, readers, slot_bytes, timeout_s, device)
-        else:
-            writer = shm.ShmWriter(group_id, readers, slot_bytes, timeout_s, device)
-        return writer
-    except RingUnavailableError as exc:
-        instead = (
-            ("the host ring", "CUDA IPC") if kind == "cuda_ipc" else ("the group", "shared memory")
-        )
-        logger.warning("workers on this host take %s instead of %s: %s", *instead, exc)
-        return None
-
-
-def _close_all(parts: Sequence[Transport], listener: socket.socket | None) -> None:
-    for part in parts:
-        part.close()
-    if listener is not None:
-        listener.close()
-
-
-def _formation_error(
-    exc: WeightSyncError,
-    failure: WeightSyncError | None,
-    firsts: Sequence[int],
-    kinds: Sequence[Route],
-    infos: Sequence[MemberInfo],
-) -> WeightSyncError:
-    """The error of a group that did not form: the group's own verdict, naming the members
-    whose ranks it blames (a duplicate GPU, a failed NCCL init, mismatched NCCL settings), or
-    else what the members' join calls reported."""
-    ranks = set(getattr(exc, "ranks", ()))
-    blamed = [
-        index
-        for index, (first, kind, info) in enumerate(zip(firsts, kinds, infos, strict=True))
-        if kind == "group" and ranks & set(range(first, first + info.ranks))
-    ]
-    if not blamed:
-        return failure or exc
-    dropped = failure.dropped if isinstance(failure, WorkerFailedError) else []
-    return WorkerFailedError(f"the sync group could not form, because of worker(s) {blamed}: {exc}",
-                             blamed, dropped)  # fmt: skip

@@ -26,17 +26,15 @@ import hashlib
 import logging
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from weight_sync.entries import is_dtensor, is_finite
 from weight_sync.errors import WeightSyncError
 from weight_sync.metadata import DTYPES, dtype_name
-from weight_sync.sender import is_dtensor, is_finite
-
-if TYPE_CHECKING:
-    from weight_sync.protocol import Pusher, PushResult
+from weight_sync.result import PushResult
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +42,13 @@ logger = logging.getLogger(__name__)
 _GATHER, _CHECK_FINITE, _DONE, _ABORT = range(4)
 _NO_CAST = -1
 _CASTS = list(DTYPES)  # a cast dtype travels as its index here
+
+
+class SourcePusher(Protocol):
+    """What ``push_sharded`` needs of an updater (``protocol.Pusher`` and its subclasses): declared
+    here so that this module, which the protocol imports, does not import the protocol back."""
+
+    def push(self, state_dict: ShardedSource, *, partial: bool = False) -> PushResult: ...
 
 
 class ShardedSource:
@@ -196,7 +201,7 @@ class ShardedSource:
 
 def push_sharded(
     state_dict: Mapping[str, torch.Tensor],
-    updater: Pusher | None,
+    updater: SourcePusher | None,
     *,
     src: int = 0,
     group: dist.ProcessGroup | None = None,

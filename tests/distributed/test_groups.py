@@ -14,11 +14,12 @@ import torch.distributed as dist
 from tests.distributed.harness import RankContext, receive_plan, run_ranks, send_plan
 from tests.zoo import zoo
 from weight_sync import SyncConfig
+from weight_sync.entries import Entries
 from weight_sync.errors import TransportError, WeightSyncError
 from weight_sync.metadata import PrepareRequest, TensorMeta
 from weight_sync.planner import make_plan
 from weight_sync.receiver import Receiver, accept_all
-from weight_sync.sender import Entries, PushPlanner, Sender
+from weight_sync.sender import PushPlanner, Sender
 from weight_sync.transport import TorchGroup
 from weight_sync.transport.rendezvous import open_store
 from weight_sync.verify import state_dict_digests

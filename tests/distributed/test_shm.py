@@ -19,12 +19,13 @@ import torch
 from tests.distributed.harness import RankContext, receive_plan, run_ranks
 from tests.zoo import zoo
 from weight_sync import SyncConfig
+from weight_sync.entries import Entries
 from weight_sync.errors import TransportError, WeightSyncError
+from weight_sync.formation import _open_ring
 from weight_sync.metadata import TensorMeta
 from weight_sync.planner import make_plan
-from weight_sync.protocol import _open_ring
 from weight_sync.receiver import Receiver
-from weight_sync.sender import Entries, PushPlanner, Sender
+from weight_sync.sender import PushPlanner, Sender
 from weight_sync.transport import Fanout, TorchGroup, ring, shm
 from weight_sync.verify import state_dict_digests
 
@@ -219,7 +220,7 @@ def test_no_room_is_a_clear_error_and_the_updater_falls_back_to_the_group(
     try:
         with pytest.raises(shm.ShmUnavailableError, match=r"cannot claim 4\.0 MiB.*same_host='group'"):
             shm.ShmWriter("cd" * 8, 1, 1 << 20, 30)
-        with caplog.at_level(logging.WARNING, logger="weight_sync.protocol"):
+        with caplog.at_level(logging.WARNING, logger="weight_sync.formation"):
             assert _open_ring(SyncConfig(bucket_bytes=4 << 20), "cd" * 8, 2) is None
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))

@@ -15,6 +15,7 @@ import torch
 
 from tests.distributed.harness import RankContext, run_ranks
 from weight_sync import SyncConfig
+from weight_sync.entries import check_state_dict, device_finite_flags, is_finite
 from weight_sync.metadata import PrepareRequest, SyncPlan, TensorMeta
 from weight_sync.packing import (
     Packer,
@@ -28,7 +29,7 @@ from weight_sync.packing import (
 )
 from weight_sync.planner import make_plan
 from weight_sync.receiver import Receiver, accept_all
-from weight_sync.sender import PushPlanner, Sender, check_state_dict, device_finite_flags, is_finite
+from weight_sync.sender import PushPlanner, Sender
 from weight_sync.transport import TorchGroup
 from weight_sync.verify import state_dict_digests
 

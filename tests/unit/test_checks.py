@@ -5,13 +5,7 @@ import pytest
 import torch
 
 from weight_sync import SyncConfig
-from weight_sync.mapping import fuse
-from weight_sync.metadata import PrepareRequest, TensorMeta
-from weight_sync.packing import read_values
-from weight_sync.planner import make_plan
-from weight_sync.receiver import Receiver, _Targets, accept_all, check_plan
-from weight_sync.sender import (
-    PushPlanner,
+from weight_sync.entries import (
     _entries,
     _plain_entries,
     check_state_dict,
@@ -19,6 +13,12 @@ from weight_sync.sender import (
     finite_flags,
     is_finite,
 )
+from weight_sync.mapping import fuse
+from weight_sync.metadata import PrepareRequest, TensorMeta
+from weight_sync.packing import read_values
+from weight_sync.planner import make_plan
+from weight_sync.receiver import Receiver, _Targets, accept_all, check_plan
+from weight_sync.sender import PushPlanner
 
 
 def expected_of(**tensors: torch.Tensor) -> dict[str, TensorMeta]:

@@ -26,10 +26,11 @@ from weight_sync.delta.layout import (
 )
 from weight_sync.delta.lineage import next_base
 from weight_sync.delta.transfer import Patcher
+from weight_sync.entries import check_state_dict
 from weight_sync.metadata import SyncPlan, TensorMeta, Tied
 from weight_sync.packing import Packer, Unpacker, bucket_buffers, byte_view
 from weight_sync.planner import make_plan
-from weight_sync.sender import PushPlanner, check_state_dict
+from weight_sync.sender import PushPlanner
 
 CPU = torch.device("cpu")
 

@@ -3,6 +3,7 @@ import torch
 
 from tests.zoo import zoo
 from weight_sync import SyncConfig
+from weight_sync.entries import Entries, check_state_dict
 from weight_sync.metadata import SyncPlan, TensorMeta
 from weight_sync.packing import (
     Packer,
@@ -17,7 +18,7 @@ from weight_sync.packing import (
     staging_slots,
 )
 from weight_sync.planner import make_plan
-from weight_sync.sender import Entries, PushPlanner, check_state_dict
+from weight_sync.sender import PushPlanner
 from weight_sync.verify import tensor_digest
 
 

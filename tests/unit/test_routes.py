@@ -9,8 +9,8 @@ import torch
 from weight_sync.config import SyncConfig
 from weight_sync.devices import CPU, module_device, push_device
 from weight_sync.errors import TransportError
+from weight_sync.formation import _choose_mode
 from weight_sync.metadata import MemberInfo
-from weight_sync.protocol import _choose_mode
 from weight_sync.routes import choose_routes
 
 HERE, THERE, OTHER_NS = "boot-a/net:[1]", "boot-b/net:[1]", "boot-a/net:[2]"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from weight_sync.formation import first_ranks
 from weight_sync.metadata import GroupSpec
-from weight_sync.protocol import first_ranks
 from weight_sync.transport import shm
 
 

@@ -5,6 +5,6 @@ Knows Ray and the wire types; the sockets and collectives stay behind ``weight_s
 
 from weight_sync.actors.updater import WeightUpdater
 from weight_sync.actors.worker import WeightSyncWorker, remote_worker
-from weight_sync.protocol import PushResult
+from weight_sync.result import PushResult
 
 __all__ = ["PushResult", "WeightSyncWorker", "WeightUpdater", "remote_worker"]

@@ -1,4 +1,5 @@
-"""Both ends of a push with a baseline kept: the trainer's send, a worker's header and patches.
+"""Both ends of a push with a baseline kept: what the trainer puts on the wire, a worker's header
+and patches.
 
 On the wire a delta push is one header broadcast (an int32 change count per span and their CRC32,
 its size fixed by the plan) followed by the buckets of the layout both sides derive from it; the
@@ -12,12 +13,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from weight_sync.deadline import Deadline
 from weight_sync.delta.baseline import Baseline
 from weight_sync.delta.codec import patch, region_checksum
 from weight_sync.delta.layout import (
@@ -31,54 +31,49 @@ from weight_sync.delta.layout import (
 from weight_sync.errors import TransportError
 from weight_sync.metadata import TRAINER_RANK, SyncPlan
 from weight_sync.packing import NamedTensors, Unpacker, byte_view
-from weight_sync.sender import Sender
 from weight_sync.transport import Transport
 
 
 @dataclass(frozen=True)
-class Sent:
-    checksums: list[int] | None  # per bucket, then per sparse blob
-    wire_bytes: int  # what went over the transport, header included
-    density: float | None = (
-        None  # of a delta: changed elements / elements (whole tensors count as changed)
-    )
+class Outgoing:
+    """The buckets a push with a baseline broadcasts, for the sender: ``plan``'s buckets packed
+    from ``sources`` (blobs encoded as they are first read). ``record`` copies each bucket's
+    bytes into the baseline as it goes out; ``blob_sums`` receives, while packing, the checksum
+    of each sparse blob's range as the worker will hold it (with checksums asked for)."""
+
+    plan: SyncPlan
+    sources: Sequence[torch.Tensor]
+    record: Callable[[int, torch.Tensor], None]
+    blob_sums: list[int] | None = None
 
 
-def send(
-    transport: Transport,
+def outgoing(
     plan: SyncPlan,
     tensors: Sequence[torch.Tensor],
     baseline: Baseline,
+    counts: list[int] | None,
     *,
-    delta: bool,
     bucket_bytes: int,
-    deadline: Deadline | None = None,
     with_checksums: bool = False,
-) -> Sent:
-    """Send ``plan`` dense or as a delta against ``baseline``, bringing it up to date either way.
-    The caller brackets this with ``baseline.begin()`` and ``baseline.finish()``."""
-    if not delta:
-        record = baseline.recorder(plan, plan, {index: index for index in range(len(plan.tensors))})
-        sums = Sender(transport).send(plan, tensors, deadline, with_checksums, on_packed=record)
-        return Sent(sums, plan.nbytes)
-    counts = baseline.scan(plan, tensors)
-    header = _header(counts)
-    if counts:
-        timeout = None if deadline is None else deadline.left(float("inf"))
-        transport.broadcast(
-            header.to(transport.device), src=transport.rank, timeout_s=timeout
-        ).wait()
+) -> Outgoing:
+    """What goes on the wire after the header: ``plan`` as it is (``counts`` None: a dense push,
+    which brings the baseline up to date too), or the layout of a delta with the per-span
+    ``counts`` from ``Baseline.scan``."""
+    if counts is None:
+        identity = {index: index for index in range(len(plan.tensors))}
+        return Outgoing(plan, tensors, baseline.recorder(plan, plan, identity))
     layout = delta_layout(plan, counts, bucket_bytes)
     blob_sums: list[int] | None = [] if with_checksums else None
     sources = baseline.sources(layout, plan, tensors, blob_sums)
-    record = baseline.recorder(plan, layout.plan, layout.whole)
-    sums = Sender(transport).send(layout.plan, sources, deadline, with_checksums, on_packed=record)
-    if sums is not None and blob_sums is not None:
-        sums += blob_sums
-    elements = sum(math.prod(meta.shape) for meta in plan.tensors)
-    return Sent(
-        sums, (header.numel() if counts else 0) + layout.plan.nbytes, sum(counts) / max(elements, 1)
+    return Outgoing(
+        layout.plan, sources, baseline.recorder(plan, layout.plan, layout.whole), blob_sums
     )
+
+
+def density(plan: SyncPlan, counts: list[int]) -> float:
+    """The share of ``plan``'s elements a delta with these ``counts`` sends as changed."""
+    elements = sum(math.prod(meta.shape) for meta in plan.tensors)
+    return sum(counts) / max(elements, 1)
 
 
 def receive_layout(transport: Transport, plan: SyncPlan, bucket_bytes: int) -> DeltaLayout:
@@ -91,7 +86,7 @@ def receive_layout(transport: Transport, plan: SyncPlan, bucket_bytes: int) -> D
         transport.broadcast(header, src=TRAINER_RANK).wait()
     *counts, crc = header.cpu().view(torch.int32).tolist() or [0]
     try:
-        if count and _header(counts)[-COUNT_BYTES:].view(torch.int32).item() != crc:
+        if count and encode_header(counts)[-COUNT_BYTES:].view(torch.int32).item() != crc:
             raise ValueError("delta header damaged in transit (CRC32 mismatch)")
         check_counts(plan, counts)
     except ValueError as exc:
@@ -99,8 +94,9 @@ def receive_layout(transport: Transport, plan: SyncPlan, bucket_bytes: int) -> D
     return delta_layout(plan, counts, bucket_bytes)
 
 
-def _header(counts: list[int]) -> torch.Tensor:
-    """The counts as int32, then their CRC32 (as an int32)."""
+def encode_header(counts: list[int]) -> torch.Tensor:
+    """The delta header (see the module docstring): the counts as int32, then their CRC32 (as an
+    int32). A push of no spans sends none."""
     body = torch.tensor(counts, dtype=torch.int32)
     crc = zlib.crc32(body.numpy().data)
     return torch.cat(

@@ -75,8 +75,9 @@ from weight_sync.metadata import (
     ReceiveReport,
     SyncPlan,
 )
-from weight_sync.protocol import Pusher, PushResult
+from weight_sync.protocol import Pusher
 from weight_sync.receiver import Loader, Receiver
+from weight_sync.result import PushResult
 from weight_sync.transport.rendezvous import address_of_interface, bind_listener, open_store
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,269 @@
+"""Forming the sync group: choosing each member's route, opening the rings and the broadcast
+group, and bringing the members in.
+
+The trainer (rank 0 of every part) probes its members first (``protocol.Pusher``); from their
+answers this module decides how each one receives -- the broadcast group, the host's
+shared-memory ring, or the CUDA ring on the trainer's GPU (see ``weight_sync.routes``) -- opens
+the trainer's end of every part, asks the members to join, and waits for all of them. A group
+that does not form is closed on both sides before the error is raised, naming the members it
+blames.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from weight_sync.config import SyncConfig
+from weight_sync.deadline import Deadline
+from weight_sync.devices import CPU, gpu_uuid
+from weight_sync.errors import TransportError, WeightSyncError, WorkerFailedError
+from weight_sync.metadata import TRAINER_RANK, BackendName, GroupSpec, MemberInfo, ModeName
+from weight_sync.roster import GRACE_S, Roster
+from weight_sync.routes import Route, choose_routes
+from weight_sync.transport import (
+    Fanout,
+    TorchGroup,
+    Transport,
+    address_of_interface,
+    bind_listener,
+    cuda_ipc,
+    shm,
+)
+from weight_sync.transport.ring import RingUnavailableError
+
+logger = logging.getLogger(__name__)
+
+Ring = shm.ShmWriter | cuda_ipc.CudaIpcWriter  # the trainer's end of a ring
+
+
+@dataclass(frozen=True)
+class Formed:
+    """A group every member joined: the transport (this process is rank 0) and each member's
+    route through it."""
+
+    group: Transport
+    routes: list[Route]
+
+
+def form_group(
+    roster: Roster,
+    config: SyncConfig,
+    infos: list[MemberInfo],
+    device: torch.device,
+    deadline: Deadline,
+    *,
+    ipc_refused: bool = False,
+) -> Formed:
+    """Form a group over the members of ``roster`` (``infos``: their answers to the probe), for
+    weights on ``device``; every wait draws on ``deadline``.
+
+    On failure both ends are closed (the members asked to leave) and members that died or froze
+    are dropped from ``roster``. Raises ``cuda_ipc.IpcUnavailableError`` where the CUDA ring
+    could not be had (the caller may form again with ``ipc_refused``), a ``WeightSyncError``
+    naming the members to blame, where the group can tell, otherwise.
+    """
+    routes = choose_routes(
+        backend=config.backend, same_host=config.same_host, trainer_gpu=gpu_uuid(device),
+        trainer_host=shm.host_key(), infos=infos, ipc_refused=ipc_refused,
+    )  # fmt: skip
+    backend = routes.backend
+    # NCCL sends from the weights' GPU; Gloo (and the rings beside it) from host buffers.
+    send_device = device if backend == "nccl" else CPU
+    mode = _choose_mode(config, infos, backend)
+    group_id = secrets.token_hex(8)
+    kinds, writers = _open_rings(config, group_id, list(routes.routes), infos, send_device)
+    remote = sum(info.ranks for info, kind in zip(infos, kinds, strict=True) if kind == "group")
+    try:
+        address = (
+            config.master_addr if config.interface is None
+            else address_of_interface(config.interface)
+        )  # fmt: skip
+        listener = bind_listener(address) if remote else None
+    except BaseException:
+        _close_all(list(writers.values()), None)
+        raise
+    rendezvous_s = deadline.left(config.rendezvous_timeout_s)
+    common = {
+        "group_id": group_id,
+        "backend": backend,
+        "mode": mode,
+        "rendezvous_timeout_s": rendezvous_s,
+        "collective_timeout_s": config.collective_timeout_s,
+    }
+
+    def spec(rank: int, kind: Route) -> GroupSpec:
+        """Rank ``rank`` of the group, or of the ring ``kind``."""
+        if kind != "group":
+            ring = writers[kind]
+            return GroupSpec(address=ring.name, port=0, transport=kind,
+                             world_size=ring.world_size, rank=rank, **common)  # fmt: skip
+        assert listener is not None
+        return GroupSpec(address=address, port=listener.getsockname()[1],
+                         world_size=remote + 1, rank=rank, **common)  # fmt: skip
+
+    firsts = first_ranks([info.ranks for info in infos], kinds)
+    specs = [spec(rank, kind) for rank, kind in zip(firsts, kinds, strict=True)]
+    join_s = deadline.left(config.rpc_timeout_s)
+    joining = roster.plane.join(specs, config.max_metadata_bytes, join_s)
+    parts: list[Transport] = []
+    try:
+        # The rings first: taking their readers in is quick and local, while an NCCL group's
+        # formation (check-in, communicator, warm-up) may take seconds of the readers' budget.
+        for ring in writers.values():
+            ring.accept(deadline.left(rendezvous_s))
+        if listener is not None:
+            on = send_device if backend == "nccl" else None
+            parts.append(TorchGroup.join(spec(TRAINER_RANK, "group"), listener, device=on))
+    except BaseException as exc:
+        _close_all([*parts, *writers.values()], listener)
+        failure = None
+        if isinstance(exc, WeightSyncError):  # the members that joined fail about now
+            wait_s = min(GRACE_S, deadline.remaining())
+            failure = roster.blame_late(joining, "join", wait_s, rendezvous_s)
+        roster.leave(deadline)
+        if isinstance(exc, WeightSyncError) and not isinstance(exc, cuda_ipc.IpcUnavailableError):
+            raise _formation_error(exc, failure, firsts, kinds, infos) from exc
+        raise
+    parts.extend(writers.values())  # the group first: Fanout starts its broadcast first
+    group = parts[0] if len(parts) == 1 else Fanout(parts, send_device)
+    try:
+        roster.settle(joining, "join", join_s)
+    except BaseException:
+        group.close()
+        roster.leave(deadline)
+        raise
+    if writers:
+        counts = {kind: kinds.count(kind) for kind in ("group", "shm", "cuda_ipc")}
+        logger.info("routes of the %d members: %s", len(kinds),
+                    ", ".join(f"{kind} {n}" for kind, n in counts.items() if n))  # fmt: skip
+    return Formed(group, list(kinds))
+
+
+def _choose_mode(config: SyncConfig, infos: list[MemberInfo], backend: BackendName) -> ModeName:
+    here = dist.is_available() and dist.is_initialized()
+    # 'world' makes each member's process group the default one: that needs one rank per
+    # process, which a member bringing several ranks (an engine's workers) cannot promise.
+    anyone = here or any(info.has_default_group or info.ranks > 1 for info in infos)
+    if config.group_mode == "auto":
+        # NCCL always stands alone: a standalone group is aborted in the background, while
+        # tearing down a world runs torch's global cleanup on the calling thread (see
+        # transport.torch_group), which a leaving member must not sit through.
+        return "standalone" if anyone or backend == "nccl" else "world"
+    if config.group_mode == "world" and anyone:
+        raise TransportError(
+            "group_mode='world' but a member already has a torch.distributed default group (or "
+            "brings several ranks, as a tensor-parallel engine does); use group_mode="
+            "'standalone' or 'auto'"
+        )
+    return config.group_mode
+
+
+def first_ranks(ranks: Sequence[int], parts: Sequence[Hashable]) -> list[int]:
+    """Each member's first rank in its part of the push (``parts``: its route -- the group or
+    a ring), counting from 1 in each (the trainer is rank 0 of every part). A member bringing
+    several ranks (an engine with tensor parallelism: each of its workers receives every byte)
+    numbers the rest on from its first."""
+    following: dict[Hashable, int] = {}
+    firsts = []
+    for count, part in zip(ranks, parts, strict=True):
+        firsts.append(following.get(part, 1))
+        following[part] = firsts[-1] + count
+    return firsts
+
+
+def _open_rings(
+    config: SyncConfig,
+    group_id: str,
+    kinds: list[Route],
+    infos: Sequence[MemberInfo],
+    device: torch.device,
+) -> tuple[list[Route], dict[Route, Ring]]:
+    """Open the rings the routes call for; members whose ring cannot be had fall back -- from
+    the CUDA ring to the host ring, from the host ring to the group. Returns every member's
+    route as it now stands, and the rings by route."""
+    writers: dict[Route, Ring] = {}
+    wanted = list(kinds)
+    fallbacks: tuple[tuple[Route, Route], ...] = (("cuda_ipc", "shm"), ("shm", "group"))
+    for kind, fallback in fallbacks:
+        members = [index for index, taken in enumerate(kinds) if taken == kind]
+        if not members:
+            continue
+        readers = sum(infos[index].ranks for index in members)
+        ring = _open_ring(config, group_id, readers, kind, device)
+        if ring is not None:
+            writers[kind] = ring
+            continue
+        for index in members:
+            kinds[index] = fallback
+    stranded = [i for i, (want, got) in enumerate(zip(wanted, kinds, strict=True))
+                if want != "group" and got == "group"]  # fmt: skip
+    if device.type == "cuda" and stranded:
+        _close_all(list(writers.values()), None)
+        raise TransportError(
+            f"worker(s) {stranded} share the trainer's GPU, which an NCCL group cannot hold, and "
+            "no ring could be opened for them (see the warnings above); free memory or use "
+            "backend='gloo'"
+        )
+    return kinds, writers
+
+
+def _open_ring(
+    config: SyncConfig,
+    group_id: str,
+    readers: int,
+    kind: Route = "shm",
+    device: torch.device = CPU,
+) -> Ring | None:
+    """The ring ``kind`` for ``readers`` ranks, sending from ``device``; None where it cannot
+    be had (no room, no IPC: those members fall back, see ``_open_rings``)."""
+    slot_bytes = shm.slot_bytes_for(config.bucket_bytes, config.alignment)
+    timeout_s = config.collective_timeout_s
+    try:
+        if kind == "cuda_ipc":
+            writer: Ring = cuda_ipc.CudaIpcWriter(group_id, readers, slot_bytes, timeout_s, device)
+        else:
+            writer = shm.ShmWriter(group_id, readers, slot_bytes, timeout_s, device)
+        return writer
+    except RingUnavailableError as exc:
+        instead = (
+            ("the host ring", "CUDA IPC") if kind == "cuda_ipc" else ("the group", "shared memory")
+        )
+        logger.warning("workers on this host take %s instead of %s: %s", *instead, exc)
+        return None
+
+
+def _close_all(parts: Sequence[Transport], listener: socket.socket | None) -> None:
+    for part in parts:
+        part.close()
+    if listener is not None:
+        listener.close()
+
+
+def _formation_error(
+    exc: WeightSyncError,
+    failure: WeightSyncError | None,
+    firsts: Sequence[int],
+    kinds: Sequence[Route],
+    infos: Sequence[MemberInfo],
+) -> WeightSyncError:
+    """The error of a group that did not form: the group's own verdict, naming the members
+    whose ranks it blames (a duplicate GPU, a failed NCCL init, mismatched NCCL settings), or
+    else what the members' join calls reported."""
+    ranks = set(getattr(exc, "ranks", ()))
+    blamed = [
+        index
+        for index, (first, kind, info) in enumerate(zip(firsts, kinds, infos, strict=True))
+        if kind == "group" and ranks & set(range(first, first + info.ranks))
+    ]
+    if not blamed:
+        return failure or exc
+    dropped = failure.dropped if isinstance(failure, WorkerFailedError) else []
+    return WorkerFailedError(f"the sync group could not form, because of worker(s) {blamed}: {exc}",
+                             blamed, dropped)  # fmt: skip
