@@ -22,8 +22,9 @@ import torch
 
 from weight_sync import SyncConfig
 from weight_sync.bench.workloads import WORKLOADS
+from weight_sync.entries import Entries
 from weight_sync.packing import Packer, Unpacker, bucket_buffers, staging_slots
-from weight_sync.sender import Entries, PushPlanner
+from weight_sync.sender import PushPlanner
 
 
 def timed(fn: Callable[[], None], repeats: int, device: torch.device) -> float:
@@ -67,7 +68,7 @@ def main() -> None:
             packer.pack(index, buffers[slots[index] or 0])
 
     def unpack() -> None:
-        unpacker = Unpacker(plan, landing)
+        unpacker = Unpacker(plan, landing, device)
         for index, bucket in enumerate(plan.buckets):
             unpacker.unpack(index, buffers[slots[index] or 0][: bucket.nbytes])
 

@@ -30,7 +30,7 @@ from weight_sync.transport import Transport, Work
 
 # ``Entries`` is named here too: callers that plan by hand (benchmarks/pack_paths.py) import it
 # from this module.
-__all__ = ["Entries", "InFlight", "PushPlanner", "Sender"]
+__all__ = ["InFlight", "PushPlanner", "Sender"]
 
 logger = logging.getLogger(__name__)
 

@@ -29,3 +29,15 @@ def test_the_gpu_bench_harness_runs_and_reports_every_case(tmp_path: Path) -> No
     assert results["gloo 1 -> 2"]["raw_broadcast_s"] > 0
     assert results["host ring 1 -> 1"]["d2d_copy_s"] > 0
     assert "| gloo 1 -> 2 | 3 |" in (tmp_path / "gpu.md").read_text()
+
+
+def test_the_pack_paths_bench_runs_on_the_cpu() -> None:
+    """benchmarks/pack_paths.py (pack/unpack GB/s; on a GPU also device->host) runs as written:
+    it broke once unnoticed when Unpacker's signature changed."""
+    run = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "pack_paths.py"), "--workload", "W5",
+         "--repeats", "2"],
+        cwd=REPO, capture_output=True, text=True, timeout=220,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "pack " in run.stdout and "unpack " in run.stdout and "GB/s" in run.stdout
