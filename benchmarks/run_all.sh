@@ -9,3 +9,5 @@ cd "$(dirname "$0")/.."
 export RAY_USAGE_STATS_ENABLED=0
 weight-sync bench --sweep --scaling --options --same-host W1,W3,W4 --delta \
   --out benchmarks/results "$@"
+# The docs' performance page shows the plots beside it (MkDocs reads nothing outside docs/).
+cp benchmarks/results/{workloads,buckets,scaling}.png docs/performance/

@@ -36,8 +36,15 @@ from weight_sync.metadata import (
     SyncStatus,
 )
 from weight_sync.packing import Checksum, read_checksums
-from weight_sync.receive.buckets import Apply, Destinations, Inbound, Loader, in_place, staging_area
-from weight_sync.receive.buckets import Targets as _Targets
+from weight_sync.receive.buckets import (
+    Apply,
+    Destinations,
+    Inbound,
+    Loader,
+    Targets,
+    in_place,
+    staging_area,
+)
 from weight_sync.receive.checks import Check, accept_all, check_plan, expecting
 from weight_sync.receive.state import Push, ReceiveState
 from weight_sync.transport import TorchGroup, Transport
@@ -262,7 +269,7 @@ class Receiver:
         received = self.receive(prepared.version, loader, destinations, key)
         return PushReply(prepared=reply, received=received)
 
-    def _remembered(self, check: Check, key: _Targets) -> Check:
+    def _remembered(self, check: Check, key: Targets) -> Check:
         """``check``, skipped for the plan (and partial flag) it last accepted against ``key``."""
 
         def remembered(plan: SyncPlan, partial: bool) -> Sequence[str]:
@@ -285,7 +292,7 @@ class Receiver:
         version: int,
         loader: Loader | Apply,
         destinations: Mapping[str, torch.Tensor] | None = None,
-        targets_key: _Targets | None = None,
+        targets_key: Targets | None = None,
     ) -> ReceiveReport:
         """Take part in the broadcast of a prepared push.
 
@@ -341,7 +348,7 @@ class Receiver:
         push: Push,
         loader: Loader,
         destinations: Destinations | None,
-        targets_key: _Targets | None,
+        targets_key: Targets | None,
         sums: list[Checksum] | None,
     ) -> SyncPlan:
         """Route the bytes of ``push`` by its staging, after a delta's header; returns the plan

@@ -17,7 +17,8 @@ from weight_sync.mapping import fuse
 from weight_sync.metadata import PrepareRequest, TensorMeta
 from weight_sync.packing import read_values
 from weight_sync.planner import make_plan
-from weight_sync.receiver import Receiver, _Targets, accept_all, check_plan
+from weight_sync.receive.buckets import Targets
+from weight_sync.receiver import Receiver, accept_all, check_plan
 from weight_sync.sender import PushPlanner
 
 
@@ -274,16 +275,16 @@ def test_a_workers_tensors_are_recognised_across_pushes() -> None:
     """What the receiver's reuse (of its plan check and unpacker) is keyed by: the same tensors
     at the same addresses match; a swapped storage, a new name or a new shape do not."""
     model = torch.nn.Linear(4, 4)
-    first = _Targets.of(model.state_dict(keep_vars=True))
-    assert _Targets.of(model.state_dict(keep_vars=True), first) is first  # the very objects
-    detached = _Targets.of(model.state_dict(), first)  # new objects, same tensors: equal
+    first = Targets.of(model.state_dict(keep_vars=True))
+    assert Targets.of(model.state_dict(keep_vars=True), first) is first  # the very objects
+    detached = Targets.of(model.state_dict(), first)  # new objects, same tensors: equal
     assert detached is not first and detached == first
     model.bias.data = torch.zeros(4)  # a new storage under the same Parameter
-    assert _Targets.of(model.state_dict(keep_vars=True), first) != first
+    assert Targets.of(model.state_dict(keep_vars=True), first) != first
     model.register_buffer("scale", torch.ones(1))
-    assert _Targets.of(model.state_dict(keep_vars=True), first) != first
+    assert Targets.of(model.state_dict(keep_vars=True), first) != first
     reshaped = {"w": torch.zeros(16)}
-    assert _Targets.of({"w": reshaped["w"].view(4, 4)}, _Targets.of(reshaped)) != _Targets.of(reshaped)
+    assert Targets.of({"w": reshaped["w"].view(4, 4)}, Targets.of(reshaped)) != Targets.of(reshaped)
 
 
 def _finite_table() -> list[torch.Tensor]:
