@@ -17,6 +17,8 @@ from typing import Annotated, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from weight_sync.errors import SyncTimeoutError, TransportError, WeightSyncError
+
 MAX_NAME_CHARS = 1024
 MAX_DIMS = 32
 TRAINER_RANK = 0  # the trainer is rank 0 of every sync group and the source of every broadcast
@@ -353,3 +355,28 @@ class SyncStatus(_Wire):
     in_group: bool = False
     last: ReceiveReport | None = None  # the last push this worker received in full
     last_error: str | None = None
+
+
+# Errors a member may raise that keep their type across such a boundary.
+_TYPED = {cls.__name__: cls for cls in (WeightSyncError, TransportError, SyncTimeoutError)}
+
+
+class WorkerReply(_Wire):
+    """One member's answer to one step of a push that crossed a boundary which loses exception
+    types (vLLM's ``collective_rpc``, a store): the step's result (JSON) or the error it raised,
+    and the member's state after the step (so the trainer knows its version without asking)."""
+
+    value: str | None = None
+    error: str | None = None  # the exception's type name
+    message: str = ""
+    status: SyncStatus
+
+    def unwrap(self) -> str | None:
+        """The result, or the error raised again (as weight_sync's type where it was one: the
+        trainer tells a member that lost a collective to someone else from one at fault by it)."""
+        if self.error is None:
+            return self.value
+        kind = _TYPED.get(self.error)
+        if kind is not None:
+            raise kind(self.message)
+        raise WeightSyncError(f"a worker raised {self.error}: {self.message}")

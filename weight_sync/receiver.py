@@ -104,6 +104,11 @@ class Receiver:
         return self._state.delta_base
 
     @property
+    def max_metadata_bytes(self) -> int:
+        """The bound on a plan's metadata set by the group this receiver joined (0 before)."""
+        return self._max_metadata_bytes
+
+    @property
     def staged(self) -> bool:
         """Whether a received push waits in the staging area for its commit."""
         return self._state.staged

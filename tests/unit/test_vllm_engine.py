@@ -12,7 +12,7 @@ import pytest
 
 from weight_sync import SyncTimeoutError, TransportError, WeightSyncError
 from weight_sync.adapters.vllm.engine import NO_VERSION, VLLMEngine
-from weight_sync.adapters.vllm.extension import WorkerReply
+from weight_sync.metadata import WorkerReply
 from weight_sync.adapters.vllm.reload import DryRun, problems
 from weight_sync.metadata import PrepareReply, ReceiveReport, SyncStatus
 

@@ -36,9 +36,9 @@ from typing import Any, Literal
 
 import ray
 
-from weight_sync.adapters.vllm.extension import EXTENSION, WorkerReply
+from weight_sync.adapters.vllm.extension import EXTENSION
 from weight_sync.errors import SyncTimeoutError, WeightSyncError
-from weight_sync.metadata import MemberInfo, PrepareReply, ReceiveReport, SyncStatus
+from weight_sync.metadata import MemberInfo, PrepareReply, ReceiveReport, SyncStatus, WorkerReply
 
 logger = logging.getLogger(__name__)
 

@@ -20,39 +20,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict
 
 from weight_sync.adapters.vllm.reload import ReloadTarget
-from weight_sync.errors import SyncTimeoutError, TransportError, WeightSyncError
-from weight_sync.metadata import SyncStatus
+from weight_sync.metadata import WorkerReply
 from weight_sync.receiver import Loader, Receiver
 
 EXTENSION = "weight_sync.adapters.vllm.WeightSyncExtension"
-# Errors a worker may raise that keep their type across the process boundary (the updater
-# tells a member that lost a collective to someone else from one that failed by these types).
-_TYPED = {cls.__name__: cls for cls in (WeightSyncError, TransportError, SyncTimeoutError)}
 _MAX_MESSAGE = 2000
-
-
-class WorkerReply(BaseModel):
-    """One worker's answer to one step: the step's result (JSON) or the error it raised, and
-    the worker's state after the step (so the engine side knows its version without asking)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    value: str | None = None
-    error: str | None = None  # the exception's type name
-    message: str = ""
-    status: SyncStatus
-
-    def unwrap(self) -> str | None:
-        """The result, or the error raised again (as weight_sync's type where it was one)."""
-        if self.error is None:
-            return self.value
-        kind = _TYPED.get(self.error)
-        if kind is not None:
-            raise kind(self.message)
-        raise WeightSyncError(f"a vLLM worker raised {self.error}: {self.message}")
 
 
 class WeightSyncExtension:
