@@ -17,7 +17,7 @@ _DEFAULT_RENDEZVOUS_S = 120.0
 _DEFAULT_RPC_S = 120.0
 
 Backend = Literal["auto", "gloo", "nccl"]
-GroupMode = Literal["auto", "world", "standalone"]
+GroupMode = Literal["auto", "world", "standalone", "job"]
 SameHost = Literal["shm", "group"]
 Staging = Literal["stream", "atomic"]
 CastDtype = Literal["float32", "bfloat16", "float16"]
@@ -72,7 +72,9 @@ class SyncConfig(BaseModel):
         description="'world': init_process_group + new_group (the process must have no default "
         "group); 'standalone': a group on its own store beside any existing default group; "
         "'auto': 'world' for a Gloo push when no member has a default group, else 'standalone' "
-        "(always for NCCL: a standalone group is aborted without blocking the caller).",
+        "(always for NCCL: a standalone group is aborted without blocking the caller); 'job': "
+        "new_group over the default group every member already shares (the ranks of one "
+        "torchrun/mpirun job: weight_sync.launch sets it).",
     )
     master_addr: str = Field(
         "127.0.0.1",

@@ -156,6 +156,9 @@ def _choose_mode(config: SyncConfig, infos: list[MemberInfo], backend: BackendNa
         # tearing down a world runs torch's global cleanup on the calling thread (see
         # transport.torch_group), which a leaving member must not sit through.
         return "standalone" if anyone or backend == "nccl" else "world"
+    if config.group_mode == "job":
+        # new_group over the job's world: Gloo only (an NCCL group stands alone, as above).
+        return "standalone" if backend == "nccl" else "job"
     if config.group_mode == "world" and anyone:
         raise TransportError(
             "group_mode='world' but a member already has a torch.distributed default group (or "

@@ -21,9 +21,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, Protocol
+
+import torch
 
 from weight_sync.config import SyncConfig
 from weight_sync.control import Fate, first_line, is_collateral, then
@@ -69,17 +71,33 @@ class StoreMember:
     when the member's client call (or command) arrives.
 
     ``check`` is the member's check of a plan before any byte moves; ``loader`` makes the
-    ``Loader`` a receive and a commit hand their tensors to. Each step writes its result or
-    error for the trainer and raises the error again (vLLM then ends its update session)."""
+    ``Loader`` a receive and a commit hand their tensors to; ``destinations`` the tensors bytes
+    may land in directly (see ``Receiver.receive``). Each step writes its result or error for
+    the trainer and raises the error again (vLLM then ends its update session)."""
 
-    def __init__(self, receiver: Receiver, check: Check, loader: Callable[[], Loader]) -> None:
+    def __init__(
+        self,
+        receiver: Receiver,
+        check: Check,
+        loader: Callable[[], Loader],
+        destinations: Callable[[], Mapping[str, torch.Tensor] | None] = lambda: None,
+    ) -> None:
         self.receiver = receiver
-        self._check = check
-        self._loader = loader
+        self.retarget(check, loader, destinations)
         self._store: Any = None
         self._slot = 0
         self._epoch = 0
         self.pushing: int | None = None  # the version this member prepared
+        self.prepared: PrepareReply | None = None  # its verdict on that push
+
+    def retarget(
+        self,
+        check: Check,
+        loader: Callable[[], Loader],
+        destinations: Callable[[], Mapping[str, torch.Tensor] | None] = lambda: None,
+    ) -> None:
+        """Where the next push lands (a job's rank may receive into another model each time)."""
+        self._check, self._loader, self._destinations = check, loader, destinations
 
     @property
     def joined(self) -> bool:
@@ -110,7 +128,7 @@ class StoreMember:
         does not hold it)."""
         request_json = self._read(f"prepare/{self._epoch}", MAX_REPLY_CHARS)
         request = PrepareRequest.model_validate_json(request_json)
-        self.pushing = request.version
+        self.pushing, self.prepared = request.version, None
 
         def prepare() -> str:
             reply = self.receiver.prepare(request_json, self._check)
@@ -119,13 +137,15 @@ class StoreMember:
                 plan_json = self._read(f"plan/{request.plan_digest}", limit)
                 whole = request.model_copy(update={"plan": SyncPlan.model_validate_json(plan_json)})
                 reply = self.receiver.prepare(whole.model_dump_json(), self._check)
+            self.prepared = reply
             return reply.model_dump_json()
 
         self._answer(f"prepared/{request.version}/{self._slot}", prepare)
 
     def receive(self, version: int) -> None:
         self._answer(f"received/{version}/{self._slot}",
-                     lambda: self.receiver.receive(version, self._loader()).model_dump_json())  # fmt: skip
+                     lambda: self.receiver.receive(version, self._loader(), self._destinations())
+                     .model_dump_json())  # fmt: skip
 
     def finish(self) -> bool:
         """Commit the push, or drop it: the trainer's verdict, once every member received it.
@@ -138,8 +158,10 @@ class StoreMember:
         if self._read(f"verdict/{version}", 16) != _COMMIT:
             self.receiver.cancel(version)
             return False
+        destinations = self._destinations() if self.receiver.staged else None
         self._answer(f"committed/{version}/{self._slot}",
-                     lambda: self.receiver.commit(version, self._loader()), reraise=False)  # fmt: skip
+                     lambda: self.receiver.commit(version, self._loader(), destinations),
+                     reraise=False)  # fmt: skip
         return self.receiver.version == version
 
     def shutdown(self) -> None:
@@ -199,6 +221,11 @@ class ClientPlane:
 
     def __len__(self) -> int:
         return self._workers
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """Where the members dial the trainer's store."""
+        return self._address, self._port
 
     def probe(self, timeout_s: float) -> list[Future[MemberInfo]]:
         self._epoch += 1

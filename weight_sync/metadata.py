@@ -220,7 +220,7 @@ class SyncPlan(_Wire):
 
 BASE_PATTERN = r"^[0-9a-f]{16}:[0-9]{1,19}$"  # see weight_sync.delta.lineage
 BackendName = Literal["gloo", "nccl"]
-ModeName = Literal["world", "standalone"]
+ModeName = Literal["world", "standalone", "job"]
 StagingName = Literal["stream", "atomic"]
 TransportName = Literal["group", "shm", "cuda_ipc"]
 

