@@ -22,22 +22,29 @@ from weight_sync.result import PushResult
 
 if TYPE_CHECKING:
     from weight_sync.actors import WeightSyncWorker, WeightUpdater, remote_worker
+    from weight_sync.launch import JobSync
 
-# The Ray glue is imported when first used: the data plane, the protocol and their tests run
-# where Ray is not installed (a GPU machine, a torchrun job).
-_RAY_GLUE = {"WeightSyncWorker", "WeightUpdater", "remote_worker"}
+# Imported when first used: the Ray glue (the data plane, the protocol and their tests run where
+# Ray is not installed: a GPU machine, a torchrun job), and the launched job's API.
+_LAZY = {
+    "WeightSyncWorker": "weight_sync.actors",
+    "WeightUpdater": "weight_sync.actors",
+    "remote_worker": "weight_sync.actors",
+    "JobSync": "weight_sync.launch",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _RAY_GLUE:
-        from weight_sync import actors
+    if name in _LAZY:
+        import importlib
 
-        return getattr(actors, name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'weight_sync' has no attribute {name!r}")
 
 
 __all__ = [
     "ChecksumMismatchError",
+    "JobSync",
     "PlanMismatchError",
     "PushResult",
     "SyncConfig",

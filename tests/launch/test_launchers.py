@@ -55,6 +55,15 @@ def test_torchrun_four_ranks(tmp_path: Path) -> None:
     _assert_steps(_reports(tmp_path, range(4)))
 
 
+def test_torchrun_example_as_a_user_runs_it(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "4", "examples/torchrun_job.py"],
+        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=LAUNCH_S,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert done.stdout.strip().splitlines()[-1] == "4 ranks hold version 3: True", done.stdout
+
+
 def test_torchrun_refused_push_changes_nothing_and_the_next_lands(tmp_path: Path) -> None:
     _launch([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "4",
              "tests/launch/job.py", "refuse", str(tmp_path)], tmp_path)  # fmt: skip
