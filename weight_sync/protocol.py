@@ -94,7 +94,11 @@ class Pusher:
         plane: ControlPlane,
         config: SyncConfig | None = None,
         observer: PushObserver | None = None,
+        first_version: int = 1,
     ) -> None:
+        """``first_version``: the lowest version this pusher may use (a caller that replaces its
+        pusher passes the old one's ``next_version``: versions never repeat, even where every
+        member restarted and remembers none)."""
         if config is not None and not isinstance(config, SyncConfig):
             raise TypeError(f"config must be a SyncConfig, got {type(config).__name__}")
         self._plane = plane
@@ -113,7 +117,7 @@ class Pusher:
         # PrepareRequest.commit_on_receipt): learnt by the probe.
         self._on_receipt = False
         self._version = 0  # last version committed on every member
-        self._next_version = 1  # never reused: spent once any member may have committed it
+        self._next_version = first_version  # never reused: spent once a member may hold it
         self._lock = threading.Lock()
         self._closed = False
 
@@ -138,6 +142,11 @@ class Pusher:
     def version(self) -> int:
         """The last version committed by a push (0 before the first)."""
         return self._version
+
+    @property
+    def next_version(self) -> int:
+        """The version the next push will take, at the lowest (every lower one is spent)."""
+        return self._next_version
 
     def push(
         self,

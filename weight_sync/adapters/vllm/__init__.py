@@ -7,11 +7,24 @@
   given: it owns the ``LLM`` or ``AsyncLLM``, forwards each step of a push to the workers,
   pauses generation and clears the caches around it, and labels vLLM's outputs with the
   committed version.
+* ``VLLMServers`` (``servers.py``) -- pushes into running ``vllm serve`` processes over HTTP,
+  from a trainer with neither Ray nor vLLM; ``ServerProcess`` (``process.py``) starts one
+  locally.
 
 Nothing here imports vLLM until it is used, so this package imports where vLLM is absent.
 """
 
 from weight_sync.adapters.vllm.engine import NO_VERSION, RemoteVLLMEngine, VLLMEngine
 from weight_sync.adapters.vllm.extension import EXTENSION, WeightSyncExtension
+from weight_sync.adapters.vllm.process import ServerProcess
+from weight_sync.adapters.vllm.servers import VLLMServers
 
-__all__ = ["EXTENSION", "NO_VERSION", "RemoteVLLMEngine", "VLLMEngine", "WeightSyncExtension"]
+__all__ = [
+    "EXTENSION",
+    "NO_VERSION",
+    "RemoteVLLMEngine",
+    "ServerProcess",
+    "VLLMEngine",
+    "VLLMServers",
+    "WeightSyncExtension",
+]

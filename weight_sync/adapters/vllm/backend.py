@@ -36,7 +36,9 @@ client keeps calling every engine, so a dead one fails every push until it is re
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -58,13 +60,19 @@ from vllm.distributed.weight_transfer.factory import (
 )
 
 from weight_sync.adapters.vllm.reload import ReloadTarget
+from weight_sync.adapters.vllm.servers import release_server
 from weight_sync.config import SyncConfig
+from weight_sync.control import first_line
 from weight_sync.mailbox import ClientPlane, StoreMember
 from weight_sync.protocol import Pusher
 from weight_sync.receiver import Loader, Receiver
 from weight_sync.result import PushResult
+from weight_sync.transport.rendezvous import open_store
+
+logger = logging.getLogger(__name__)
 
 BACKEND = "weight_sync"
+_WATCHDOG_KEY = "weight_sync/watchdog"  # never set: checking it only proves the store answers
 
 
 def register() -> None:
@@ -89,6 +97,9 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
     epoch: int
     timeout_s: float
     max_metadata_bytes: int
+    # The worker's own server (``vllm serve``), where the trainer drives it over HTTP: if the
+    # trainer dies, the worker's watchdog releases that server (see ``_Watchdog``).
+    server_url: str | None = None
 
 
 @dataclass
@@ -112,10 +123,15 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         # layer is complete, so they must not be views into buffers a later bucket overwrites.
         self._member = StoreMember(Receiver(device), target.check,
                                    lambda: Loader(target.load, target.reload, keeps=True))  # fmt: skip
+        self._watchdog: _Watchdog | None = None
 
     def init_transfer_engine(self, init_info: WeightSyncInitInfo) -> None:
         """Register with the trainer's control store, answer its probe, and join the group it
-        then describes."""
+        then describes. Given its server's URL, watch the trainer from now until shutdown."""
+        self._stop_watchdog()
+        if init_info.server_url:  # from before the join: a trainer may die while it waits
+            self._watchdog = _Watchdog(init_info.address, init_info.port, init_info.server_url,
+                                       lambda: self._member.receiver.version is not None)  # fmt: skip
         self._member.init(init_info.address, init_info.port, init_info.epoch,
                           init_info.timeout_s, init_info.max_metadata_bytes)  # fmt: skip
 
@@ -133,10 +149,64 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         self._member.receive(update_info.version)
 
     def finish_weight_update(self) -> None:
+        if self._watchdog is not None and self._watchdog.fired.is_set():
+            # The trainer died mid-push (its watchdog's release calls this): no verdict will
+            # come, and vLLM keeps its update session open -- refusing every later trainer --
+            # unless this returns. The push is dropped here.
+            version, self._member.pushing = self._member.pushing, None
+            if version is not None:
+                self._member.receiver.cancel(version)
+            return
         self._member.finish()
 
     def shutdown(self) -> None:
+        self._stop_watchdog()
         self._member.shutdown()
+
+    def _stop_watchdog(self) -> None:
+        watchdog, self._watchdog = self._watchdog, None
+        if watchdog is not None:
+            watchdog.stop()
+
+
+class _Watchdog:
+    """Releases this worker's server if the trainer dies while it holds it.
+
+    A trainer driving ``vllm serve`` over HTTP pauses the server around each push; if it dies
+    then, nobody would resume it, and the server would stop serving for good. So from the
+    group's formation until shutdown, a daemon thread checks the trainer's control store over a
+    connection of its own (every ``interval_s``; a dead trainer's store refuses at once) and,
+    when it stops answering, asks the server -- over HTTP, from its own thread, never waiting:
+    the engine may be busy with this very worker -- to label its outputs ``"none"`` unless this
+    worker holds a committed version, to end the update session the trainer left open (see
+    ``finish_weight_update``), and to resume if paused (``servers.release_server``)."""
+
+    def __init__(self, address: str, port: int, url: str, holds_version: Callable[[], bool],
+                 interval_s: float = 1.0) -> None:  # fmt: skip
+        self._stopped = threading.Event()
+        self.fired = threading.Event()  # the trainer was found dead
+        self._thread = threading.Thread(
+            target=self._watch, args=(address, port, url, holds_version, interval_s),
+            name="weight-sync-watchdog", daemon=True,
+        )  # fmt: skip
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _watch(self, address: str, port: int, url: str, holds_version: Callable[[], bool],
+               interval_s: float) -> None:  # fmt: skip
+        try:
+            store = open_store(address, port, 1, max(5 * interval_s, 5.0), None)
+            while not self._stopped.wait(interval_s):
+                store.check([_WATCHDOG_KEY])
+        except Exception as exc:  # the trainer's store is gone: it died, or closed it
+            if self._stopped.is_set():
+                return
+            self.fired.set()
+            logger.warning("the trainer's store at %s:%s stopped answering (%s): releasing %s",
+                           address, port, first_line(exc), url)  # fmt: skip
+            release_server(url, holds_version=holds_version())
 
 
 # -- the trainer side ------------------------------------------------------------------------------

@@ -1,0 +1,66 @@
+"""A trainer that pushes into a ``vllm serve`` and is SIGKILLed by the test in the middle of its
+second push: ``python -m tests.vllm_serve.dying_trainer URL WHERE``. It prints ``pushed N`` after
+the first push and ``striking`` once the second one is where the test should kill it (WHERE):
+
+* ``broadcast`` -- its bytes are moving (over the broadcast group, each bucket slowed: ~5 s);
+* ``commit`` -- every worker received it, the commit not yet sent (held for 30 s).
+
+It ends itself after ``LIFETIME_S`` whatever happens."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from typing import Any
+
+import torch
+
+from tests.vllm.models import QWEN2
+from weight_sync import SyncConfig
+from weight_sync.adapters.hf import load_model
+from weight_sync.adapters.vllm import VLLMServers
+
+LIFETIME_S = 300
+
+
+def main(url: str, where: str) -> None:
+    signal.alarm(LIFETIME_S)
+    torch.manual_seed(7)
+    model = load_model(QWEN2)
+    # Tiny buckets over the group (not the host ring, which batches them): ~100 broadcasts.
+    config = SyncConfig(bucket_bytes=4096, direct_min_bytes=None, same_host="group",
+                        push_timeout_s=60)  # fmt: skip
+    servers = VLLMServers([url], config)
+    print(f"pushed {servers.push(model.state_dict()).version}", flush=True)
+    # Test hooks on the group and the plane of the push that just ran (kept for the next).
+    if where == "broadcast":
+        group = servers._pusher.group
+        broadcast = group.broadcast
+
+        def slow(tensor: torch.Tensor, src: int, timeout_s: float | None = None) -> Any:
+            print("striking", flush=True)
+            time.sleep(0.05)
+            return broadcast(tensor, src, timeout_s)
+
+        group.broadcast = slow
+    else:
+        plane = servers._plane
+        commit = plane.commit
+
+        def held(version: int, timeout_s: float) -> Any:
+            print("striking", flush=True)
+            time.sleep(30)
+            return commit(version, timeout_s)
+
+        plane.commit = held
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.01)
+    servers.push(model.state_dict())
+    print("the push ended: the test should have killed this trainer", flush=True)
+    sys.exit(3)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

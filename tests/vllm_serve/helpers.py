@@ -1,0 +1,163 @@
+"""The trainer of these tests (in the test process) and the check that a server generates what
+its ``transformers`` model, with the weights it pushed, would -- over HTTP.
+
+The tolerance and the comparison are tests/vllm/test_engine.py's: float32 log-probabilities
+within 1e-4, greedy tokens equal except at ties within the tolerance.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.vllm.models import MAX_MODEL_LEN
+from tests.vllm.test_engine import PROMPTS, TOLERANCE
+from weight_sync.adapters.hf import load_model
+from weight_sync.adapters.vllm import ServerProcess
+
+TIMEOUT = 120
+# Longer than a KV block (128 tokens on CPU): their first block is cached by prefix, and a push
+# that did not reset the cache would have them answered partly by the old weights.
+LONG_PROMPTS = [[(7 * i + 3) % 500 for i in range(200)], [(11 * i) % 500 for i in range(180)]]
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+READY_S = 600  # servers start together on 2 cores, beside other work
+# Mirrors tests/vllm/models.engine_options as flags. Scale-out mounts vLLM's token-in-token-out
+# endpoint (/inference/v1/generate), whose outputs carry the weight versions that made them.
+ARGS = [
+    "--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20),
+    "--max-model-len", str(MAX_MODEL_LEN), "--generation-config", "vllm", "--seed", "0",
+    "--skip-tokenizer-init", "--enable-scale-out",
+]  # fmt: skip
+# Several single-worker servers on one node: vLLM's automatic binding would pin all to one core.
+ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+class Servers:
+    """The session's servers, by index; ``restart`` starts one again at its port."""
+
+    def __init__(self, model: str, logs: Path) -> None:
+        self.model, self.logs = model, logs
+        self.processes: list[ServerProcess] = []
+        self._starts = 0
+
+    def start(self, port: int = 0) -> ServerProcess:
+        self._starts += 1
+        return ServerProcess(self.model, args=ARGS, env=ENV, port=port, ready_timeout_s=READY_S,
+                             log_path=str(self.logs / f"server-{self._starts}.log"))  # fmt: skip
+
+    @property
+    def urls(self) -> list[str]:
+        return [server.url for server in self.processes]
+
+    def restart(self, index: int) -> ServerProcess:
+        """Start server ``index`` again at the same URL (it was killed or stopped)."""
+        old = self.processes[index]
+        old.stop(timeout_s=30)
+        self.processes[index] = self.start(port=old.port)
+        assert self.processes[index].url == old.url
+        return self.processes[index]
+
+
+def metrics(url: str) -> str:
+    with _OPENER.open(f"{url}/metrics", timeout=TIMEOUT) as response:
+        return str(response.read().decode())
+
+
+def post(url: str, path: str, body: dict[str, Any] | None = None, timeout: float = TIMEOUT) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"{url}/{path}", data=data, method="POST" if body is not None
+                                     or path.split("?")[0] not in ("is_paused", "weight_info")
+                                     else "GET", headers={"Content-Type": "application/json"})  # fmt: skip
+    with _OPENER.open(request, timeout=timeout) as response:
+        return json.loads(response.read() or b"null")
+
+
+def get(url: str, path: str, timeout: float = TIMEOUT) -> Any:
+    with _OPENER.open(f"{url}/{path}", timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def complete(
+    url: str, model: str, prompt: list[int], tokens: int = 8
+) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their log-probabilities from ``/v1/completions`` (token ids in and out:
+    the servers have no tokenizer)."""
+    answer = post(url, "v1/completions", {
+        "model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0,
+        "logprobs": 1, "return_tokens_as_token_ids": True, "return_token_ids": True,
+        "ignore_eos": True,
+    })  # fmt: skip
+    choice = answer["choices"][0]
+    return list(choice["token_ids"]), list(choice["logprobs"]["token_logprobs"])
+
+
+class Trainer:
+    """A ``transformers`` Qwen2 with Adam, in this process; ``pushed`` is a copy of what was last
+    pushed (the servers' reference)."""
+
+    def __init__(self, config: dict[str, Any], seed: int = 1) -> None:
+        torch.manual_seed(seed)
+        self.model = load_model(config)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-2)
+        self.pushed: dict[str, torch.Tensor] | None = None
+
+    def step(self) -> None:
+        ids = torch.randint(0, self.model.config.vocab_size, (4, 32))
+        loss = self.model(ids, labels=ids).loss
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The state dict to push; remembered as the reference once pushed (``landed``)."""
+        return self.model.state_dict()
+
+    def landed(self) -> None:
+        self.pushed = {name: t.detach().clone() for name, t in self.model.state_dict().items()}
+
+    def reference(self, prompt: list[int], generated: list[int]) -> dict[str, list]:
+        """As tests/vllm/models.Trainer.reference, for the weights last pushed."""
+        assert self.pushed is not None, "push first"
+        model = copy.deepcopy(self.model)
+        model.load_state_dict(self.pushed)
+        model.eval()
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + generated])).logits[0, len(prompt) - 1 : -1]
+            logits = logits.float().log_softmax(-1)
+            top2 = logits.topk(2, dim=-1).values
+        return {
+            "logprobs": logits.gather(-1, torch.tensor(generated)[:, None])[:, 0].tolist(),
+            "greedy": logits.argmax(-1).tolist(),
+            "gap": (top2[:, 0] - top2[:, 1]).tolist(),
+        }
+
+
+def assert_matches(url: str, model: str, trainer: Trainer,
+                   prompts: list[list[int]] = PROMPTS) -> None:  # fmt: skip
+    """The server at ``url`` generates what the trainer's model, with the weights it pushed,
+    would (as tests/vllm/test_engine.assert_matches)."""
+    for prompt in prompts:
+        ids, logprobs = complete(url, model, prompt)
+        want = trainer.reference(prompt, ids)
+        for step, (token, logprob) in enumerate(zip(ids, logprobs, strict=True)):
+            assert abs(logprob - want["logprobs"][step]) <= TOLERANCE, (url, step, logprob, want)
+            assert token == want["greedy"][step] or want["gap"][step] <= TOLERANCE, (url, step)
+
+
+def largest_difference(url: str, model: str, trainer: Trainer) -> float:
+    """How far the server's log-probabilities are from the trainer's weights now (a push of
+    those must show)."""
+    current = Trainer.__new__(Trainer)
+    current.model, current.pushed = trainer.model, trainer.model.state_dict()
+    worst = 0.0
+    for prompt in PROMPTS:
+        ids, logprobs = complete(url, model, prompt)
+        want = current.reference(prompt, ids)["logprobs"]
+        worst = max(worst, *(abs(a - b) for a, b in zip(logprobs, want, strict=True)))
+    return worst

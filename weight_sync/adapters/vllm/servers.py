@@ -1,0 +1,496 @@
+"""Pushes into ``vllm serve`` over HTTP, from a trainer with neither Ray nor vLLM.
+
+A server started with ``--weight-transfer-config '{"backend": "weight_sync"}'`` and
+``VLLM_SERVER_DEV_MODE=1`` (which mounts vLLM's RL routes) is driven through the same push
+protocol as every other member (``weight_sync.protocol``), over the control plane vLLM's own
+weight-transfer clients use (``ClientPlane``): one HTTP call per round per server, the workers'
+answers coming back through the trainer's small control store. Nothing here imports vLLM: the
+trainer side of an HTTP deployment needs only the standard library's HTTP client::
+
+    with VLLMServers(["http://10.0.0.2:8000", "http://10.0.0.3:8000"]) as servers:
+        for step in range(steps):
+            ...  # generate over /v1/completions, train
+            result = servers.push(model.state_dict())   # every server now serves result.version
+
+Two pieces:
+
+* ``ServersClient`` -- the five calls of vLLM's ``VLLMWeightSyncClient`` (init, start, update,
+  finish, shutdown), each sent to every server at once: ``init_weight_transfer_engine`` on one
+  server returns only once every server's workers have joined the group, so the calls must run
+  concurrently. A call that fails anywhere raises ``ServerError`` naming the server(s).
+* ``VLLMServers`` -- the short API: what vLLM leaves to the caller of its client done around
+  each push -- pause, reset the prefix cache (its entries were computed with the old weights),
+  label, resume -- and a server that died or restarted handled by forming the group again.
+
+Versions: vLLM's OpenAI completions do not say which weights produced them. A caller learns it
+from ``GET /weight_info`` (``versions()``; before and after its requests, or with no push in
+between, since pushes pause the servers), or from vLLM's token-in-token-out endpoint
+(``POST /inference/v1/generate``, mounted with ``--enable-scale-out``), whose outputs carry
+``weight_versions`` spans.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from functools import partial
+from typing import Any, Literal
+
+from typing_extensions import Self
+
+from weight_sync.config import SyncConfig
+from weight_sync.entries import Rename, StateDict
+from weight_sync.errors import PlanMismatchError, WeightSyncError, WorkerFailedError
+from weight_sync.mapping import Transform
+from weight_sync.result import PushResult
+from weight_sync.sharded import ShardedSource
+
+__all__ = ["NO_VERSION", "ServerError", "ServersClient", "VLLMServers", "release_server"]
+
+logger = logging.getLogger(__name__)
+
+PauseMode = Literal["keep", "wait", "abort"]
+NO_VERSION = "none"  # the label a server's outputs carry while it holds no committed version
+_UNLABELLED = frozenset({NO_VERSION, "default"})  # "default": a server no push has reached yet
+_MAX_BODY = 1 << 20  # the largest answer read from a server (its replies are tiny JSON)
+_QUICK_S = 10.0  # bound on a small call (labels, resume) made after a failure
+_RELEASE_S = 300.0  # bound on a worker's release calls, queued behind a worker call failing
+
+# Proxies from the environment would route loopback and cluster-internal addresses through
+# a proxy that cannot reach them: inference servers are always called directly.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class ServerError(WorkerFailedError):
+    """One or more vLLM servers failed: refused the connection, answered with an HTTP error,
+    timed out, or reported a failure. ``servers`` maps each server's base URL to the reason.
+
+    A ``WorkerFailedError``, so a loop that handles failed workers handles failed servers too;
+    ``workers`` lists the sync-group members blamed, when a push got that far."""
+
+    def __init__(
+        self,
+        message: str,
+        servers: Mapping[str, str],
+        workers: Sequence[int] = (),
+        dropped: Sequence[int] = (),
+    ) -> None:
+        self.servers = dict(servers)
+        super().__init__(message, workers, dropped)
+
+    def __reduce__(self) -> tuple:
+        return type(self), (str(self), self.servers, self.workers, self.dropped)
+
+
+def call(
+    url: str, path: str, body: Mapping[str, Any] | None = None, *, timeout_s: float,
+    method: str | None = None,
+) -> Any:  # fmt: skip
+    """One HTTP call to a server: ``POST`` with a JSON body (``GET`` when ``method`` says so, or
+    with no body and a path under ``_GETS``); returns the decoded JSON answer (None if empty).
+    Raises ``ServerError`` for anything that is not a 2xx answer within ``timeout_s``."""
+    data = None if body is None else json.dumps(body).encode()
+    verb = method or ("GET" if path.split("?")[0] in _GETS else "POST")
+    request = urllib.request.Request(
+        f"{url}/{path}", data=data, method=verb, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with _OPENER.open(request, timeout=timeout_s) as response:
+            raw = response.read(_MAX_BODY)
+    except urllib.error.HTTPError as exc:
+        detail = exc.read(500).decode(errors="replace").strip().replace("\n", " ")
+        raise _failed(url, f"{verb} /{path}: HTTP {exc.code} {detail}") from exc
+    except (urllib.error.URLError, OSError) as exc:  # refused, reset, timed out
+        reason = getattr(exc, "reason", exc)
+        raise _failed(url, f"{verb} /{path}: {type(reason).__name__}: {reason}") from exc
+    try:
+        return json.loads(raw) if raw.strip() else None
+    except ValueError as exc:
+        raise _failed(url, f"{verb} /{path}: not JSON: {raw[:200]!r}") from exc
+
+
+_GETS = frozenset({"weight_info", "get_world_size", "is_paused", "health"})
+
+
+def _failed(url: str, reason: str) -> ServerError:
+    return ServerError(f"vLLM server {url} failed: {reason}", {url: reason})
+
+
+def fan_out(
+    urls: Sequence[str], step: Callable[[str], Any], timeout_s: float, what: str
+) -> dict[str, Any]:
+    """``step(url)`` for every server at once, each on a thread of its own; returns the answers
+    by URL. Raises ``ServerError`` naming every server that failed -- as soon as one has (the
+    others' threads finish on their own, bounded by their requests' timeouts), or naming those
+    still silent after ``timeout_s``."""
+    futures = {url: _in_thread(partial(step, url)) for url in urls}
+    wait(futures.values(), timeout=timeout_s, return_when=FIRST_EXCEPTION)
+    failed: dict[str, str] = {}
+    for url, future in futures.items():
+        if not future.done():
+            continue
+        error = future.exception()
+        if error is not None:
+            failed[url] = (error.servers.get(url) if isinstance(error, ServerError) else None) or (
+                f"{type(error).__name__}: {error}"
+            )
+    if failed:
+        detail = "; ".join(f"{url}: {reason}" for url, reason in failed.items())
+        raise ServerError(f"{what} failed on {len(failed)} server(s): {detail}", failed)
+    late = [url for url, future in futures.items() if not future.done()]
+    if late:
+        raise ServerError(
+            f"{what}: server(s) {late} did not answer within {timeout_s:.1f}s",
+            dict.fromkeys(late, f"no answer within {timeout_s:.1f}s"),
+        )
+    return {url: future.result() for url, future in futures.items()}
+
+
+def _in_thread(run: Callable[[], Any]) -> Future[Any]:
+    future: Future[Any] = Future()
+
+    def target() -> None:
+        try:
+            future.set_result(run())
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=target, name="weight-sync-http", daemon=True).start()
+    return future
+
+
+class ServersClient:
+    """vLLM's weight-transfer client calls (``VLLMWeightSyncClient``), each made to every server
+    in ``urls`` at once and bounded by ``timeout_s``; any failure raises ``ServerError`` naming
+    the failing server(s). ``init_weight_transfer_engine`` also tells each server its own URL
+    (``server_url``), so that its workers can release it if this trainer dies mid-push.
+
+    ``failures`` collects every server that failed a call, until the caller clears it."""
+
+    def __init__(self, urls: Sequence[str], timeout_s: float) -> None:
+        self.urls = list(urls)
+        self.timeout_s = timeout_s
+        self.failures: dict[str, str] = {}
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._each("init_weight_transfer_engine",
+                   lambda url: {"init_info": {**init_info, "server_url": url}})  # fmt: skip
+
+    def start_weight_update(self) -> None:
+        self._each("start_weight_update", lambda url: None)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._each("update_weights", lambda url: {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        body = None if weight_version is None else {"weight_version": weight_version}
+        self._each("finish_weight_update", lambda url: body)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._each("shutdown_weight_transfer_engine", lambda url: None)
+
+    def _each(self, path: str, body: Callable[[str], Mapping[str, Any] | None]) -> None:
+        def step(url: str) -> Any:
+            return call(url, path, body(url), timeout_s=self.timeout_s, method="POST")
+
+        try:
+            fan_out(self.urls, step, self.timeout_s + 1.0, path)
+        except ServerError as exc:
+            self.failures.update(exc.servers)
+            raise
+
+
+def release_server(url: str, *, holds_version: bool, timeout_s: float = _RELEASE_S) -> None:
+    """What a server's worker does when the trainer that paused its server died: label the
+    outputs ``"none"`` unless the worker holds a committed version, end the update session the
+    trainer left open (vLLM refuses every later trainer until then; an error when none is open
+    is expected), and resume generation if paused. Fire-and-forget on a thread of its own: the
+    call runs inside a worker process whose engine may be busy (a worker call still failing),
+    and must never wait on it; the calls are queued behind that call, hence the long bound."""
+
+    def release() -> None:
+        try:
+            if not holds_version:
+                call(url, "update_weight_version", {"new_version": NO_VERSION},
+                     timeout_s=timeout_s)  # fmt: skip
+            try:
+                call(url, "finish_weight_update", None, timeout_s=timeout_s, method="POST")
+            except ServerError as exc:
+                logger.debug("no update session to end on %s: %s", url, exc)
+            if (call(url, "is_paused", timeout_s=timeout_s) or {}).get("is_paused"):
+                call(url, "resume", timeout_s=timeout_s)
+            logger.warning("the trainer died: released server %s (holds a version: %s)",
+                           url, holds_version)  # fmt: skip
+        except Exception as exc:
+            logger.warning("the trainer died, and releasing server %s failed: %s", url, exc)
+
+    threading.Thread(target=release, name="weight-sync-release", daemon=True).start()
+
+
+def _client_plane(client: ServersClient, workers: int, config: SyncConfig) -> Any:
+    """The trainer's control plane over vLLM clients (imported here: it needs torch)."""
+    from weight_sync.mailbox import ClientPlane
+
+    return ClientPlane(client, workers, config)
+
+
+def _check_urls(urls: Sequence[str]) -> list[str]:
+    if isinstance(urls, str | bytes) or not isinstance(urls, Sequence):
+        raise TypeError(
+            f"urls must be a list of base URLs such as ['http://127.0.0.1:8000'], got "
+            f"{type(urls).__name__}"
+        )
+    if not urls:
+        raise ValueError("urls is empty: give the base URL of every vLLM server, e.g. "
+                         "['http://127.0.0.1:8000']")  # fmt: skip
+    checked = []
+    for url in urls:
+        if not isinstance(url, str):
+            raise TypeError(f"every URL must be a str, got {type(url).__name__}: {url!r}")
+        parts = urllib.parse.urlsplit(url.strip())
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{url!r} is not an http(s) base URL: write it as 'http://HOST:PORT'")
+        if parts.query or parts.fragment or parts.path.strip("/"):
+            raise ValueError(f"{url!r} must be a server's base URL, 'http://HOST:PORT', with "
+                             "no path or query (the routes are added here)")  # fmt: skip
+        checked.append(f"{parts.scheme}://{parts.netloc}".lower())
+    duplicates = sorted({url for url in checked if checked.count(url) > 1})
+    if duplicates:
+        raise ValueError(f"duplicate server URL(s) {duplicates}: list each server once")
+    return checked
+
+
+class VLLMServers:
+    """Pushes a trainer's weights into running ``vllm serve`` processes (see the module doc).
+
+    ``urls``: each server's base URL. ``config``: how pushes run; its ``push_timeout_s`` bounds
+    the push itself, and the calls around it (pause, cache reset, resume) are each bounded by
+    ``rpc_timeout_s``. ``pause_mode``: what pausing does to requests in flight -- ``"keep"``
+    freezes them (recomputed with the new weights on resume), ``"wait"`` lets them finish with
+    the old weights first, ``"abort"`` ends them.
+
+    The group forms at the first push, over every worker of every server (a server with tensor
+    parallelism 2 is two members, counted by ``GET /get_world_size``). It is formed again after
+    a push failed other than by a refusal, and whenever a server reports a version other than
+    the last one pushed (it restarted, or its worker released it after a trainer died): a
+    restarted server at the same URL rejoins with full weights at the next push.
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        config: SyncConfig | None = None,
+        *,
+        pause_mode: PauseMode = "keep",
+    ) -> None:
+        self.urls = _check_urls(urls)
+        if config is not None and not isinstance(config, SyncConfig):
+            raise TypeError(f"config must be a SyncConfig, got {type(config).__name__}")
+        if pause_mode not in ("keep", "wait", "abort"):
+            raise ValueError(f"pause_mode must be 'keep', 'wait' or 'abort', got {pause_mode!r}")
+        self.config = config or SyncConfig()
+        self.pause_mode = pause_mode
+        self._client = ServersClient(self.urls, self.config.push_timeout_s)
+        self._plane: Any = None
+        self._pusher: Any = None
+        self._version: int | None = None
+        self._first_version = 1  # for the next pusher: what the discarded ones spent
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def version(self) -> int | None:
+        """The last version committed on every server by this object (None before the first)."""
+        return self._version
+
+    def versions(self) -> list[int | None]:
+        """Each server's committed version as it reports it (``GET /weight_info``): None where
+        it holds none (no push yet, or a push failed part-way). Raises ``ServerError`` naming the
+        servers that did not answer."""
+        labels = self._labels(self.config.rpc_timeout_s)
+        return [_as_version(labels[url]) for url in self.urls]
+
+    def push(
+        self,
+        state_dict: StateDict | ShardedSource,
+        *,
+        rename: Rename | None = None,
+        transform: Transform | None = None,
+    ) -> PushResult:
+        """Push every tensor of ``state_dict`` (or a ``ShardedSource``, gathered with the other
+        trainer ranks) to every server, as ``Pusher.push``; when it returns, every server serves
+        ``result.version``, its prefix cache reset, and is resumed.
+
+        Raises ``TypeError``/``ValueError`` for a bad state dict and ``PlanMismatchError`` when
+        the servers refused it, both before any byte moved (the servers keep their weights and
+        versions, and are resumed);
+        otherwise a ``WeightSyncError`` -- ``ServerError`` naming the servers that failed where
+        that is known -- after which the servers still reachable report no version and serve
+        again, until a push repairs them."""
+        with self._lock:
+            if self._closed:
+                raise WeightSyncError("these VLLMServers are closed; create new ones")
+            self._client.failures.clear()
+            rpc_s = self.config.rpc_timeout_s
+            paused: list[str] = []
+            try:
+                paused = self._pause(rpc_s)
+                if self._pusher is not None and any(
+                    label != str(self._version) for label in self._labels(rpc_s).values()
+                ):
+                    logger.warning("a server does not hold version %s (restarted?): forming "
+                                   "the group again", self._version)  # fmt: skip
+                    self._discard()
+                if self._pusher is None:
+                    self._build(rpc_s)
+                result = self._pusher.push(state_dict, rename=rename, transform=transform)
+                self._reset_caches(rpc_s)
+            except (PlanMismatchError, TypeError, ValueError):
+                # Refused before any byte moved (by the servers, or the state dict's checks):
+                # nothing changed, the group is kept.
+                self._resume(paused, quiet=True)
+                raise
+            except BaseException as exc:
+                failed = dict(self._client.failures)  # the push's, not the teardown's
+                self._discard()
+                named = self._named(exc, failed, self._release(exc))
+                if named is exc:
+                    raise
+                raise named from exc
+            self._version = result.version
+            self._resume(self.urls, quiet=False)
+            return result
+
+    def close(self) -> None:
+        """Leave the group on every reachable server (they keep serving their weights) and stop
+        the trainer's control store. Idempotent."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._discard()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- around a push ---------------------------------------------------------------------------
+
+    def _pause(self, timeout_s: float) -> list[str]:
+        mode = self.pause_mode
+        try:
+            fan_out(self.urls, lambda url: call(url, f"pause?mode={mode}", timeout_s=timeout_s),
+                    timeout_s + 1.0, "pause")  # fmt: skip
+        except ServerError as exc:
+            # A dead server: the members the group holds for it are gone, so form it again.
+            self._client.failures.update(exc.servers)
+            self._discard()
+            raise
+        return self.urls
+
+    def _labels(self, timeout_s: float) -> dict[str, str]:
+        answers = fan_out(self.urls, lambda url: call(url, "weight_info", timeout_s=timeout_s),
+                          timeout_s + 1.0, "weight_info")  # fmt: skip
+        return {url: str((answer or {}).get("weight_version")) for url, answer in answers.items()}
+
+    def _build(self, timeout_s: float) -> None:
+        """A new control plane and pusher over every worker of every server."""
+        from weight_sync.protocol import Pusher
+
+        sizes = fan_out(
+            self.urls,
+            lambda url: call(url, "get_world_size?include_dp=true", timeout_s=timeout_s),
+            timeout_s + 1.0, "get_world_size",
+        )  # fmt: skip
+        workers = sum(int((sizes[url] or {}).get("world_size", 0)) for url in self.urls)
+        if workers < len(self.urls):
+            raise WeightSyncError(f"the servers report {workers} workers in all: {sizes}")
+        self._plane = _client_plane(self._client, workers, self.config)
+        self._pusher = Pusher(self._plane, self.config, first_version=self._first_version)
+        logger.info("pushing to %d server(s), %d worker(s)", len(self.urls), workers)
+
+    def _reset_caches(self, timeout_s: float) -> None:
+        """The prefix cache's entries were computed with the old weights: a prompt sharing a
+        cached prefix would be answered partly by them. A server that cannot reset claims no
+        version."""
+        answers = fan_out(
+            self.urls,
+            lambda url: call(url, "reset_prefix_cache?reset_running_requests=true",
+                             timeout_s=timeout_s),
+            timeout_s + 1.0, "reset_prefix_cache",
+        )  # fmt: skip
+        failed = {url: "reset_prefix_cache answered success=false"
+                  for url, answer in answers.items() if not (answer or {}).get("success")}  # fmt: skip
+        if failed:
+            raise ServerError(f"the prefix cache could not be reset on {sorted(failed)}", failed)
+
+    def _resume(self, urls: Sequence[str], *, quiet: bool) -> None:
+        try:
+            fan_out(urls, lambda url: call(url, "resume", timeout_s=_QUICK_S),
+                    _QUICK_S + 1.0, "resume")  # fmt: skip
+        except ServerError as exc:
+            if not quiet:
+                raise
+            logger.warning("resuming after a failed push: %s", exc)
+
+    def _release(self, error: BaseException) -> dict[str, str]:
+        """After a failed push: every server still reachable claims no version and serves again
+        (best effort, bounded; the error raised is the push's). Returns the servers that could
+        not be reached, with why."""
+        unreachable: dict[str, str] = {}
+        for url in self.urls:
+            try:
+                call(url, "update_weight_version", {"new_version": NO_VERSION}, timeout_s=_QUICK_S)
+                call(url, "resume", timeout_s=_QUICK_S)
+            except ServerError as exc:
+                unreachable[url] = exc.servers.get(url, str(exc))
+                logger.warning("after a failed push (%s), server %s: %s", error, url, exc)
+        return unreachable
+
+    def _named(
+        self, error: BaseException, failed: Mapping[str, str], unreachable: Mapping[str, str]
+    ) -> BaseException:
+        """The push's error, as a ``ServerError`` naming the servers to blame: those that could
+        not be reached after it (dead), else those whose calls failed. A server whose worker
+        lost the broadcast because another died answers its call with an error too, so the
+        dead are named first."""
+        if not isinstance(error, WeightSyncError):
+            return error
+        if isinstance(error, ServerError) and set(unreachable) <= set(error.servers):
+            return error
+        blamed, what = (unreachable, "unreachable") if unreachable else (failed, "failed")
+        if not blamed:
+            return error
+        workers = getattr(error, "workers", ())
+        dropped = getattr(error, "dropped", ())
+        detail = "; ".join(f"{url}: {reason}" for url, reason in blamed.items())
+        return ServerError(f"{error} [{what} server(s): {detail}]", blamed, workers, dropped)
+
+    def _discard(self) -> None:
+        """Leave the group (bounded) and stop the control store: a worker still blocked on it
+        fails at once, freeing its engine for the next calls."""
+        pusher, plane, self._pusher, self._plane = self._pusher, self._plane, None, None
+        if pusher is not None:
+            self._first_version = max(self._first_version, pusher.next_version)
+            try:
+                pusher.close()
+            except Exception as exc:
+                logger.warning("leaving the group: %s", exc)
+        if plane is not None:
+            plane.close()
+
+
+def _as_version(label: str) -> int | None:
+    if label in _UNLABELLED:
+        return None
+    try:
+        return int(label)
+    except ValueError:
+        return None  # labelled by someone else: not a version of ours
