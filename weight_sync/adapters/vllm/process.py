@@ -28,7 +28,9 @@ import time
 import urllib.error
 import urllib.request
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
@@ -36,7 +38,7 @@ from typing_extensions import Self
 
 from weight_sync.errors import WeightSyncError
 
-__all__ = ["ServerProcess", "ServerStartError"]
+__all__ = ["ServerProcess", "ServerStartError", "local_servers"]
 
 logger = logging.getLogger(__name__)
 
@@ -187,6 +189,45 @@ class ServerProcess:
                     f"({self.log_path}) ends:\n{self.log_tail()}"
                 )
             time.sleep(_POLL_S)
+
+
+@contextmanager
+def local_servers(
+    model: str,
+    count: int,
+    *,
+    args: Callable[[int], Sequence[str]] | Sequence[str] = (),
+    log_dir: str | None = None,
+    ready_timeout_s: float = 600,
+) -> Iterator[list[ServerProcess]]:
+    """``count`` local servers of ``model``, started together (each spends a minute of a small
+    machine importing vLLM) and all stopped on the way out, on failure too. ``args``: the flags,
+    or a function of the server's index giving them (a seed each). OpenMP threads are left
+    unbound: vLLM's automatic binding would pin every server to the same core."""
+    if count < 1:
+        raise ValueError(f"count must be 1 or more, got {count}")
+
+    def start(index: int) -> ServerProcess:
+        flags = args(index) if callable(args) else args
+        log = os.path.join(log_dir, f"vllm_server_{index}.log") if log_dir else None
+        return ServerProcess(model, args=flags, env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+                             log_path=log, ready_timeout_s=ready_timeout_s)  # fmt: skip
+
+    started: list[ServerProcess] = []
+    errors: list[BaseException] = []
+    with ThreadPoolExecutor(max_workers=count) as pool:
+        for future in [pool.submit(start, index) for index in range(count)]:
+            try:  # every start is awaited, so none is left running unseen
+                started.append(future.result())
+            except BaseException as exc:
+                errors.append(exc)
+    try:
+        if errors:
+            raise errors[0]
+        yield started
+    finally:
+        for server in started:
+            server.stop()
 
 
 def _healthy(url: str) -> bool:

@@ -51,7 +51,14 @@ from weight_sync.mapping import Transform
 from weight_sync.result import PushResult
 from weight_sync.sharded import ShardedSource
 
-__all__ = ["NO_VERSION", "ServerError", "ServersClient", "VLLMServers", "release_server"]
+__all__ = [
+    "NO_VERSION",
+    "ServerError",
+    "ServersClient",
+    "VLLMServers",
+    "call",
+    "release_server",
+]
 
 logger = logging.getLogger(__name__)
 
