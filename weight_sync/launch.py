@@ -32,6 +32,7 @@ import datetime
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ import torch.distributed as dist
 from typing_extensions import Self
 
 from weight_sync.config import SyncConfig
+from weight_sync.control import first_line
 from weight_sync.deadline import Deadline
 from weight_sync.devices import CPU, module_device
 from weight_sync.entries import StateDict
@@ -61,6 +63,7 @@ _COMMAND = "cmd/"  # + sequence number: the n-th step rank 0 asked of every rank
 _CLOSE = "close"
 _ENDPOINT_BYTES = 256  # rank 0's store address, as JSON, in one fixed-size broadcast
 _POLL_S = (0.002, 0.05)  # the first and the longest pause between looks for the next command
+_LINGER_S = 1.0  # rank 0 keeps its store this long after posting close
 
 
 @dataclass(frozen=True)
@@ -111,35 +114,42 @@ class JobSync:
         if config is not None and not isinstance(config, SyncConfig):
             raise TypeError(f"config must be a SyncConfig, got {type(config).__name__}")
         config = config or SyncConfig()
-        self._owns_world = _ensure_world(config, init_method)
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        if self.world_size < 2:
-            raise ValueError("a job of one rank has nobody to push to: launch 2 or more ranks")
-        update: dict[str, Any] = {"group_mode": "job"}
-        if "same_host" not in config.model_fields_set:
-            update["same_host"] = "group"  # the job's own new_group, even on one host
-        self.config = config.model_copy(update=update)
+        if "same_host" in config.model_fields_set and config.same_host != "group":
+            raise ValueError(
+                "JobSync pushes over the job's own new_group, every rank a member: "
+                f"same_host={config.same_host!r} would take some ranks out of it; leave it unset"
+            )
+        self.config = config.model_copy(update={"group_mode": "job", "same_host": "group"})
         self._pusher: Pusher | None = None
         self._plane: ClientPlane | None = None
+        self._commands: _Commands | None = None
         self._member: StoreMember | None = None
         self._store: Any = None  # the trainer's store: rank 0 posts commands, the others read
         self._next = 0  # the next command's number
-        self.last_result: PushResult | None = None
-        if self.rank == 0:
-            self._commands = _Commands()
-            self._plane = ClientPlane(self._commands, self.world_size - 1, self.config)
-            address, port = self._plane.address
-            self._commands.connect(address, port, self.config.rendezvous_timeout_s)
-            self._pusher = Pusher(self._plane, self.config)
-        # Every rank at once: where rank 0's store listens.
-        address, port = _share_endpoint(self._plane.address if self._plane else None)
+        self._pushes = 0  # rank 0: pushes begun
+        self._closed = False
         self._device = CPU  # where this rank's model lives: set by each receive
-        if self.rank != 0:
-            store = open_store(address, port, 1, self.config.rendezvous_timeout_s, None)
-            self._store = dist.PrefixStore(PREFIX, store)
-            self._member = StoreMember(
-                Receiver(lambda: self._device), expecting(lambda: None), lambda: Loader(_refuse)
-            )
+        self.last_result: PushResult | None = None
+        self._owns_world = _ensure_world(config, init_method)
+        try:
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+            if self.world_size < 2:
+                raise ValueError("a job of one rank has nobody to push to: launch 2 or more ranks")
+            if self.rank == 0:
+                self._commands = _Commands()
+                self._plane = ClientPlane(self._commands, self.world_size - 1, self.config)
+                self._commands.plane = self._plane
+                self._pusher = Pusher(self._plane, self.config)
+            # Every rank at once: where rank 0's store listens.
+            address, port = _share_endpoint(self._plane.address if self._plane else None)
+            if self.rank != 0:
+                store = open_store(address, port, 1, self.config.rendezvous_timeout_s, None)
+                self._store = dist.PrefixStore(PREFIX, store)
+                self._member = StoreMember(Receiver(lambda: self._device),
+                                           expecting(lambda: None), lambda: Loader(_refuse))  # fmt: skip
+        except BaseException:
+            self.close()
+            raise
 
     # -- every rank ----------------------------------------------------------------------------
 
@@ -152,26 +162,36 @@ class JobSync:
 
     @property
     def version(self) -> int | None:
-        """The version this rank holds: rank 0, the last one every rank committed."""
+        """The version this rank holds (rank 0: the last one every rank committed); None before
+        the first push, while this rank's weights are part-way through one, and once closed."""
         if self._pusher is not None:
             return self._pusher.version or None
-        assert self._member is not None
-        return self._member.receiver.version
+        return self._member.receiver.version if self._member is not None else None
 
     def close(self) -> None:
         """Leave. On rank 0 the other ranks' next ``receive`` raises; the default group is
-        destroyed only if ``JobSync`` made it."""
-        if self._pusher is not None and self._plane is not None:
-            self._pusher.close()
-            self._commands.post(_CLOSE, {})
-            self._plane.close()
-            self._pusher = None
-        if self._member is not None:
-            self._member.shutdown()
-            self._store = None
-        if self._owns_world and dist.is_initialized():
-            dist.destroy_process_group()
-            self._owns_world = False
+        destroyed only if ``JobSync`` made it. Idempotent."""
+        self._closed = True
+        pusher, plane, self._pusher, self._plane = self._pusher, self._plane, None, None
+        try:
+            if pusher is not None:
+                pusher.close()
+            if self._commands is not None:
+                self._commands.post(_CLOSE, {})
+        except Exception as exc:  # leaving must not fail over a peer already gone
+            logger.warning("closing the job's sync: %s", exc)
+        finally:
+            if plane is not None:
+                # The store lingers a moment: ranks polling read the close, not its absence.
+                timer = threading.Timer(_LINGER_S, plane.close)
+                timer.daemon = True
+                timer.start()
+            if self._member is not None:
+                self._member.shutdown()
+                self._member, self._store = None, None
+            if self._owns_world and dist.is_initialized():
+                self._owns_world = False
+                dist.destroy_process_group()
 
     def __enter__(self) -> Self:
         return self
@@ -183,10 +203,25 @@ class JobSync:
 
     def push(self, state_dict: StateDict, **options: Any) -> PushResult:
         """Rank 0: send ``state_dict`` to every other rank (``options``: those of
-        ``WeightUpdater.push``); the others call ``receive`` meanwhile."""
-        if self._pusher is None:
+        ``WeightUpdater.push``); the others call ``receive`` meanwhile.
+
+        Every push is framed by a ``begin`` and an ``end`` command, whatever happens in between
+        (a refusal, a state dict refused here before anything was sent, a failure part-way): a
+        receiving rank's ``receive`` ends with the push, and skips what is left of one it gave
+        up on."""
+        if self._closed:
+            raise WeightSyncError("this JobSync is closed; make a new one on every rank")
+        if self._pusher is None or self._commands is None:
             raise ValueError(f"rank {self.rank} receives: only rank 0 pushes (call receive)")
-        self.last_result = self._pusher.push(state_dict, **options)
+        self._pushes += 1
+        frame = {"push": self._pushes}
+        self._commands.post("begin", frame)
+        try:
+            self.last_result = self._pusher.push(state_dict, **options)
+        except BaseException as exc:
+            self._commands.post("end", {**frame, "error": first_line(exc)})
+            raise
+        self._commands.post("end", {**frame, "version": self.last_result.version})
         return self.last_result
 
     # -- every other rank ----------------------------------------------------------------------
@@ -202,10 +237,13 @@ class JobSync:
         before any byte moves, written in place), or hand it to ``load_weights`` (an iterable of
         ``(name, tensor)`` per bucket, tensors valid during the call; accepts any names).
 
-        Waits at most ``timeout_s`` (default ``push_timeout_s``) for rank 0 to start the push,
-        and as long again for it to end. Returns the version committed; raises a
-        ``WeightSyncError`` when the push did not commit here (this rank then reports no
-        version, unless the push was refused before any byte moved)."""
+        Waits at most ``timeout_s`` (default ``push_timeout_s``) for rank 0 to begin the push,
+        and as long again, between steps, for it to end (a step under way is bounded by the
+        group's own timeouts). Returns the version committed; raises a ``WeightSyncError`` when
+        the push did not commit here (this rank then reports no version, unless the push was
+        refused before any byte moved)."""
+        if self._closed:
+            raise WeightSyncError("this JobSync is closed; make a new one on every rank")
         if self._member is None:
             raise ValueError("rank 0 pushes: call push (or update) there")
         if (model is None) == (load_weights is None):
@@ -214,51 +252,66 @@ class JobSync:
         self._device = module_device(model) if model is not None else CPU
         wait_s = timeout_s if timeout_s is not None else self.config.push_timeout_s
         deadline = Deadline(wait_s, "waiting for rank 0's push")
-        began, failure = False, None
+        began = False
+        committed: int | None = None
+        failure: WeightSyncError | None = None
         while True:
-            try:
-                op, arg = self._command(deadline)
-            except TransportError:
-                if failure is None:
-                    raise
-                raise failure from None  # what this rank saw first: rank 0 left mid-push
-
+            op, arg = self._command(deadline, failure)
             if op == _CLOSE:
                 raise WeightSyncError("rank 0 closed its JobSync: no more pushes will come")
-            if op == "shutdown":
-                self._member.shutdown()
-                if began:  # rank 0 gave this push up (it raised; see its error)
-                    raise failure or WeightSyncError("rank 0 abandoned the push; nothing "
-                                                     "changed here")  # fmt: skip
+            if not began:  # steps left of a push this rank gave up on are skipped
+                if op == "begin":
+                    began, deadline = True, Deadline(wait_s, "rank 0's push")
                 continue
-            if op == "finish":  # rank 0's verdict: the end of this push
-                return self._finish(failure)
-            if not began:
-                began, deadline = True, Deadline(wait_s, "rank 0's push")
+            if op == "end":
+                return self._ended(arg, committed, failure)
             try:
-                if op == "init":
-                    self._member.init(**arg, slot=self.rank)
-                elif op == "start":
-                    self._member.start()
-                elif op == "update":
-                    self._member.receive(int(arg["version"]))
-            except WeightSyncError as exc:  # answered to rank 0 already; its verdict follows
-                failure = exc
+                committed = self._step(op, arg) or committed
+            except Exception as exc:  # answered to rank 0 already; its verdict follows
+                failure = exc if isinstance(exc, WeightSyncError) else TransportError(
+                    f"rank {self.rank}: {op} failed: {first_line(exc)}"
+                )  # fmt: skip
 
-    def _finish(self, failure: WeightSyncError | None) -> int:
+    def _step(self, op: str, arg: dict[str, Any]) -> int | None:
+        """Run one step of rank 0's push; returns the version when it committed here."""
         assert self._member is not None
-        version, prepared = self._member.pushing, self._member.prepared
-        if self._member.finish():
-            assert version is not None
-            return version
-        if prepared is not None and not prepared.accepted:
-            raise PlanMismatchError({self.rank - 1: prepared.problems})
-        raise failure or WeightSyncError(
-            f"push {version} was called off by rank 0 (another rank refused it, or it failed "
-            "there; see its error); nothing changed here"
+        if op == "init":
+            self._member.init(**arg, slot=self.rank)
+        elif op == "start":
+            self._member.start()
+        elif op == "update":
+            self._member.receive(int(arg["version"]))
+        elif op == "finish":
+            version = self._member.pushing
+            if self._member.finish():
+                return version
+        elif op == "shutdown":
+            self._member.shutdown()
+        return None
+
+    def _ended(
+        self, arg: dict[str, Any], committed: int | None, failure: WeightSyncError | None
+    ) -> int:
+        """The push is over on rank 0: ``arg`` says how it ended there."""
+        assert self._member is not None
+        member = self._member
+        if member.pushing is not None:  # no verdict reached this rank: drop what it prepared
+            member.receiver.cancel(member.pushing)
+            member.pushing = None
+        if committed is not None and committed == arg.get("version"):
+            return committed
+        if member.prepared is not None and not member.prepared.accepted:
+            raise PlanMismatchError({self.rank - 1: member.prepared.problems})
+        if failure is not None:
+            raise failure
+        raise WeightSyncError(
+            f"rank 0's push was called off ({arg.get('error', 'see its error')}); nothing "
+            "committed here"
         )
 
-    def _command(self, deadline: Deadline) -> tuple[str, dict[str, Any]]:
+    def _command(
+        self, deadline: Deadline, failure: WeightSyncError | None
+    ) -> tuple[str, dict[str, Any]]:
         """The next step rank 0 asks for, waiting within ``deadline``."""
         key, pause = f"{_COMMAND}{self._next}", _POLL_S[0]
         while True:
@@ -267,8 +320,11 @@ class JobSync:
                     raw = self._store.get(key).decode()
                     break
             except RuntimeError as exc:  # DistNetworkError: the store's process is gone
+                if failure is not None:
+                    raise failure from None  # what this rank saw first: rank 0 left mid-push
                 raise TransportError(
-                    f"rank 0's store stopped answering ({exc}); rank 0 died or left -- check it"
+                    f"rank 0's store stopped answering ({first_line(exc)}); rank 0 died or left "
+                    "-- check it"
                 ) from exc
             time.sleep(min(pause, deadline.left(pause)))
             pause = min(pause * 2, _POLL_S[1])
@@ -281,18 +337,20 @@ class JobSync:
 
 class _Commands:
     """Rank 0's ``Client``: each call of a push becomes the next command in its store, which every
-    other rank reads in order; their answers come back through ``ClientPlane``'s mailbox."""
+    other rank reads in order; their answers come back through ``ClientPlane``'s mailbox. Posted
+    through the plane itself, so that commands and the protocol's messages keep one order; the
+    plane calls a client from several threads, hence the lock."""
 
     def __init__(self) -> None:
-        self._store: Any = None
+        self.plane: ClientPlane | None = None  # the plane this client serves: set once it exists
         self._next = 0
-
-    def connect(self, address: str, port: int, timeout_s: float) -> None:
-        self._store = dist.PrefixStore(PREFIX, open_store(address, port, 1, timeout_s, None))
+        self._lock = threading.Lock()
 
     def post(self, op: str, arg: dict[str, Any]) -> None:
-        self._store.set(f"{_COMMAND}{self._next}", json.dumps({"op": op, "arg": arg}))
-        self._next += 1
+        assert self.plane is not None, "the plane comes first"
+        with self._lock:
+            self.plane.post(f"{_COMMAND}{self._next}", json.dumps({"op": op, "arg": arg}))
+            self._next += 1
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.post("init", {k: init_info[k] for k in

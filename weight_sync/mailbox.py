@@ -261,7 +261,8 @@ class ClientPlane:
         return self._round("prepared", request.version, call, PrepareReply)
 
     def cancel(self, version: int, members: Sequence[int], timeout_s: float) -> list[Future[None]]:
-        return [_in_thread(self._end_session)] * len(members)
+        ending = self._take_session()  # now, not in the thread: the next push may begin before
+        return [_in_thread(lambda: self._end_session(ending))] * len(members)
 
     def push(self, request: PrepareRequest, timeout_s: float) -> list[Future[PushReply]]:
         raise AssertionError("vLLM's workers never offer one-call pushes (MemberInfo.one_call)")
@@ -280,10 +281,11 @@ class ClientPlane:
         """End any update session still open (vLLM refuses to release an engine inside one),
         then release the engines from the group."""
         shutdown = getattr(self._client, "shutdown_weight_transfer_engine", lambda: None)
+        ending = self._take_session()
 
         def leave() -> None:
             try:
-                self._end_session()
+                self._end_session(ending)
             except Exception as exc:  # a worker whose update already failed has no session
                 logger.debug("ending the update session: %s", exc)
             shutdown()
@@ -299,12 +301,20 @@ class ClientPlane:
     def fate(self, error: BaseException) -> tuple[Fate, str]:
         return ("collateral" if is_collateral(error) else "raised"), first_line(error)
 
+    def post(self, key: str, value: str) -> None:
+        """Write ``key`` in the control store, in order with every message of the push protocol
+        (one connection, one lock): a launched job's commands go this way."""
+        self._mailbox.post(key, value)
+
     def close(self) -> None:
         self._mailbox.close()
 
-    def _end_session(self) -> None:
-        """``finish_weight_update`` with a verdict to drop the push in flight, if any."""
+    def _take_session(self) -> int | None:
         version, self._pushing = self._pushing, None
+        return version
+
+    def _end_session(self, version: int | None) -> None:
+        """``finish_weight_update`` with a verdict to drop push ``version``, if one is open."""
         if version is not None:
             self._mailbox.post(f"verdict/{version}", _CANCEL)
             self._client.finish_weight_update()

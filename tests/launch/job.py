@@ -5,7 +5,8 @@ once per push. Run by ``torchrun``/``mpirun`` (``python tests/launch/job.py SCEN
 Scenarios:
 
 * ``steps`` -- three optimizer steps on rank 0, a push after each;
-* ``refuse`` -- rank 2's model has a layer of another shape: the push is refused everywhere
+* ``refuse`` -- rank 0 is handed a state dict it refuses itself (the others hear the push was
+  called off), then rank 2's model has a layer of another shape: the push is refused everywhere
   before any byte moves; rank 2 then takes the right model and the next push lands;
 * ``kill_receiver`` -- rank 2 dies in the middle of receiving the second push;
 * ``kill_trainer`` -- rank 0 dies in the middle of sending the second push.
@@ -43,6 +44,11 @@ def run(scenario: str, out: Path, init_method: str | None = None) -> None:
     record: dict[str, Any] = {"rank": rank, "world": sync.world_size, "versions": [], "errors": []}
     if scenario == "refuse" and rank == 2:
         model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
+    if scenario == "refuse":  # first, a state dict rank 0 itself refuses before sending
+        try:
+            sync.push({"weight": "not a tensor"}) if rank == 0 else sync.receive(model)  # type: ignore[dict-item]
+        except (TypeError, WeightSyncError) as exc:
+            record["bad"] = f"{type(exc).__name__}: {exc}"
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1) if rank == 0 else None
     for step in range(2 if big else 3):
         if optimizer is not None:

@@ -266,7 +266,7 @@ class TorchGroup:
             if spec.mode == "world":
                 pg = _join_world(spec, ours, rendezvous, collective)
             elif spec.mode == "job":
-                pg = _job_group(spec, collective)
+                pg = _job_group(spec, ours, rendezvous)
             elif spec.backend == "gloo":
                 pg = _gloo_group(spec, ours, rendezvous, collective)
             else:
@@ -384,8 +384,8 @@ class TorchGroup:
                     dist.destroy_process_group(cast(dist.ProcessGroup, pg))  # ours, not the job's
             else:
                 cast(_GroupHandle, pg).shutdown()
-        except RuntimeError as exc:  # a dead peer must not stop us from leaving
-            logger.warning("closing sync group %s: %s", self._spec.group_id, exc)
+        except (RuntimeError, ValueError) as exc:  # a dead peer, or the job's world destroyed
+            logger.warning("closing sync group %s: %s", self._spec.group_id, exc)  # before us
         del pg
         self._drop_store()
         logger.info("left sync group %s (rank %d)", self._spec.group_id, self.rank)
@@ -657,9 +657,17 @@ def _join_world(
     return group
 
 
-def _job_group(spec: GroupSpec, collective: datetime.timedelta) -> dist.ProcessGroup:
+def _job_group(
+    spec: GroupSpec, ours: dist.Store, rendezvous: datetime.timedelta
+) -> dist.ProcessGroup:
     """``new_group`` over the job's default group, whose ranks are the sync group's: every rank of
-    the job calls this at once (``new_group`` is collective over the default group)."""
+    the job calls this at once (``new_group`` is collective over the default group).
+
+    ``new_group`` names a group by a per-process count of the groups made so far, and meets its
+    peers in the default store under that name. A formation that failed on some ranks before
+    they reached ``new_group`` would leave the counts apart for good, every later group waiting
+    for peers under another name; so the ranks first agree on the count, through this group's
+    own store (fresh per formation), and take the highest."""
     if not dist.is_initialized() or dist.get_world_size() != spec.world_size:
         found = dist.get_world_size() if dist.is_initialized() else "no default group"
         raise TransportError(
@@ -671,8 +679,15 @@ def _job_group(spec: GroupSpec, collective: datetime.timedelta) -> dist.ProcessG
             f"group_mode='job': this process is rank {dist.get_rank()} of the job but was given "
             f"rank {spec.rank} of the sync group; the ranks must be the job's"
         )
+    world = dist.distributed_c10d._world
+    ours.set(f"count/{spec.rank}", str(world.group_count))
+    counts = [int(ours.get(f"count/{rank}")) for rank in range(spec.world_size)]
     with nccl.env_window({}):  # the lock: no abort's world cleanup meanwhile
-        group = dist.new_group(list(range(spec.world_size)), timeout=collective, backend="gloo")
+        if world.group_count != max(counts):
+            logger.warning("group_mode='job': new_group counts differ across ranks %s (an earlier "
+                           "formation failed part-way); taking %d", counts, max(counts))  # fmt: skip
+            world.group_count = max(counts)
+        group = dist.new_group(list(range(spec.world_size)), timeout=rendezvous, backend="gloo")
     assert isinstance(group, dist.ProcessGroup)
     return group
 
