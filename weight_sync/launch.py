@@ -298,7 +298,7 @@ class JobSync:
         if member.pushing is not None:  # no verdict reached this rank: drop what it prepared
             member.receiver.cancel(member.pushing)
             member.pushing = None
-        if committed is not None and committed == arg.get("version"):
+        if committed is not None:  # this rank holds it, whatever failed elsewhere afterwards
             return committed
         if member.prepared is not None and not member.prepared.accepted:
             raise PlanMismatchError({self.rank - 1: member.prepared.problems})

@@ -8,7 +8,7 @@ Scenarios:
 * ``refuse`` -- rank 0 is handed a state dict it refuses itself (the others hear the push was
   called off), then rank 2's model has a layer of another shape: the push is refused everywhere
   before any byte moves; rank 2 then takes the right model and the next push lands;
-* ``kill_receiver`` -- rank 2 dies in the middle of receiving the second push;
+* ``kill_receiver`` -- rank 2 dies on the first bucket of the second push;
 * ``kill_trainer`` -- rank 0 dies in the middle of sending the second push.
 """
 
@@ -56,8 +56,6 @@ def run(scenario: str, out: Path, init_method: str | None = None) -> None:
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-        if big and step == 1 and scenario == "kill_receiver" and rank == 2:
-            _die_soon(0.3)
         if big and step == 1 and scenario == "kill_trainer" and rank == 0:
             # Halfway through the bytes, as the first push timed its phases.
             assert sync.last_result is not None
@@ -65,6 +63,8 @@ def run(scenario: str, out: Path, init_method: str | None = None) -> None:
             _die_soon(phases.get("prepare", 0.0) + phases.get("transfer", 0.0) / 2)
         started = time.monotonic()
         try:
+            if big and step == 1 and scenario == "kill_receiver" and rank == 2:
+                sync.receive(load_weights=_die)  # dies on the first bucket of the broadcast
             version = sync.update(model)
             record["versions"].append(version)
         except WeightSyncError as exc:
@@ -84,6 +84,10 @@ def run(scenario: str, out: Path, init_method: str | None = None) -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(record))
     if not big:
         sync.close()
+
+
+def _die(weights: object) -> None:
+    os._exit(9)
 
 
 def _die_soon(after_s: float) -> None:
