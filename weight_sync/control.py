@@ -19,8 +19,9 @@ Only typed metadata crosses a plane; bytes travel over the ``Transport``. Nothin
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, wait
+from concurrent.futures import Future, InvalidStateError, wait
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -171,6 +172,32 @@ def first_line(error: BaseException) -> str:
     text = str(error).strip() or type(error).__name__
     lines = [line for line in text.splitlines() if line.strip()]
     return f"{type(error).__name__}: {lines[-1] if lines else text}"[:500]
+
+
+def settle(future: Future[Any], *, result: Any = None, error: BaseException | None = None) -> None:
+    """Resolve ``future`` unless something else already did (two sources may race to)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass
+
+
+def in_thread(call: Callable[[], Any], name: str = "weight-sync-call") -> Future[Any]:
+    """Run a blocking call on a daemon thread of its own: a stuck peer may never return, and must
+    not hold up anything else (the caller bounds its wait on the future)."""
+    future: Future[Any] = Future()
+
+    def run() -> None:
+        try:
+            settle(future, result=call())
+        except BaseException as exc:
+            settle(future, error=exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
 
 
 def then(future: Future[Any], step: Callable[[Any], Any]) -> Future[Any]:

@@ -22,13 +22,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from typing import Any, Protocol
 
 import torch
 
 from weight_sync.config import SyncConfig
-from weight_sync.control import Fate, first_line, is_collateral, then
+from weight_sync.control import Fate, first_line, in_thread, is_collateral, settle, then
 from weight_sync.errors import WeightSyncError
 from weight_sync.metadata import (
     GroupSpec,
@@ -98,10 +98,6 @@ class StoreMember:
     ) -> None:
         """Where the next push lands (a job's rank may receive into another model each time)."""
         self._check, self._loader, self._destinations = check, loader, destinations
-
-    @property
-    def joined(self) -> bool:
-        return self._store is not None
 
     def init(self, address: str, port: int, epoch: int, timeout_s: float,
              max_metadata_bytes: int, slot: int | None = None) -> None:  # fmt: skip
@@ -177,14 +173,7 @@ class StoreMember:
     def _answer(self, key: str, step: Callable[[], Any], reraise: bool = True) -> None:
         """Run ``step`` and write its result or its error to ``key`` for the trainer; an error
         is raised again here too (``reraise``)."""
-        try:
-            value, error = step(), None
-        except Exception as exc:
-            value, error = None, exc
-        reply = WorkerReply(
-            value=value, error=type(error).__name__ if error else None,
-            message=str(error)[:2000] if error else "", status=self.receiver.status(),
-        )  # fmt: skip
+        reply, error = WorkerReply.of(step, self.receiver.status)
         self._store.set(key, reply.model_dump_json())
         if error is not None and reraise:
             raise error
@@ -231,7 +220,7 @@ class ClientPlane:
         self._epoch += 1
         info = {"address": self._address, "port": self._port, "epoch": self._epoch,
                 "timeout_s": self._timeout_s, "max_metadata_bytes": self._max_metadata_bytes}  # fmt: skip
-        self._joining = _in_thread(lambda: self._client.init_weight_transfer_engine(info))
+        self._joining = in_thread(lambda: self._client.init_weight_transfer_engine(info))
         return self._round("info", self._epoch, self._joining, MemberInfo)
 
     def join(
@@ -257,24 +246,24 @@ class ClientPlane:
             self._plans.add(plan.digest)
         self._mailbox.post(f"prepare/{self._epoch}", request.model_dump_json())
         self._pushing = request.version
-        call = _in_thread(self._client.start_weight_update)
+        call = in_thread(self._client.start_weight_update)
         return self._round("prepared", request.version, call, PrepareReply)
 
     def cancel(self, version: int, members: Sequence[int], timeout_s: float) -> list[Future[None]]:
         ending = self._take_session()  # now, not in the thread: the next push may begin before
-        return [_in_thread(lambda: self._end_session(ending))] * len(members)
+        return [in_thread(lambda: self._end_session(ending))] * len(members)
 
     def push(self, request: PrepareRequest, timeout_s: float) -> list[Future[PushReply]]:
         raise AssertionError("vLLM's workers never offer one-call pushes (MemberInfo.one_call)")
 
     def receive(self, version: int, atomic: bool, timeout_s: float) -> list[Future[ReceiveReport]]:
-        call = _in_thread(lambda: self._client.update_weights({"version": version}))
+        call = in_thread(lambda: self._client.update_weights({"version": version}))
         return self._round("received", version, call, ReceiveReport)
 
     def commit(self, version: int, timeout_s: float) -> list[Future[None]]:
         self._pushing = None
         self._mailbox.post(f"verdict/{version}", _COMMIT)
-        call = _in_thread(lambda: self._client.finish_weight_update(str(version)))
+        call = in_thread(lambda: self._client.finish_weight_update(str(version)))
         return self._round("committed", version, call, None)
 
     def leave(self, timeout_s: float) -> list[Future[None]]:
@@ -290,7 +279,7 @@ class ClientPlane:
                 logger.debug("ending the update session: %s", exc)
             shutdown()
 
-        return [_in_thread(leave)] * self._workers
+        return [in_thread(leave)] * self._workers
 
     def drop(self, members: Sequence[int]) -> None:
         logger.warning(
@@ -331,7 +320,7 @@ class ClientPlane:
         def failed(done: Future[Any]) -> None:
             if done.exception() is not None:
                 for answer in answers:
-                    _settle(answer, error=done.exception())
+                    settle(answer, error=done.exception())
 
         call.add_done_callback(failed)
         return [then(answer, lambda raw: _parse(raw, kind)) for answer in answers]
@@ -369,7 +358,7 @@ class _Mailbox:
         with self._lock:
             self._closed, self._store = True, None
             for future in self._pending.values():
-                _settle(future, error=WeightSyncError("the weight-transfer engine was shut down"))
+                settle(future, error=WeightSyncError("the weight-transfer engine was shut down"))
             self._pending.clear()
 
     def _poll(self) -> None:
@@ -386,7 +375,7 @@ class _Mailbox:
                         self._store.delete_key(key)
                         del self._pending[key]
             for future, value in arrived:
-                _settle(future, result=value)
+                settle(future, result=value)
             time.sleep(_POLL_S)
 
 
@@ -395,28 +384,3 @@ def _parse(raw: str, kind: type | None) -> Any:
         raise WeightSyncError(f"a worker's reply of {len(raw)} bytes exceeds {MAX_REPLY_CHARS}")
     value = WorkerReply.model_validate_json(raw).unwrap()
     return kind.model_validate_json(value) if kind is not None and value is not None else None  # type: ignore[attr-defined]
-
-
-def _settle(future: Future[Any], *, result: Any = None, error: BaseException | None = None) -> None:
-    try:
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-    except InvalidStateError:
-        pass  # settled already (by the other of the worker's answer and the client call)
-
-
-def _in_thread(call: Callable[[], Any]) -> Future[Any]:
-    """Run a blocking client call on a thread of its own: a stuck engine may never return, and
-    must not hold up anything else (the push's deadline bounds the wait for it)."""
-    future: Future[Any] = Future()
-
-    def run() -> None:
-        try:
-            _settle(future, result=call())
-        except BaseException as exc:
-            _settle(future, error=exc)
-
-    threading.Thread(target=run, name="weight-sync-client", daemon=True).start()
-    return future

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from functools import cached_property
 from typing import Annotated, Literal
 
@@ -359,6 +360,7 @@ class SyncStatus(_Wire):
 
 # Errors a member may raise that keep their type across such a boundary.
 _TYPED = {cls.__name__: cls for cls in (WeightSyncError, TransportError, SyncTimeoutError)}
+_MAX_MESSAGE = 2000  # of an error's message in a reply
 
 
 class WorkerReply(_Wire):
@@ -370,6 +372,23 @@ class WorkerReply(_Wire):
     error: str | None = None  # the exception's type name
     message: str = ""
     status: SyncStatus
+
+    @classmethod
+    def of(
+        cls, step: Callable[[], str | None], status: Callable[[], SyncStatus]
+    ) -> tuple[WorkerReply, Exception | None]:
+        """Run ``step``: its result, or the error it raised (type name and a bounded message),
+        with the member's ``status()`` after it; the error is returned too, for a caller that
+        raises it again."""
+        try:
+            value, error = step(), None
+        except Exception as exc:
+            value, error = None, exc
+        reply = cls(
+            value=value, error=type(error).__name__ if error else None,
+            message=str(error)[:_MAX_MESSAGE] if error else "", status=status(),
+        )  # fmt: skip
+        return reply, error
 
     def unwrap(self) -> str | None:
         """The result, or the error raised again (as weight_sync's type where it was one: the

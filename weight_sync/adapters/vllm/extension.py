@@ -26,7 +26,6 @@ from weight_sync.metadata import WorkerReply
 from weight_sync.receiver import Loader, Receiver
 
 EXTENSION = "weight_sync.adapters.vllm.WeightSyncExtension"
-_MAX_MESSAGE = 2000
 
 
 class WeightSyncExtension:
@@ -74,14 +73,8 @@ class WeightSyncExtension:
     # -- internals -----------------------------------------------------------------------------
 
     def _weight_sync_reply(self, step: Callable[[], Any]) -> str:
-        receiver, _ = self._weight_sync_state()
-        try:
-            value, error, message = step(), None, ""
-        except Exception as exc:
-            value, error, message = None, type(exc).__name__, str(exc)[:_MAX_MESSAGE]
-        return WorkerReply(
-            value=value, error=error, message=message, status=receiver.status()
-        ).model_dump_json()
+        reply, _ = WorkerReply.of(step, self._weight_sync_state()[0].status)
+        return reply.model_dump_json()
 
     def _weight_sync_state(self) -> tuple[Receiver, ReloadTarget]:
         state = self.__dict__.get("_weight_sync")

@@ -25,8 +25,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +34,7 @@ from typing import IO
 
 from typing_extensions import Self
 
+from weight_sync.adapters.vllm.servers import ServerError, call
 from weight_sync.errors import WeightSyncError
 
 __all__ = ["ServerProcess", "ServerStartError", "local_servers"]
@@ -46,7 +45,6 @@ _MODULE = "vllm.entrypoints.openai.api_server"
 _BACKEND = json.dumps({"backend": "weight_sync"})
 _POLL_S = 0.5
 _LIVE: weakref.WeakSet[ServerProcess] = weakref.WeakSet()
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class ServerStartError(WeightSyncError):
@@ -232,10 +230,10 @@ def local_servers(
 
 def _healthy(url: str) -> bool:
     try:
-        with _OPENER.open(f"{url}/health", timeout=5) as response:
-            return bool(response.status == 200)
-    except (urllib.error.URLError, OSError):
+        call(url, "health", timeout_s=5)
+    except ServerError:
         return False
+    return True
 
 
 def _listening_port(pid: int, host: str) -> int | None:

@@ -38,13 +38,14 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from concurrent.futures import FIRST_EXCEPTION, wait
 from functools import partial
 from typing import Any, Literal
 
 from typing_extensions import Self
 
 from weight_sync.config import SyncConfig
+from weight_sync.control import in_thread
 from weight_sync.entries import Rename, StateDict
 from weight_sync.errors import PlanMismatchError, WeightSyncError, WorkerFailedError
 from weight_sync.mapping import Transform
@@ -136,7 +137,7 @@ def fan_out(
     by URL. Raises ``ServerError`` naming every server that failed -- as soon as one has (the
     others' threads finish on their own, bounded by their requests' timeouts), or naming those
     still silent after ``timeout_s``."""
-    futures = {url: _in_thread(partial(step, url)) for url in urls}
+    futures = {url: in_thread(partial(step, url), "weight-sync-http") for url in urls}
     wait(futures.values(), timeout=timeout_s, return_when=FIRST_EXCEPTION)
     failed: dict[str, str] = {}
     for url, future in futures.items():
@@ -157,19 +158,6 @@ def fan_out(
             dict.fromkeys(late, f"no answer within {timeout_s:.1f}s"),
         )
     return {url: future.result() for url, future in futures.items()}
-
-
-def _in_thread(run: Callable[[], Any]) -> Future[Any]:
-    future: Future[Any] = Future()
-
-    def target() -> None:
-        try:
-            future.set_result(run())
-        except BaseException as exc:
-            future.set_exception(exc)
-
-    threading.Thread(target=target, name="weight-sync-http", daemon=True).start()
-    return future
 
 
 class ServersClient:
