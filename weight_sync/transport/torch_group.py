@@ -268,7 +268,7 @@ class TorchGroup:
             elif spec.mode == "job":
                 pg = _job_group(spec, ours, rendezvous)
             elif spec.backend == "gloo":
-                pg = _gloo_group(spec, ours, rendezvous, collective)
+                pg = gloo_group(spec, ours, rendezvous, collective)
             else:
                 pg = cast(_GroupHandle, nccl.nccl_group(spec, ours, collective))
         except RuntimeError as exc:
@@ -692,7 +692,7 @@ def _job_group(
     return group
 
 
-def _gloo_group(
+def gloo_group(
     spec: GroupSpec,
     store: dist.Store,
     rendezvous: datetime.timedelta,
