@@ -91,18 +91,23 @@ def test_bucket_bytes_must_be_positive() -> None:
         plan_buckets([("a", F32, (1,))], 0)
 
 
-CHECKPOINT = Checkpoint({"emb": ("float32", (10, 4)), "norm": ("float32", (4,))}, tied=True)
+CHECKPOINT = Checkpoint({"emb": ("float32", (10, 4)), "norm": ("float32", (4,)),
+                         "q": ("float8_e4m3fn", (2,)), "ids": ("int64", (3,))}, tied=True)  # fmt: skip
 
 
 @pytest.mark.parametrize(
     ("pushed", "keep", "problems"),
     [
-        ([("emb", (10, 4)), ("norm", (4,))], [0, 1], []),
-        ([("norm", (4,))], [0], []),  # a subset is fine
-        ([("emb", (10, 4)), ("lm_head.weight", (10, 4))], [0], []),  # the tied head is not sent
-        ([("emb", (10, 5))], [], ["emb: pushed [10, 5], the engine holds [10, 4]"]),
-        ([("model.emb", (10, 4)), ("norm", (4,))], [1],
-         ["model.emb: no such tensor in the engine's checkpoint"]),
+        ([("emb", (10, 4), "float32"), ("norm", (4,), "float32")], [0, 1], []),
+        ([("norm", (4,), "bfloat16")], [0], []),  # a subset, cast: fine
+        ([("emb", (10, 4), "float32"), ("lm_head.weight", (10, 4), "float32")], [0], []),
+        ([("emb", (10, 5), "float32")], [], ["emb: pushed [10, 5], the engine holds [10, 4]"]),
+        ([("model.emb", (10, 4), "float32"), ("norm", (4,), "float32")], [1],
+         ["model.emb: no such tensor in the engine's checkpoint (map the trainer's names with "
+          "rename= or transform=)"]),
+        ([("q", (2,), "bfloat16"), ("ids", (3,), "int64")], [1],
+         ["q: pushed bfloat16, the engine holds float8_e4m3fn (quantized or integer): push it "
+          "in the engine's own dtype"]),
     ],
 )  # fmt: skip
 def test_check_push(pushed: list, keep: list[int], problems: list[str]) -> None:
@@ -111,9 +116,9 @@ def test_check_push(pushed: list, keep: list[int], problems: list[str]) -> None:
 
 def test_an_untied_head_is_checked_like_any_tensor() -> None:
     untied = Checkpoint(CHECKPOINT.tensors, tied=False)
-    assert check_push(untied, [("lm_head.weight", (10, 4))])[1] == [
-        "lm_head.weight: no such tensor in the engine's checkpoint"
-    ]
+    assert check_push(untied, [("lm_head.weight", (10, 4), "float32")])[1][0].startswith(
+        "lm_head.weight: no such tensor"
+    )
 
 
 def test_read_checkpoint_from_safetensors_headers(tmp_path: Path) -> None:

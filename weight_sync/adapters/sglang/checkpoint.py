@@ -47,7 +47,12 @@ def read_checkpoint(directory: str | Path) -> Checkpoint:
     """The checkpoint in ``directory`` (a Hugging Face model folder of ``*.safetensors``).
     ``FileNotFoundError`` when there is none to read, ``ValueError`` for a malformed one."""
     folder = Path(directory)
-    files = sorted(folder.glob("*.safetensors"))
+    index = folder / "model.safetensors.index.json"
+    if index.exists():  # the files the checkpoint is made of, not whatever else lies there
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+        files = sorted(folder / shard for shard in shards)
+    else:
+        files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(
             f"no *.safetensors in {folder}: the check of a push needs the checkpoint the engine "
@@ -60,7 +65,8 @@ def read_checkpoint(directory: str | Path) -> Checkpoint:
     tied = False
     if config.exists():
         settings = json.loads(config.read_text())
-        tied = bool(settings.get("tie_word_embeddings", False))
+        text = settings.get("text_config") or {}  # a vision-language model's language half
+        tied = bool(settings.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
     return Checkpoint(tensors, tied and TIED_HEAD not in tensors)
 
 
@@ -83,19 +89,28 @@ _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat
 
 
 def check_push(
-    checkpoint: Checkpoint, pushed: Sequence[tuple[str, tuple[int, ...]]]
+    checkpoint: Checkpoint, pushed: Sequence[tuple[str, tuple[int, ...], str]]
 ) -> tuple[list[int], list[str]]:
-    """The indices of ``pushed`` (``(name, shape)``) to send -- all but a tied LM head -- and
-    what the engine cannot load: every name it does not hold, every shape unlike its own."""
+    """The indices of ``pushed`` (``(name, shape, wire dtype name)``) to send -- all but a tied
+    LM head -- and what the engine cannot load: every name it does not hold, every shape unlike
+    its own, and a dtype other than its own where it holds a quantized or integer tensor (its
+    loader would copy the values in, not quantize them)."""
     keep, problems = [], []
-    for index, (name, shape) in enumerate(pushed):
+    for index, (name, shape, dtype) in enumerate(pushed):
         if checkpoint.tied and name == TIED_HEAD:
             continue  # SGLang ties it to the embedding, which the push carries
         held = checkpoint.tensors.get(name)
         if held is None:
-            problems.append(f"{name}: no such tensor in the engine's checkpoint")
+            problems.append(f"{name}: no such tensor in the engine's checkpoint (map the "
+                            "trainer's names with rename= or transform=)")  # fmt: skip
         elif tuple(shape) != held[1]:
             problems.append(f"{name}: pushed {list(shape)}, the engine holds {list(held[1])}")
+        elif held[0] != dtype and held[0] not in _FLOATS:
+            problems.append(f"{name}: pushed {dtype}, the engine holds {held[0]} (quantized "
+                            "or integer): push it in the engine's own dtype")  # fmt: skip
         else:
             keep.append(index)
     return keep, problems
+
+
+_FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})

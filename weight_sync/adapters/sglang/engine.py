@@ -6,9 +6,13 @@ The actor serves the routes the push uses (``client.ROUTES``) from the engine's 
 ``end_weight_update``, ``destroy_weights_update_group``, ``flush_cache`` -- and, for
 ``update_weight_version``, which the offline engine does not expose, from its tokenizer manager,
 as SGLang's HTTP server does. The engine is not thread-safe (each method runs its own event
-loop to completion), so the actor runs one engine call at a time: a ``generate`` and a push
-never overlap, and a push needs no pause (the two pause routes are answered without one: a
-pause a dead trainer left behind would otherwise hold every later ``generate``).
+loop to completion), so the actor runs one engine call at a time: a ``generate`` never runs
+inside one of a push's calls, but may run between two of them (between buckets) -- with the
+engine labelled ``"none"``, which its outputs then carry, so a rollout from weights half-way
+through a push is told apart. The two pause routes are answered without pausing: a pause a
+dead trainer left behind would hold every later ``generate``, and a push's call waits for a
+``generate`` in flight (give the push's calls time for the longest one: ``rpc_timeout_s``,
+``collective_timeout_s``).
 
 SGLang need not be importable where the trainer runs. Its pins and vLLM's differ (``openai``,
 ``compressed-tensors``, ``numba``, ``xgrammar``), so the two often live in separate virtual
@@ -81,8 +85,9 @@ class SGLangEngine:
         return outputs if isinstance(outputs, list) else [outputs]
 
     def weights_version(self) -> int | None:
-        """The committed version this engine serves (None: none, or a push under way)."""
-        return as_version(str(self.sglang_call("model_info", None).get("weight_version")))
+        """The committed version this engine serves (None: none, or a push under way). Answers
+        at once, also during a push: the label lives in this process (the tokenizer manager)."""
+        return as_version(str(self.engine.get_model_info().get("weight_version")))
 
     def shutdown(self) -> None:
         """Stop the engine and its processes."""

@@ -71,3 +71,12 @@ def open_trainer_group(
     assert device is not None and device.type == "cuda", "NCCL sends from a CUDA device"
     pg = cast(Any, nccl.nccl_group(spec, theirs, collective))
     return TorchGroup(spec, pg, store, ours, device)
+
+
+def connect_nccl(group: TorchGroup) -> None:
+    """Create the trainer's NCCL communicator now (``ncclCommInitRank``, unbounded: run it on a
+    thread and bound the wait). The engines create theirs lazily in their first receive, under
+    the same store key (each ``ProcessGroupNCCL``'s first communicator: ``"0"``)."""
+    device = group.device
+    with torch.cuda.device(device):
+        group.process_group.eager_connect_single_device(device)  # type: ignore[attr-defined]

@@ -7,9 +7,10 @@ us keep, we keep:
 * **Checked before any byte moves** (``checkpoint.check_push``): every name must be one the
   engine loaded at start, with its shape; a refused push changes nothing anywhere.
 * **Bounded**: every call to an engine and every broadcast draws on the push's deadline
-  (``push_timeout_s``); a dead or frozen engine, or one that answers ``success: false``, is a
-  ``ServerError`` naming it, in bound. The group is then aborted on our side, which ends the
-  engines' own waits in it at once (their sockets to us close).
+  (``push_timeout_s``, less a reserve to release the engines after a failure); a dead or frozen
+  engine, or one that answers ``success: false``, is a ``ServerError`` naming it, in bound. The
+  group is then aborted on our side, which over Gloo ends the engines' own waits in it at once
+  (their sockets to us close); over NCCL it cannot (see ``_recover``).
 * **Versioned**: engines answer ``"none"`` (SGLang's ``weight_version`` label, which every
   output's ``meta_info`` carries) from before the first byte moves until the push committed,
   then the version. A push that failed after bytes moved leaves them ``"none"``: SGLang loads
@@ -18,9 +19,9 @@ us keep, we keep:
   that no engine claims a version over a mix.
 * **Paused and flushed**: generation is paused around the push (``pause_mode``: ``"retract"``
   puts running requests back in the queue, recomputed with the new weights on resume;
-  ``"abort"`` ends them; ``"in_place"`` freezes them with their old KV cache) and the radix
-  cache flushed before the new version is announced: its entries were computed with the old
-  weights. A cache that cannot be flushed fails the push.
+  ``"abort"`` ends them; SGLang's ``"in_place"``, which keeps them with their KV cache, would
+  refuse the flush) and the radix cache flushed before the new version is announced: its
+  entries were computed with the old weights. A cache that cannot be flushed fails the push.
 
 Per push: one call per engine per round (pause, begin, end, flush, label, resume) and one per
 engine per bucket (SGLang receives one bucket per call). Packing bucket k+1 overlaps the
@@ -44,15 +45,15 @@ from typing_extensions import Self
 from weight_sync.adapters.sglang.buckets import Bucket, pack, plan_buckets
 from weight_sync.adapters.sglang.checkpoint import Checkpoint, check_push
 from weight_sync.adapters.sglang.client import Engine
-from weight_sync.adapters.sglang.group import open_trainer_group
+from weight_sync.adapters.sglang.group import connect_nccl, open_trainer_group
 from weight_sync.config import SyncConfig
 from weight_sync.control import in_thread
 from weight_sync.deadline import Deadline
 from weight_sync.entries import Rename, StateDict, check_state_dict, wire_dtype
-from weight_sync.errors import PlanMismatchError, WeightSyncError
+from weight_sync.errors import PlanMismatchError, SyncTimeoutError, WeightSyncError
 from weight_sync.http import ServerError
 from weight_sync.mapping import Transform
-from weight_sync.metadata import BackendName
+from weight_sync.metadata import BackendName, dtype_name
 from weight_sync.result import PushResult
 from weight_sync.sharded import ShardedSource
 from weight_sync.transport.rendezvous import address_of_interface, bind_listener
@@ -62,7 +63,7 @@ __all__ = ["NO_VERSION", "PauseMode", "SGLangPusher"]
 
 logger = logging.getLogger(__name__)
 
-PauseMode = Literal["retract", "abort", "in_place"]
+PauseMode = Literal["retract", "abort"]
 NO_VERSION = "none"  # the label of an engine that holds no committed version
 _UNLABELLED = frozenset({NO_VERSION, "default"})  # "default": SGLang's own, before any push
 _QUICK_S = 10.0  # bound on each call made to recover after a failure
@@ -85,9 +86,11 @@ class SGLangPusher:
     ) -> None:
         if config is not None and not isinstance(config, SyncConfig):
             raise TypeError(f"config must be a SyncConfig, got {type(config).__name__}")
-        if pause_mode not in ("retract", "abort", "in_place"):
+        if pause_mode not in ("retract", "abort"):
             raise ValueError(
-                f"pause_mode must be 'retract', 'abort' or 'in_place', got {pause_mode!r}"
+                f"pause_mode must be 'retract' or 'abort', got {pause_mode!r} (SGLang's "
+                "'in_place' keeps running requests, whose KV cache then refuses the flush a "
+                "push needs)"
             )
         self.config = config or SyncConfig()
         if self.config.delta:
@@ -100,8 +103,8 @@ class SGLangPusher:
             raise ValueError(f"an engine is listed twice: {names}")
         self.engines = list(engines)
         self.pause_mode = pause_mode
-        self._by_name = dict(zip(names, self.engines, strict=True))
         self._group: TorchGroup | None = None
+        self._connected = False  # NCCL: our communicator exists
         self._group_name = ""
         self._backend: BackendName | None = None
         self._checkpoints: list[Checkpoint] | None = None
@@ -152,8 +155,10 @@ class SGLangPusher:
             if not named:
                 return PushResult(self._version or 0, 0, 0, 0.0)
             bound = self.config.push_timeout_s
-            deadline = Deadline(bound - min(bound / 4, 3 * _QUICK_S), "push", started)
+            deadline = Deadline(bound - _reserve(bound), "push", started)
             sent = self._check(named, entries.tensors, deadline)
+            if not sent:  # only a tied head, which the engines tie themselves
+                return PushResult(self._version or 0, 0, 0, 0.0)
             sources = [entries.tensors[index] for _, index in sent]
             cast = self.config.cast_dtype
             buckets = plan_buckets(
@@ -169,9 +174,7 @@ class SGLangPusher:
             if self._closed:
                 return
             self._closed = True
-            if self._group is not None:
-                self._drop_group(abort=False)
-                self._quietly("destroy_weights_update_group", {"group_name": self._group_name})
+            self._leave_group()
 
     def __enter__(self) -> Self:
         return self
@@ -185,30 +188,30 @@ class SGLangPusher:
         self, named: list[tuple[str, int]], tensors: list[torch.Tensor], deadline: Deadline
     ) -> list[tuple[str, int]]:
         """What to send, checked against every engine's checkpoint; raises PlanMismatchError."""
-        if self._checkpoints is None:
-            timeout_s = deadline.left(self.config.rpc_timeout_s)
-            answers = _settle({e.name: in_thread(partial(e.checkpoint, timeout_s))
-                               for e in self.engines}, timeout_s + 1.0, "reading checkpoints")  # fmt: skip
-            self._checkpoints = [answers[e.name] for e in self.engines]
-        shapes = [(name, tuple(tensors[index].shape)) for name, index in named]
+        if self._checkpoints is None:  # one by one: a trainer-side error stays what it is
+            self._checkpoints = [e.checkpoint(deadline.left(self.config.rpc_timeout_s))
+                                 for e in self.engines]  # fmt: skip
+        cast = self.config.cast_dtype
+        pushed = [(name, tuple(tensors[index].shape), dtype_name(wire_dtype(tensors[index].dtype,
+                   cast))) for name, index in named]  # fmt: skip
         problems: dict[int, list[str]] = {}
-        keep: list[int] | None = None
+        keep: set[int] | None = None
         for slot, checkpoint in enumerate(self._checkpoints):
-            kept, wrong = check_push(checkpoint, shapes)
+            kept, wrong = check_push(checkpoint, pushed)
             if wrong:
-                problems[slot] = wrong
-            keep = kept if keep is None else [index for index in keep if index in set(kept)]
+                problems[slot] = [f"{self.engines[slot].name}: {why}" for why in wrong]
+            keep = set(kept) if keep is None else keep & set(kept)
         missing = sorted(self._must_cover - {name for name, _ in named})
         if missing:
-            why = (f"a push failed part-way after sending {len(missing)} tensor(s) this one "
-                   f"lacks ({', '.join(missing[:5])}...): push them all, so that no engine "
-                   "claims a version over a mix")  # fmt: skip
-            for slot in range(len(self.engines)):
-                problems.setdefault(slot, []).append(why)
+            problems.setdefault(0, []).append(
+                f"a push failed part-way after sending {len(missing)} tensor(s) this one lacks "
+                f"({', '.join(missing[:5])}): push them all, so that no engine claims a version "
+                "over a mix"
+            )
         if problems:
             raise PlanMismatchError(problems)
         assert keep is not None
-        return [named[index] for index in keep]
+        return [named[index] for index in sorted(keep)]
 
     def _push(
         self,
@@ -229,8 +232,8 @@ class SGLangPusher:
 
         paused = moved = False
         try:
+            paused = True  # before the calls: an engine that paused must resume, whoever failed
             self._fan("pause_generation", {"mode": self.pause_mode}, deadline)
-            paused = True
             group = self._ensure_group(sources, deadline)
             lap("group")
             self._fan("begin_weight_update", {}, deadline)
@@ -250,7 +253,13 @@ class SGLangPusher:
             raise blamed from exc
         self._next_version += 1
         self._version, self._must_cover = version, set()
-        self._fan("continue_generation", {"torch_empty_cache": False}, Deadline(_QUICK_S, "resume"))
+        try:
+            self._fan("continue_generation", {"torch_empty_cache": False},
+                      Deadline(_QUICK_S, "resume"))  # fmt: skip
+        except ServerError as exc:
+            raise ServerError(f"version {version} was committed on every engine, but resuming "
+                              f"generation failed: {exc}; call continue_generation on them",
+                              exc.servers) from exc  # fmt: skip
         seconds = time.monotonic() - started
         phases["total"] = seconds
         nbytes = sum(bucket.nbytes for bucket in buckets)
@@ -282,6 +291,8 @@ class SGLangPusher:
             calls = {engine.name: in_thread(partial(engine.call, "update_weights_from_distributed",
                                                     body, timeout_s), "weight-sync-sglang")
                      for engine in self.engines}  # fmt: skip
+            if not self._connected:  # NCCL: the engines create their communicator in this call
+                self._connect(group, calls, deadline)
             in_flight = group.broadcast(data, src=0, timeout_s=timeout_s), calls
         if in_flight is not None:
             self._finish(*in_flight, deadline)
@@ -293,24 +304,41 @@ class SGLangPusher:
         _settle(calls, deadline.left(self.config.collective_timeout_s) + 1.0,
                 "update_weights_from_distributed", sending)  # fmt: skip
 
+    def _connect(
+        self, group: TorchGroup, calls: dict[str, Future[Any]], deadline: Deadline
+    ) -> None:
+        """Create our NCCL communicator while the engines create theirs, in their first receive
+        (lazily, under the same store key), bounded: torch bounds nothing of
+        ``ncclCommInitRank``, and posting the first broadcast without a communicator would run
+        it under the group's lock with no bound at all (see ``transport.nccl.connect``)."""
+        connecting = in_thread(lambda: connect_nccl(group), "weight-sync-nccl-init")
+        _settle(calls, deadline.left(self.config.rendezvous_timeout_s), "creating the NCCL "
+                "communicator", connecting, until_also=True)  # fmt: skip
+        self._connected = True
+
     def _ensure_group(self, sources: list[torch.Tensor], deadline: Deadline) -> TorchGroup:
         backend, device = self._backend_for(sources)
         if self._group is not None and backend == self._backend:
             return self._group
-        if self._group is not None:
-            self._drop_group(abort=False)
-            self._quietly("destroy_weights_update_group", {"group_name": self._group_name})
+        self._leave_group()
         answers = self._fan("server_info", None, deadline)
         ranks = []
         for engine in self.engines:
             info = answers[engine.name] or {}
-            if int(info.get("dp_size", 1) or 1) != 1:
-                raise ValueError(f"SGLang engine {engine.name} runs data-parallel replicas "
-                                 "(dp_size > 1), which SGLang cannot update from a broadcast; "
-                                 "start one engine per replica")  # fmt: skip
+            for field, what in (("dp_size", "data-parallel replicas"),
+                                ("pp_size", "pipeline stages")):  # fmt: skip
+                if int(info.get(field, 1) or 1) != 1:
+                    raise ValueError(
+                        f"SGLang engine {engine.name} runs {what} ({field} > 1), whose ranks "
+                        "SGLang cannot place in a weight-update group; start one engine per "
+                        "replica, tensor-parallel only"
+                    )
             ranks.append(int(info.get("tp_size", 1) or 1))
+            # Versions never repeat, across trainers too: past what any engine holds.
+            held = as_version(str(info.get("weight_version")))
+            self._next_version = max(self._next_version, (held or 0) + 1)
         # A trainer that died mid-push left a session open: SGLang refuses to begin another.
-        self._quietly("end_weight_update", {})
+        self._quietly("end_weight_update", {}, _QUICK_S)
         config = self.config
         address = (
             config.master_addr
@@ -339,9 +367,10 @@ class SGLangPusher:
             group = ours.result(timeout=max(deadline.remaining(), 0.1))
         except BaseException:
             ours.add_done_callback(lambda done: done.exception() or done.result().abort())
-            self._quietly("destroy_weights_update_group", {"group_name": name})
+            self._quietly("destroy_weights_update_group", {"group_name": name}, _QUICK_S)
             raise
         self._group, self._group_name, self._backend = group, name, backend
+        self._connected = backend == "gloo"  # Gloo connected in the constructor; NCCL lazily
         logger.info("SGLang group %s formed: the trainer and %d engine rank(s), %s",
                     name, sum(ranks), backend)  # fmt: skip
         return group
@@ -364,38 +393,42 @@ class SGLangPusher:
     def _recover(
         self, error: BaseException, paused: bool, moved: bool, names: set[str]
     ) -> BaseException:
-        """After a failed push: abort our end of the group (the engines' waits in it end), then
-        on every engine, each call bounded: end the update session, say ``"none"`` if bytes
-        may have moved, leave the group, resume. Returns the error to raise: a ``ServerError``
-        naming the engines that could not be reached (dead) or whose calls failed."""
+        """After a failed push: abort our end of the group, then release every engine (see
+        ``release``), within what the push kept of its bound. Returns the error to raise: a
+        ``ServerError`` naming the engines that could not be reached (dead) or whose calls
+        failed.
+
+        NCCL: an engine's receive is a kernel our abort cannot cancel (SGLang waits for it only
+        on its stream), so an engine whose transfer was cut stays wedged until its group's
+        30-minute timeout; it is not resumed, and the error says to restart it."""
         failed = dict(error.servers) if isinstance(error, ServerError) else {}
-        group_name = self._group_name
+        group_name, nccl = self._group_name, self._backend == "nccl"
         self._drop_group(abort=True)
         if moved:
             self._must_cover |= names
-
-        def recover(engine: Engine) -> None:
-            for route, body in (("end_weight_update", {}),
-                                ("destroy_weights_update_group", {"group_name": group_name})):  # fmt: skip
-                try:
-                    engine.call(route, body, _QUICK_S)
-                except ServerError as exc:  # none open, or already gone: expected here
-                    logger.debug("recovering %s: %s", engine.name, exc)
-            if moved:
-                engine.call("update_weight_version",
-                            {"new_version": NO_VERSION, "abort_all_requests": False}, _QUICK_S)  # fmt: skip
-            if paused:
-                engine.call("continue_generation", {"torch_empty_cache": False}, _QUICK_S)
-
+        budget = _reserve(self.config.push_timeout_s)
+        wedged = nccl and moved
         unreachable: dict[str, str] = {}
-        futures = {engine.name: in_thread(partial(recover, engine)) for engine in self.engines}
+        futures = {
+            engine.name: in_thread(partial(
+                release, engine, group_name, label=moved, resume=paused and not wedged,
+                timeout_s=budget / 4,
+            ))
+            for engine in self.engines
+        }  # fmt: skip
+        end = time.monotonic() + budget
         for name, future in futures.items():
             try:
-                future.result(timeout=5 * _QUICK_S)
+                future.result(timeout=max(end - time.monotonic(), 0.01))
             except Exception as exc:
                 unreachable[name] = str(exc.servers.get(name, exc)) if isinstance(
                     exc, ServerError) else f"{type(exc).__name__}: {exc}"  # fmt: skip
                 logger.warning("after a failed push (%s), SGLang engine %s: %s", error, name, exc)
+        if wedged:
+            return WeightSyncError(
+                f"{error} [over NCCL, the engines' receives cannot be cancelled: restart the "
+                "SGLang engines of this push (they are labelled 'none' and were not resumed)]"
+            )
         if not isinstance(error, WeightSyncError):
             return error
         blamed, what = (unreachable, "unreachable") if unreachable else (failed, "failed")
@@ -409,6 +442,13 @@ class SGLangPusher:
         self._checkpoints = None  # read again with the next group: an engine may have restarted
         if group is not None:
             group.abort("the push failed") if abort else group.close()
+
+    def _leave_group(self) -> None:
+        """Close our end of the group and have every engine leave it (quietly, bounded)."""
+        if self._group is not None:
+            self._drop_group(abort=False)
+            self._quietly("destroy_weights_update_group", {"group_name": self._group_name},
+                          _QUICK_S)  # fmt: skip
 
     # -- calls to every engine -------------------------------------------------------------------
 
@@ -424,21 +464,55 @@ class SGLangPusher:
         self._fan("update_weight_version", {"new_version": label, "abort_all_requests": False},
                   deadline)  # fmt: skip
 
-    def _quietly(self, route: str, body: dict[str, Any]) -> None:
+    def _quietly(self, route: str, body: dict[str, Any], timeout_s: float) -> None:
         """``route`` on every engine, bounded; failures (expected: nothing to end) only logged."""
         try:
-            self._fan(route, body, Deadline(_QUICK_S, route))
+            self._fan(route, body, Deadline(timeout_s, route))
         except WeightSyncError as exc:
             logger.debug("%s: %s", route, exc)
 
 
+def release(
+    engine: Engine, group_name: str | None, *, label: bool, resume: bool, timeout_s: float
+) -> None:
+    """Free one engine after a push that failed, or whose trainer died: leave the group first
+    (an engine rank still waiting in it on a peer ends its wait when that peer's sockets close;
+    meanwhile its update call holds the lock the calls below need), end the update session
+    (SGLang refuses the next one until then), say ``"none"`` if bytes may have moved (SGLang
+    loads bucket by bucket), and resume generation. Leaving and ending may fail (nothing to
+    leave or end); labelling and resuming raise ``ServerError``."""
+    steps: list[tuple[str, dict[str, Any]]] = [("end_weight_update", {})]
+    if group_name is not None:
+        steps.insert(0, ("destroy_weights_update_group", {"group_name": group_name}))
+    for route, body in steps:
+        try:
+            engine.call(route, body, timeout_s)
+        except ServerError as exc:
+            logger.debug("releasing %s, %s: %s", engine.name, route, exc)
+    if label:
+        engine.call("update_weight_version",
+                    {"new_version": NO_VERSION, "abort_all_requests": False}, timeout_s)  # fmt: skip
+    if resume:
+        engine.call("continue_generation", {"torch_empty_cache": False}, timeout_s)
+
+
+def _reserve(push_timeout_s: float) -> float:
+    """What a push keeps of its bound to release the engines after a failure."""
+    return min(push_timeout_s / 4, 30.0)
+
+
 def _settle(
-    calls: Mapping[str, Future[Any]], timeout_s: float, what: str, also: Future[Any] | None = None
+    calls: Mapping[str, Future[Any]],
+    timeout_s: float,
+    what: str,
+    also: Future[Any] | None = None,
+    until_also: bool = False,
 ) -> dict[str, Any]:
     """The answers of ``calls`` (by engine name) once all are in -- and ``also``, the trainer's
-    own part, done -- within ``timeout_s``. ``ServerError`` names every engine whose call failed
-    as soon as one has (before ``also``'s error: an engine that failed is the better lead), or
-    that had not answered in time."""
+    own part, done -- within ``timeout_s``; with ``until_also``, as soon as ``also`` is done
+    (the calls go on). ``ServerError`` names every engine whose call failed as soon as one has
+    (before ``also``'s error: an engine that failed is the better lead), or that had not
+    answered in time."""
     end = time.monotonic() + timeout_s
     while True:
         failed = {name: _reason(name, future) for name, future in calls.items()
@@ -446,14 +520,21 @@ def _settle(
         if failed:
             detail = "; ".join(f"{name}: {reason}" for name, reason in failed.items())
             raise ServerError(f"{what} failed on {len(failed)} SGLang engine(s): {detail}", failed)
-        if also is not None and also.done() and also.exception() is not None:
-            raise also.exception()  # type: ignore[misc]
+        if also is not None and also.done():
+            if also.exception() is not None:
+                raise also.exception()  # type: ignore[misc]
+            if until_also:
+                return {}
         late = [name for name, future in calls.items() if not future.done()]
-        if not late and (also is None or also.done()):
+        if not late and not until_also and (also is None or also.done()):
             return {name: future.result() for name, future in calls.items()}
         if time.monotonic() >= end:
-            if not late:  # only ours is late: its own bound raises first, this is a backstop
-                raise WeightSyncError(f"{what}: the trainer's broadcast outlived its bound")
+            if until_also or not late:  # the trainer's part is late: the engines wait on it
+                raise SyncTimeoutError(
+                    f"{what}: the trainer's part did not finish within {timeout_s:.1f}s while "
+                    f"the engines {late} waited; check the trainer's network and the engines' "
+                    "logs, or raise the timeouts in SyncConfig"
+                )
             raise ServerError(
                 f"{what}: SGLang engine(s) {late} did not answer within {timeout_s:.1f}s",
                 dict.fromkeys(late, f"no answer to {what} within {timeout_s:.1f}s"),

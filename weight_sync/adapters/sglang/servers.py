@@ -21,18 +21,24 @@ them.
 
 from __future__ import annotations
 
-import logging
+import ipaddress
+import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 
 from weight_sync.adapters.sglang.client import HTTPEngine
-from weight_sync.adapters.sglang.pusher import NO_VERSION, PauseMode, SGLangPusher
+from weight_sync.adapters.sglang.pusher import PauseMode, SGLangPusher, release
 from weight_sync.config import SyncConfig
-from weight_sync.http import ServerError, call, check_urls, fan_out
+from weight_sync.http import check_urls, fan_out
 
 __all__ = ["SGLangServers", "release_servers"]
 
-logger = logging.getLogger(__name__)
+
+def _loopback(host: str | None) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host or "").is_loopback
+    except ValueError:
+        return False  # a host name: not known to be this host
 
 
 class SGLangServers(SGLangPusher):
@@ -49,22 +55,23 @@ class SGLangServers(SGLangPusher):
         checkpoint: str | Path | None = None,
     ) -> None:
         self.urls = check_urls(urls, "SGLang")
+        config = config or SyncConfig()
+        remote = [url for url in self.urls if not _loopback(urllib.parse.urlsplit(url).hostname)]
+        if remote and config.interface is None and _loopback(config.master_addr):
+            raise ValueError(
+                f"the servers {remote} are on other hosts, but the trainer would listen on "
+                f"{config.master_addr} (loopback): set SyncConfig(master_addr=) to an address of "
+                "this host they reach, or interface="
+            )
         super().__init__([HTTPEngine(url, checkpoint) for url in self.urls], config,
                          pause_mode=pause_mode)  # fmt: skip
 
 
 def release_servers(urls: Sequence[str], timeout_s: float = 30.0) -> None:
-    """Free SGLang servers a dead trainer left mid-push: end its update session (an error when
-    none is open is expected), label them ``"none"`` (the weights may be half-new: the next push
-    repairs them) and resume generation. ``ServerError`` names the servers that failed."""
-
-    def release(url: str) -> None:
-        try:
-            call(url, "end_weight_update", {}, timeout_s=timeout_s)
-        except ServerError as exc:  # no session open: nothing to end
-            logger.debug("release %s: %s", url, exc)
-        call(url, "update_weight_version", {"new_version": NO_VERSION, "abort_all_requests": False},
-             timeout_s=timeout_s)  # fmt: skip
-        call(url, "continue_generation", {"torch_empty_cache": False}, timeout_s=timeout_s)
-
-    fan_out(check_urls(urls, "SGLang"), release, timeout_s * 3 + 1.0, "release")
+    """Free SGLang servers a dead trainer left mid-push: end its update session, label them
+    ``"none"`` (the weights may be half-new: the next push repairs them) and resume generation
+    (``pusher.release``). ``ServerError`` names the servers that failed."""
+    engines = {url: HTTPEngine(url) for url in check_urls(urls, "SGLang")}
+    fan_out(list(engines), lambda url: release(engines[url], None, label=True, resume=True,
+                                               timeout_s=timeout_s),
+            timeout_s * 3 + 1.0, "release")  # fmt: skip
