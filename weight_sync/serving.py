@@ -29,7 +29,7 @@ from typing_extensions import Self
 from weight_sync.errors import WeightSyncError
 from weight_sync.http import ServerError, call
 
-__all__ = ["LocalServer", "ServerStartError", "start_together"]
+__all__ = ["LocalServer", "ServerStartError", "check_flags", "start_together"]
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +206,16 @@ def start_together(count: int, start: Callable[[int], Server]) -> Iterator[list[
     finally:
         for server in started:
             server.stop()
+
+
+def check_flags(model: object, args: Sequence[str], server: str) -> None:
+    """The checks every server's constructor makes of its model and extra flags."""
+    if not isinstance(model, str) or not model:
+        raise TypeError(f"model must be a model directory or hub name, got {model!r}")
+    if isinstance(args, str) or not all(isinstance(arg, str) for arg in args):
+        raise TypeError(f"args must be a sequence of str flags, got {args!r}")
+    if "--port" in args or "--host" in args:
+        raise ValueError(f"pass host and port as arguments of {server}, not in args")
 
 
 def _hold_port(host: str) -> socket.socket:

@@ -32,7 +32,10 @@ def sglang() -> str:
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Checkpoints the engines start from: Qwen2 (tied LM head, q/k/v biases), Llama (untied)."""
     root = tmp_path_factory.mktemp("sglang_models")
-    return {"qwen2": save(QWEN2, root / "qwen2", seed=0), "llama": save(LLAMA, root / "llama", seed=0)}
+    return {
+        "qwen2": save(QWEN2, root / "qwen2", seed=0),
+        "llama": save(LLAMA, root / "llama", seed=0),
+    }
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -45,6 +48,8 @@ def _clean_shm() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = Path(os.environ.get("WEIGHT_SYNC_SGLANG_LOGS") or tmp_path_factory.mktemp("sglang_logs"))
+    folder = Path(
+        os.environ.get("WEIGHT_SYNC_SGLANG_LOGS") or tmp_path_factory.mktemp("sglang_logs")
+    )
     folder.mkdir(parents=True, exist_ok=True)
     return folder

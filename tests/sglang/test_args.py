@@ -42,7 +42,9 @@ def test_the_trainer_side_imports_without_sglang_or_ray() -> None:
         (lambda: SGLangServer("model", port=70000), ValueError, "port"),
     ],
 )  # fmt: skip
-def test_bad_arguments_are_refused_with_what_to_change(make: object, error: type, match: str) -> None:
+def test_bad_arguments_are_refused_with_what_to_change(
+    make: object, error: type, match: str
+) -> None:
     with pytest.raises(error, match=match):
         make()  # type: ignore[operator]
 

@@ -142,7 +142,9 @@ def test_one_push_reaches_two_servers(fleet: Fleet) -> None:
      lambda s: s.update({"model.layers.0.mlp.upproj.weight": s.pop("model.layers.0.mlp.up_proj.weight")})],
     ids=["a-shape-the-engine-does-not-hold", "a-name-the-engine-does-not-hold"],
 )  # fmt: skip
-def test_a_push_the_engine_cannot_load_is_refused_and_changes_nothing(fleet: Fleet, spoil: Any) -> None:
+def test_a_push_the_engine_cannot_load_is_refused_and_changes_nothing(
+    fleet: Fleet, spoil: Any
+) -> None:
     """Refused before anything is paused or sent: the server keeps its weights and version and
     generates on. (SGLang alone would drop an unknown name silently and claim the version.)"""
     trainer = Trainer(QWEN2)

@@ -7,17 +7,14 @@ within 1e-4, greedy tokens equal except at ties within the tolerance.
 
 from __future__ import annotations
 
-import copy
 import json
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from tests.reference import Trainer
 from tests.vllm.models import MAX_MODEL_LEN
 from tests.vllm.test_engine import PROMPTS, TOLERANCE
-from weight_sync.adapters.hf import load_model
 from weight_sync.adapters.vllm import ServerProcess
 
 TIMEOUT = 120
@@ -95,47 +92,6 @@ def complete(
     })  # fmt: skip
     choice = answer["choices"][0]
     return list(choice["token_ids"]), list(choice["logprobs"]["token_logprobs"])
-
-
-class Trainer:
-    """A ``transformers`` Qwen2 with Adam, in this process; ``pushed`` is a copy of what was last
-    pushed (the servers' reference)."""
-
-    def __init__(self, config: dict[str, Any], seed: int = 1) -> None:
-        torch.manual_seed(seed)
-        self.model = load_model(config)
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-2)
-        self.pushed: dict[str, torch.Tensor] | None = None
-
-    def step(self) -> None:
-        ids = torch.randint(0, self.model.config.vocab_size, (4, 32))
-        loss = self.model(ids, labels=ids).loss
-        self.optimizer.zero_grad()
-        loss.backward()
-        self.optimizer.step()
-
-    def state(self) -> dict[str, torch.Tensor]:
-        """The state dict to push; remembered as the reference once pushed (``landed``)."""
-        return self.model.state_dict()
-
-    def landed(self) -> None:
-        self.pushed = {name: t.detach().clone() for name, t in self.model.state_dict().items()}
-
-    def reference(self, prompt: list[int], generated: list[int]) -> dict[str, list]:
-        """As tests/vllm/models.Trainer.reference, for the weights last pushed."""
-        assert self.pushed is not None, "push first"
-        model = copy.deepcopy(self.model)
-        model.load_state_dict(self.pushed)
-        model.eval()
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + generated])).logits[0, len(prompt) - 1 : -1]
-            logits = logits.float().log_softmax(-1)
-            top2 = logits.topk(2, dim=-1).values
-        return {
-            "logprobs": logits.gather(-1, torch.tensor(generated)[:, None])[:, 0].tolist(),
-            "greedy": logits.argmax(-1).tolist(),
-            "gap": (top2[:, 0] - top2[:, 1]).tolist(),
-        }
 
 
 def assert_matches(url: str, model: str, trainer: Trainer,

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
-from weight_sync.serving import LocalServer, ServerStartError, start_together
+from weight_sync.serving import LocalServer, ServerStartError, check_flags, start_together
 
 __all__ = ["ServerProcess", "ServerStartError", "local_servers"]
 
@@ -53,12 +53,7 @@ class ServerProcess(LocalServer):
         log_path: str | None = None,
         ready_timeout_s: float = 600,
     ) -> None:
-        if not isinstance(model, str) or not model:
-            raise TypeError(f"model must be a model directory or hub name, got {model!r}")
-        if isinstance(args, str) or not all(isinstance(arg, str) for arg in args):
-            raise TypeError(f"args must be a sequence of str flags, got {args!r}")
-        if "--port" in args or "--host" in args:
-            raise ValueError("pass host and port as arguments of ServerProcess, not in args")
+        check_flags(model, args, "ServerProcess")
         self.model = model
 
         def command(bound: int) -> list[str]:
