@@ -40,7 +40,8 @@ MODEL = {  # ~26M parameters, 105 MB in float32
     "max_position_embeddings": 512, "tie_word_embeddings": True,
 }  # fmt: skip
 ARGS = ["--device", "cpu", "--dtype", "float32", "--skip-tokenizer-init",
-        "--mem-fraction-static", "0.5", "--max-total-tokens", "1024", "--random-seed", "0"]  # fmt: skip
+        "--mem-fraction-static", "0.5", "--max-total-tokens", "1024", "--sleep-on-idle",
+        "--random-seed", "0"]  # fmt: skip
 
 
 def timed(push, repeats: int) -> list[float]:

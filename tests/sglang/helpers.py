@@ -33,16 +33,18 @@ def sglang_python() -> str | None:
 
 def server_args(dtype: str = "float32") -> list[str]:
     """A tiny engine on CPU: no tokenizer (token ids in and out), a KV cache capped (on CPU
-    SGLang sizes it from the machine's memory), greedy sampling reproducible."""
+    SGLang sizes it from the machine's memory), an idle scheduler that sleeps (else it spins,
+    and several engines on 2 cores starve each other), greedy sampling reproducible."""
     return ["--device", "cpu", "--dtype", dtype, "--skip-tokenizer-init",
-            "--mem-fraction-static", "0.5", "--max-total-tokens", "2048",
+            "--mem-fraction-static", "0.5", "--max-total-tokens", "2048", "--sleep-on-idle",
             "--random-seed", "0"]  # fmt: skip
 
 
 def engine_kwargs(model: str, dtype: str = "float32") -> dict[str, Any]:
     """``server_args`` as ``sglang.Engine`` keywords."""
     return {"model_path": model, "device": "cpu", "dtype": dtype, "skip_tokenizer_init": True,
-            "mem_fraction_static": 0.5, "max_total_tokens": 2048, "random_seed": 0}  # fmt: skip
+            "mem_fraction_static": 0.5, "max_total_tokens": 2048, "sleep_on_idle": True,
+            "random_seed": 0}  # fmt: skip
 
 
 def generate(url: str, prompt: list[int], tokens: int = TOKENS) -> dict[str, Any]:
