@@ -48,8 +48,10 @@ def timed(push, repeats: int) -> list[float]:
     seconds = []
     for _ in range(repeats):
         started = time.perf_counter()
-        push()
+        result = push()
         seconds.append(time.perf_counter() - started)
+        if result is not None:
+            print("  phases:", {k: round(v, 3) for k, v in result.phases.items()}, flush=True)
     return seconds
 
 
