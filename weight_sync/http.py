@@ -10,19 +10,21 @@ cluster-internal addresses through a proxy that cannot reach them.
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import FIRST_EXCEPTION, wait
+from concurrent.futures import Future
 from functools import partial
 from typing import Any
 
 from weight_sync.control import in_thread
-from weight_sync.errors import WorkerFailedError
+from weight_sync.errors import SyncTimeoutError, WorkerFailedError
 
-__all__ = ["MAX_BODY", "ServerError", "call", "check_urls", "fan_out"]
+__all__ = ["MAX_BODY", "ServerError", "call", "check_urls", "fan_out", "reason", "settle"]
 
+_POLL_S = 0.005  # how often settle looks at the calls
 MAX_BODY = 1 << 20  # the largest answer read from a server (the routes we call answer tiny JSON)
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 # Routes called without a body that are reads (``GET``); any other call without one is a POST.
@@ -91,30 +93,61 @@ def fan_out(
     urls: Sequence[str], step: Callable[[str], Any], timeout_s: float, what: str
 ) -> dict[str, Any]:
     """``step(url)`` for every server at once, each on a thread of its own; returns the answers
-    by URL. Raises ``ServerError`` naming every server that failed -- as soon as one has (the
-    others' threads finish on their own, bounded by their requests' timeouts), or naming those
-    still silent after ``timeout_s``."""
-    futures = {url: in_thread(partial(step, url), "weight-sync-http") for url in urls}
-    wait(futures.values(), timeout=timeout_s, return_when=FIRST_EXCEPTION)
-    failed: dict[str, str] = {}
-    for url, future in futures.items():
-        if not future.done():
-            continue
-        error = future.exception()
-        if error is not None:
-            failed[url] = (error.servers.get(url) if isinstance(error, ServerError) else None) or (
-                f"{type(error).__name__}: {error}"
+    by URL (see ``settle``: the others' threads finish on their own, bounded by their requests'
+    timeouts)."""
+    return settle({url: in_thread(partial(step, url), "weight-sync-http") for url in urls},
+                  timeout_s, what)  # fmt: skip
+
+
+def settle(
+    calls: Mapping[str, Future[Any]],
+    timeout_s: float,
+    what: str,
+    *,
+    who: str = "server(s)",
+    also: Future[Any] | None = None,
+    until_also: bool = False,
+) -> dict[str, Any]:
+    """The answers of ``calls`` (one per server, by name) once all are in -- and ``also``, the
+    caller's own part, done -- within ``timeout_s``; with ``until_also``, as soon as ``also`` is
+    done (the calls go on). ``ServerError`` names every server whose call failed as soon as one
+    has (before ``also``'s error: a server that failed is the better lead), or that had not
+    answered in time; ``SyncTimeoutError`` if only ``also`` is late. ``who`` names the servers
+    in messages."""
+    end = time.monotonic() + timeout_s
+    while True:
+        failed = {name: reason(name, future.exception()) for name, future in calls.items()
+                  if future.done() and future.exception() is not None}  # fmt: skip
+        if failed:
+            detail = "; ".join(f"{name}: {why}" for name, why in failed.items())
+            raise ServerError(f"{what} failed on {len(failed)} {who}: {detail}", failed)
+        if also is not None and also.done():
+            if also.exception() is not None:
+                raise also.exception()  # type: ignore[misc]
+            if until_also:
+                return {}
+        late = [name for name, future in calls.items() if not future.done()]
+        if not late and not until_also and (also is None or also.done()):
+            return {name: future.result() for name, future in calls.items()}
+        if time.monotonic() >= end:
+            if until_also or not late:  # the caller's part is late: the servers wait on it
+                raise SyncTimeoutError(
+                    f"{what}: the trainer's part did not finish within {timeout_s:.1f}s while "
+                    f"{who} {late} waited; check the trainer's network and the servers' logs, "
+                    "or raise the timeouts in SyncConfig"
+                )
+            raise ServerError(
+                f"{what}: {who} {late} did not answer within {timeout_s:.1f}s",
+                dict.fromkeys(late, f"no answer to {what} within {timeout_s:.1f}s"),
             )
-    if failed:
-        detail = "; ".join(f"{url}: {reason}" for url, reason in failed.items())
-        raise ServerError(f"{what} failed on {len(failed)} server(s): {detail}", failed)
-    late = [url for url, future in futures.items() if not future.done()]
-    if late:
-        raise ServerError(
-            f"{what}: server(s) {late} did not answer within {timeout_s:.1f}s",
-            dict.fromkeys(late, f"no answer within {timeout_s:.1f}s"),
-        )
-    return {url: future.result() for url, future in futures.items()}
+        time.sleep(_POLL_S)
+
+
+def reason(name: str, error: BaseException | None) -> str:
+    """Why ``name`` failed: its own entry of a ``ServerError``, else the error itself."""
+    if isinstance(error, ServerError) and name in error.servers:
+        return error.servers[name]
+    return f"{type(error).__name__}: {error}"
 
 
 def check_urls(urls: Sequence[str], engine: str) -> list[str]:

@@ -34,9 +34,10 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from weight_sync.adapters.sglang.checkpoint import Checkpoint, read_checkpoint
 from weight_sync.adapters.sglang.client import ROUTES, checked
-from weight_sync.adapters.sglang.pusher import PauseMode, SGLangPusher, as_version
+from weight_sync.adapters.sglang.pusher import PauseMode, SGLangPusher
 from weight_sync.config import SyncConfig
 from weight_sync.http import ServerError
+from weight_sync.result import label_version
 
 __all__ = ["ActorEngine", "RemoteSGLangEngine", "SGLangEngine", "SGLangUpdater", "start_engine"]
 
@@ -87,7 +88,7 @@ class SGLangEngine:
     def weights_version(self) -> int | None:
         """The committed version this engine serves (None: none, or a push under way). Answers
         at once, also during a push: the label lives in this process (the tokenizer manager)."""
-        return as_version(str(self.engine.get_model_info().get("weight_version")))
+        return label_version(str(self.engine.get_model_info().get("weight_version")))
 
     def shutdown(self) -> None:
         """Stop the engine and its processes."""

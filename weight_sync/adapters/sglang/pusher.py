@@ -34,7 +34,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from functools import partial
 from typing import Any, Literal
@@ -50,11 +50,11 @@ from weight_sync.config import SyncConfig
 from weight_sync.control import in_thread
 from weight_sync.deadline import Deadline
 from weight_sync.entries import Rename, StateDict, check_state_dict, wire_dtype
-from weight_sync.errors import PlanMismatchError, SyncTimeoutError, WeightSyncError
-from weight_sync.http import ServerError
+from weight_sync.errors import PlanMismatchError, WeightSyncError
+from weight_sync.http import ServerError, reason, settle
 from weight_sync.mapping import Transform
 from weight_sync.metadata import BackendName, dtype_name
-from weight_sync.result import PushResult
+from weight_sync.result import NO_VERSION, PushResult, label_version
 from weight_sync.sharded import ShardedSource
 from weight_sync.transport.rendezvous import address_of_interface, bind_listener
 from weight_sync.transport.torch_group import TorchGroup, TorchWork
@@ -64,9 +64,8 @@ __all__ = ["NO_VERSION", "PauseMode", "SGLangPusher"]
 logger = logging.getLogger(__name__)
 
 PauseMode = Literal["retract", "abort"]
-NO_VERSION = "none"  # the label of an engine that holds no committed version
-_UNLABELLED = frozenset({NO_VERSION, "default"})  # "default": SGLang's own, before any push
 _QUICK_S = 10.0  # bound on each call made to recover after a failure
+_WHO = "SGLang engine(s)"  # how messages name the engines
 
 
 class SGLangPusher:
@@ -124,7 +123,7 @@ class SGLangPusher:
         yet, or one failed part-way). ``ServerError`` names the engines that did not answer."""
         answers = self._fan("model_info", None, Deadline(self.config.rpc_timeout_s, "versions"))
         labels = [str((answers[e.name] or {}).get("weight_version")) for e in self.engines]
-        return [as_version(label) for label in labels]
+        return [label_version(label) for label in labels]
 
     def push(
         self,
@@ -301,8 +300,8 @@ class SGLangPusher:
         """Wait for one bucket: an engine that failed is named at once, even while the
         broadcast still waits (for it, perhaps)."""
         sending = in_thread(work.wait, "weight-sync-broadcast")  # bounded by the collective's
-        _settle(calls, deadline.left(self.config.collective_timeout_s) + 1.0,
-                "update_weights_from_distributed", sending)  # fmt: skip
+        settle(calls, deadline.left(self.config.collective_timeout_s) + 1.0,
+               "update_weights_from_distributed", who=_WHO, also=sending)  # fmt: skip
 
     def _connect(
         self, group: TorchGroup, calls: dict[str, Future[Any]], deadline: Deadline
@@ -312,8 +311,8 @@ class SGLangPusher:
         ``ncclCommInitRank``, and posting the first broadcast without a communicator would run
         it under the group's lock with no bound at all (see ``transport.nccl.connect``)."""
         connecting = in_thread(lambda: connect_nccl(group), "weight-sync-nccl-init")
-        _settle(calls, deadline.left(self.config.rendezvous_timeout_s), "creating the NCCL "
-                "communicator", connecting, until_also=True)  # fmt: skip
+        settle(calls, deadline.left(self.config.rendezvous_timeout_s),
+               "creating the NCCL communicator", who=_WHO, also=connecting, until_also=True)  # fmt: skip
         self._connected = True
 
     def _ensure_group(self, sources: list[torch.Tensor], deadline: Deadline) -> TorchGroup:
@@ -335,7 +334,7 @@ class SGLangPusher:
                     )
             ranks.append(int(info.get("tp_size", 1) or 1))
             # Versions never repeat, across trainers too: past what any engine holds.
-            held = as_version(str(info.get("weight_version")))
+            held = label_version(str(info.get("weight_version")))
             self._next_version = max(self._next_version, (held or 0) + 1)
         # A trainer that died mid-push left a session open: SGLang refuses to begin another.
         self._quietly("end_weight_update", {}, _QUICK_S)
@@ -363,7 +362,7 @@ class SGLangPusher:
             config.collective_timeout_s,
         ))  # fmt: skip
         try:
-            _settle(calls, timeout_s + 1.0, "init_weights_update_group")
+            settle(calls, timeout_s + 1.0, "init_weights_update_group", who=_WHO)
             group = ours.result(timeout=max(deadline.remaining(), 0.1))
         except BaseException:
             ours.add_done_callback(lambda done: done.exception() or done.result().abort())
@@ -421,8 +420,7 @@ class SGLangPusher:
             try:
                 future.result(timeout=max(end - time.monotonic(), 0.01))
             except Exception as exc:
-                unreachable[name] = str(exc.servers.get(name, exc)) if isinstance(
-                    exc, ServerError) else f"{type(exc).__name__}: {exc}"  # fmt: skip
+                unreachable[name] = reason(name, exc)
                 logger.warning("after a failed push (%s), SGLang engine %s: %s", error, name, exc)
         if wedged:
             return WeightSyncError(
@@ -458,7 +456,7 @@ class SGLangPusher:
         calls = {engine.name: in_thread(partial(engine.call, route, body, timeout_s),
                                         "weight-sync-sglang")
                  for engine in self.engines}  # fmt: skip
-        return _settle(calls, timeout_s + 1.0, route)
+        return settle(calls, timeout_s + 1.0, route, who=_WHO)
 
     def _label(self, label: str, deadline: Deadline) -> None:
         self._fan("update_weight_version", {"new_version": label, "abort_all_requests": False},
@@ -499,60 +497,3 @@ def release(
 def _reserve(push_timeout_s: float) -> float:
     """What a push keeps of its bound to release the engines after a failure."""
     return min(push_timeout_s / 4, 30.0)
-
-
-def _settle(
-    calls: Mapping[str, Future[Any]],
-    timeout_s: float,
-    what: str,
-    also: Future[Any] | None = None,
-    until_also: bool = False,
-) -> dict[str, Any]:
-    """The answers of ``calls`` (by engine name) once all are in -- and ``also``, the trainer's
-    own part, done -- within ``timeout_s``; with ``until_also``, as soon as ``also`` is done
-    (the calls go on). ``ServerError`` names every engine whose call failed as soon as one has
-    (before ``also``'s error: an engine that failed is the better lead), or that had not
-    answered in time."""
-    end = time.monotonic() + timeout_s
-    while True:
-        failed = {name: _reason(name, future) for name, future in calls.items()
-                  if future.done() and future.exception() is not None}  # fmt: skip
-        if failed:
-            detail = "; ".join(f"{name}: {reason}" for name, reason in failed.items())
-            raise ServerError(f"{what} failed on {len(failed)} SGLang engine(s): {detail}", failed)
-        if also is not None and also.done():
-            if also.exception() is not None:
-                raise also.exception()  # type: ignore[misc]
-            if until_also:
-                return {}
-        late = [name for name, future in calls.items() if not future.done()]
-        if not late and not until_also and (also is None or also.done()):
-            return {name: future.result() for name, future in calls.items()}
-        if time.monotonic() >= end:
-            if until_also or not late:  # the trainer's part is late: the engines wait on it
-                raise SyncTimeoutError(
-                    f"{what}: the trainer's part did not finish within {timeout_s:.1f}s while "
-                    f"the engines {late} waited; check the trainer's network and the engines' "
-                    "logs, or raise the timeouts in SyncConfig"
-                )
-            raise ServerError(
-                f"{what}: SGLang engine(s) {late} did not answer within {timeout_s:.1f}s",
-                dict.fromkeys(late, f"no answer to {what} within {timeout_s:.1f}s"),
-            )
-        time.sleep(0.005)
-
-
-def _reason(name: str, future: Future[Any]) -> str:
-    error = future.exception()
-    if isinstance(error, ServerError) and name in error.servers:
-        return error.servers[name]
-    return f"{type(error).__name__}: {error}"
-
-
-def as_version(label: str) -> int | None:
-    if label in _UNLABELLED:
-        return None
-    try:
-        return int(label)
-    except ValueError:
-        return None  # labelled by someone else: not a version of ours

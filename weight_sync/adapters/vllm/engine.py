@@ -39,11 +39,11 @@ import ray
 from weight_sync.adapters.vllm.extension import EXTENSION
 from weight_sync.errors import SyncTimeoutError, WeightSyncError
 from weight_sync.metadata import MemberInfo, PrepareReply, ReceiveReport, SyncStatus, WorkerReply
+from weight_sync.result import NO_VERSION
 
 logger = logging.getLogger(__name__)
 
 PauseMode = Literal["abort", "wait", "keep"]
-NO_VERSION = "none"  # vLLM's label for outputs of weights that are no committed version
 _DEFAULT_TIMEOUT_S = 300.0  # a call made without one (the updater always passes one)
 _MARGIN_S = 1.0  # an engine's own bound ends this much before its caller's
 

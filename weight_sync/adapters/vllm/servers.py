@@ -43,7 +43,7 @@ from weight_sync.entries import Rename, StateDict
 from weight_sync.errors import PlanMismatchError, WeightSyncError
 from weight_sync.http import ServerError, call, check_urls, fan_out
 from weight_sync.mapping import Transform
-from weight_sync.result import PushResult
+from weight_sync.result import NO_VERSION, PushResult, label_version
 from weight_sync.sharded import ShardedSource
 
 __all__ = [
@@ -58,8 +58,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 PauseMode = Literal["keep", "wait", "abort"]
-NO_VERSION = "none"  # the label a server's outputs carry while it holds no committed version
-_UNLABELLED = frozenset({NO_VERSION, "default"})  # "default": a server no push has reached yet
 _QUICK_S = 10.0  # bound on a small call (labels, resume) made after a failure
 _RELEASE_S = 300.0  # bound on a worker's release calls, queued behind a worker call failing
 
@@ -187,7 +185,7 @@ class VLLMServers:
         it holds none (no push yet, or a push failed part-way). Raises ``ServerError`` naming the
         servers that did not answer."""
         labels = self._labels(self.config.rpc_timeout_s)
-        return [_as_version(labels[url]) for url in self.urls]
+        return [label_version(labels[url]) for url in self.urls]
 
     def push(
         self,
@@ -358,12 +356,3 @@ class VLLMServers:
                 logger.warning("leaving the group: %s", exc)
         if plane is not None:
             plane.close()
-
-
-def _as_version(label: str) -> int | None:
-    if label in _UNLABELLED:
-        return None
-    try:
-        return int(label)
-    except ValueError:
-        return None  # labelled by someone else: not a version of ours
