@@ -88,11 +88,15 @@ class LocalServer:
         self._log: IO[bytes] = open(log_path, "ab")  # noqa: SIM115 (closed in stop)
         logger.info("starting %s (log: %s)", name, log_path)
         try:
-            self._process = subprocess.Popen(
-                list(command(self.port)), stdin=subprocess.DEVNULL, stdout=self._log,
-                stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                start_new_session=True,  # its own group: stop() reaches the engine's processes
-            )  # fmt: skip
+            try:
+                self._process = subprocess.Popen(
+                    list(command(self.port)), stdin=subprocess.DEVNULL, stdout=self._log,
+                    stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                    start_new_session=True,  # its own group: stop() reaches the engine's processes
+                )  # fmt: skip
+            except BaseException:  # no process (a wrong interpreter, say): nothing to stop
+                self._log.close()
+                raise
             _LIVE.add(self)
             try:
                 self._wait_ready(time.monotonic() + ready_timeout_s, ready_timeout_s)
