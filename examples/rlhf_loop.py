@@ -292,7 +292,7 @@ def run_ray(args: argparse.Namespace, generator: torch.Generator) -> History:
             workers = [RemoteHFWorker.remote(POLICY, dtype=dtype) for _ in range(args.workers)]
             sample = rollouts
         try:
-            config = SyncConfig(cast_dtype=args.cast_dtype, delta=args.delta)
+            config = SyncConfig(cast_dtype=args.cast_dtype, delta="always" if args.delta else False)
             actor = PolicyTrainer.remote(workers, args.lr, args.seed, config)
             try:
                 return train(args, RayLearner(actor), lambda p, g: sample(workers, p, g), generator)
@@ -445,7 +445,7 @@ def run_served(args: argparse.Namespace, generator: torch.Generator) -> History:
             reach, ask = VLLMServers, vllm_group
         with started as servers:
             urls = [server.url for server in servers]
-            with reach(urls, SyncConfig(delta=args.delta)) as fleet:
+            with reach(urls, SyncConfig(delta="always" if args.delta else False)) as fleet:
                 learner = ServedLearner(fleet, args.lr, args.seed)
                 return train(args, learner, lambda p, g: served_rollouts(urls, p, g, ask),
                              generator)  # fmt: skip
@@ -497,7 +497,8 @@ def main(argv: list[str] | None = None) -> History:
     parser.add_argument(
         "--delta",
         action="store_true",
-        help="push only what changed since the last push (SyncConfig.delta)",
+        help="push only what changed since the last push (SyncConfig.delta='always'; "
+        "delta=True would choose per push, and go dense with every worker on this host)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--window", type=int, default=10, help="steps averaged for first/last")

@@ -19,6 +19,7 @@ _DEFAULT_RPC_S = 120.0
 Backend = Literal["auto", "gloo", "nccl"]
 GroupMode = Literal["auto", "world", "standalone", "job"]
 SameHost = Literal["shm", "group"]
+DeltaMode = bool | Literal["always"]  # see SyncConfig.delta
 Staging = Literal["stream", "atomic"]
 CastDtype = Literal["float32", "bfloat16", "float16"]
 
@@ -66,6 +67,14 @@ class SyncConfig(BaseModel):
         "shared-memory ring (one write by the trainer, one read per worker; workers elsewhere "
         "keep the group, in the same push); 'group', through the broadcast group like every "
         "other worker. NCCL pushes always use the group.",
+    )
+    relay: bool = Field(
+        True,
+        description="Members on a host other than the trainer's take a Gloo push once per "
+        "host: the first of them joins the broadcast group and passes every bucket on to the "
+        "others of its host through a shared-memory ring, so the payload crosses the link to "
+        "that host once (Gloo's broadcast tree would send it there about log2(members) times). "
+        "False: every member joins the group. NCCL pushes relay by themselves.",
     )
     group_mode: GroupMode = Field(
         "auto",
@@ -135,11 +144,15 @@ class SyncConfig(BaseModel):
         "(a serving engine's GPU has no room for a second model), copied to the GPU at commit "
         "on a side stream; a worker that cannot allocate it fails the push before any byte moves.",
     )
-    delta: bool = Field(
+    delta: DeltaMode = Field(
         False,
         description="Keep a host copy of the weights as last pushed (the model's size, in the "
         "workers' dtype) and send, per span of 64K elements, only the elements that changed "
-        "(indices and values), or the span whole where that is smaller. Only workers that hold "
+        "(indices and values), or the span whole where that is smaller. True: a delta only "
+        "where it is faster -- never when every worker is on the trainer's host (the copy is "
+        "then not even kept); across a link, whichever way the last push of each kind was "
+        "faster, timed again every 16 pushes (PushResult.delta and delta_reason say what was "
+        "chosen). 'always': a delta whenever the workers can take one. Only workers that hold "
         "exactly that copy, with every tensor writable in place, take deltas: if any does not, "
         "the push goes dense for all. Bit-exact; see weight_sync.delta.",
     )

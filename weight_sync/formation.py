@@ -24,7 +24,14 @@ from weight_sync.config import SyncConfig
 from weight_sync.deadline import Deadline
 from weight_sync.devices import CPU, gpu_uuid
 from weight_sync.errors import TransportError, WeightSyncError, WorkerFailedError
-from weight_sync.metadata import TRAINER_RANK, BackendName, GroupSpec, MemberInfo, ModeName
+from weight_sync.metadata import (
+    TRAINER_RANK,
+    BackendName,
+    GroupSpec,
+    MemberInfo,
+    ModeName,
+    RelaySpec,
+)
 from weight_sync.roster import GRACE_S, Roster
 from weight_sync.routes import Route, choose_routes
 from weight_sync.transport import (
@@ -45,11 +52,13 @@ Ring = shm.ShmWriter | cuda_ipc.CudaIpcWriter  # the trainer's end of a ring
 
 @dataclass(frozen=True)
 class Formed:
-    """A group every member joined: the transport (this process is rank 0) and each member's
-    route through it."""
+    """A group every member joined: the transport (this process is rank 0), each member's
+    route through it, and whether any of them receives across a network link (from another
+    host, or one not known to be this one)."""
 
     group: Transport
     routes: list[Route]
+    far: bool
 
 
 def form_group(
@@ -69,9 +78,13 @@ def form_group(
     could not be had (the caller may form again with ``ipc_refused``), a ``WeightSyncError``
     naming the members to blame, where the group can tell, otherwise.
     """
+    # A group over a job's world is made by every rank of it (new_group is collective): no
+    # member of such a group can leave it to a relay.
+    relay = config.relay and config.group_mode != "job"
+    here = shm.host_key()
     routes = choose_routes(
         backend=config.backend, same_host=config.same_host, trainer_gpu=gpu_uuid(device),
-        trainer_host=shm.host_key(), infos=infos, ipc_refused=ipc_refused,
+        trainer_host=here, infos=infos, ipc_refused=ipc_refused, relay=relay,
     )  # fmt: skip
     backend = routes.backend
     # NCCL sends from the weights' GPU; Gloo (and the rings beside it) from host buffers.
@@ -98,18 +111,43 @@ def form_group(
         "collective_timeout_s": config.collective_timeout_s,
     }
 
-    def spec(rank: int, kind: Route) -> GroupSpec:
-        """Rank ``rank`` of the group, or of the ring ``kind``."""
+    # The members that relay the push on their host (see transport.relay): their followers, and
+    # the id of the ring each opens.
+    followers = {leader: [i for i, of in routes.leaders.items() if of == leader]
+                 for leader in set(routes.leaders.values())}  # fmt: skip
+    relays = {leader: secrets.token_hex(8) for leader in followers}
+
+    def group_spec(rank: int, relay: RelaySpec | None = None) -> GroupSpec:
+        assert listener is not None
+        return GroupSpec(address=address, port=listener.getsockname()[1],
+                         world_size=remote + 1, rank=rank, relay=relay, **common)  # fmt: skip
+
+    def spec(member: int, rank: int, kind: Route) -> GroupSpec:
+        """Member ``member``'s spec: rank ``rank`` of the group, of the ring ``kind``, or of
+        the ring of the member it takes the push from."""
+        if kind == "relay":
+            leader = routes.leaders[member]
+            ring_id = relays[leader]
+            return GroupSpec(**{**common, "group_id": ring_id}, address=shm.socket_name(ring_id),
+                             port=0, transport=kind, rank=rank,
+                             world_size=len(followers[leader]) + 1)  # fmt: skip
         if kind != "group":
             ring = writers[kind]
             return GroupSpec(address=ring.name, port=0, transport=kind,
                              world_size=ring.world_size, rank=rank, **common)  # fmt: skip
-        assert listener is not None
-        return GroupSpec(address=address, port=listener.getsockname()[1],
-                         world_size=remote + 1, rank=rank, **common)  # fmt: skip
+        if member not in relays:
+            return group_spec(rank)
+        return group_spec(rank, RelaySpec(
+            group_id=relays[member], readers=len(followers[member]),
+            slot_bytes=shm.slot_bytes_for(config.bucket_bytes, config.alignment),
+        ))  # fmt: skip
 
-    firsts = first_ranks([info.ranks for info in infos], kinds)
-    specs = [spec(rank, kind) for rank, kind in zip(firsts, kinds, strict=True)]
+    # A relay's followers count their ranks in its ring: their part is that leader's.
+    part_of = [("relay", routes.leaders[i]) if kind == "relay" else kind
+               for i, kind in enumerate(kinds)]  # fmt: skip
+    firsts = first_ranks([info.ranks for info in infos], part_of)
+    specs = [spec(member, rank, kind)
+             for member, (rank, kind) in enumerate(zip(firsts, kinds, strict=True))]  # fmt: skip
     join_s = deadline.left(config.rpc_timeout_s)
     joining = roster.plane.join(specs, config.max_metadata_bytes, join_s)
     parts: list[Transport] = []
@@ -120,7 +158,7 @@ def form_group(
             ring.accept(deadline.left(rendezvous_s))
         if listener is not None:
             on = send_device if backend == "nccl" else None
-            parts.append(TorchGroup.join(spec(TRAINER_RANK, "group"), listener, device=on))
+            parts.append(TorchGroup.join(group_spec(TRAINER_RANK), listener, device=on))
     except BaseException as exc:
         _close_all([*parts, *writers.values()], listener)
         failure = None
@@ -139,11 +177,12 @@ def form_group(
         group.close()
         roster.leave(deadline)
         raise
-    if writers:
-        counts = {kind: kinds.count(kind) for kind in ("group", "shm", "cuda_ipc")}
+    if writers or relays:
+        counts = {kind: kinds.count(kind) for kind in ("group", "shm", "cuda_ipc", "relay")}
         logger.info("routes of the %d members: %s", len(kinds),
                     ", ".join(f"{kind} {n}" for kind, n in counts.items() if n))  # fmt: skip
-    return Formed(group, list(kinds))
+    far = any(info.host is None or info.host != here for info in infos)
+    return Formed(group, list(kinds), far)
 
 
 def _choose_mode(config: SyncConfig, infos: list[MemberInfo], backend: BackendName) -> ModeName:

@@ -135,11 +135,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "median_seconds": statistics.median(r.seconds for r in results) if results else None,
             "median_gbps": statistics.median(r.gbps for r in results) if results else None,
             "seconds": [r.seconds for r in results],
-            "routes": routes,  # per worker: "shm" (on the trainer's host) or "group"
+            # per worker: "shm" (on the trainer's host), "group", or "relay" (from the member of
+            # its host in the group)
+            "routes": routes,
         }  # fmt: skip
         print(
             f"routes: {routes.count('shm')} workers through shared memory, "
-            f"{routes.count('group')} through the group"
+            f"{routes.count('group')} through the group, {routes.count('relay')} relayed on "
+            "their host"
         )
         verdict = "OK" if verified == args.workers else "FAILED"
         print(f"verified: {verified}/{args.workers} workers hold version {last}, {tensors} "

@@ -223,10 +223,20 @@ BASE_PATTERN = r"^[0-9a-f]{16}:[0-9]{1,19}$"  # see weight_sync.delta.lineage
 BackendName = Literal["gloo", "nccl"]
 ModeName = Literal["world", "standalone", "job"]
 StagingName = Literal["stream", "atomic"]
-TransportName = Literal["group", "shm", "cuda_ipc"]
+TransportName = Literal["group", "shm", "cuda_ipc", "relay"]
 
 
 GpuUuid = Annotated[str, Field(min_length=1, max_length=64)]
+
+
+class RelaySpec(_Wire):
+    """The ring a member of the group opens for the other members of its host, and passes every
+    broadcast on through (see ``transport.relay``): its id (the ring's socket is named after
+    it), how many followers read it, and its slot size."""
+
+    group_id: str = Field(pattern=r"^[0-9a-f]{16}$")
+    readers: int = Field(ge=1, le=4096)
+    slot_bytes: int = Field(gt=0)
 
 
 class GroupSpec(_Wire):
@@ -234,9 +244,11 @@ class GroupSpec(_Wire):
 
     ``transport`` says which part of it: ``"group"``, the torch.distributed broadcast group at
     ``address:port``; ``"shm"``, the trainer's shared-memory ring on this host, or ``"cuda_ipc"``,
-    the ring of CUDA buffers on the trainer's own GPU (see ``transport.cuda_ipc``), either reached
-    at the abstract Unix socket named ``address`` (port 0), with ``rank``/``world_size`` counted
-    among the ring's readers (the trainer is 0). Backend and mode are those of the push either way.
+    the ring of CUDA buffers on the trainer's own GPU (see ``transport.cuda_ipc``), or
+    ``"relay"``, the ring a member of the group opened on this host (``relay`` of that member's
+    spec), each reached at the abstract Unix socket named ``address`` (port 0), with
+    ``rank``/``world_size`` counted among the ring's readers (its writer is 0). Backend and mode
+    are those of the push either way.
     """
 
     group_id: str = Field(pattern=r"^[0-9a-f]{8,64}$")
@@ -249,6 +261,8 @@ class GroupSpec(_Wire):
     mode: ModeName
     rendezvous_timeout_s: float = Field(gt=0)
     collective_timeout_s: float = Field(gt=0)
+    # A member of the group passing the push on to the other members of its host.
+    relay: RelaySpec | None = None
 
     @model_validator(mode="after")
     def _rank_in_world(self) -> GroupSpec:
@@ -256,6 +270,8 @@ class GroupSpec(_Wire):
             raise ValueError(f"rank {self.rank} outside world of {self.world_size}")
         if (self.port == 0) != (self.transport != "group"):
             raise ValueError("a group needs a port (1..65535); a ring has none (0)")
+        if self.relay is not None and (self.transport != "group" or self.backend != "gloo"):
+            raise ValueError("only a member of a Gloo group relays")
         return self
 
 

@@ -38,6 +38,7 @@ from weight_sync.config import SyncConfig
 from weight_sync.control import ControlPlane, collect
 from weight_sync.deadline import Deadline
 from weight_sync.delta.baseline import Baseline
+from weight_sync.delta.choice import Choice, DeltaChoice
 from weight_sync.delta.lineage import next_base
 from weight_sync.delta_send import send as send_with_baseline
 from weight_sync.devices import push_device
@@ -111,8 +112,12 @@ class Pusher:
         self._sender: Sender | None = None  # of the current group: keeps its staging buffers
         self._routes: list[Route] = []  # per member of the current group (see weight_sync.routes)
         self._ipc_refused = False  # a CUDA ring failed to open here: colocated members take shm
-        # With SyncConfig.delta: the copy of what the members hold.
+        # With SyncConfig.delta: the copy of what the members hold, and whether to send a delta
+        # against it (see weight_sync.delta.choice), which depends on whether any member of the
+        # current group receives across a network link.
         self._baseline = Baseline() if self._config.delta else None
+        self._delta = DeltaChoice(self._config.delta)
+        self._far = False
         # Every member of the current group commits in its receive call when asked (see
         # PrepareRequest.commit_on_receipt): learnt by the probe.
         self._on_receipt = False
@@ -233,7 +238,8 @@ class Pusher:
                 plan = self._plan(group, entries)
                 version = self._next_version
                 clock.lap("group")
-                request = self._request(version, partial, sharded, plan)
+                choice = self._delta.choose(self._far)
+                request = self._request(version, partial, sharded, plan, choice)
                 done = None
                 if request.commit_on_receipt and self._roster.all_hold(plan.digest):
                     done = self._push_in_one_call(group, request, plan, tensors, deadline)
@@ -268,9 +274,14 @@ class Pusher:
                     self._teardown(Deadline(bound, "push", started))
                 raise
             self._version = version
+            seconds = clock.total()
+            went = choice if request.delta == choice.delta else Choice(
+                request.delta, "a worker does not hold the trainer's base: dense for all", True
+            )  # fmt: skip
+            self._delta.record(went, seconds - clock.phases.get("group", 0.0), plan.payload_bytes)
             result = PushResult(
-                version, plan.payload_bytes, len(plan.buckets), clock.total(), entries.count,
-                partial, clock.phases, wire_bytes, request.delta, density,
+                version, plan.payload_bytes, len(plan.buckets), seconds, entries.count,
+                partial, clock.phases, wire_bytes, request.delta, density, went.reason,
             )  # fmt: skip
             if self._observer is not None:
                 self._observer.pushed(
@@ -298,17 +309,22 @@ class Pusher:
         return plan
 
     def _request(
-        self, version: int, partial: bool, sharded: bool, plan: SyncPlan
+        self, version: int, partial: bool, sharded: bool, plan: SyncPlan, choice: Choice
     ) -> PrepareRequest:
-        """Push ``version``: a delta when the trainer keeps a baseline and every member holds it
-        (as far as the trainer knows: each member checks again in ``prepare``)."""
+        """Push ``version``: a delta when ``choice`` says so, the trainer keeps a baseline and
+        every member holds it (as far as the trainer knows: each member checks again in
+        ``prepare``)."""
         config, baseline = self._config, self._baseline
         built_on = new_base = None
-        if baseline is not None and sharded:  # gathered bucket by bucket: nothing to compare
-            baseline.forget()
+        if baseline is not None and (sharded or not choice.keep_baseline):
+            baseline.forget()  # gathered bucket by bucket (nothing to compare), or not worth it
         elif baseline is not None:
             built_on, new_base = baseline.id, baseline.name_for(version)
-        delta = built_on is not None and all(held == built_on for held in self._roster.bases)
+        delta = (
+            choice.delta
+            and built_on is not None
+            and all(held == built_on for held in self._roster.bases)
+        )
         # The trainer compares checksums before anyone commits: they keep the commit round.
         on_receipt = self._on_receipt and not config.checksum
         return PrepareRequest(
@@ -482,6 +498,9 @@ class Pusher:
             return self._ensure_group(tensors, deadline)
         self._routes = formed.routes
         self._group = formed.group
+        if formed.far != self._far:
+            self._delta.forget()
+            self._far = formed.far
         return formed.group
 
     def _probed(self, infos: list[MemberInfo]) -> None:

@@ -47,7 +47,7 @@ from weight_sync.receive.buckets import (
 )
 from weight_sync.receive.checks import Check, accept_all, check_plan, expecting
 from weight_sync.receive.state import Push, ReceiveState
-from weight_sync.transport import TorchGroup, Transport
+from weight_sync.transport import Relay, TorchGroup, Transport
 from weight_sync.transport.cuda_ipc import CudaIpcReader
 from weight_sync.transport.shm import ShmReader, host_key
 
@@ -406,6 +406,8 @@ def _join(spec: GroupSpec, device: torch.device) -> Transport:
     buffers on ``device`` for an NCCL push (its weights' GPU); for a Gloo push every buffer is on
     the host."""
     if spec.transport == "group":
+        if spec.relay is not None:  # passes the push on to the other members of this host
+            return Relay.join(spec)
         return TorchGroup.join(spec, device=device if spec.backend == "nccl" else None)
     on = device if spec.backend == "nccl" else CPU
     if spec.transport == "cuda_ipc":

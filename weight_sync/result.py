@@ -39,6 +39,8 @@ class PushResult:
     wire_bytes: int = 0  # bytes broadcast (a delta push: its header and what changed)
     delta: bool = False  # sent as a delta against the workers' weights (SyncConfig.delta)
     density: float | None = None  # of a delta push: the share of elements that changed
+    # Why the push went dense or as a delta (SyncConfig.delta; see weight_sync.delta.choice).
+    delta_reason: str = ""
 
     @property
     def gbps(self) -> float:

@@ -1,12 +1,14 @@
 """Which way each member receives a push: one pure decision, made before a group forms.
 
-Three routes, mixed freely in one push (the trainer is rank 0 of each):
+Four routes, mixed freely in one push (the trainer is rank 0 of the first three):
 
 * ``"group"`` -- the torch.distributed broadcast group (NCCL between GPUs, else Gloo);
 * ``"shm"`` -- the host ring: shared-memory slots on the trainer's host (one write, one read per
   member; device-to-host-to-device when the weights are on GPUs);
 * ``"cuda_ipc"`` -- the CUDA ring: slots in the trainer's GPU memory, shared by IPC handle, for
-  members on the trainer's own GPU (the colocated deployment OpenRLHF, verl and slime default to).
+  members on the trainer's own GPU (the colocated deployment OpenRLHF, verl and slime default to);
+* ``"relay"`` -- a ring on another host, written by the member of that host that is in the group
+  (its *leader*, see ``transport.relay``): the payload crosses the link to that host once.
 
 The rules, in order:
 
@@ -18,6 +20,8 @@ The rules, in order:
    group receives on GPUs, all distinct from each other and from the trainer's; else Gloo. An
    explicit ``backend="nccl"`` that rule 1 forbids is refused, saying which members collide.
 3. Under Gloo, members on the trainer's host take the host ring when ``same_host="shm"``.
+4. Under Gloo with ``relay``, the members of any other host (known by its key, each bringing one
+   rank) beyond the first take ``"relay"`` from that first one, which stays in the group.
 
 Members are told apart by GPU UUID (``MemberInfo.gpus``) and host key (``MemberInfo.host``:
 one kernel, one network namespace -- the rings' Unix sockets are per namespace).
@@ -25,22 +29,24 @@ one kernel, one network namespace -- the rings' Unix sockets are per namespace).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Literal
 
 from weight_sync.errors import TransportError
 from weight_sync.metadata import BackendName, MemberInfo
 
-Route = Literal["group", "shm", "cuda_ipc"]
+Route = Literal["group", "shm", "cuda_ipc", "relay"]
 
 
 @dataclass(frozen=True)
 class Routes:
-    """The push's backend, and each member's route (in the members' order)."""
+    """The push's backend, each member's route (in the members' order), and for each member on
+    ``"relay"`` the member it takes the push from."""
 
     backend: BackendName
     routes: tuple[Route, ...]
+    leaders: Mapping[int, int] = field(default_factory=dict)
 
 
 def choose_routes(
@@ -51,13 +57,14 @@ def choose_routes(
     trainer_host: str | None,
     infos: Sequence[MemberInfo],
     ipc_refused: bool = False,
+    relay: bool = False,
 ) -> Routes:
     """Decide the backend and every member's route.
 
     ``trainer_gpu`` is the UUID of the GPU the pushed tensors are on (None: CPU weights);
     ``trainer_host`` the trainer's host key (None where this platform has no ring);
     ``ipc_refused``: a CUDA ring failed to open on this deployment before, so colocated members
-    take the host ring.
+    take the host ring; ``relay``: rule 4.
     """
     local = [trainer_host is not None and info.host == trainer_host for info in infos]
     colocated = [trainer_gpu is not None and trainer_gpu in info.gpus for info in infos]
@@ -73,7 +80,28 @@ def choose_routes(
             routes.append("shm")
         else:
             routes.append("group")
-    return Routes(chosen, tuple(routes))
+    leaders = relay_leaders(routes, infos, trainer_host) if relay and chosen == "gloo" else {}
+    for follower in leaders:
+        routes[follower] = "relay"
+    return Routes(chosen, tuple(routes), leaders)
+
+
+def relay_leaders(
+    routes: Sequence[Route], infos: Sequence[MemberInfo], trainer_host: str | None
+) -> dict[int, int]:
+    """Rule 4: each member of the group that can take the push from another member of its host
+    (the first of that host), and that member. Hosts without a key cannot share a ring; a member
+    bringing several ranks (an engine's workers) stays in the group, and so do the members of
+    the trainer's own host (in the group there only when ``same_host="group"`` asked for it)."""
+    first: dict[str, int] = {}
+    leaders: dict[int, int] = {}
+    for index, (route, info) in enumerate(zip(routes, infos, strict=True)):
+        if route != "group" or info.host in (None, trainer_host) or info.ranks != 1:
+            continue
+        leader = first.setdefault(info.host, index)
+        if leader != index:
+            leaders[index] = leader
+    return leaders
 
 
 def _nccl_problem(

@@ -124,9 +124,12 @@ def test_job_submitted_to_a_two_node_cluster(cluster: list[Node]) -> None:
     trainer_ip = report["trainer_node"]["ip"]
     ips = {trainer_ip, *(node["ip"] for node in report["worker_nodes"])}
     assert ips == {head.ip, worker.ip}  # both nodes hold actors: the group crosses the veth
-    # One mixed push: workers beside the trainer through shared memory, the others the group.
-    beside = ["shm" if node["ip"] == trainer_ip else "group" for node in report["worker_nodes"]]
-    assert report["routes"] == beside and set(beside) == {"shm", "group"}, report
+    # One mixed push: workers beside the trainer through shared memory; on the other node the
+    # first joins the group and relays to the rest there (SyncConfig.relay).
+    far = [node["ip"] != trainer_ip for node in report["worker_nodes"]]
+    expected = ["shm" if not away else "relay" if any(far[:i]) else "group"
+                for i, away in enumerate(far)]  # fmt: skip
+    assert report["routes"] == expected and set(expected) == {"shm", "group", "relay"}, report
     assert re.search(rf"group listens on {re.escape(trainer_ip)}\b", output), output[-4000:]
     trainer_node = head if trainer_ip == head.ip else worker
     pushed = 0.0

@@ -36,7 +36,10 @@ class Policy:
         torch.set_num_threads(1)
         self.model = load_model(POLICY)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-6)
-        self.config = SyncConfig(delta=True, cast_dtype="bfloat16", bucket_bytes=64 << 10, **config)
+        # On one host delta=True would go dense (see weight_sync.delta.choice): 'always' is what
+        # exercises the deltas here.
+        fields = {"delta": "always", "cast_dtype": "bfloat16", "bucket_bytes": 64 << 10, **config}
+        self.config = SyncConfig(**fields)
         self.updater = WeightUpdater(workers, self.config)
 
     def step(self, seed: int) -> None:
@@ -67,6 +70,11 @@ class Policy:
         """A new trainer process: a new updater, no copy of anything."""
         self.updater.close()
         self.updater = WeightUpdater(workers, self.config)
+
+    def baseline_bytes(self) -> int:
+        """Bytes of the trainer's copy of the weights (SyncConfig.delta)."""
+        baseline = self.updater._baseline  # noqa: SLF001 -- what the test is about
+        return 0 if baseline is None else sum(t.numel() for t in baseline._bytes.values())
 
     def add_workers(self, workers: list) -> None:
         self.updater.add_workers(workers)
@@ -145,6 +153,22 @@ def test_deltas_after_adam_steps_land_bit_for_bit(fleet: list) -> None:
         worst = ray.get(policy.push.remote(), timeout=TIMEOUT)
         assert worst.wire_bytes <= first.wire_bytes * 1.01  # nothing worse than dense
         check(policy, fleet)
+    finally:
+        ray.get(policy.close.remote(), timeout=TIMEOUT)
+
+
+def test_delta_true_with_every_worker_on_the_trainers_host_goes_dense(fleet: list) -> None:
+    """Where bytes cost memory speed a delta is no faster (docs/delta.md): delta=True pushes
+    dense, says why, and keeps no copy of the weights."""
+    policy = Policy.remote(fleet[:2], delta=True)
+    try:
+        for step in range(3):
+            ray.get(policy.step.remote(step), timeout=TIMEOUT)
+            result = ray.get(policy.push.remote(), timeout=TIMEOUT)
+            assert not result.delta and result.wire_bytes >= result.nbytes, result
+            assert "trainer's host" in result.delta_reason, result
+        assert ray.get(policy.baseline_bytes.remote(), timeout=TIMEOUT) == 0
+        check(policy, fleet[:2])
     finally:
         ray.get(policy.close.remote(), timeout=TIMEOUT)
 

@@ -104,3 +104,42 @@ def test_the_group_mode(backend: str, mode: str, has_default: bool, expected: st
     infos = [member(THERE, G1).model_copy(update={"has_default_group": has_default})]
     config = SyncConfig(group_mode=mode)  # type: ignore[arg-type]
     assert _choose_mode(config, infos, backend) == expected  # type: ignore[arg-type]
+
+
+THIRD = "boot-c/net:[1]"
+
+
+@pytest.mark.parametrize(
+    ("backend", "same_host", "trainer_gpu", "members", "routes", "leaders"),
+    [
+        # Three members on one far host: the first stays in the group and relays to the others.
+        ("auto", "shm", None, [member(THERE), member(THERE), member(THERE)],
+         ("group", "relay", "relay"), {1: 0, 2: 0}),
+        # Two far hosts, interleaved, beside the trainer's own: one leader per far host.
+        ("auto", "shm", None,
+         [member(HERE), member(THERE), member(THIRD), member(THERE), member(THIRD), member(HERE)],
+         ("shm", "group", "group", "relay", "relay", "shm"), {3: 1, 4: 2}),
+        # The trainer's host in the group (same_host="group"): its members stay there.
+        ("auto", "group", None, [member(HERE), member(HERE), member(THERE), member(THERE)],
+         ("group", "group", "group", "relay"), {3: 2}),
+        # No host key (no ring on that platform), or an engine bringing several ranks: the group.
+        ("auto", "shm", None, [member(None), member(None), member(THERE, ranks=2), member(THERE)],
+         ("group", "group", "group", "group"), {}),
+        # A lone member of a host has no one to relay to.
+        ("auto", "shm", None, [member(THERE), member(THIRD)], ("group", "group"), {}),
+        # NCCL relays by itself (its rings and trees cross each link once): never a relay.
+        ("auto", "shm", G0, [member(THERE, G1), member(THERE, G2)], ("group", "group"), {}),
+        # Gloo with CUDA weights relays like any Gloo push.
+        ("gloo", "shm", G0, [member(THERE, G1), member(THERE, G2)], ("group", "relay"), {1: 0}),
+    ],
+)  # fmt: skip
+def test_members_of_a_far_host_relay_through_the_first_of_them(
+    backend: str, same_host: str, trainer_gpu: str | None, members: list[MemberInfo],
+    routes: tuple[str, ...], leaders: dict[int, int],
+) -> None:
+    got = choose_routes(backend=backend, same_host=same_host, trainer_gpu=trainer_gpu,  # type: ignore[arg-type]
+                        trainer_host=HERE, infos=members, relay=True)  # fmt: skip
+    assert (got.routes, dict(got.leaders)) == (routes, leaders)
+    off = choose_routes(backend=backend, same_host=same_host, trainer_gpu=trainer_gpu,  # type: ignore[arg-type]
+                        trainer_host=HERE, infos=members, relay=False)  # fmt: skip
+    assert "relay" not in off.routes and not off.leaders

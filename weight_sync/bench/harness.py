@@ -187,12 +187,12 @@ def plan_cases(
     if delta:
         # W1 as a policy trained in fp32 and served in bf16 (cast on the way), over the default
         # transports: dense pushes against delta pushes, after an RL step and after everything
-        # changed.
+        # changed. 'always': on one host delta=True would choose dense (weight_sync.delta.choice).
         for on in (False, True):
             delta_config: tuple[tuple[str, object], ...] = (
                 ("cast_dtype", "bfloat16"),
                 ("same_host", "shm"),
-                ("delta", on),
+                ("delta", "always" if on else False),
             )
             cases.append(
                 Case(

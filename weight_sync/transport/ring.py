@@ -403,25 +403,39 @@ class RingReader(ABC):
 
     @classmethod
     def _connect(cls, spec: GroupSpec) -> Link:
-        """Reach the trainer's ring (``spec.address``) and say hello."""
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.settimeout(spec.rendezvous_timeout_s)
-        try:
-            conn.connect(socket_address(spec.address))
-            conn.sendall(HELLO.pack(spec.group_id.encode()[:16], spec.rank))
-        except TimeoutError as exc:
-            conn.close()
-            raise SyncTimeoutError(
-                f"the trainer's {cls.kind} ring did not answer within "
-                f"{spec.rendezvous_timeout_s}s; check that the trainer is alive"
-            ) from exc
-        except OSError as exc:
-            conn.close()
-            raise TransportError(
-                f"cannot reach the trainer's {cls.kind} ring {spec.address!r}: {exc}; the "
-                "trainer must run on this host, in this network namespace"
-            ) from exc
-        return Link(conn, 0, cls.kind)
+        """Reach the ring's writer (``spec.address``) and say hello. The trainer's rings listen
+        before their readers are asked to join; a relay's ring (``spec.transport == "relay"``)
+        is opened by another member as it joins, so it is dialled again until it answers."""
+        writer = "the relaying member's" if spec.transport == "relay" else "the trainer's"
+        deadline = time.monotonic() + spec.rendezvous_timeout_s
+        while True:
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.settimeout(spec.rendezvous_timeout_s)
+            try:
+                conn.connect(socket_address(spec.address))
+                conn.sendall(HELLO.pack(spec.group_id.encode()[:16], spec.rank))
+                return Link(conn, 0, cls.kind)
+            except (ConnectionRefusedError, FileNotFoundError) as exc:
+                conn.close()
+                if spec.transport == "relay" and time.monotonic() < deadline:
+                    time.sleep(0.05)  # not listening yet
+                    continue
+                raise TransportError(
+                    f"cannot reach {writer} {cls.kind} ring {spec.address!r}: {exc}; it must run "
+                    "on this host, in this network namespace, and be alive"
+                ) from exc
+            except TimeoutError as exc:
+                conn.close()
+                raise SyncTimeoutError(
+                    f"{writer} {cls.kind} ring did not answer within "
+                    f"{spec.rendezvous_timeout_s}s; check that it is alive"
+                ) from exc
+            except OSError as exc:
+                conn.close()
+                raise TransportError(
+                    f"cannot reach {writer} {cls.kind} ring {spec.address!r}: {exc}; it must run "
+                    "on this host, in this network namespace"
+                ) from exc
 
     @classmethod
     def _refuse(cls, spec: GroupSpec, link: Link, reason: str) -> RingUnavailableError:

@@ -227,12 +227,13 @@ class ShmReader(RingReader):
 
     @classmethod
     def join(cls, spec: GroupSpec, device: torch.device | str | None = None) -> ShmReader:
-        """Connect to the trainer's ring (``spec.transport == 'shm'``) and map it.
+        """Connect to the trainer's ring (``spec.transport == 'shm'``), or to the ring of the
+        member that relays the push on this host (``'relay'``), and map it.
 
         ``device`` is where the buffers handed to ``broadcast`` live (default: the CPU); on a
         CUDA device the mapping is pinned and chunks are copied host-to-device out of it.
         """
-        assert spec.transport == "shm"
+        assert spec.transport in ("shm", "relay")
         device = _checked_device(device)
         link = cls._connect(spec)
         try:

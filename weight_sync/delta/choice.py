@@ -1,0 +1,79 @@
+"""Dense or delta, push by push: a delta only where it is the faster way to the members.
+
+A delta trades the trainer's scan (reading the weights and the baseline, at memory speed at
+best) for bytes on the wire. Where the bytes are cheap -- every member on the trainer's host,
+reading its shared-memory ring -- the scan costs about what it saves, or more, so the push goes
+dense and no baseline is kept at all. Where a member is across a link, which way wins depends
+on the link's rate, the update's density and the trainer's cores, none of which the trainer
+knows in advance; so it measures: the first push is dense (there is no base yet), the next a
+delta, and from then on each push takes the way whose last push of that kind took fewer seconds
+per payload byte, trying the other way again every ``RETRY`` pushes (the density of an RL update
+drifts with the learning rate's schedule).
+
+Pure: no clocks, no I/O; the pusher reports what each push cost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from weight_sync.config import DeltaMode
+
+RETRY = 16  # pushes one way before the other is timed again
+
+
+@dataclass(frozen=True)
+class Choice:
+    """How the next push goes, and why (``PushResult.delta_reason``)."""
+
+    delta: bool
+    reason: str
+    keep_baseline: bool  # a dense push still brings the baseline up to date (a delta may follow)
+
+
+class DeltaChoice:
+    """The choice for one updater's pushes under ``SyncConfig.delta`` (``mode``)."""
+
+    def __init__(self, mode: DeltaMode) -> None:
+        self._mode = mode
+        self._cost: dict[bool, float] = {}  # seconds per payload byte of the last push each way
+        self._streak = 0  # pushes in a row that went the faster way
+
+    def choose(self, far: bool) -> Choice:
+        """``far``: some member receives across a network link (not from the trainer's host)."""
+        if not self._mode:
+            return Choice(False, "delta off", keep_baseline=False)
+        if self._mode == "always":
+            return Choice(True, "delta='always'", keep_baseline=True)
+        if not far:
+            return Choice(False, "every member reads the trainer's host memory: dense is as "
+                          "fast", keep_baseline=False)  # fmt: skip
+        dense, delta = self._cost.get(False), self._cost.get(True)
+        if dense is None:
+            return Choice(False, "timing a dense push", keep_baseline=True)
+        if delta is None:
+            return Choice(True, "timing a delta push", keep_baseline=True)
+        faster = delta < dense
+        if self._streak >= RETRY:
+            return Choice(not faster, f"timing a {'dense' if faster else 'delta'} push again "
+                          f"after {RETRY}", keep_baseline=True)  # fmt: skip
+        ratio = max(dense, delta) / max(min(dense, delta), 1e-18)
+        return Choice(faster, f"{'delta' if faster else 'dense'} was {ratio:.1f}x faster when "
+                      "last timed", keep_baseline=True)  # fmt: skip
+
+    def record(self, choice: Choice, seconds: float, payload_bytes: int) -> None:
+        """What a push that went as ``choice`` cost: its transfer's ``seconds`` for
+        ``payload_bytes`` of tensors (a delta push's payload is what it brought up to date,
+        not what crossed the wire)."""
+        if self._mode is not True or not choice.keep_baseline or payload_bytes <= 0:
+            return
+        self._cost[choice.delta] = seconds / payload_bytes
+        faster = min(self._cost, key=self._cost.__getitem__)
+        # Counting pushes that went the faster way; one timed the other way starts over.
+        retried = self._streak >= RETRY
+        self._streak = self._streak + 1 if choice.delta == faster and not retried else 0
+
+    def forget(self) -> None:
+        """The members changed (a new group): what was timed no longer holds."""
+        self._cost.clear()
+        self._streak = 0
