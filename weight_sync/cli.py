@@ -44,10 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--workloads",
-        default="W1,W2,W3,W4,W5",
+        default=None,
         help="comma-separated, from W1 (GPT-2 small), W2 (4,000 x 4 KB), W3 (1 GiB "
         "tensor), W4 (mixed dtypes), W5 (64 x 16 KB, 100 pushes: latency); "
-        "default all",
+        "default all (with --nodes: W1; S<MB>M there is that much synthetic fp32)",
     )
     bench.add_argument(
         "--strategies",
@@ -91,6 +91,49 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--out", default="benchmarks/results", help="report folder")
     bench.add_argument("--address", default=None, help="Ray cluster to join; default: start one")
+    links = bench.add_argument_group(
+        "multi-node (needs root, iproute2 and tc)",
+        "Build a Ray cluster of N nodes on this machine, each in its own network namespace, "
+        "links shaped to each rate; the trainer on node 0. Measures dense, delta and raw pushes "
+        "and how many times each crossed the trainer's link; writes links.md, links.json and "
+        "plots. --address, --strategies and the single-host suites do not apply.",
+    )
+    links.add_argument(
+        "--nodes",
+        type=int,
+        choices=range(1, 5),
+        default=None,
+        metavar="N",
+        help="nodes, 1..4 (default: the single-host bench)",
+    )
+    links.add_argument(
+        "--rates",
+        default="1gbit,10gbit",
+        help="comma-separated link rates in tc syntax (default 1gbit,10gbit)",
+    )
+    links.add_argument(
+        "--delay-ms",
+        type=float,
+        default=0.0,
+        help="one-way delay added on every node's egress, in ms (default 0)",
+    )
+    links.add_argument(
+        "--workers-per-node",
+        type=positive_int,
+        default=3,
+        help="workers on each node but the trainer's (default 3)",
+    )
+    links.add_argument(
+        "--local-workers",
+        action="store_true",
+        help="also put --workers-per-node workers on the trainer's node",
+    )
+    links.add_argument(
+        "--node-scaling",
+        action="store_true",
+        help="also sweep 1..4 nodes x 1..3 workers per node (workers on every node), dense "
+        "and delta, at the first rate; plots node_scaling.png",
+    )
     job = commands.add_parser(
         "job",
         help="the cluster job: place a trainer and N workers, push K times, verify",
@@ -112,13 +155,16 @@ def main(argv: list[str] | None = None) -> int:
         from weight_sync.demo import run_demo
 
         return run_demo(args.workers, args.steps, args.address, args.bucket_mb)
+    if args.command == "bench" and (args.nodes is not None or args.node_scaling):
+        return _bench_links(args)
     if args.command == "bench":
         from pathlib import Path
 
         from weight_sync.bench.harness import run_bench
 
+        workloads = args.workloads or "W1,W2,W3,W4,W5"
         run_bench(
-            workloads=[w for w in args.workloads.split(",") if w], workers=args.workers,
+            workloads=[w for w in workloads.split(",") if w], workers=args.workers,
             repeats=args.repeats,
             strategies=args.strategies.split(","), scaling=args.scaling, sweep=args.sweep,
             options=args.options, out=Path(args.out), address=args.address, device=args.device,
@@ -131,6 +177,28 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_job(args)
     raise AssertionError(f"unhandled command {args.command}")
+
+
+def _bench_links(args: argparse.Namespace) -> int:
+    """``bench --nodes N`` / ``--node-scaling``: the multi-node bench (weight_sync.bench.links)."""
+    from pathlib import Path
+
+    from weight_sync.bench.links import run_links
+    from weight_sync.bench.netns import NetnsUnavailable, parse_rate
+
+    try:
+        rates = [parse_rate(rate) for rate in args.rates.split(",") if rate.strip()]
+        run_links(
+            nodes=args.nodes, rates=rates, workloads=(args.workloads or "W1").split(","),
+            workers_per_node=args.workers_per_node, local_workers=args.local_workers,
+            repeats=args.repeats, delay_ms=args.delay_ms, node_scaling=args.node_scaling,
+            out=Path(args.out),
+        )  # fmt: skip
+    except (NetnsUnavailable, ValueError) as exc:
+        print(f"weight-sync bench: {exc}", file=sys.stderr)
+        return 2
+    print(f"report: {Path(args.out) / 'links.md'}")
+    return 0
 
 
 if __name__ == "__main__":

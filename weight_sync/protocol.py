@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -248,10 +249,10 @@ class Pusher:
                     request, in_place = self._prepare(request, plan, deadline)
                     clock.lap("prepare")
                     broadcasting = True
-                    wire_bytes, density, _ = self._transfer(group, request, plan, tensors, deadline)
+                    sent, _ = self._transfer(group, request, plan, tensors, deadline)
                     clock.lap("transfer")
                 else:
-                    wire_bytes, density, in_place = done
+                    sent, in_place = done
                 if not request.commit_on_receipt:
                     timeout_s = deadline.left(self._config.rpc_timeout_s)
                     self._roster.settle(self._plane.commit(version, timeout_s), "commit", timeout_s)
@@ -274,14 +275,12 @@ class Pusher:
                     self._teardown(Deadline(bound, "push", started))
                 raise
             self._version = version
-            seconds = clock.total()
-            went = choice if request.delta == choice.delta else Choice(
-                request.delta, "a worker does not hold the trainer's base: dense for all", True
-            )  # fmt: skip
-            self._delta.record(went, seconds - clock.phases.get("group", 0.0), plan.payload_bytes)
+            went = _as_sent(choice, request, sharded)
+            if request.built_on is not None:  # the first push into a copy also allocates it
+                self._delta.record(went, sent.seconds, plan.payload_bytes)
             result = PushResult(
-                version, plan.payload_bytes, len(plan.buckets), seconds, entries.count,
-                partial, clock.phases, wire_bytes, request.delta, density, went.reason,
+                version, plan.payload_bytes, len(plan.buckets), clock.total(), entries.count,
+                partial, clock.phases, sent.wire_bytes, request.delta, sent.density, went.reason,
             )  # fmt: skip
             if self._observer is not None:
                 self._observer.pushed(
@@ -291,7 +290,7 @@ class Pusher:
                 "pushed version %d%s%s: %d tensors, %.1f MB (%.1f MB on the wire) in %d buckets, "
                 "%.3fs (%.2f GB/s; %s)",
                 version, " (partial)" if partial else "", " (delta)" if request.delta else "",
-                result.tensors, result.nbytes / 1e6, wire_bytes / 1e6, result.buckets,
+                result.tensors, result.nbytes / 1e6, result.wire_bytes / 1e6, result.buckets,
                 result.seconds, result.gbps,
                 ", ".join(f"{phase} {seconds:.3f}s" for phase, seconds in clock.phases.items()),
             )  # fmt: skip
@@ -385,7 +384,7 @@ class Pusher:
         plan: SyncPlan,
         tensors: Sequence[torch.Tensor],
         deadline: Deadline,
-    ) -> tuple[int, float | None, list[bool]] | None:
+    ) -> tuple[_Sent, list[bool]] | None:
         """The steady state, where every member holds the plan and commits on receipt: one call
         per member (``Receiver.push``). Before any byte moves, the members vote over the group
         on their verdicts, and the trainer with them: a refusal anywhere stops the push
@@ -407,11 +406,9 @@ class Pusher:
                 return None
             raise PlanMismatchError({index: reply.problems or ("refused",)
                                      for index, reply in enumerate(replies) if not reply.accepted})  # fmt: skip
-        wire_bytes, density, replies = self._transfer(
-            group, request, plan, tensors, deadline, calls
-        )
+        sent, replies = self._transfer(group, request, plan, tensors, deadline, calls)
         self._roster.learnt(plan.digest)
-        return wire_bytes, density, [reply.prepared.in_place for reply in replies]
+        return sent, [reply.prepared.in_place for reply in replies]
 
     def _transfer(
         self,
@@ -421,10 +418,10 @@ class Pusher:
         tensors: Sequence[torch.Tensor],
         deadline: Deadline,
         calls: list[Future[Any]] | None = None,
-    ) -> tuple[int, float | None, list[Any]]:
+    ) -> tuple[_Sent, list[Any]]:
         """Broadcast the push while every member receives it (in ``calls``, a push in one call;
-        else in a round of receive calls started here); returns the bytes broadcast, the share
-        of elements that changed for a delta, and every member's answer."""
+        else in a round of receive calls started here); returns what was sent, and every
+        member's answer."""
         config, baseline = self._config, self._baseline
         # Spent from here on, whatever happens: members may commit it as soon as they all have it.
         self._next_version = request.version + 1
@@ -434,6 +431,7 @@ class Pusher:
             receiving = self._plane.receive(
                 request.version, config.staging == "atomic", deadline.remaining()
             )
+        started = time.perf_counter()
         try:
             if baseline is None or request.new_base is None:
                 if self._sender is None:
@@ -461,7 +459,7 @@ class Pusher:
             )
         if sent is not None:
             _check_checksums(outcomes.results, sent)
-        return wire_bytes, density, outcomes.results
+        return _Sent(wire_bytes, density, time.perf_counter() - started), outcomes.results
 
     # -- failures ------------------------------------------------------------------------------
 
@@ -533,6 +531,29 @@ class Pusher:
     def _teardown(self, deadline: Deadline | None = None) -> None:
         self._close_group()
         self._roster.leave(deadline)
+
+
+def _as_sent(choice: Choice, request: PrepareRequest, sharded: bool) -> Choice:
+    """The way a push went, and why: as chosen, or dense where a delta could not be sent."""
+    if sharded and choice.keep_baseline:
+        return Choice(False, "a sharded source is gathered bucket by bucket: dense", False)
+    if request.delta == choice.delta:
+        return choice
+    if request.built_on is None:
+        why = "the trainer holds no copy of the workers' weights yet: dense"
+    else:
+        why = "a worker does not hold the trainer's base: dense for all"
+    return Choice(request.delta, why, choice.keep_baseline)
+
+
+@dataclass(frozen=True)
+class _Sent:
+    """What a push's transfer put on the wire, and how long it took until every member had it
+    (what a dense and a delta push are compared by: see weight_sync.delta.choice)."""
+
+    wire_bytes: int
+    density: float | None  # of a delta: the share of elements that changed
+    seconds: float
 
 
 class _PhaseClock:

@@ -77,7 +77,7 @@ def pushing_rank(ctx: RankContext, route: str) -> tuple[list[str], int, bool]:
     end = open_end(ctx, route)
     try:
         host = end if isinstance(end, (shm.ShmWriter, shm.ShmReader)) else None
-        pinned = host is not None and all(slot.is_pinned() for slot in host._ring.slots)
+        pinned = host is not None and all(slot.is_pinned() for slot in host._ring._slots)
         got = []
         for index in range(len(SIZES)):
             if ctx.rank == 0:

@@ -27,7 +27,7 @@ import gc
 import mmap
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import ray
 import torch
@@ -73,6 +73,17 @@ class MemoryProbe:
         if self.device.type == "cuda":
             return max(0, torch.cuda.max_memory_allocated(self.device) - self._baseline)
         return max(0, _status_kib("VmHWM") * 1024 - self._baseline)
+
+
+def link_tx_bytes(device: str) -> int:
+    """Bytes sent out of network interface ``device`` so far, in this process's network
+    namespace (``/proc/net/dev``: after the name, 8 receive counters, then transmit bytes)."""
+    with open("/proc/net/dev") as table:
+        for line in table:
+            name, _, counters = line.partition(":")
+            if name.strip() == device:
+                return int(counters.split()[8])
+    raise ValueError(f"no network interface {device!r} here; see /proc/net/dev")
 
 
 def describe(device: str) -> str:
@@ -194,16 +205,26 @@ class BenchTrainer:
         self.updater: WeightUpdater | None = None
         self.state: dict[str, torch.Tensor] = {}
         self.wire_bytes: int | None = None  # of the last push
+        self.raw_nbytes: int | None = None  # of the raw broadcast, where not the state dict's
+        self.cast: torch.dtype | None = None  # the push's cast dtype: what the workers hold
+        self.sent_delta = False  # whether the last push went as a delta
 
     def describe(self) -> str:
         return describe(self.device.type)
 
     def setup(
-        self, workload: Workload, workers: int, config: SyncConfig, trained: bool = False
+        self,
+        workload: Workload,
+        workers: int,
+        config: SyncConfig,
+        trained: bool = False,
+        members: Sequence[int] | None = None,
     ) -> int:
         """Build the workload, form a group over the first ``workers`` workers (one warm-up push
         that must land bit-exactly); returns the payload bytes. ``trained``: the values of a
-        model's weights and an optimizer to step them (for ``after_step``)."""
+        model's weights and an optimizer to step them (for ``after_step``). ``members``: which
+        workers (indices into the trainer's list) instead of the first ``workers`` -- the
+        multi-node bench picks them by node."""
         if self.updater is not None:
             self.updater.close()
         self.state = {}
@@ -216,14 +237,38 @@ class BenchTrainer:
             self.parameters = [torch.nn.Parameter(t) for t in self.state.values()]
             self.state = {n: p.data for n, p in zip(self.state, self.parameters, strict=True)}
             self.optimizer = torch.optim.Adam(self.parameters, lr=1e-6)
-        self.workers = self.all_workers[:workers]
+        if members is None:
+            self.workers = self.all_workers[:workers]
+        else:
+            self.workers = [self.all_workers[i] for i in members]
+        self.cast = getattr(torch, config.cast_dtype) if config.cast_dtype else None
         self.updater = WeightUpdater(self.workers, config)
         self.updater.push(self.state)
-        cast = getattr(torch, config.cast_dtype) if config.cast_dtype else None
+        assert self.verify(), "warm-up push did not land bit-exactly"
+        return workload.nbytes
+
+    def verify(self) -> bool:
+        """Whether every worker holds exactly the trainer's weights as last pushed (cast to the
+        push's dtype), by sha256 of every tensor."""
+        cast = self.cast
         want = state_dict_digests({n: t.to(cast) if cast else t for n, t in self.state.items()})
         got = ray.get([w.digests.remote() for w in self.workers], timeout=600)
-        assert all(g == want for g in got), "warm-up push did not land bit-exactly"
-        return workload.nbytes
+        return all(g == want for g in got)
+
+    def link_run(self, strategy: str, device: str) -> tuple[float, int | None, int, bool]:
+        """:meth:`run`, and the bytes this node sent out of ``device`` meanwhile (its
+        ``/proc/net/dev`` counter: this actor lives in its node's network namespace, so the
+        counter is that node's link). Returns (seconds, wire bytes, bytes sent, whether the
+        push went as a delta)."""
+        before = link_tx_bytes(device)
+        self.sent_delta = False
+        seconds, _, wire = self.run(strategy)
+        return seconds, wire, link_tx_bytes(device) - before, self.sent_delta
+
+    def set_raw_bytes(self, nbytes: int | None) -> None:
+        """Size the ``raw`` broadcast (None: the state dict's bytes): the multi-node bench
+        compares it with a cast push, whose payload is smaller than the state dict."""
+        self.raw_nbytes = nbytes
 
     def run(self, strategy: str) -> tuple[float, int, int | None]:
         """One timed transfer; returns (seconds, peak extra bytes in this process, bytes the push
@@ -253,7 +298,8 @@ class BenchTrainer:
 
     def _weight_sync(self) -> None:
         assert self.updater is not None
-        self.wire_bytes = self.updater.push(self.state).wire_bytes
+        result = self.updater.push(self.state)
+        self.wire_bytes, self.sent_delta = result.wire_bytes, result.delta
 
     def _after_step_prepare(self) -> None:
         for parameter in self.parameters:
@@ -270,7 +316,7 @@ class BenchTrainer:
     _all_changed = _weight_sync
 
     def _raw_prepare(self) -> None:
-        nbytes = sum(t.nbytes for t in self.state.values())
+        nbytes = self.raw_nbytes or sum(t.nbytes for t in self.state.values())
         self.raw_buffer = torch.zeros(nbytes, dtype=torch.uint8, device=self._group().device)
         ray.get([w.raw_prepare.remote(nbytes) for w in self.workers], timeout=600)
 

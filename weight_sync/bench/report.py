@@ -8,8 +8,10 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import ray
 import torch
@@ -447,9 +449,211 @@ def load_rows(path: Path) -> list[Measurement]:
 
 
 def write_report(rows: Sequence[Measurement], out: Path) -> Path:
+    """results.json, results.md and the plots under ``out``."""
+    return _write(
+        out, "results", [r.as_dict() for r in rows], markdown(rows), lambda: plot(rows, out)
+    )
+
+
+def _write(out: Path, stem: str, data: list[dict[str, Any]], text: str,
+           plots: Callable[[], object]) -> Path:  # fmt: skip
+    """``stem``.json, ``stem``.md and the plots under ``out``; the report's path."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps([r.as_dict() for r in rows], indent=1))
-    report = out / "results.md"
-    report.write_text(markdown(rows))
-    plot(rows, out)
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=1))
+    report = out / f"{stem}.md"
+    report.write_text(text)
+    plots()
     return report
+
+
+# -- the multi-node bench (weight_sync.bench.links) ---------------------------------------------
+
+
+@dataclass
+class LinkRow:
+    """One mode on one layout at one link rate: what the multi-node bench records. Lives here,
+    below the driver, so that the report reads links.json back without importing Ray glue."""
+
+    suite: str  # "links" (the rates) or "node scaling"
+    workload: str
+    title: str
+    rate_bits: int
+    delay_ms: float
+    nodes: int
+    workers_per_node: int
+    local_workers: bool
+    workers: int
+    mode: str  # dense, dense (tree), delta, raw
+    payload_bytes: int  # the state dict as pushed (cast), whatever went on the wire
+    seconds: list[float] = field(default_factory=list)
+    wire_bytes: list[int] = field(default_factory=list)  # the push's own count, per push
+    sent_bytes: list[int] = field(default_factory=list)  # out of the trainer node's link
+    verified: bool | None = None  # bit-exact on every worker after the last push (not raw)
+    deltas: int = 0  # timed pushes that went as deltas (delta=True picks per push)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds) if self.seconds else float("nan")
+
+    @property
+    def wire(self) -> float:
+        return statistics.median(self.wire_bytes) if self.wire_bytes else float("nan")
+
+    @property
+    def crossings(self) -> float:
+        """How many times the push's bytes left the trainer's node: bytes sent out of its link
+        (TCP/IP headers and the control plane's few KB included) over the wire bytes."""
+        ratios = [s / w for s, w in zip(self.sent_bytes, self.wire_bytes, strict=True) if w]
+        return statistics.median(ratios) if ratios else float("nan")
+
+    @property
+    def bound(self) -> float:
+        """The one-crossing bound: the wire bytes once through the trainer's link, in seconds."""
+        return self.wire * 8 / self.rate_bits
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "median": self.median, "crossings": self.crossings,
+                "bound": self.bound}  # fmt: skip
+
+
+def _rate(bits: int) -> str:
+    from weight_sync.bench.netns import format_rate
+
+    return format_rate(bits)
+
+
+def links_markdown(rows: Sequence[LinkRow]) -> str:
+    lines = [
+        "# weight_sync across shaped links (multi-node bench)",
+        "",
+        f"Machine: {machine_line()}.",
+        "",
+        (
+            "Nodes are network namespaces on this machine, joined by a bridge; each node's link "
+            "is shaped to the rate with tc tbf at both ends (`weight_sync.bench.netns`). The "
+            "trainer is on node 0; pushes after an Adam step (lr 1e-6), cast to bf16. "
+            "`crossings`: bytes the trainer's node sent out of its link during the push / the "
+            "push's wire bytes (headers and the control plane add under 1%). `bound`: wire "
+            "bytes x 8 / rate, one "
+            "crossing of the link. `raw`: one flat Gloo broadcast of the payload to a group "
+            "holding every worker."
+        ),
+        "",
+    ]
+    links = [r for r in rows if r.suite == "links"]
+    for workload in dict.fromkeys(r.workload for r in links):
+        group = [r for r in links if r.workload == workload]
+        first = group[0]
+        near = f", {first.workers_per_node} on node 0" if first.local_workers else ""
+        lines += [
+            (
+                f"## {workload}: {first.title}, {first.nodes} nodes, "
+                f"{first.workers_per_node} workers per far node{near}"
+            ),
+            "",
+            f"Payload {first.payload_bytes / MB:.1f} MB (bf16); delay {first.delay_ms:g} ms.",
+            "",
+            (
+                "| rate | mode | median s | min s | max s | wire MB | crossings | bound s | "
+                "x bound | x raw | as delta | verified |"
+            ),
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in group:
+            verified = {True: "yes", False: "NO", None: "-"}[r.verified]
+            raw = next((o for o in group if o.mode == "raw" and o.rate_bits == r.rate_bits), None)
+            x_raw = r.median / raw.median if raw is not None else float("nan")
+            lines.append(
+                f"| {_rate(r.rate_bits)} | {r.mode} | {r.median:.3f} | {min(r.seconds):.3f} | "
+                f"{max(r.seconds):.3f} | {r.wire / MB:.2f} | {r.crossings:.2f} | "
+                f"{r.bound:.3f} | {r.median / r.bound:.2f} | {x_raw:.2f} | "
+                f"{r.deltas}/{len(r.seconds)} | {verified} |"
+            )
+        lines.append("")
+    scaling = [r for r in rows if r.suite == "node scaling"]
+    if scaling:
+        first = scaling[0]
+        lines += [
+            f"## Node scaling: {first.workload} at {_rate(first.rate_bits)}",
+            "",
+            (
+                "Workers on every node, the trainer's included (through its shared-memory "
+                "ring); the others relayed once per node."
+            ),
+            "",
+            (
+                "| nodes | workers per node | workers | mode | median s | wire MB | crossings | "
+                "x bound | as delta |"
+            ),
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in sorted(scaling, key=lambda r: (r.mode, r.workers_per_node, r.nodes)):
+            lines.append(
+                f"| {r.nodes} | {r.workers_per_node} | {r.workers} | {r.mode} | "
+                f"{r.median:.3f} | {r.wire / MB:.2f} | {r.crossings:.2f} | "
+                f"{r.median / r.bound:.2f} | {r.deltas}/{len(r.seconds)} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot_links(rows: Sequence[LinkRow], out: Path) -> list[Path]:
+    """links.png: push seconds by rate, one line per mode (and the one-crossing bound);
+    node_scaling.png: push seconds by nodes, one line per workers per node and mode."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    written = []
+    links = [r for r in rows if r.suite == "links" and r.seconds]
+    workloads = list(dict.fromkeys(r.workload for r in links))
+    if workloads:
+        fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 4), squeeze=False)
+        for ax, workload in zip(axes[0], workloads, strict=True):
+            group = [r for r in links if r.workload == workload]
+            for mode in dict.fromkeys(r.mode for r in group):
+                points = sorted((r.rate_bits, r.median) for r in group if r.mode == mode)
+                ax.plot([p[0] / 1e9 for p in points], [p[1] for p in points], "-o", label=mode)
+            dense = sorted((r.rate_bits, r.bound) for r in group if r.mode == "dense")
+            if dense:
+                ax.plot([p[0] / 1e9 for p in dense], [p[1] for p in dense], ":", color="gray",
+                        label="one crossing (dense)")  # fmt: skip
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlabel("link rate, Gbit/s")
+            ax.set_ylabel("seconds per push (median)")
+            ax.set_title(f"{workload}: {group[0].nodes} nodes, {group[0].workers} workers",
+                         fontsize=9)  # fmt: skip
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        written.append(_save(fig, out / "links.png"))
+    scaling = [r for r in rows if r.suite == "node scaling" and r.seconds]
+    if scaling:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for mode, style in (("dense", "-o"), ("delta", "--x")):
+            for count in sorted({r.workers_per_node for r in scaling}):
+                points = sorted(
+                    (r.nodes, r.median)
+                    for r in scaling
+                    if r.mode == mode and r.workers_per_node == count
+                )
+                if points:
+                    ax.plot([p[0] for p in points], [p[1] for p in points], style,
+                            label=f"{mode}, {count} per node")  # fmt: skip
+        ax.set_xticks(sorted({r.nodes for r in scaling}))
+        ax.set_xlabel("nodes (trainer's included)")
+        ax.set_ylabel("seconds per push (median)")
+        ax.set_title(f"{scaling[0].workload} at {_rate(scaling[0].rate_bits)}", fontsize=9)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        written.append(_save(fig, out / "node_scaling.png"))
+    return written
+
+
+def write_links_report(rows: Sequence[LinkRow], out: Path) -> Path:
+    """links.json (every push's figures), links.md (tables) and the plots under ``out``."""
+    return _write(out, "links", [r.as_dict() for r in rows], links_markdown(rows),
+                  lambda: plot_links(rows, out))  # fmt: skip

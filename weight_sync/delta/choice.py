@@ -74,6 +74,7 @@ class DeltaChoice:
         self._streak = self._streak + 1 if choice.delta == faster and not retried else 0
 
     def forget(self) -> None:
-        """The members changed (a new group): what was timed no longer holds."""
+        """A new group whose members are reached another way (across a link now, or no longer):
+        what was timed no longer holds."""
         self._cost.clear()
         self._streak = 0

@@ -17,7 +17,9 @@ class Work(Protocol):
         """Order later work on this thread's current CUDA stream after the collective, without
         blocking the host (NCCL: a stream wait). Buffers the collective reads or writes may be
         reused by kernels queued after this call. Where there is no device stream to order (Gloo,
-        the host ring), the same as ``wait``. A failure still surfaces in ``wait``."""
+        the host ring), the same as ``wait`` -- but for a relay (``transport.relay``), whose
+        buffer is still read, never written, until the next broadcast's ``after`` returns. A
+        failure still surfaces in ``wait``."""
 
 
 class Transport(Protocol):

@@ -27,11 +27,13 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 
 import torch
 
-from weight_sync.errors import TransportError
+from weight_sync.errors import TransportError, WeightSyncError
 from weight_sync.metadata import GroupSpec
 from weight_sync.transport.base import Transport, Work
 from weight_sync.transport.ring import RingSent
@@ -42,8 +44,10 @@ logger = logging.getLogger(__name__)
 
 
 class _Forwarded:
-    """One broadcast through a relay. ``after``: received here, and on its way into the ring;
-    ``wait``: in the ring, and copied out by every follower."""
+    """One broadcast through a relay. ``after``: received here, and on its way into the ring --
+    the buffer is still being read until the next broadcast's ``after`` returns, so it must not
+    be written before then (the receiver only reads a bucket it applies, and reuses its buffer
+    two buckets on); ``wait``: in the ring, and copied out by every follower."""
 
     def __init__(self, relay: Relay, tensor: torch.Tensor, upstream: Work) -> None:
         self._relay, self.tensor, self.upstream = relay, tensor, upstream
@@ -75,6 +79,7 @@ class Relay:
         self._last: Future[RingSent] | None = None  # the latest write into the ring
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="weight-sync-relay")
         self._lock = threading.Lock()
+        self._closed = False
 
     @classmethod
     def join(cls, spec: GroupSpec) -> Relay:
@@ -123,47 +128,43 @@ class Relay:
         """Receive every broadcast posted up to ``work``, in order, and start writing each into
         the ring once the one before it is written (so that its buffer may be reused). A
         failure on either side closes the relay."""
-        with self._lock:
-            try:
-                while work.forward is None:
-                    first = self._pending.popleft()
-                    first.upstream.wait()
-                    if self._last is not None:
-                        self._last.result()
-                    first.forward = self._last = self._writer.submit(
-                        self._down.broadcast, first.tensor, 0
-                    )
-            except BaseException:
-                self._close_locked()
-                raise
+        with self._failing_closes():
+            while work.forward is None:
+                first = self._pending.popleft()
+                first.upstream.wait()
+                if self._last is not None:
+                    self._last.result()
+                first.forward = self._last = self._writer.submit(
+                    self._down.broadcast, first.tensor, 0
+                )
 
     def delivered(self, work: _Forwarded) -> None:
         """Wait until every follower has copied ``work`` out of the ring."""
-        with self._lock:
-            try:
-                assert work.forward is not None and self._last is not None
-                self._last.result()  # every write so far is done: the ring is this thread's
-                work.forward.result().wait()
-            except BaseException:
-                self._close_locked()
-                raise
+        with self._failing_closes():
+            assert work.forward is not None and self._last is not None
+            self._last.result()  # every write so far is done: the ring is this thread's
+            work.forward.result().wait()
 
     tally_is_final = True  # a member votes: the outcome is what ``vote`` returns
 
     def vote(self, code: int, timeout_s: float | None = None) -> int:
-        """The followers' codes with this member's, upstream; the outcome back to them."""
-        with self._lock:
+        """The followers' codes with this member's, upstream; the outcome back to them, all
+        within ``timeout_s``. Once the group has agreed, this member holds what it agreed on:
+        a follower that cannot hear the outcome is hung up on (and fails), not this member."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._failing_closes():
             if self._pending:
                 raise TransportError("a vote while broadcasts are still in flight on this relay")
-            try:
-                if self._last is not None:
-                    self._last.result()
-                code = self._down.tally(code, timeout_s)
-                outcome = self._up.vote(code, timeout_s)
-                return self._down.announce(outcome, timeout_s)
-            except BaseException:
-                self._close_locked()
-                raise
+            if self._last is not None:
+                self._last.result()
+            code = self._down.tally(code, timeout_s)
+            outcome = self._up.vote(code, _left(deadline))
+        try:
+            self._down.announce(outcome, _left(deadline))
+        except WeightSyncError as exc:
+            logger.warning("a follower missed the outcome of a vote (%s): hanging up on them", exc)
+            self._down.hang_up()
+        return outcome
 
     def tally(self, code: int, timeout_s: float | None = None) -> int:
         raise TypeError("tally and announce are the trainer's halves of a vote; a relay votes")
@@ -172,12 +173,38 @@ class Relay:
         raise TypeError("tally and announce are the trainer's halves of a vote; a relay votes")
 
     def close(self) -> None:
-        """Hang up on the followers first (they fail at once), then leave the group.
-        Idempotent; safe while a forward runs on another thread (it fails)."""
-        self._down.close()
+        """Leave the group, hang up on the followers (they fail at once, and so does the
+        writer's wait on them), let the writer's copy end, then free the ring. Idempotent; safe
+        from another thread while a receive runs (it fails)."""
+        if self._closed:
+            return
+        self._closed = True
         self._up.close()
-        self._writer.shutdown(wait=False, cancel_futures=True)
+        self._down.hang_up()
+        self._writer.shutdown(wait=True, cancel_futures=True)
+        self._down.close()
 
-    def _close_locked(self) -> None:
-        self._pending.clear()
-        self.close()
+    @contextmanager
+    def _failing_closes(self) -> Iterator[None]:
+        """Hold the relay while a step runs; a failure closes it, and reaches the caller as a
+        ``WeightSyncError`` even when it is the relay's own machinery that broke off (a write
+        cancelled, an empty queue: the relay was closed from another thread)."""
+        with self._lock:
+            try:
+                if self._closed:
+                    raise TransportError("this relay has left the group")
+                yield
+            except Exception as exc:
+                self._pending.clear()
+                self.close()
+                if isinstance(exc, WeightSyncError):
+                    raise
+                raise TransportError(f"the relay broke off: {exc!r}") from exc
+            except BaseException:
+                self._pending.clear()
+                self.close()
+                raise
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(deadline - time.monotonic(), 1e-3)

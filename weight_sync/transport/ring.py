@@ -122,16 +122,18 @@ class Received:
 
 
 class Link:
-    """One end of a ring's socket, and who is at the other: rank 0 is the trainer; None, a
-    reader that has not said who it is yet. ``kind`` names the ring in messages."""
+    """One end of a ring's socket, and who is at the other: rank 0 is the ring's writer (the
+    trainer, or the member relaying the push on its host: ``writer`` names it); None, a reader
+    that has not said who it is yet. ``kind`` names the ring in messages."""
 
-    def __init__(self, conn: socket.socket, peer: int | None, kind: str) -> None:
-        self.conn, self.peer, self.kind = conn, peer, kind
+    def __init__(self, conn: socket.socket, peer: int | None, kind: str,
+                 writer: str = "the trainer") -> None:  # fmt: skip
+        self.conn, self.peer, self.kind, self.writer = conn, peer, kind, writer
 
     def who(self) -> str:
         if self.peer is None:
             return "a joining reader"
-        return "the trainer" if self.peer == 0 else f"{self.kind} reader {self.peer}"
+        return self.writer if self.peer == 0 else f"{self.kind} reader {self.peer}"
 
     def recv(self, size: int, deadline: float) -> bytes:
         """Exactly ``size`` bytes, by ``deadline``; EOF and timeouts raise, naming the peer."""
@@ -165,7 +167,16 @@ class Link:
             raise SyncTimeoutError(f"{self.kind} ring: timed out waiting for {self.who()}")
         return left
 
+    def hang_up(self) -> None:
+        """End the connection both ways: the peer sees EOF at once, and so does a thread of
+        ours blocked on it (``close`` alone does not wake a blocked ``recv`` on Linux)."""
+        try:
+            self.conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # not connected, or already gone
+
     def close(self) -> None:
+        self.hang_up()
         self.conn.close()
 
 
@@ -374,6 +385,13 @@ class RingWriter(ABC):
             link.send(result)
         return code
 
+    def hang_up(self) -> None:
+        """End every reader's connection (each fails at once if it was waiting, and so does any
+        wait here on them), keeping the ring's memory: a copy into it may still be running on
+        another thread (see ``transport.relay``). ``close`` then frees it."""
+        for link in self._links:
+            link.hang_up()
+
     def close(self) -> None:
         """Hang up on every reader (each fails at once if it was waiting) and free the ring.
         Idempotent."""
@@ -410,11 +428,11 @@ class RingReader(ABC):
         deadline = time.monotonic() + spec.rendezvous_timeout_s
         while True:
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            conn.settimeout(spec.rendezvous_timeout_s)
+            conn.settimeout(max(deadline - time.monotonic(), 1e-3))  # one bound for the join
             try:
                 conn.connect(socket_address(spec.address))
                 conn.sendall(HELLO.pack(spec.group_id.encode()[:16], spec.rank))
-                return Link(conn, 0, cls.kind)
+                return Link(conn, 0, cls.kind, writer=writer.removesuffix("'s"))
             except (ConnectionRefusedError, FileNotFoundError) as exc:
                 conn.close()
                 if spec.transport == "relay" and time.monotonic() < deadline:

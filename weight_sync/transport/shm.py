@@ -34,6 +34,7 @@ import os
 import socket
 import struct
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -100,16 +101,40 @@ def _checked_device(device: torch.device | str | None) -> torch.device:
 
 class _Ring:
     """A mapping of the ring and its slots as uint8 tensors; with ``pin``, registered with CUDA
-    for as long as it is mapped."""
+    for as long as it is mapped.
+
+    A slot is used only inside ``copy``, and ``close`` waits for that copy to end: the tensors
+    over the mapping do not keep it alive (``torch.frombuffer`` holds no buffer export), so an
+    end closed from another thread (a member leaving, a relay closing) while a copy runs would
+    otherwise copy into unmapped memory and crash the process."""
 
     def __init__(self, fd: int, slot_bytes: int, slots: int, pin: bool) -> None:
         self.map = mmap.mmap(fd, slot_bytes * slots, mmap.MAP_SHARED)
         flat = torch.frombuffer(self.map, dtype=torch.uint8)
-        self.slots = list(flat.split(slot_bytes))
+        self._slots = list(flat.split(slot_bytes))
         self.slot_bytes = slot_bytes
+        self._lock = threading.Lock()
         self._pinned: int | None = None
         if pin:
             self._pin(flat.data_ptr(), flat.numel())
+
+    def copy(self, index: int, tensor: torch.Tensor, into: bool, copies: DeviceCopies | None,
+             deadline: float) -> DeviceCopies | None:  # fmt: skip
+        """Copy ``tensor`` into slot ``index`` (``into``), or the slot's first bytes out into
+        ``tensor``; done when it returns, by ``deadline`` for a GPU copy. Returns the device
+        copies used (``copies``, or new ones for ``tensor``'s device)."""
+        with self._lock:
+            if not self._slots:
+                raise TransportError("the shared-memory ring was closed (this end left)")
+            memory = self._slots[index][: tensor.numel()]
+            out, source = (memory, tensor) if into else (tensor, memory)
+            if not tensor.is_cuda:
+                out.copy_(source)
+                return copies
+            copies = copies_on(copies, tensor.device)
+            way = f"from {tensor.device} into" if into else f"into {tensor.device} out of"
+            copies.copy(out, source, deadline, f"the copy of a chunk {way} the shared-memory ring")
+            return copies
 
     def _pin(self, address: int, size: int) -> None:
         # As torch pins shared-memory tensors for its own device copies (torch/cuda/
@@ -127,7 +152,13 @@ class _Ring:
         self._pinned = address
 
     def close(self) -> None:
-        self.slots = []
+        with self._lock:  # a copy in a slot ends first
+            if not self._slots:
+                return
+            self._slots = []
+            self._unmap()
+
+    def _unmap(self) -> None:
         if self._pinned is not None:  # before unmapping: the driver holds the pages until then
             code = int(torch.cuda.cudart().cudaHostUnregister(self._pinned))
             if code != 0:
@@ -195,14 +226,8 @@ class ShmWriter(RingWriter):
         socket.send_fds(link.conn, [_RING.pack(self._ring.slot_bytes, SLOTS)], [self._fd])
 
     def _fill(self, slot: int, chunk: torch.Tensor, deadline: float) -> None:
-        out = self._ring.slots[slot][: chunk.numel()]
-        if not chunk.is_cuda:
-            out.copy_(chunk)
-            return
         # A reader reads the slot as soon as it hears READY: the bytes must be in host memory.
-        self._copies = copies_on(self._copies, chunk.device)
-        self._copies.copy(out, chunk, deadline, f"the copy of a chunk from {chunk.device} into the "
-                          "shared-memory ring")  # fmt: skip
+        self._copies = self._ring.copy(slot, chunk, True, self._copies, deadline)
 
     def _accepted(self) -> None:
         if self._fd is not None:
@@ -236,28 +261,29 @@ class ShmReader(RingReader):
         assert spec.transport in ("shm", "relay")
         device = _checked_device(device)
         link = cls._connect(spec)
+        writer = link.writer
         try:
             message, fds, _, _ = socket.recv_fds(link.conn, _RING.size, 1)
         except TimeoutError as exc:
             link.close()
             raise SyncTimeoutError(
-                f"the trainer's shared-memory ring did not answer within "
-                f"{spec.rendezvous_timeout_s}s; check that the trainer is alive"
+                f"{writer}'s shared-memory ring did not answer within "
+                f"{spec.rendezvous_timeout_s}s; check that {writer} is alive"
             ) from exc
         except OSError as exc:
             link.close()
-            raise TransportError(f"the trainer's shared-memory ring failed: {exc}") from exc
+            raise TransportError(f"{writer}'s shared-memory ring failed: {exc}") from exc
         if len(message) != _RING.size or len(fds) != 1:
             for fd in fds:
                 os.close(fd)
             link.close()
-            raise TransportError("the trainer hung up while handing over the ring")
+            raise TransportError(f"{writer} hung up while handing over the ring")
         slot_bytes, slots = _RING.unpack(message)
         if slots != SLOTS:
             os.close(fds[0])
             link.close()
             raise TransportError(
-                f"the trainer's ring has {slots} slots, this worker counts {SLOTS}; check that "
+                f"{writer}'s ring has {slots} slots, this worker counts {SLOTS}; check that "
                 "both run the same weight_sync version"
             )
         try:
@@ -278,13 +304,7 @@ class ShmReader(RingReader):
         return cls(spec, link, ring, device)
 
     def _drain(self, slot: int, out: torch.Tensor, deadline: float) -> None:
-        source = self._ring.slots[slot][: out.numel()]
-        if not out.is_cuda:
-            out.copy_(source)
-            return
-        self._copies = copies_on(self._copies, out.device)
-        self._copies.copy(out, source, deadline, f"the copy of a chunk out of the shared-memory "
-                          f"ring into {out.device}")  # fmt: skip
+        self._copies = self._ring.copy(slot, out, False, self._copies, deadline)
 
     def _unmap(self) -> None:
         self._ring.close()
