@@ -14,13 +14,14 @@ from __future__ import annotations
 import logging
 import secrets
 import socket
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from weight_sync.config import SyncConfig
+from weight_sync.control import Outcomes, collect
 from weight_sync.deadline import Deadline
 from weight_sync.devices import CPU, gpu_uuid
 from weight_sync.errors import TransportError, WeightSyncError, WorkerFailedError
@@ -163,8 +164,9 @@ def form_group(
         _close_all([*parts, *writers.values()], listener)
         failure = None
         if isinstance(exc, WeightSyncError):  # the members that joined fail about now
-            wait_s = min(GRACE_S, deadline.remaining())
-            failure = roster.blame_late(joining, "join", wait_s, rendezvous_s)
+            outcomes = collect(roster.plane, joining, min(GRACE_S, deadline.remaining()))
+            _excuse_followers(outcomes, routes.leaders)
+            failure = None if outcomes.ok else roster.blame(outcomes, "join", rendezvous_s)
         roster.leave(deadline)
         if isinstance(exc, WeightSyncError) and not isinstance(exc, cuda_ipc.IpcUnavailableError):
             raise _formation_error(exc, failure, firsts, kinds, infos) from exc
@@ -279,6 +281,16 @@ def _open_ring(
         )
         logger.warning("workers on this host take %s instead of %s: %s", *instead, exc)
         return None
+
+
+def _excuse_followers(outcomes: Outcomes, leaders: Mapping[int, int]) -> None:
+    """A relay's follower dials its ring until the relay opens it: one still dialling when the
+    relay itself failed to join (or is as late) is no more at fault than any member that lost
+    the formation to another -- collateral, not late (a late member is dropped)."""
+    failed = {*outcomes.raised, *outcomes.died, *outcomes.collateral, *outcomes.late}
+    excused = [i for i in outcomes.late if i in leaders and leaders[i] in failed]
+    outcomes.late = [i for i in outcomes.late if i not in excused]
+    outcomes.collateral = sorted([*outcomes.collateral, *excused])
 
 
 def _close_all(parts: Sequence[Transport], listener: socket.socket | None) -> None:

@@ -42,3 +42,26 @@ def test_blame_table(fields: dict, error: type, blamed: list[int] | None, unreac
 
 def test_all_answered_is_ok() -> None:
     assert outcomes(2).ok
+
+
+@pytest.mark.parametrize(
+    ("fields", "late", "collateral"),
+    [
+        # worker 0 relays to 1 and 2; it died joining: its followers, still dialling, are excused
+        ({"died": {0: "actor died"}, "late": [1, 2]}, [], [1, 2]),
+        # its relay lost the formation to someone else: the same
+        ({"collateral": [0], "late": [2]}, [], [0, 2]),
+        # its relay joined: a follower still silent is late, and dropped
+        ({"late": [2]}, [2], []),
+        # worker 3 relays nobody: its lateness is its own
+        ({"raised": {0: "TransportError: x"}, "late": [3]}, [3], []),
+    ],
+)  # fmt: skip
+def test_followers_of_a_relay_that_failed_to_join_are_not_blamed_for_it(
+    fields: dict, late: list[int], collateral: list[int]
+) -> None:
+    from weight_sync.formation import _excuse_followers
+
+    got = outcomes(4, **fields)
+    _excuse_followers(got, {1: 0, 2: 0})
+    assert (got.late, got.collateral) == (late, collateral)
