@@ -3,7 +3,8 @@
 For every link rate a fresh cluster is built (``weight_sync.bench.netns``): the trainer on node
 0, ``workers_per_node`` workers on each other node (and on node 0 too with ``local_workers``).
 Each mode is measured after one verified warm-up push (``BenchTrainer.setup``) and one untimed
-push, then ``repeats`` timed pushes (medians), and verified bit-exact again at the end:
+push (three for ``delta``), then ``repeats`` timed pushes (medians), and verified bit-exact again
+at the end:
 
 * ``dense`` -- a push after an Adam step, cast to bf16, relayed once per far host
   (``SyncConfig.relay``, the default);
