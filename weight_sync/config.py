@@ -32,7 +32,9 @@ class SyncConfig(BaseModel):
     bucket_bytes: int = Field(
         32 * MiB,
         description="Largest packed bucket in bytes. Bigger buckets mean fewer collectives, "
-        "smaller ones more overlap of packing with sending; each side holds two at a time.",
+        "smaller ones more overlap of packing with sending; each side holds two at a time. A "
+        "delta push cuts what it sends into about eight buckets (at least 1 MiB each, at most "
+        "this), so that relays and workers pass on and patch one while the next arrives.",
     )
     direct_min_bytes: int | Literal["auto"] | None = Field(
         "auto",
@@ -151,7 +153,8 @@ class SyncConfig(BaseModel):
         "(indices and values), or the span whole where that is smaller. True: a delta only "
         "where it is faster -- never when every worker is on the trainer's host (the copy is "
         "then not even kept); across a link, whichever way the last push of each kind was "
-        "faster, timed again every 16 pushes (PushResult.delta and delta_reason say what was "
+        "faster, timed again every 16 pushes (sooner while the two are within 2x: a first "
+        "timing is the worst) (PushResult.delta and delta_reason say what was "
         "chosen). 'always': a delta whenever the workers can take one. Only workers that hold "
         "exactly that copy, with every tensor writable in place, take deltas: if any does not, "
         "the push goes dense for all. Bit-exact; see weight_sync.delta.",

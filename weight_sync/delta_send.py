@@ -57,9 +57,12 @@ def send(
     out = outgoing(
         plan, tensors, baseline, counts, bucket_bytes=bucket_bytes, with_checksums=with_checksums
     )
-    sums = Sender(transport).send(
-        out.plan, out.sources, deadline, with_checksums, on_packed=out.record
-    )
+    try:
+        sums = Sender(transport).send(
+            out.plan, out.sources, deadline, with_checksums, on_packed=out.record
+        )
+    finally:
+        out.close()
     if counts is None:
         return Sent(sums, plan.nbytes)
     if sums is not None and out.blob_sums is not None:

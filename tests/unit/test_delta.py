@@ -5,6 +5,7 @@ from the one to the other in memory; the real transports are in tests/distribute
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -13,12 +14,15 @@ from tests.zoo import zoo
 from weight_sync import SyncConfig
 from weight_sync.delta.baseline import Baseline
 from weight_sync.delta.layout import (
+    DELTA_BUCKETS,
     DENSE,
+    MIN_DELTA_BUCKET,
     NONE,
     RUN_SPANS,
     SPAN,
     SPARSE,
     check_counts,
+    delta_bucket_bytes,
     delta_layout,
     encoding,
     header_counts,
@@ -27,9 +31,10 @@ from weight_sync.delta.layout import (
 from weight_sync.delta.lineage import next_base
 from weight_sync.delta.transfer import Patcher
 from weight_sync.entries import check_state_dict
+from weight_sync.errors import WeightSyncError
 from weight_sync.metadata import SyncPlan, TensorMeta, Tied
 from weight_sync.packing import Packer, Unpacker, bucket_buffers, byte_view
-from weight_sync.planner import make_plan
+from weight_sync.planner import align_up, make_plan
 from weight_sync.sender import PushPlanner
 
 CPU = torch.device("cpu")
@@ -90,6 +95,37 @@ def test_layout_keeps_dense_tensors_whole_skips_unchanged_ones_and_cuts_blobs() 
     assert layout.changed_tensors == {2}
 
 
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize(
+    ("payload", "bucket_bytes", "alignment", "size"),
+    [
+        (80 * MiB, 32 * MiB, 64, 10 * MiB),  # an eighth
+        (10 * MiB + 1, 32 * MiB, 64, align_up(-(-(10 * MiB + 1) // DELTA_BUCKETS), 64)),
+        (1000 * MiB, 32 * MiB, 64, 32 * MiB),  # never above the configured size
+        (3 * MiB, 32 * MiB, 64, MIN_DELTA_BUCKET),  # never below a MiB...
+        (3 * MiB, 4096, 64, 4096),  # ...unless the configured size is smaller
+        (0, 32 * MiB, 64, MIN_DELTA_BUCKET),
+        (0, 64, 4096, 4096),  # at least the alignment (make_plan needs it)
+    ],
+)  # fmt: skip
+def test_a_delta_travels_in_about_eight_buckets(payload: int, bucket_bytes: int, alignment: int, size: int) -> None:  # fmt: skip
+    assert delta_bucket_bytes(payload, bucket_bytes, alignment) == size
+
+
+def test_a_layout_cuts_a_delta_into_eighths_or_more() -> None:
+    """At the configured 32 MiB this delta would be one bucket: nothing is forwarded or patched
+    before all of it arrived."""
+    plan = plan_of(*[(8 * RUN_SPANS * SPAN,)] * 4)  # 32M float32: 128 MiB
+    counts = [SPAN // 8] * header_counts(plan)  # an eighth changed: sparse everywhere
+    layout = delta_layout(plan, counts, 32 * MiB)
+    payload = sum(meta.nbytes for meta in layout.plan.tensors)
+    assert 8 * MIN_DELTA_BUCKET < payload < 32 * MiB and not layout.whole
+    assert len(layout.plan.buckets) >= DELTA_BUCKETS
+    assert max(b.nbytes for b in layout.plan.buckets) <= delta_bucket_bytes(payload, 32 * MiB, 64)
+
+
 @pytest.mark.parametrize(
     ("counts", "problem"),
     [([0, 0], "has 2 counts"), ([0, 0, -1], "-1 changes"), ([SPAN + 1, 0, 0], "changes in span 0"),
@@ -147,6 +183,7 @@ def transfer(baseline: Baseline, plan: SyncPlan, tensors: list[torch.Tensor],
             received = data.clone()
         record(index, data)
         assert patcher.apply(unpacker.unpack(index, received)) == []  # everything lands in place
+    sources.close()
     patcher.finish()
     assert got_sums == sent_sums
     baseline.finish(plan, 1, False)
@@ -164,20 +201,22 @@ def change(tensors: dict[str, torch.Tensor], fraction: float, seed: int) -> None
                                          generator=gen)  # fmt: skip
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("cast", [None, "bfloat16"])
 @pytest.mark.parametrize(("bucket_bytes", "fraction"), [(4096, 0.01), (1 << 20, 0.01), (1 << 20, 0.2)])
-def test_deltas_rebuild_every_dtype_bit_for_bit(cast: str | None, bucket_bytes: int, fraction: float) -> None:
+def test_deltas_rebuild_every_dtype_bit_for_bit(cast: str | None, bucket_bytes: int, fraction: float, threads: int) -> None:  # fmt: skip
     """The zoo (every dtype, views, split tensors), changed at random again and again: after each
     delta the worker's tensors equal the trainer's copy byte for byte, and far fewer bytes
     travelled than a dense push sends. At a fifth changed, the blobs outgrow what a scan keeps
-    encoded, and the rest are found again while packing."""
+    encoded, and the rest are found again while packing (on ``threads``, ahead of the packer,
+    checksums still in the packer's order)."""
     tensors = zoo(seed=3, big=200_000)
     tensors["alias"] = tensors["float32_big"]  # tied: travels once, refreshed on the worker
     config = SyncConfig(bucket_bytes=bucket_bytes, direct_min_bytes=100_000, cast_dtype=cast)
     entries = check_state_dict(tensors, config)
     plan = PushPlanner(config, CPU).plan(entries)
     destinations = {name: torch.zeros(meta.shape, dtype=meta.torch_dtype) for name, meta in plan.metas().items()}
-    baseline = Baseline()
+    baseline = Baseline(threads=threads)
     assert transfer(baseline, plan, entries.tensors, destinations, bucket_bytes, delta=False) >= plan.payload_bytes
     for step in range(3):
         change(tensors, fraction, seed=step)
@@ -189,6 +228,35 @@ def test_deltas_rebuild_every_dtype_bit_for_bit(cast: str | None, bucket_bytes: 
         if cast is None:  # without a cast, the copy is the trainer's tensors themselves
             for name, tensor in tensors.items():
                 assert torch.equal(byte_view(destinations[name].contiguous()), byte_view(tensor.contiguous())), name
+
+
+@pytest.mark.timeout(60)
+def test_a_step_during_a_push_fails_it_and_no_encoding_thread_outlives_it() -> None:
+    """Blobs not encoded by the scan are compared again while packing, on threads ahead of the
+    packer: one that finds other changes than were counted fails the push (there, in the
+    packer's thread), and closing the sources ends every thread."""
+    tensors = {f"w{i}": torch.randn(4 * SPAN) for i in range(6)}
+    config = SyncConfig(direct_min_bytes=None)
+    entries = check_state_dict(tensors, config)
+    plan = PushPlanner(config, CPU).plan(entries)
+    baseline = Baseline(threads=3)
+    destinations = {name: torch.zeros(4 * SPAN) for name in tensors}
+    transfer(baseline, plan, entries.tensors, destinations, 1 << 20, delta=False)
+    change(tensors, 0.3, seed=1)  # past what a scan keeps encoded
+    before = threading.active_count()
+    baseline.begin()
+    counts = baseline.scan(plan, entries.tensors)
+    layout = delta_layout(plan, counts, 1 << 20)
+    assert len(layout.blobs) > 3 and ("w5", 0) not in baseline._encoded
+    tensors["w5"].view(torch.int32)[7] ^= 1  # an optimizer step, mid-push
+    sources = baseline.sources(layout, plan, entries.tensors, None)
+    packer, buffer = Packer(layout.plan, sources), bucket_buffers(layout.plan, CPU)[0]
+    with pytest.raises(WeightSyncError, match="'w5' changed while it was being pushed"):
+        for index in range(len(layout.plan.buckets)):
+            packer.pack(index, buffer)
+    assert threading.active_count() > before  # encoding ahead
+    sources.close()
+    assert threading.active_count() == before
 
 
 def _index(plan: SyncPlan, name: str) -> int:

@@ -208,6 +208,7 @@ class BenchTrainer:
         self.raw_nbytes: int | None = None  # of the raw broadcast, where not the state dict's
         self.cast: torch.dtype | None = None  # the push's cast dtype: what the workers hold
         self.sent_delta = False  # whether the last push went as a delta
+        self.phases: dict[str, float] = {}  # the last push's PushResult.phases
 
     def describe(self) -> str:
         return describe(self.device.type)
@@ -255,15 +256,17 @@ class BenchTrainer:
         got = ray.get([w.digests.remote() for w in self.workers], timeout=600)
         return all(g == want for g in got)
 
-    def link_run(self, strategy: str, device: str) -> tuple[float, int | None, int, bool]:
+    def link_run(
+        self, strategy: str, device: str
+    ) -> tuple[float, int | None, int, bool, dict[str, float]]:
         """:meth:`run`, and the bytes this node sent out of ``device`` meanwhile (its
         ``/proc/net/dev`` counter: this actor lives in its node's network namespace, so the
         counter is that node's link). Returns (seconds, wire bytes, bytes sent, whether the
-        push went as a delta)."""
+        push went as a delta, the push's phases)."""
         before = link_tx_bytes(device)
-        self.sent_delta = False
+        self.sent_delta, self.phases = False, {}
         seconds, _, wire = self.run(strategy)
-        return seconds, wire, link_tx_bytes(device) - before, self.sent_delta
+        return seconds, wire, link_tx_bytes(device) - before, self.sent_delta, self.phases
 
     def set_raw_bytes(self, nbytes: int | None) -> None:
         """Size the ``raw`` broadcast (None: the state dict's bytes): the multi-node bench
@@ -300,6 +303,7 @@ class BenchTrainer:
         assert self.updater is not None
         result = self.updater.push(self.state)
         self.wire_bytes, self.sent_delta = result.wire_bytes, result.delta
+        self.phases = dict(result.phases)
 
     def _after_step_prepare(self) -> None:
         for parameter in self.parameters:

@@ -202,7 +202,7 @@ def drive(spec: DriveSpec, address: str) -> list[LinkRow]:
                 # dense push, then a delta: the push into the new group only allocates the copy).
                 untimed = 3 if fields["delta"] is True else 1
                 for attempt in range(spec.repeats + untimed):
-                    seconds, wire, sent, as_delta = ray.get(
+                    seconds, wire, sent, as_delta, phases = ray.get(
                         trainer.link_run.remote(strategy, NODE_LINK), timeout=TIMEOUT_S
                     )
                     wire = payload if wire is None else wire  # raw moves the payload
@@ -211,8 +211,11 @@ def drive(spec: DriveSpec, address: str) -> list[LinkRow]:
                         row.wire_bytes.append(wire)
                         row.sent_bytes.append(sent)
                         row.deltas += as_delta
-                    _log("%s: push %d/%d %.3f s, wire %.1f MB, sent %.1f MB", label,
-                         attempt + 1 - untimed, spec.repeats, seconds, wire / 1e6, sent / 1e6)  # fmt: skip
+                        row.phases.append(phases)
+                    _log("%s: push %d/%d %.3f s (%s), wire %.1f MB, sent %.1f MB", label,
+                         attempt + 1 - untimed, spec.repeats, seconds,
+                         ", ".join(f"{name} {s:.3f}" for name, s in phases.items()),
+                         wire / 1e6, sent / 1e6)  # fmt: skip
                 if strategy != "raw":
                     row.verified = ray.get(trainer.verify.remote(), timeout=TIMEOUT_S)
                     if not row.verified:

@@ -490,6 +490,7 @@ class LinkRow:
     sent_bytes: list[int] = field(default_factory=list)  # out of the trainer node's link
     verified: bool | None = None  # bit-exact on every worker after the last push (not raw)
     deltas: int = 0  # timed pushes that went as deltas (delta=True picks per push)
+    phases: list[dict[str, float]] = field(default_factory=list)  # PushResult.phases, per push
 
     @property
     def median(self) -> float:

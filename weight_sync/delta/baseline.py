@@ -21,15 +21,14 @@ import os
 import secrets
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from weight_sync.delta.codec import (
-    changed,
     differ,
-    encode_sparse,
     encode_sparse_rows,
     mask_span_counts,
     words,
@@ -87,6 +86,7 @@ class Baseline:
         self._built_on: str | None = None
         # Sparse blobs encoded while scanning, by (tensor name, first span); see ``scan``.
         self._encoded: dict[tuple[str, int], torch.Tensor] = {}
+        self._scratches = threading.local()  # each encoding thread's ``_Scratch``
 
     def name_for(self, version: int) -> str:
         return base_name(self._token, version)
@@ -166,6 +166,13 @@ class Baseline:
 
     # -- internals -----------------------------------------------------------------------------
 
+    def _scratch(self) -> _Scratch:
+        """This thread's scratch for ``encode`` (blobs are encoded on several threads at once)."""
+        scratch = getattr(self._scratches, "scratch", None)
+        if scratch is None:
+            scratch = self._scratches.scratch = _Scratch()
+        return scratch
+
     def _held(self, meta: TensorMeta) -> torch.Tensor | None:
         held = self._metas.get(meta.name)
         if held is None or (held.dtype, held.shape) != (meta.dtype, meta.shape):
@@ -194,16 +201,18 @@ class Baseline:
             return new_bytes, None
         data = self._encoded.pop((meta.name, blob.first_span), None)
         if data is None:  # not kept while scanning: compare again
-            new = words(_bytes(flat, meta, blob.first, stop), size)
-            indices = changed(new, base)
-            if indices.numel() != blob.changed:
+            scratch = self._scratch()
+            new = scratch.begin(flat, meta, blob.first, stop)
+            scratch.fill(0, blob.elements)
+            held = base.numpy()
+            rows = np.flatnonzero(differ(new, held, scratch.mask(blob.elements)))
+            if rows.size != blob.changed:
                 raise WeightSyncError(
-                    f"{meta.name!r} changed while it was being pushed ({indices.numel()} changed "
+                    f"{meta.name!r} changed while it was being pushed ({rows.size} changed "
                     f"elements found, {blob.changed} counted); do not step the optimizer during a push"
                 )
-            values = new[indices]
-            base.index_copy_(0, indices, values)
-            data = encode_sparse(indices, values, size)
+            data, values = encode_sparse_rows(new, rows, size)
+            held[rows] = values
         assert data.numel() == sparse_bytes(blob.changed, size)
         updated = self._bytes[meta.name][blob.first * size : stop * size]
         return data, checksum(updated) if crc else None
@@ -470,7 +479,12 @@ class _Scratch:
 
 class _Sources(Sequence[torch.Tensor]):
     """The tensors ``Packer`` reads for a delta layout, blobs made on demand (each once: a blob
-    split over buckets is asked for again, and the last one made is kept)."""
+    split over buckets is asked for again, and the last one made is kept).
+
+    Blobs not encoded by the scan are encoded ahead of the packer, in the order it reads them,
+    on up to ``Baseline.threads`` threads and at most two buckets' worth ahead: while a bucket is
+    on the wire (and far hosts pass on and patch the one before), the next ones are being
+    compared. ``close`` stops that (the caller's, whatever happened)."""
 
     def __init__(
         self, baseline: Baseline, layout: DeltaLayout, plan: SyncPlan,
@@ -479,7 +493,21 @@ class _Sources(Sequence[torch.Tensor]):
         self._baseline, self._layout, self._plan, self._tensors = baseline, layout, plan, tensors
         self._sums = sums
         self._last: tuple[int, torch.Tensor] | None = None
-        self._flat: tuple[int, torch.Tensor] | None = None  # the blobs' tensor, flattened once
+        # The blobs with work to do (not encoded by the scan), in the order the packer reads.
+        self._order = [
+            index for index, blob in sorted(layout.blobs.items())
+            if blob.dense or (plan.tensors[blob.tensor].name, blob.first_span) not in baseline._encoded
+        ]  # fmt: skip
+        self._next = 0  # the next of ``_order`` to encode ahead
+        self._ahead: dict[int, Future[tuple[torch.Tensor, int | None]]] = {}
+        self._ahead_bytes = 0
+        self._taken: set[int] = set()  # encoded here before their turn ahead came
+        self._budget = 2 * max((bucket.nbytes for bucket in layout.plan.buckets), default=0)
+        self._pool = (
+            ThreadPoolExecutor(baseline.threads, thread_name_prefix="weight-sync-encode")
+            if baseline.threads > 1 and len(self._order) > 1
+            else None
+        )
 
     def __len__(self) -> int:
         return len(self._layout.plan.tensors)
@@ -490,15 +518,44 @@ class _Sources(Sequence[torch.Tensor]):
             return self._tensors[whole]
         if self._last is not None and self._last[0] == index:
             return self._last[1]
-        blob = self._layout.blobs[index]
-        if self._flat is None or self._flat[0] != blob.tensor:
-            self._flat = (blob.tensor, self._tensors[blob.tensor].reshape(-1))
-        meta = self._plan.tensors[blob.tensor]
-        data, crc = self._baseline.encode(blob, meta, self._flat[1], self._sums is not None)
+        self._fill()
+        future = self._ahead.pop(index, None)
+        if future is None:  # not ahead (encoded by the scan, no threads, out of order): here
+            self._taken.add(index)
+            data, crc = self._encode(index)
+        else:
+            data, crc = future.result()
+            self._ahead_bytes -= self._layout.plan.tensors[index].nbytes
+            self._fill()
         if crc is not None and self._sums is not None:
             self._sums.append(crc)
         self._last = (index, data)
         return data
+
+    def close(self) -> None:
+        """Stop encoding ahead: what has not started never will, and what has is waited for."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def _fill(self) -> None:
+        """Encode ahead until two buckets' worth are on the way."""
+        while (
+            self._pool is not None
+            and self._next < len(self._order)
+            and self._ahead_bytes < self._budget
+        ):
+            index = self._order[self._next]
+            self._next += 1
+            if index in self._taken:
+                continue
+            self._ahead[index] = self._pool.submit(self._encode, index)
+            self._ahead_bytes += self._layout.plan.tensors[index].nbytes
+
+    def _encode(self, index: int) -> tuple[torch.Tensor, int | None]:
+        blob = self._layout.blobs[index]
+        meta, flat = self._plan.tensors[blob.tensor], self._tensors[blob.tensor].reshape(-1)
+        return self._baseline.encode(blob, meta, flat, self._sums is not None)
 
 
 def _bytes(flat: torch.Tensor, meta: TensorMeta, start: int, stop: int) -> torch.Tensor:

@@ -8,7 +8,11 @@ on the link's rate, the update's density and the trainer's cores, none of which 
 knows in advance; so it measures: the first push is dense (there is no base yet), the next a
 delta, and from then on each push takes the way whose last push of that kind took fewer seconds
 per payload byte, trying the other way again every ``RETRY`` pushes (the density of an RL update
-drifts with the learning rate's schedule).
+drifts with the learning rate's schedule). Where the two were within ``CLEAR`` of each other,
+the first retry comes after ``FIRST_RETRY`` pushes, then twice as many each time the verdict
+stands: a way's first timing is its worst (its buffers are new, the first steps of a run change
+more), and a close verdict from it should not stand for ``RETRY`` pushes -- while a clear one
+(a delta 7x faster over 1 Gbit/s) is not worth a slow push to check early.
 
 Pure: no clocks, no I/O; the pusher reports what each push cost.
 """
@@ -19,7 +23,9 @@ from dataclasses import dataclass
 
 from weight_sync.config import DeltaMode
 
-RETRY = 16  # pushes one way before the other is timed again
+RETRY = 16  # pushes the faster way before the slower is timed again
+FIRST_RETRY = 2  # ...after a close verdict, doubling while it stands
+CLEAR = 2.0  # a verdict is close below this ratio of the two costs
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,7 @@ class DeltaChoice:
         self._mode = mode
         self._cost: dict[bool, float] = {}  # seconds per payload byte of the last push each way
         self._streak = 0  # pushes in a row that went the faster way
+        self._retry = FIRST_RETRY  # after how many of those the slower way is timed again
 
     def choose(self, far: bool) -> Choice:
         """``far``: some member receives across a network link (not from the trainer's host)."""
@@ -54,9 +61,9 @@ class DeltaChoice:
         if delta is None:
             return Choice(True, "timing a delta push", keep_baseline=True)
         faster = delta < dense
-        if self._streak >= RETRY:
+        if self._streak >= self._retry:
             return Choice(not faster, f"timing a {'dense' if faster else 'delta'} push again "
-                          f"after {RETRY}", keep_baseline=True)  # fmt: skip
+                          f"after {self._retry}", keep_baseline=True)  # fmt: skip
         ratio = max(dense, delta) / max(min(dense, delta), 1e-18)
         return Choice(faster, f"{'delta' if faster else 'dense'} was {ratio:.1f}x faster when "
                       "last timed", keep_baseline=True)  # fmt: skip
@@ -67,14 +74,27 @@ class DeltaChoice:
         not what crossed the wire)."""
         if self._mode is not True or not choice.keep_baseline or payload_bytes <= 0:
             return
+        was_faster = min(self._cost, key=self._cost.__getitem__) if self._cost else None
+        verdict = len(self._cost) == 1 and choice.delta not in self._cost  # the first of both
         self._cost[choice.delta] = seconds / payload_bytes
         faster = min(self._cost, key=self._cost.__getitem__)
-        # Counting pushes that went the faster way; one timed the other way starts over.
-        retried = self._streak >= RETRY
-        self._streak = self._streak + 1 if choice.delta == faster and not retried else 0
+        if verdict or self._streak >= self._retry:  # both ways timed: when to time again
+            ratio = max(self._cost.values()) / max(min(self._cost.values()), 1e-18)
+            if ratio >= CLEAR:
+                self._retry = RETRY
+            elif verdict or faster != was_faster:
+                self._retry = FIRST_RETRY
+            else:
+                self._retry = min(2 * self._retry, RETRY)
+            self._streak = 0
+        elif choice.delta == faster:  # counting pushes that went the faster way
+            self._streak += 1
+        else:
+            self._streak = 0
 
     def forget(self) -> None:
         """A new group whose members are reached another way (across a link now, or no longer):
         what was timed no longer holds."""
         self._cost.clear()
         self._streak = 0
+        self._retry = FIRST_RETRY

@@ -15,7 +15,8 @@ Consecutive spans of one tensor sent the same way form one *blob* (at most ``RUN
 never across a multiple of ``RUN_SPANS``, which bounds a worker's temporaries). A tensor whose
 every span is dense is sent whole, exactly as in a dense push (the direct path included), so a
 push where everything changed costs what a dense push costs. The blobs and whole tensors are then
-placed in buckets by ``planner.make_plan``, like the tensors of any push.
+placed in buckets by ``planner.make_plan``, like the tensors of any push, in buckets sized for
+a delta (``delta_bucket_bytes``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ VALUES_ALIGNMENT = (
     8  # a sparse blob's values start here, whatever the dtype (16-byte ones as pairs)
 )
 COUNT_BYTES = 4  # the header holds one int32 count per span
+DELTA_BUCKETS = 8  # a delta travels in about this many buckets (see ``delta_bucket_bytes``)
+MIN_DELTA_BUCKET = 1 << 20  # ...each of at least this many bytes
 
 
 def spans_of(numel: int) -> int:
@@ -130,6 +133,19 @@ def check_counts(plan: SyncPlan, counts: Sequence[int]) -> None:
             at += 1
 
 
+def delta_bucket_bytes(payload: int, bucket_bytes: int, alignment: int) -> int:
+    """The bucket size of a delta layout that puts ``payload`` bytes on the wire: about one
+    ``DELTA_BUCKETS``-th part of it, at least ``MIN_DELTA_BUCKET``, at most ``bucket_bytes``.
+
+    A delta is small (a few percent of the model), so at the configured size it went as one
+    bucket: a relay forwarded nothing, and no worker patched a byte, until all of it had
+    crossed the link. In eighths, each is forwarded and patched while the next crosses (W1 after
+    a step over 1 Gbit/s, 3 far workers: 0.30 s against 0.40 s). Not smaller: every bucket is a
+    collective, with a round trip of its own."""
+    share = align_up(-(-payload // DELTA_BUCKETS), alignment)
+    return max(alignment, min(bucket_bytes, max(share, MIN_DELTA_BUCKET)))
+
+
 def delta_layout(plan: SyncPlan, counts: Sequence[int], bucket_bytes: int) -> DeltaLayout:
     """The layout of a delta push of ``plan`` with these per-span ``counts`` (see the module
     docstring). Deterministic: the trainer and every worker derive the same one."""
@@ -172,6 +188,8 @@ def delta_layout(plan: SyncPlan, counts: Sequence[int], bucket_bytes: int) -> De
         for tie in plan.tied
         if tie.tensor == index
     )
+    payload = sum(meta.nbytes for meta, alone in zip(metas, flags, strict=True) if not alone)
+    bucket_bytes = delta_bucket_bytes(payload, bucket_bytes, plan.alignment)
     layout_plan = make_plan(metas, bucket_bytes, plan.alignment, flags, ties)
     return DeltaLayout(layout_plan, whole, blobs)
 

@@ -39,12 +39,14 @@ class Outgoing:
     """The buckets a push with a baseline broadcasts, for the sender: ``plan``'s buckets packed
     from ``sources`` (blobs encoded as they are first read). ``record`` copies each bucket's
     bytes into the baseline as it goes out; ``blob_sums`` receives, while packing, the checksum
-    of each sparse blob's range as the worker will hold it (with checksums asked for)."""
+    of each sparse blob's range as the worker will hold it (with checksums asked for).
+    ``close`` ends the blobs' encoding ahead (see ``Baseline.sources``)."""
 
     plan: SyncPlan
     sources: Sequence[torch.Tensor]
     record: Callable[[int, torch.Tensor], None]
     blob_sums: list[int] | None = None
+    close: Callable[[], None] = lambda: None  # once sent (or failed): stops encoding ahead
 
 
 def outgoing(
@@ -66,7 +68,11 @@ def outgoing(
     blob_sums: list[int] | None = [] if with_checksums else None
     sources = baseline.sources(layout, plan, tensors, blob_sums)
     return Outgoing(
-        layout.plan, sources, baseline.recorder(plan, layout.plan, layout.whole), blob_sums
+        layout.plan,
+        sources,
+        baseline.recorder(plan, layout.plan, layout.whole),
+        blob_sums,
+        sources.close,
     )
 
 
