@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
-from weight_sync.bench.links import Layout, payload_bytes, workload_named
+from weight_sync.bench.links import Layout, workload_named
 from weight_sync.bench.netns import (
     MIN_BURST,
     burst_bytes,
@@ -160,8 +161,8 @@ def test_layout(layout: Layout, per_node: list[int]) -> None:
 
 def test_workloads_and_payload() -> None:
     assert workload_named("S16M").nbytes == 16 << 20
-    assert payload_bytes(workload_named("S16M")) == 8 << 20  # fp32 cast to bf16
-    assert payload_bytes(workload_named("W1"), None) == workload_named("W1").nbytes
+    assert workload_named("S16M").nbytes_as(torch.bfloat16) == 8 << 20  # fp32 cast to bf16
+    assert workload_named("W1").nbytes_as(None) == workload_named("W1").nbytes
     with pytest.raises(ValueError, match="S<MB>M"):
         workload_named("W9")
 

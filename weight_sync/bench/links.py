@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import re
 import subprocess
 import sys
@@ -77,17 +76,6 @@ def workload_named(name: str) -> Workload:
             f"unknown workload {name!r}: choose from {list(WORKLOADS)} or S<MB>M (e.g. S16M)"
         )
     return synthetic(int(match.group(1)) * MiB, tensor_bytes=4 * MiB)
-
-
-def payload_bytes(workload: Workload, cast: str | None = CAST) -> int:
-    """Bytes of the workload as pushed: floating tensors cast to ``cast``, the rest as they are
-    (what ``SyncConfig.cast_dtype`` does)."""
-    to = getattr(torch, cast) if cast else None
-    return sum(
-        math.prod(shape)
-        * (to.itemsize if to is not None and dtype.is_floating_point else dtype.itemsize)
-        for _, dtype, shape in workload.specs
-    )
 
 
 @dataclass(frozen=True)
@@ -166,7 +154,7 @@ def drive(spec: DriveSpec, address: str) -> list[LinkRow]:
     from weight_sync.bench.actors import BenchTrainer, BenchWorker
 
     workload = workload_named(spec.workload)
-    payload = payload_bytes(workload)
+    payload = workload.nbytes_as(getattr(torch, CAST))
     ray.init(address=address, logging_level=logging.WARNING)
     try:
         pool = Pool.of([layout for layout, _, _ in spec.layouts])

@@ -21,7 +21,16 @@ class Workload:
 
     @property
     def nbytes(self) -> int:
-        return sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in self.specs)
+        return self.nbytes_as(None)
+
+    def nbytes_as(self, cast: torch.dtype | None) -> int:
+        """Bytes of the state dict as pushed with ``SyncConfig.cast_dtype`` ``cast``: floating
+        tensors in that dtype, the rest as they are."""
+        return sum(
+            math.prod(shape)
+            * (cast.itemsize if cast is not None and dtype.is_floating_point else dtype.itemsize)
+            for _, dtype, shape in self.specs
+        )
 
     def build(self, fill: float, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """Tensors of the right names, dtypes and shapes. Values do not affect transfer speed;
