@@ -3,6 +3,8 @@ push, tested as sequences of pushes."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from weight_sync.delta.choice import FIRST_RETRY, RETRY, DeltaChoice
@@ -58,6 +60,31 @@ def test_a_close_verdict_is_checked_ever_less_often() -> None:
     assert intervals[2] < RETRY <= 2 * intervals[2]
     ways = run(choice, True, {False: 0.3, True: 0.35}, 2 + sum(n + 1 for n in intervals))
     assert ways[2:] == [way for n in intervals for way in [False] * n + [True]]
+
+
+def test_a_faster_delta_is_checked_ever_less_often_too() -> None:
+    choice = DeltaChoice(True)
+    intervals = [FIRST_RETRY, 2 * FIRST_RETRY, 4 * FIRST_RETRY, RETRY]
+    ways = run(choice, True, {False: 0.35, True: 0.3}, 2 + sum(n + 1 for n in intervals))
+    assert ways[2:] == [way for n in intervals for way in [True] * n + [False]]
+
+
+def test_a_clear_verdict_turned_close_is_checked_soon_again() -> None:
+    choice = DeltaChoice(True)
+    run(choice, True, {False: 1.0, True: 0.3}, 2)  # clear: checked after RETRY
+    ways = run(choice, True, {False: 0.4, True: 0.3}, RETRY + 1 + FIRST_RETRY + 1)
+    assert ways == [True] * RETRY + [False] + [True] * FIRST_RETRY + [False]
+
+
+def test_a_retry_that_went_dense_for_want_of_a_base_is_tried_again() -> None:
+    """The retried delta went dense (a worker lacked the base): no delta was timed, so the next
+    push retries it."""
+    choice = DeltaChoice(True)
+    run(choice, True, {False: 0.3, True: 0.35}, 2 + FIRST_RETRY)
+    retry = choice.choose(True)
+    assert retry.delta and "again" in retry.reason
+    choice.record(dataclasses.replace(retry, delta=False), 0.3, 100 * MB)  # as it went
+    assert choice.choose(True).delta
 
 
 def test_an_unlucky_first_timing_is_undone_two_pushes_later() -> None:

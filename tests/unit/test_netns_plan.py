@@ -136,14 +136,29 @@ def test_ray_start_commands_pin_nodes_by_resource() -> None:
         assert json.loads(resources.split("=", 1)[1]) == {f"ws_node_{node.index}": 1000}
 
 
+def test_an_unshaped_cluster_with_a_dashboard_and_metrics() -> None:
+    """The deploy test's cluster: links as fast as the machine, the head's dashboard on its
+    address (job submission), every node's metrics exported."""
+    plan = plan_cluster(2, None, tag="00aa00", dashboard_port=8265, metrics_port=8080)
+    assert not any("tc" in command for command in plan.network_commands())
+    head = plan.ray_start_command(plan.nodes[0], 1, "/tmp/x")
+    other = plan.ray_start_command(plan.nodes[1], 1, "/tmp/x")
+    assert "--include-dashboard=true" in head and f"--dashboard-host={plan.head.ip}" in head
+    assert "--dashboard-port=8265" in head and not any("dashboard" in a for a in other)
+    assert all("--metrics-export-port=8080" in command for command in (head, other))
+    shaped = plan_cluster(2, 10**9, tag="00aa00").ray_start_command(plan.nodes[0], 1, "/tmp/x")
+    assert "--include-dashboard=false" in shaped and not any("metrics" in a for a in shaped)
+
+
 @pytest.mark.parametrize(
-    ("nodes", "kwargs", "error"),
-    [(0, {}, "nodes must be 1..4"), (5, {}, "nodes must be 1..4"),
-     (2, {"delay_ms": -1}, "delay_ms"), (2, {"tag": "XYZ"}, "tag must be")],
+    ("nodes", "rate", "kwargs", "error"),
+    [(0, 10**9, {}, "nodes must be 1..4"), (5, 10**9, {}, "nodes must be 1..4"),
+     (2, 10**9, {"delay_ms": -1}, "delay_ms"), (2, 10**9, {"tag": "XYZ"}, "tag must be"),
+     (2, None, {"delay_ms": 5}, "delay_ms needs a rate")],
 )  # fmt: skip
-def test_plan_refuses(nodes: int, kwargs: dict, error: str) -> None:
+def test_plan_refuses(nodes: int, rate: int | None, kwargs: dict, error: str) -> None:
     with pytest.raises(ValueError, match=error):
-        plan_cluster(nodes, 10**9, **kwargs)
+        plan_cluster(nodes, rate, **kwargs)
 
 
 @pytest.mark.parametrize(

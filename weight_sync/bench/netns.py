@@ -13,6 +13,9 @@ egress only, so one node reaches another after ``delay_ms`` (and the round trip 
 that). Inside every namespace the link is named ``eth0``, so the trainer reads its own link's
 counters and the sync group binds by one interface name on every node.
 
+With no rate (``rate_bits=None``) the links are left unshaped: the deploy test's cluster, which
+also asks for the head's dashboard (``ray job submit``) and every node's metrics port.
+
 Every node is a real ``ray start`` node (the head on node 0) with a custom resource
 ``ws_node_<k>`` that pins actors to it. Everything is torn down on exit, failure and
 KeyboardInterrupt included: every process of every namespace is killed (Ray daemonizes, so
@@ -145,8 +148,10 @@ class ClusterPlan:
     tag: str
     nodes: tuple[NodeSpec, ...]
     bridge: str
-    rate_bits: int
+    rate_bits: int | None  # None: links unshaped
     delay_ms: float = 0.0
+    dashboard_port: int | None = None  # the head's dashboard (job submission), on its address
+    metrics_port: int | None = None  # every node's Prometheus export
 
     @property
     def head(self) -> NodeSpec:
@@ -176,8 +181,9 @@ class ClusterPlan:
                 ["ip", "link", "set", node.host_link, "master", self.bridge],
                 ["ip", "link", "set", node.host_link, "up"],
             ]
-            commands += shape_commands(NODE_LINK, self.rate_bits, self.delay_ms, node.netns)
-            commands += shape_commands(node.host_link, self.rate_bits)  # the node's ingress
+            if self.rate_bits is not None:
+                commands += shape_commands(NODE_LINK, self.rate_bits, self.delay_ms, node.netns)
+                commands += shape_commands(node.host_link, self.rate_bits)  # node's ingress
         return commands
 
     def ray_start_command(self, node: NodeSpec, num_cpus: int, temp_dir: str) -> list[str]:
@@ -185,10 +191,16 @@ class ClusterPlan:
         resources = json.dumps({node.resource: 1000})
         common = [f"--node-ip-address={node.ip}", f"--num-cpus={num_cpus}",
                   f"--resources={resources}", "--disable-usage-stats"]  # fmt: skip
-        if node.index == 0:
-            return ["ray", "start", "--head", f"--port={GCS_PORT}", "--include-dashboard=false",
-                    f"--temp-dir={temp_dir}", *common]  # fmt: skip
-        return ["ray", "start", f"--address={self.address}", *common]
+        if self.metrics_port is not None:
+            common.append(f"--metrics-export-port={self.metrics_port}")
+        if node.index:
+            return ["ray", "start", f"--address={self.address}", *common]
+        dashboard = ["--include-dashboard=false"]
+        if self.dashboard_port is not None:
+            dashboard = ["--include-dashboard=true", f"--dashboard-host={node.ip}",
+                         f"--dashboard-port={self.dashboard_port}"]  # fmt: skip
+        return ["ray", "start", "--head", f"--port={GCS_PORT}", *dashboard,
+                f"--temp-dir={temp_dir}", *common]  # fmt: skip
 
     def teardown_commands(self) -> list[list[str]]:
         """What deletes the network (the veths go with their namespaces); each may fail."""
@@ -198,7 +210,12 @@ class ClusterPlan:
 
 
 def plan_cluster(
-    nodes: int, rate_bits: int, delay_ms: float = 0.0, tag: str | None = None
+    nodes: int,
+    rate_bits: int | None,
+    delay_ms: float = 0.0,
+    tag: str | None = None,
+    dashboard_port: int | None = None,
+    metrics_port: int | None = None,
 ) -> ClusterPlan:
     """Name every namespace, link and address of an ``nodes``-node cluster. ``tag`` (6 hex
     digits, random by default) keeps concurrent clusters apart and picks the subnet."""
@@ -206,6 +223,8 @@ def plan_cluster(
         raise ValueError(f"nodes must be 1..{MAX_NODES} (got {nodes}); pass --nodes 2 for two")
     if delay_ms < 0:
         raise ValueError(f"delay_ms must be >= 0 (got {delay_ms}); 0 adds no delay")
+    if delay_ms and rate_bits is None:
+        raise ValueError("delay_ms needs a rate: an unshaped link has no delay either")
     tag = tag or secrets.token_hex(3)
     if not re.fullmatch(r"[0-9a-f]{6}", tag):
         raise ValueError(f"tag must be 6 lowercase hex digits (got {tag!r})")
@@ -213,7 +232,7 @@ def plan_cluster(
     specs = tuple(
         NodeSpec(k, f"ws{tag}n{k}", f"{subnet}.{k + 1}", f"ws{tag}v{k}") for k in range(nodes)
     )
-    return ClusterPlan(tag, specs, f"ws{tag}br", rate_bits, delay_ms)
+    return ClusterPlan(tag, specs, f"ws{tag}br", rate_bits, delay_ms, dashboard_port, metrics_port)
 
 
 def check_usable() -> None:
@@ -248,14 +267,18 @@ class ShapedCluster:
     """
 
     nodes: int
-    rate_bits: int
+    rate_bits: int | None  # None: links unshaped
     delay_ms: float = 0.0
     num_cpus: int = 1
+    dashboard_port: int | None = None
+    metrics_port: int | None = None
     plan: ClusterPlan = field(init=False)
     token: str = field(init=False)  # the cluster's own: never ~/.ray/auth_token
 
     def __post_init__(self) -> None:
-        self.plan = plan_cluster(self.nodes, self.rate_bits, self.delay_ms)
+        self.plan = plan_cluster(self.nodes, self.rate_bits, self.delay_ms,
+                                 dashboard_port=self.dashboard_port,
+                                 metrics_port=self.metrics_port)  # fmt: skip
         self.token = secrets.token_hex(32)
         self._temp = ""
 

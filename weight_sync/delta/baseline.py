@@ -478,8 +478,11 @@ class _Scratch:
 
 
 class _Sources(Sequence[torch.Tensor]):
-    """The tensors ``Packer`` reads for a delta layout, blobs made on demand (each once: a blob
-    split over buckets is asked for again, and the last one made is kept).
+    """The tensors ``Packer`` reads for a delta layout, blobs made on demand, each once: a blob
+    is kept until the packer reads a blob of a later bucket than its last (a blob split over
+    buckets is read again in the next one, and not necessarily first there: the packer copies a
+    bucket's whole small blobs before the rest), since encoding a sparse blob again would find
+    nothing left to send.
 
     Blobs not encoded by the scan are encoded ahead of the packer, in the order it reads them,
     on up to ``Baseline.threads`` threads and at most two buckets' worth ahead: while a bucket is
@@ -492,7 +495,14 @@ class _Sources(Sequence[torch.Tensor]):
     ) -> None:  # fmt: skip
         self._baseline, self._layout, self._plan, self._tensors = baseline, layout, plan, tensors
         self._sums = sums
-        self._last: tuple[int, torch.Tensor] | None = None
+        # The first and last bucket each blob is packed into.
+        self._buckets: dict[int, tuple[int, int]] = {}
+        for number, bucket in enumerate(layout.plan.buckets):
+            for seg in bucket.segments:
+                if seg.tensor in layout.blobs:
+                    first, _ = self._buckets.get(seg.tensor, (number, number))
+                    self._buckets[seg.tensor] = (first, number)
+        self._made: dict[int, torch.Tensor] = {}  # blobs made, kept until past their last bucket
         # The blobs with work to do (not encoded by the scan), in the order the packer reads.
         self._order = [
             index for index, blob in sorted(layout.blobs.items())
@@ -508,6 +518,10 @@ class _Sources(Sequence[torch.Tensor]):
             if baseline.threads > 1 and len(self._order) > 1
             else None
         )
+        # One flattened tensor cached for each of the two readers (a non-contiguous one is
+        # copied to flatten it: once, as blobs of a tensor come one after another).
+        self._flat_here = _Flat(tensors)
+        self._flat_ahead = _Flat(tensors)
 
     def __len__(self) -> int:
         return len(self._layout.plan.tensors)
@@ -516,20 +530,24 @@ class _Sources(Sequence[torch.Tensor]):
         whole = self._layout.whole.get(index)
         if whole is not None:
             return self._tensors[whole]
-        if self._last is not None and self._last[0] == index:
-            return self._last[1]
+        made = self._made.get(index)
+        if made is not None:
+            return made
+        first, _ = self._buckets[index]
+        for done in [i for i in self._made if self._buckets[i][1] < first]:
+            del self._made[done]
         self._fill()
         future = self._ahead.pop(index, None)
         if future is None:  # not ahead (encoded by the scan, no threads, out of order): here
             self._taken.add(index)
-            data, crc = self._encode(index)
+            data, crc = self._encode(index, self._flat_here.of(self._layout.blobs[index].tensor))
         else:
             data, crc = future.result()
             self._ahead_bytes -= self._layout.plan.tensors[index].nbytes
             self._fill()
         if crc is not None and self._sums is not None:
             self._sums.append(crc)
-        self._last = (index, data)
+        self._made[index] = data
         return data
 
     def close(self) -> None:
@@ -549,13 +567,29 @@ class _Sources(Sequence[torch.Tensor]):
             self._next += 1
             if index in self._taken:
                 continue
-            self._ahead[index] = self._pool.submit(self._encode, index)
+            self._ahead[index] = self._pool.submit(
+                self._encode, index, self._flat_ahead.of(self._layout.blobs[index].tensor)
+            )
             self._ahead_bytes += self._layout.plan.tensors[index].nbytes
 
-    def _encode(self, index: int) -> tuple[torch.Tensor, int | None]:
+    def _encode(self, index: int, flat: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+        """Blob ``index`` of the tensor ``flat`` (flattened), as ``Baseline.encode`` makes it."""
         blob = self._layout.blobs[index]
-        meta, flat = self._plan.tensors[blob.tensor], self._tensors[blob.tensor].reshape(-1)
+        meta = self._plan.tensors[blob.tensor]
         return self._baseline.encode(blob, meta, flat, self._sums is not None)
+
+
+class _Flat:
+    """A tensor of ``tensors`` flattened, the last one asked for kept."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._tensors = tensors
+        self._kept: tuple[int, torch.Tensor] | None = None
+
+    def of(self, index: int) -> torch.Tensor:
+        if self._kept is None or self._kept[0] != index:
+            self._kept = (index, self._tensors[index].reshape(-1))
+        return self._kept[1]
 
 
 def _bytes(flat: torch.Tensor, meta: TensorMeta, start: int, stop: int) -> torch.Tensor:

@@ -8,11 +8,14 @@ on the link's rate, the update's density and the trainer's cores, none of which 
 knows in advance; so it measures: the first push is dense (there is no base yet), the next a
 delta, and from then on each push takes the way whose last push of that kind took fewer seconds
 per payload byte, trying the other way again every ``RETRY`` pushes (the density of an RL update
-drifts with the learning rate's schedule). Where the two were within ``CLEAR`` of each other,
-the first retry comes after ``FIRST_RETRY`` pushes, then twice as many each time the verdict
-stands: a way's first timing is its worst (its buffers are new, the first steps of a run change
-more), and a close verdict from it should not stand for ``RETRY`` pushes -- while a clear one
-(a delta 7x faster over 1 Gbit/s) is not worth a slow push to check early.
+drifts with the learning rate's schedule).
+
+Where the two were within ``CLEAR`` of each other, the first retry comes after ``FIRST_RETRY``
+pushes, then twice as many each time the verdict stands: a way's first timing is its worst (its
+buffers are new, the first steps of a run change more), and a close verdict from it should not
+stand for ``RETRY`` pushes -- while a clear one (a delta 7x faster over 1 Gbit/s) is not worth a
+slow push to check early. A verdict is a push the slower way, or one that reversed the order; a
+retried delta that went dense (a worker lacked the base) is none, and is retried next push.
 
 Pure: no clocks, no I/O; the pusher reports what each push cost.
 """
@@ -45,6 +48,8 @@ class DeltaChoice:
         self._cost: dict[bool, float] = {}  # seconds per payload byte of the last push each way
         self._streak = 0  # pushes in a row that went the faster way
         self._retry = FIRST_RETRY  # after how many of those the slower way is timed again
+        self._clear = False  # whether the last verdict was clear
+        self._timed: set[bool] = set()  # ways timed since the last forget
 
     def choose(self, far: bool) -> Choice:
         """``far``: some member receives across a network link (not from the trainer's host)."""
@@ -75,22 +80,24 @@ class DeltaChoice:
         if self._mode is not True or not choice.keep_baseline or payload_bytes <= 0:
             return
         was_faster = min(self._cost, key=self._cost.__getitem__) if self._cost else None
-        verdict = len(self._cost) == 1 and choice.delta not in self._cost  # the first of both
         self._cost[choice.delta] = seconds / payload_bytes
         faster = min(self._cost, key=self._cost.__getitem__)
-        if verdict or self._streak >= self._retry:  # both ways timed: when to time again
+        first = choice.delta not in self._timed
+        self._timed.add(choice.delta)
+        if was_faster is None:  # the first push timed: nothing to compare yet
+            return
+        if choice.delta != was_faster or faster != was_faster:  # a verdict: when to time again
             ratio = max(self._cost.values()) / max(min(self._cost.values()), 1e-18)
             if ratio >= CLEAR:
                 self._retry = RETRY
-            elif verdict or faster != was_faster:
-                self._retry = FIRST_RETRY
+            elif first or faster != was_faster or self._clear:
+                self._retry = FIRST_RETRY  # a new verdict, or one newly close
             else:
                 self._retry = min(2 * self._retry, RETRY)
+            self._clear = ratio >= CLEAR
             self._streak = 0
-        elif choice.delta == faster:  # counting pushes that went the faster way
-            self._streak += 1
-        else:
-            self._streak = 0
+        else:  # counting pushes that went the faster way (one that went dense instead of a
+            self._streak += 1  # retried delta, because a worker lacked the base, among them)
 
     def forget(self) -> None:
         """A new group whose members are reached another way (across a link now, or no longer):
@@ -98,3 +105,5 @@ class DeltaChoice:
         self._cost.clear()
         self._streak = 0
         self._retry = FIRST_RETRY
+        self._clear = False
+        self._timed.clear()
