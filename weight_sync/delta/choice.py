@@ -49,7 +49,6 @@ class DeltaChoice:
         self._streak = 0  # pushes in a row that went the faster way
         self._retry = FIRST_RETRY  # after how many of those the slower way is timed again
         self._clear = False  # whether the last verdict was clear
-        self._timed: set[bool] = set()  # ways timed since the last forget
 
     def choose(self, far: bool) -> Choice:
         """``far``: some member receives across a network link (not from the trainer's host)."""
@@ -80,10 +79,9 @@ class DeltaChoice:
         if self._mode is not True or not choice.keep_baseline or payload_bytes <= 0:
             return
         was_faster = min(self._cost, key=self._cost.__getitem__) if self._cost else None
+        first = choice.delta not in self._cost  # this way's first timing since ``forget``
         self._cost[choice.delta] = seconds / payload_bytes
         faster = min(self._cost, key=self._cost.__getitem__)
-        first = choice.delta not in self._timed
-        self._timed.add(choice.delta)
         if was_faster is None:  # the first push timed: nothing to compare yet
             return
         if choice.delta != was_faster or faster != was_faster:  # a verdict: when to time again
@@ -106,4 +104,3 @@ class DeltaChoice:
         self._streak = 0
         self._retry = FIRST_RETRY
         self._clear = False
-        self._timed.clear()
