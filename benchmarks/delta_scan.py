@@ -7,11 +7,15 @@
   changes some of the bf16 values (about 4-5%);
 * each timed run puts the copy back as it was before the step (not timed) and times one
   ``Baseline.scan`` of the stepped weights against it;
+* then the scan followed by the packing of every bucket of the delta's layout: the trainer's
+  whole work for a delta push but the sending (blobs the scan did not keep are found again
+  while packing, as in a push);
 * a memory-speed reference in the same run: one pass that reads the fp32 weights and the copy
   (a sum of each, NumPy, on one thread and on as many as the scan) -- what the scan cannot beat.
 
     python benchmarks/delta_scan.py --repeats 7
     python benchmarks/delta_scan.py --threads 1
+    python benchmarks/delta_scan.py --numpy      # without the fused kernels
 
 Prints medians over --repeats runs (after one untimed warm-up) and the density found.
 """
@@ -33,6 +37,7 @@ import torch
 from weight_sync import SyncConfig
 from weight_sync.bench.workloads import WORKLOADS
 from weight_sync.delta.baseline import Baseline
+from weight_sync.delta.layout import delta_layout
 from weight_sync.entries import Entries
 from weight_sync.metadata import SyncPlan
 from weight_sync.packing import Packer, bucket_buffers
@@ -95,6 +100,9 @@ def main() -> None:
         "--threads", type=int, default=None, help="the scan's threads (default: Baseline's)"
     )
     parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument(
+        "--numpy", action="store_true", help="compare the NumPy way, without the fused kernels"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)  # as the benchmark's trainer actor: the scan uses threads of its own
 
@@ -107,7 +115,7 @@ def main() -> None:
     plan = PushPlanner(config, torch.device("cpu")).plan(Entries(list(state), list(state.values())))
     tensors = list(state.values())
 
-    baseline = Baseline() if args.threads is None else Baseline(threads=args.threads)
+    baseline = Baseline(threads=args.threads, fused=not args.numpy)
     threads = baseline.threads
     fill(baseline, plan, tensors)  # the copy as the workers hold it before the step
     # The copy's bytes (private): put back before each timed scan, which brings them up to date.
@@ -131,6 +139,23 @@ def main() -> None:
         counts[:] = baseline.scan(plan, tensors)
 
     scans = timed(scan, args.repeats, restore)
+
+    def scan_and_pack() -> None:
+        """What the trainer does for a delta push but send: scan, then pack every bucket of
+        the layout (the blobs the scan did not keep are found again there, ahead of the packer
+        on the scan's threads, as in a push)."""
+        scan()
+        layout = delta_layout(plan, counts, config.bucket_bytes)
+        sources = baseline.sources(layout, plan, tensors, None)
+        try:
+            packer = Packer(layout.plan, sources)
+            for index in range(len(layout.plan.buckets)):
+                packer.pack(index, buffers[0])
+        finally:
+            sources.close()
+
+    buffers = bucket_buffers(plan, torch.device("cpu"))
+    packs = timed(scan_and_pack, args.repeats, restore)
     elements = sum(math.prod(meta.shape) for meta in plan.tensors)
     arrays = [t.numpy().reshape(-1) for t in tensors] + [
         widest(b.numpy()) for b in baseline._bytes.values()
@@ -140,9 +165,12 @@ def main() -> None:
 
     scan_s = statistics.median(scans)
     print(f"{workload.title}: {elements / 1e6:.1f}M elements, fp32 -> bf16, lr {args.lr:g}, "
-          f"{os.cpu_count()} CPUs, scan on {threads} thread(s)")  # fmt: skip
+          f"{os.cpu_count()} CPUs, scan on {threads} thread(s), "
+          f"{'NumPy' if args.numpy else 'fused kernels'}")  # fmt: skip
     print(f"  density: {sum(counts) / elements:.2%} of the bf16 values changed")
     print(f"  scan:               median {scan_s * 1e3:7.1f} ms  (runs: {runs(scans)})")
+    print(f"  scan, then pack:    median {statistics.median(packs) * 1e3:7.1f} ms  "
+          f"(runs: {runs(packs)})")  # fmt: skip
     for n, times in reads.items():
         read_s = statistics.median(times)
         print(f"  read, {n} thread(s):  median {read_s * 1e3:7.1f} ms  ({read_bytes / 1e6:.0f} MB, "

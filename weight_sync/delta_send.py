@@ -9,6 +9,7 @@ module only puts the two in order, so neither imports the other.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ class Sent:
     checksums: list[int] | None  # per bucket, then per sparse blob
     wire_bytes: int  # what went over the transport, header included
     density: float | None = None  # of a delta: changed elements / elements (whole tensors count)
+    scan_s: float = 0.0  # of a delta: the trainer's comparison with its copy, before any byte went
 
 
 def send(
@@ -45,7 +47,9 @@ def send(
 
     A sender of its own per push: a delta's layout is a new plan every push, so there are no
     staging buffers worth keeping from one to the next."""
+    started = time.perf_counter()
     counts = baseline.scan(plan, tensors) if delta else None
+    scan_s = time.perf_counter() - started if delta else 0.0
     header_bytes = 0
     if counts:  # the header first: the workers size every receive that follows by it
         header = encode_header(counts)
@@ -67,4 +71,4 @@ def send(
         return Sent(sums, plan.nbytes)
     if sums is not None and out.blob_sums is not None:
         sums += out.blob_sums
-    return Sent(sums, header_bytes + out.plan.nbytes, density(plan, counts))
+    return Sent(sums, header_bytes + out.plan.nbytes, density(plan, counts), scan_s)

@@ -245,12 +245,15 @@ class Pusher:
                 if request.commit_on_receipt and self._roster.all_hold(plan.digest):
                     done = self._push_in_one_call(group, request, plan, tensors, deadline)
                     clock.lap("push")
+                    if done is not None:
+                        clock.carve("push", "scan", done[0].scan_s)
                 if done is None:  # the long way: a round of prepare calls first
                     request, in_place = self._prepare(request, plan, deadline)
                     clock.lap("prepare")
                     broadcasting = True
                     sent, _ = self._transfer(group, request, plan, tensors, deadline)
                     clock.lap("transfer")
+                    clock.carve("transfer", "scan", sent.scan_s)
                 else:
                     sent, in_place = done
                 if not request.commit_on_receipt:
@@ -440,7 +443,7 @@ class Pusher:
                     self._sender.send(plan, tensors, deadline, config.checksum),
                     plan.nbytes,
                 )
-                density = None
+                density, scan_s = None, 0.0
             else:
                 baseline.begin()
                 out = send_with_baseline(group, plan, tensors, baseline, delta=request.delta,
@@ -448,6 +451,7 @@ class Pusher:
                                          with_checksums=config.checksum)  # fmt: skip
                 baseline.finish(plan, request.version, request.partial)
                 sent, wire_bytes, density = out.checksums, out.wire_bytes, out.density
+                scan_s = out.scan_s
             if request.commit_on_receipt:  # completes once every member has received
                 group.vote(VOTE_AGREED, deadline.left(self._config.collective_timeout_s))
         except WeightSyncError as exc:
@@ -459,7 +463,7 @@ class Pusher:
             )
         if sent is not None:
             _check_checksums(outcomes.results, sent)
-        return _Sent(wire_bytes, density, time.perf_counter() - started), outcomes.results
+        return _Sent(wire_bytes, density, time.perf_counter() - started, scan_s), outcomes.results
 
     # -- failures ------------------------------------------------------------------------------
 
@@ -554,6 +558,7 @@ class _Sent:
     wire_bytes: int
     density: float | None  # of a delta: the share of elements that changed
     seconds: float
+    scan_s: float = 0.0  # of a delta: the seconds of ``seconds`` the trainer's scan took
 
 
 class _PhaseClock:
@@ -567,6 +572,14 @@ class _PhaseClock:
         now = time.perf_counter()
         self.phases[phase] = now - self._last
         self._last = now
+
+    def carve(self, phase: str, part: str, seconds: float) -> None:
+        """Count ``seconds`` of the lap ``phase`` as a phase ``part`` of their own, listed
+        before it."""
+        if seconds > 0:
+            rest = self.phases.pop(phase) - seconds
+            self.phases[part] = seconds
+            self.phases[phase] = rest
 
     def total(self) -> float:
         self.phases["total"] = self._last - self._start

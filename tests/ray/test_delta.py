@@ -137,12 +137,14 @@ def test_deltas_after_adam_steps_land_bit_for_bit(fleet: list) -> None:
     policy = Policy.remote(fleet, checksum=True)
     try:
         first = ray.get(policy.push.remote(), timeout=TIMEOUT)
-        assert not first.delta and first.wire_bytes >= first.nbytes
+        assert not first.delta and first.wire_bytes >= first.nbytes and "scan" not in first.phases
         check(policy, fleet)
         for step in range(3):
             ray.get(policy.step.remote(step), timeout=TIMEOUT)
             result = ray.get(policy.push.remote(), timeout=TIMEOUT)
             assert result.delta and result.wire_bytes < first.wire_bytes / 2, result
+            assert 0 < result.phases["scan"] < result.seconds, result.phases  # within the push
+            assert sum(result.phases.values()) == pytest.approx(2 * result.seconds), result.phases
             check(policy, fleet, logits=True)
         ray.get(policy.step.remote(9), timeout=TIMEOUT)
         partial = ray.get(policy.push.remote(["model.embed_tokens.weight", "model.norm.weight"]), timeout=TIMEOUT)

@@ -190,36 +190,42 @@ def transfer(baseline: Baseline, plan: SyncPlan, tensors: list[torch.Tensor],
     return layout.plan.nbytes
 
 
-def change(tensors: dict[str, torch.Tensor], fraction: float, seed: int) -> None:
-    """Overwrite ``fraction`` of the elements of every contiguous tensor with random bits."""
+def change(tensors: dict[str, torch.Tensor], fraction: float, seed: int, finite: bool = False) -> None:
+    """Overwrite ``fraction`` of the elements of every contiguous tensor with random bits
+    (``finite``: fp32 ones with random normal values, which hold no NaN for the fused kernels
+    to leave to NumPy)."""
     gen = torch.Generator().manual_seed(seed)
     for tensor in tensors.values():
         if tensor.is_contiguous() and tensor.numel() > 4:
             rows = tensor.view(-1).view(torch.uint8).view(tensor.numel(), tensor.element_size())
             picked = torch.randint(0, tensor.numel(), (max(1, int(tensor.numel() * fraction)),), generator=gen)
+            if finite and tensor.dtype == torch.float32:
+                tensor.view(-1)[picked] = torch.randn(picked.numel(), generator=gen)
+                continue
             rows[picked] = torch.randint(0, 256, (picked.numel(), tensor.element_size()), dtype=torch.uint8,
                                          generator=gen)  # fmt: skip
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-@pytest.mark.parametrize("cast", [None, "bfloat16"])
+@pytest.mark.parametrize(("cast", "fused"), [(None, False), ("bfloat16", False), ("bfloat16", True)])
 @pytest.mark.parametrize(("bucket_bytes", "fraction"), [(4096, 0.01), (1 << 20, 0.01), (1 << 20, 0.2)])
-def test_deltas_rebuild_every_dtype_bit_for_bit(cast: str | None, bucket_bytes: int, fraction: float, threads: int) -> None:  # fmt: skip
+def test_deltas_rebuild_every_dtype_bit_for_bit(cast: str | None, fused: bool, bucket_bytes: int, fraction: float, threads: int) -> None:  # fmt: skip
     """The zoo (every dtype, views, split tensors), changed at random again and again: after each
     delta the worker's tensors equal the trainer's copy byte for byte, and far fewer bytes
     travelled than a dense push sends. At a fifth changed, the blobs outgrow what a scan keeps
     encoded, and the rest are found again while packing (on ``threads``, ahead of the packer,
-    checksums still in the packer's order)."""
+    checksums still in the packer's order). ``fused``: fp32 changed to finite values, counted and
+    found again by the fused kernels (which keep nothing while scanning)."""
     tensors = zoo(seed=3, big=200_000)
     tensors["alias"] = tensors["float32_big"]  # tied: travels once, refreshed on the worker
     config = SyncConfig(bucket_bytes=bucket_bytes, direct_min_bytes=100_000, cast_dtype=cast)
     entries = check_state_dict(tensors, config)
     plan = PushPlanner(config, CPU).plan(entries)
     destinations = {name: torch.zeros(meta.shape, dtype=meta.torch_dtype) for name, meta in plan.metas().items()}
-    baseline = Baseline(threads=threads)
+    baseline = Baseline(threads=threads, fused=fused)
     assert transfer(baseline, plan, entries.tensors, destinations, bucket_bytes, delta=False) >= plan.payload_bytes
     for step in range(3):
-        change(tensors, fraction, seed=step)
+        change(tensors, fraction, seed=step, finite=fused)
         sent = transfer(baseline, plan, entries.tensors, destinations, bucket_bytes)
         assert sent < plan.nbytes * (0.1 if fraction < 0.05 else 0.8)
         for name in plan.metas():
@@ -241,7 +247,7 @@ def test_a_blob_split_over_buckets_is_encoded_once(threads: int) -> None:
     entries = check_state_dict(tensors, config)
     plan = PushPlanner(config, CPU).plan(entries)
     destinations = {name: torch.zeros_like(tensor) for name, tensor in tensors.items()}
-    baseline = Baseline(threads=threads)
+    baseline = Baseline(threads=threads, fused=False)  # it keeps the first blob while scanning
     transfer(baseline, plan, entries.tensors, destinations, config.bucket_bytes, delta=False)
     before = {name: tensor.clone() for name, tensor in tensors.items()}
     tensors["a"].view(-1)[torch.randperm(RUN_SPANS * SPAN, generator=gen)[: 300_000]] += 1
@@ -257,24 +263,26 @@ def test_a_blob_split_over_buckets_is_encoded_once(threads: int) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_a_step_during_a_push_fails_it_and_no_encoding_thread_outlives_it() -> None:
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_step_during_a_push_fails_it_and_no_encoding_thread_outlives_it(fused: bool) -> None:
     """Blobs not encoded by the scan are compared again while packing, on threads ahead of the
-    packer: one that finds other changes than were counted fails the push (there, in the
-    packer's thread), and closing the sources ends every thread."""
+    packer (fp32 pushed as bf16, ``fused``: by the fused kernel): one that finds other changes
+    than were counted fails the push (there, in the packer's thread), and closing the sources
+    ends every thread."""
     tensors = {f"w{i}": torch.randn(4 * SPAN) for i in range(6)}
-    config = SyncConfig(direct_min_bytes=None)
+    config = SyncConfig(direct_min_bytes=None, cast_dtype="bfloat16" if fused else None)
     entries = check_state_dict(tensors, config)
     plan = PushPlanner(config, CPU).plan(entries)
-    baseline = Baseline(threads=3)
-    destinations = {name: torch.zeros(4 * SPAN) for name in tensors}
+    baseline = Baseline(threads=3, fused=fused)
+    destinations = {name: torch.zeros(4 * SPAN, dtype=plan.tensors[0].torch_dtype) for name in tensors}
     transfer(baseline, plan, entries.tensors, destinations, 1 << 20, delta=False)
-    change(tensors, 0.3, seed=1)  # past what a scan keeps encoded
+    change(tensors, 0.3, seed=1, finite=fused)  # past what a scan keeps encoded
     before = threading.active_count()
     baseline.begin()
     counts = baseline.scan(plan, entries.tensors)
     layout = delta_layout(plan, counts, 1 << 20)
     assert len(layout.blobs) > 3 and ("w5", 0) not in baseline._encoded
-    tensors["w5"].view(torch.int32)[7] ^= 1  # an optimizer step, mid-push
+    tensors["w5"].view(torch.int32)[7] ^= 1 << 20  # an optimizer step, mid-push (seen in bf16)
     sources = baseline.sources(layout, plan, entries.tensors, None)
     packer, buffer = Packer(layout.plan, sources), bucket_buffers(layout.plan, CPU)[0]
     with pytest.raises(WeightSyncError, match="'w5' changed while it was being pushed"):

@@ -2,7 +2,7 @@
 torch alone: the same counts, the same blobs kept while scanning (the budget spent in the same
 order), the same copy afterwards -- over dtypes (1 to 16 bytes, a cast), densities (none, sparse,
 dense, spans of each in one tensor, enough to cross the budget), sizes that are not multiples of
-a span, tied names and partial pushes."""
+a span, tied names and partial pushes; with the fused kernels (fp32 -> bf16) and without."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from weight_sync import SyncConfig
 from weight_sync.delta import baseline as baseline_module
-from weight_sync.delta.baseline import _ENCODED_BUDGET, PIECE, Baseline
+from weight_sync.delta.baseline import _ENCODED_BUDGET, PIECE, Baseline, kept_bytes
 from weight_sync.delta.codec import encode_sparse, words
 from weight_sync.delta.layout import (
     DENSE,
@@ -71,7 +71,7 @@ def reference(plan: SyncPlan, tensors: list[torch.Tensor], held: dict[str, torch
             piece = spans[first : first + RUN_SPANS]
             ways = [encoding(c, every[first + s], size) for s, c in enumerate(piece)]
             runs = [(a, b) for a, b, way in span_runs(ways) if way == SPARSE]
-            kept = sum(blob_bytes(sum(piece[a:b]), size) for a, b in runs)
+            kept = sum(kept_bytes(blob_bytes(sum(piece[a:b]), size)) for a, b in runs)
             if not runs or kept > budget:
                 continue
             budget -= kept
@@ -93,18 +93,23 @@ def fill(baseline: Baseline, plan: SyncPlan, tensors: list[torch.Tensor]) -> Non
     baseline.finish(plan, 1, False)
 
 
-def change(tensor: torch.Tensor, pattern: list[float], gen: torch.Generator) -> None:
-    """Give each span of ``tensor`` (in place) its density of random bytes."""
+def change(tensor: torch.Tensor, pattern: list[float], gen: torch.Generator, finite: bool = False) -> None:
+    """Give each span of ``tensor`` (in place) its density of random bytes (``finite``: of
+    random normal values, which the fused kernels compare; random fp32 bytes hold NaNs)."""
     rows = tensor.view(-1).view(torch.uint8).view(tensor.numel(), tensor.element_size())
     for span in range(spans_of(tensor.numel())):
         elements = span_elements(tensor.numel(), span)
         picked = torch.randperm(elements, generator=gen)[: round(elements * pattern[span % len(pattern)])]
         picked += span * SPAN
-        rows[picked] = torch.randint(0, 256, (picked.numel(), rows.shape[1]), dtype=torch.uint8, generator=gen)
+        if finite:
+            tensor.view(-1)[picked] = torch.randn(picked.numel(), generator=gen, dtype=tensor.dtype)
+        else:
+            rows[picked] = torch.randint(0, 256, (picked.numel(), rows.shape[1]), dtype=torch.uint8, generator=gen)
 
 
-def model(dtype: torch.dtype, gen: torch.Generator) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Tensors of every shape of trouble, and the pattern each will change by."""
+def model(dtype: torch.dtype, gen: torch.Generator, finite: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:  # fmt: skip
+    """Tensors of every shape of trouble, and the pattern each will change by (``finite``:
+    normal values, not random bytes)."""
     sizes = {  # the heavy ones come before small sparse ones: those still fit once they spent the budget
         "none_big": (3 * SPAN + 7, "none"), "sparse_big": (PIECE + SPAN + 7, "sparse"),
         "dense_big": (2 * SPAN + 5, "dense"), "mixed_big": (PIECE + 5 * SPAN + 3, "mixed"),
@@ -113,9 +118,10 @@ def model(dtype: torch.dtype, gen: torch.Generator) -> tuple[dict[str, torch.Ten
         "empty": (0, "sparse"), "sparse_tail": (3 * SPAN + 1, "sparse"),
     }  # fmt: skip
     tensors = {
-        name: torch.randint(0, 256, (numel * dtype.itemsize,), dtype=torch.uint8, generator=gen).view(dtype)
+        name: torch.randn(numel, generator=gen, dtype=dtype) if finite else
+        torch.randint(0, 256, (numel * dtype.itemsize,), dtype=torch.uint8, generator=gen).view(dtype)
         for name, (numel, _) in sizes.items()
-    }
+    }  # fmt: skip
     return tensors, {name: pattern for name, (_, pattern) in sizes.items()}
 
 
@@ -144,11 +150,12 @@ def always_parallel(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("threads", [1, 2, 5])
 @pytest.mark.parametrize(
-    ("dtype", "cast"),
-    [(torch.float32, None), (torch.float32, "bfloat16"), (torch.float16, None), (torch.uint8, None),
-     (torch.float64, None), (torch.complex128, None)],
+    ("dtype", "cast", "fused"),
+    [(torch.float32, None, True), (torch.float32, "bfloat16", False), (torch.float32, "bfloat16", True),
+     (torch.float16, None, False), (torch.uint8, None, False), (torch.float64, None, False),
+     (torch.complex128, None, True)],
 )  # fmt: skip
-def test_a_scan_on_threads_is_the_one_thread_scan(dtype: torch.dtype, cast: str | None, threads: int) -> None:
+def test_a_scan_on_threads_is_the_one_thread_scan(dtype: torch.dtype, cast: str | None, fused: bool, threads: int) -> None:  # fmt: skip
     gen = torch.Generator().manual_seed(threads)
     tensors, patterns = model(dtype, gen)
     tensors["alias"] = tensors["mixed_big"]  # tied: one copy
@@ -156,16 +163,39 @@ def test_a_scan_on_threads_is_the_one_thread_scan(dtype: torch.dtype, cast: str 
     entries = check_state_dict(tensors, config)
     plan = PushPlanner(config, CPU).plan(entries)
     assert [tie.name for tie in plan.tied] == ["alias"]
-    baseline = Baseline()
+    baseline = Baseline(fused=fused)
     fill(baseline, plan, entries.tensors)
     for name, tensor in tensors.items():
         if name != "alias":
             change(tensor, PATTERNS[patterns[name]], gen)
     counts, encoded = scan_both(baseline, plan, entries.tensors, threads)
-    # What this model is for: spans of every way, and the budget crossed in the middle.
+    # What this model is for: spans of every way, and the budget crossed in the middle (random
+    # fp32 bytes hold NaNs in nearly every piece: the fused kernels leave those to NumPy).
     assert any(c == 0 for c in counts) and any(c == SPAN for c in counts) and encoded
     assert ("sparse_big", 0) in encoded and ("heavy_big", RUN_SPANS) not in encoded
     assert ("sparse_tail", 0) in encoded  # after the budget ran short, a small blob still fits
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("fused", [False, True])
+def test_finite_fp32_pushed_as_bf16_is_scanned_fused_as_numpy_scans_it(fused: bool, threads: int) -> None:
+    """Without NaNs the fused kernel finds the changes of every fp32 -> bf16 piece: the same
+    counts, blobs kept and copy as NumPy's (and as the reference's); a NaN sends its piece the
+    NumPy way."""
+    gen = torch.Generator().manual_seed(threads)
+    tensors, patterns = model(torch.float32, gen, finite=True)
+    config = SyncConfig(cast_dtype="bfloat16", direct_min_bytes=None)
+    entries = check_state_dict(tensors, config)
+    plan = PushPlanner(config, CPU).plan(entries)
+    baseline = Baseline(fused=fused)
+    fill(baseline, plan, entries.tensors)
+    for name, tensor in tensors.items():
+        change(tensor, PATTERNS[patterns[name]], gen, finite=True)
+    tensors["mixed_short"][SPAN + 1] = float("nan")  # its one piece: compared in NumPy, kept
+    counts, encoded = scan_both(baseline, plan, entries.tensors, threads)
+    assert any(c == 0 for c in counts) and any(c == SPAN for c in counts)
+    assert ("sparse_big", 0) in encoded and ("heavy_big", RUN_SPANS) not in encoded
+    assert ("mixed_short", 0) in encoded and ("sparse_tail", 0) in encoded
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
@@ -177,7 +207,7 @@ def test_partial_pushes_new_and_reshaped_tensors(threads: int) -> None:
     config = SyncConfig(cast_dtype="bfloat16", direct_min_bytes=None)
     entries = check_state_dict(tensors, config)
     plan = PushPlanner(config, CPU).plan(entries)
-    baseline = Baseline()
+    baseline = Baseline(fused=False)
     fill(baseline, plan, entries.tensors)
     for name, tensor in tensors.items():
         change(tensor, PATTERNS[patterns[name]], gen)
@@ -201,7 +231,7 @@ def test_bits_not_numbers(threads: int) -> None:
     config = SyncConfig(direct_min_bytes=None)
     entries = check_state_dict(tensors, config)
     plan = PushPlanner(config, CPU).plan(entries)
-    baseline = Baseline()
+    baseline = Baseline(fused=False)
     fill(baseline, plan, entries.tensors)
     tensor[5] = -0.0
     tensor[SPAN * 3 + 977].view(torch.int32).fill_(0x7FC00002)
@@ -218,7 +248,7 @@ def test_a_failing_thread_fails_the_scan_and_every_thread_ends(monkeypatch: pyte
     config = SyncConfig(direct_min_bytes=None)
     entries = check_state_dict(tensors, config)
     plan = PushPlanner(config, CPU).plan(entries)
-    baseline = Baseline(threads=3)
+    baseline = Baseline(threads=3, fused=False)
     fill(baseline, plan, entries.tensors)
     for name, tensor in tensors.items():
         change(tensor, PATTERNS[patterns[name]], gen)

@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -31,13 +32,16 @@ from weight_sync.delta.codec import (
     differ,
     encode_sparse_rows,
     mask_span_counts,
+    sparse_blob,
     words,
 )
+from weight_sync.delta.fused import FusedKernels
 from weight_sync.delta.layout import (
     DENSE,
     RUN_SPANS,
     SPAN,
     SPARSE,
+    VALUES_ALIGNMENT,
     Blob,
     DeltaLayout,
     encoding,
@@ -50,6 +54,7 @@ from weight_sync.delta.lineage import base_name, next_base
 from weight_sync.errors import WeightSyncError
 from weight_sync.metadata import SyncPlan, TensorMeta
 from weight_sync.packing import checksum
+from weight_sync.planner import align_up
 
 logger = logging.getLogger(__name__)
 
@@ -73,19 +78,27 @@ class Baseline:
     """What the workers hold, as of base ``id`` (None while the copy is being changed, or
     before any push completed)."""
 
-    def __init__(self, threads: int | None = None) -> None:
+    def __init__(self, threads: int | None = None, fused: bool | None = None) -> None:
         """``threads``: how many threads a scan compares on at most (default: the CPUs this
-        process may run on, at most ``MAX_THREADS``)."""
+        process may run on, at most ``MAX_THREADS``). ``fused``: whether fp32 tensors pushed as
+        bf16 are compared with the fused kernels (``weight_sync.delta.kernels``): None (the
+        default) once they have loaded, on a thread started here -- pushes until then compare
+        the NumPy way, to the same bytes; True waits for them (and fails if numba cannot load);
+        False never loads them."""
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be at least 1, got {threads}")
         self.threads = default_threads() if threads is None else threads
+        self._kernels = FusedKernels(fused)
         self._token = secrets.token_hex(8)
         self._bytes: dict[str, torch.Tensor] = {}  # name -> its bytes as the workers hold them
         self._metas: dict[str, TensorMeta] = {}
         self.id: str | None = None
         self._built_on: str | None = None
-        # Sparse blobs encoded while scanning, by (tensor name, first span); see ``scan``.
+        # Sparse blobs encoded while scanning, by (tensor name, first span); see ``scan``. They
+        # are views of one buffer, kept from push to push: blobs in fresh memory fault a page
+        # in every 4 KiB as they are written, which two threads of a scan do no faster than one.
         self._encoded: dict[tuple[str, int], torch.Tensor] = {}
+        self._room = torch.empty(0, dtype=torch.uint8)
         self._scratches = threading.local()  # each encoding thread's ``_Scratch``
 
     def name_for(self, version: int) -> str:
@@ -201,21 +214,40 @@ class Baseline:
             return new_bytes, None
         data = self._encoded.pop((meta.name, blob.first_span), None)
         if data is None:  # not kept while scanning: compare again
-            scratch = self._scratch()
-            new = scratch.begin(flat, meta, blob.first, stop)
-            scratch.fill(0, blob.elements)
-            held = base.numpy()
-            rows = np.flatnonzero(differ(new, held, scratch.mask(blob.elements)))
-            if rows.size != blob.changed:
-                raise WeightSyncError(
-                    f"{meta.name!r} changed while it was being pushed ({rows.size} changed "
-                    f"elements found, {blob.changed} counted); do not step the optimizer during a push"
-                )
-            data, values = encode_sparse_rows(new, rows, size)
-            held[rows] = values
+            data = self._compare_again(blob, meta, flat, base.numpy())
         assert data.numel() == sparse_bytes(blob.changed, size)
         updated = self._bytes[meta.name][blob.first * size : stop * size]
         return data, checksum(updated) if crc else None
+
+    def _compare_again(
+        self, blob: Blob, meta: TensorMeta, flat: torch.Tensor, held: np.ndarray
+    ) -> torch.Tensor:
+        """A sparse blob the scan did not keep, found again, and ``held`` (the copy's range, as
+        NumPy ``words``) brought up to date: with the fused kernel where it applies, else in
+        NumPy (where it does not, or on meeting a NaN)."""
+        scratch, kernels = self._scratch(), self._kernels.get()
+        stop = blob.first + blob.elements
+        found = -1
+        if kernels is not None and fusable(flat, meta):
+            data, index, values = sparse_blob(blob.changed, meta.itemsize)
+            found = kernels.extract_bf16(
+                _bits(flat, blob.first, stop), held.view(np.uint16), index,
+                values.view(np.uint16), scratch.rows(blob.changed),
+            )  # fmt: skip
+        if found < 0:
+            new = scratch.begin(flat, meta, blob.first, stop)
+            scratch.fill(0, blob.elements)
+            rows = np.flatnonzero(differ(new, held, scratch.mask(blob.elements)))
+            found = rows.size
+            if found == blob.changed:
+                data, values = encode_sparse_rows(new, rows, meta.itemsize)
+                held[rows] = values
+        if found != blob.changed:
+            raise WeightSyncError(
+                f"{meta.name!r} changed while it was being pushed ({found} changed elements "
+                f"found, {blob.changed} counted); do not step the optimizer during a push"
+            )
+        return data
 
 
 class _Cancelled(Exception):
@@ -277,9 +309,15 @@ class _Scan:
         firsts = np.cumsum([0] + [spans_of(numel) for numel in self._numels])
         self._at: list[int] = firsts[:-1].tolist()
         self.counts = np.zeros(int(firsts[-1]), dtype=np.int64)  # the header, filled by pieces
+        budget = plan.payload_bytes // _ENCODED_BUDGET
+        if baseline._room.numel() < budget:
+            baseline._room = torch.empty(budget, dtype=torch.uint8)
+        self._room = baseline._room  # where kept blobs are written, in the order they are kept
+        self._fused = baseline._kernels.get()  # for the whole scan, whenever they become ready
         self._cond = threading.Condition()
         # Guarded by _cond:
-        self._budget = plan.payload_bytes // _ENCODED_BUDGET
+        self._budget = budget
+        self._spent = 0  # bytes of ``_room`` given to kept blobs
         self._tensor = 0  # the next piece handed out is of this tensor...
         self._start = 0  # ...from this element
         self._current: tuple[torch.Tensor, torch.Tensor] | None = None  # its (flat, copy words)
@@ -378,14 +416,12 @@ class _Scan:
         encode them and bring the copy up to date there."""
         meta, size = piece.meta, piece.meta.itemsize
         elements = piece.stop - piece.start
-        new = scratch.begin(piece.flat, meta, piece.start, piece.stop)
         held = piece.held[piece.start : piece.stop].numpy()
-        mask = scratch.mask(elements)
-        split = min(SPAN, elements) if piece.start == 0 else 0
-        if split:  # a tensor's first span decides whether to compare the rest
-            scratch.fill(0, split)
-            differ(new[:split], held[:split], mask[:split])
-            go_on = encoding(int(np.count_nonzero(mask[:split])), split, size) != DENSE
+        found = _Found(self._fused, piece, held, scratch)
+        if piece.start == 0:  # a tensor's first span decides whether to compare the rest
+            split = min(SPAN, elements)
+            found.count(split)
+            go_on = encoding(found.counts[0], split, size) != DENSE
             with self._cond:
                 self._go_on[piece.tensor] = go_on
                 self._cond.notify_all()
@@ -393,42 +429,61 @@ class _Scan:
                 self._all_changed(piece.tensor)
                 self._decide(piece, [])
                 return
-        if split < elements:
-            scratch.fill(split, elements)
-            differ(new[split:], held[split:], mask[split:])
-        counts = mask_span_counts(mask)
+        found.count(elements)
+        counts = found.counts
         first = piece.at + piece.first_span
         self.counts[first : first + len(counts)] = counts
-        for start, stop in self._decide(piece, counts):
-            lo, hi = start * SPAN, min(stop * SPAN, elements)
-            rows = np.flatnonzero(mask[lo:hi])
-            blob, values = encode_sparse_rows(new[lo:hi], rows, size)
-            held[lo:hi][rows] = values
+        runs = self._decide(piece, counts)
+        starts = np.cumsum([0] + counts).tolist() if runs else []
+        for start, stop, room in runs:
+            if found.kernel is not None:  # the changes of these spans, in order, in the scratch
+                values, rows = scratch.found(elements)
+                lo, hi = starts[start], starts[stop]
+                blob, index, blob_values = sparse_blob(hi - lo, size, room)
+                found.kernel.emit_bf16(
+                    rows[lo:hi], values[lo:hi], held.view(np.uint16), index, blob_values.view(np.uint16)
+                )  # fmt: skip
+            else:
+                assert found.new is not None
+                lo, hi = start * SPAN, min(stop * SPAN, elements)
+                changed = np.flatnonzero(scratch.mask(elements)[lo:hi])
+                blob, changed_values = encode_sparse_rows(found.new[lo:hi], changed, size, room)
+                held[lo:hi][changed] = changed_values
             piece.blobs.append(((meta.name, piece.first_span + start), blob))
 
-    def _decide(self, piece: _Piece, counts: list[int]) -> list[tuple[int, int]]:
+    def _decide(self, piece: _Piece, counts: list[int]) -> list[tuple[int, int, torch.Tensor]]:
         """In the piece's turn, whether its sparse blobs are kept (encoded now): as long as they
         fit in what is left of the budget. Returns its sparse runs (spans from its first) to
-        encode: all of them, or none."""
+        encode, each with the bytes of the room it is to be written into: all of them, or
+        none."""
         size = piece.meta.itemsize
         ways = [
             encoding(count, span_elements(piece.numel, piece.first_span + s), size)
             for s, count in enumerate(counts)
         ]
         runs = [(start, stop) for start, stop, way in span_runs(ways) if way == SPARSE]
-        kept = sum(sparse_bytes(sum(counts[start:stop]), size) for start, stop in runs)
+        sizes = [sparse_bytes(sum(counts[start:stop]), size) for start, stop in runs]
+        kept = sum(kept_bytes(blob) for blob in sizes)
         with self._cond:
             while self._decided != piece.seq and not self._failed:
                 self._cond.wait()
             if self._failed:
                 raise _Cancelled
             keep = bool(runs) and kept <= self._budget
+            at = self._spent
             if keep:
                 self._budget -= kept
+                self._spent += kept
                 self._kept.append((piece.seq, piece.blobs))
             self._decided += 1
             self._cond.notify_all()
-        return runs if keep else []
+        if not keep:
+            return []
+        kept_runs = []
+        for (start, stop), blob in zip(runs, sizes, strict=True):
+            kept_runs.append((start, stop, self._room[at : at + blob]))
+            at += kept_bytes(blob)
+        return kept_runs
 
     def _all_changed(self, index: int) -> None:
         """Count every element of tensor ``index`` as changed."""
@@ -448,6 +503,8 @@ class _Scratch:
     def __init__(self) -> None:
         self._bytes = torch.empty(0, dtype=torch.uint8)
         self._mask = np.empty(0, dtype=np.bool_)
+        self._rows = np.empty(0, dtype=np.int32)
+        self._values = np.empty(0, dtype=np.uint16)
         self._from: torch.Tensor | None = None  # the piece being cast, flattened
         self._into: torch.Tensor | None = None  # where to, in the workers' dtype
 
@@ -475,6 +532,83 @@ class _Scratch:
         if self._mask.size < elements:
             self._mask = np.empty(elements, dtype=np.bool_)
         return self._mask[:elements]
+
+    def rows(self, count: int) -> np.ndarray:
+        """Room for the positions of ``count`` changes (a blob holds at most 2**20 elements)."""
+        if self._rows.size < count:
+            self._rows = np.empty(count, dtype=np.int32)
+        return self._rows[:count]
+
+    def found(self, elements: int) -> tuple[np.ndarray, np.ndarray]:
+        """Room for the values (bf16 bits) and positions of as many changes as a piece of
+        ``elements`` can hold, where the fused kernel writes them (6 bytes an element)."""
+        if self._values.size < elements:
+            self._values = np.empty(elements, dtype=np.uint16)
+        return self._values[:elements], self.rows(elements)
+
+
+class _Found:
+    """The changes of one piece as a scan finds them, a range of spans at a time: by the fused
+    kernel while it applies (each change's value and position left in ``scratch.found``),
+    else the NumPy way (the piece in the workers' dtype, ``new``, and its mask left in the
+    scratch). A NaN met by the kernel sends the whole piece the NumPy way, its spans counted
+    before included, so that one way holds all of it for encoding."""
+
+    def __init__(
+        self, kernels: ModuleType | None, piece: _Piece, held: np.ndarray, scratch: _Scratch
+    ) -> None:
+        self._piece, self._held, self._scratch = piece, held, scratch
+        self.kernel = kernels if kernels is not None and fusable(piece.flat, piece.meta) else None
+        self.new: np.ndarray | None = None
+        self.counts: list[int] = []  # per span, from the piece's first
+        self._written = 0  # changes the kernel has written into the scratch
+
+    def count(self, stop: int) -> None:
+        """Count the spans from where ``counts`` ends up to element ``stop`` of the piece."""
+        piece, scratch = self._piece, self._scratch
+        start = len(self.counts) * SPAN
+        if start >= stop:
+            return
+        if self.kernel is not None:
+            values, rows = scratch.found(piece.stop - piece.start)
+            counts = np.empty(spans_of(stop - start), dtype=np.int64)
+            written = self.kernel.scan_bf16(
+                _bits(piece.flat, piece.start + start, piece.start + stop),
+                self._held[start:stop].view(np.uint16), values[self._written :],
+                rows[self._written :], counts, SPAN, start,
+            )  # fmt: skip
+            if written >= 0:
+                self.counts += counts.tolist()
+                self._written += written
+                return
+            self.kernel, self.counts, start = None, [], 0  # a NaN: NumPy, from the first span
+        if self.new is None:
+            self.new = scratch.begin(piece.flat, piece.meta, piece.start, piece.stop)
+        scratch.fill(start, stop)
+        mask = scratch.mask(piece.stop - piece.start)[start:stop]
+        differ(self.new[start:stop], self._held[start:stop], mask)
+        self.counts += mask_span_counts(mask)
+
+
+def kept_bytes(blob: int) -> int:
+    """The room a kept blob of ``blob`` bytes takes: the next one starts aligned for values."""
+    return align_up(blob, VALUES_ALIGNMENT)
+
+
+def fusable(flat: torch.Tensor, meta: TensorMeta) -> bool:
+    """Whether the fused kernels compare this flattened tensor: fp32 on the host, contiguous,
+    pushed as bf16."""
+    return (
+        meta.torch_dtype == torch.bfloat16
+        and flat.dtype == torch.float32
+        and flat.device.type == "cpu"
+        and flat.is_contiguous()
+    )
+
+
+def _bits(flat: torch.Tensor, start: int, stop: int) -> np.ndarray:
+    """Elements ``start:stop`` of a flattened fp32 host tensor, as their bits (uint32)."""
+    return flat[start:stop].detach().numpy().view(np.uint32)
 
 
 class _Sources(Sequence[torch.Tensor]):

@@ -53,33 +53,38 @@ def encode_sparse(indices: torch.Tensor, values: torch.Tensor, itemsize: int) ->
     rows of the changed elements), aligned so that the values can be viewed in place (the
     padding between them zeroed: a blob's bytes depend on nothing but the delta)."""
     count = indices.numel()
-    blob = _sparse_blob(count, itemsize)
+    blob, _, _ = sparse_blob(count, itemsize)
     blob[: count * INDEX_BYTES].view(torch.int16).copy_(indices & (SPAN - 1))  # wraps to int16
     words(blob[align_up(count * INDEX_BYTES, VALUES_ALIGNMENT) :], itemsize).copy_(values)
     return blob
 
 
 def encode_sparse_rows(
-    new: np.ndarray, rows: np.ndarray, itemsize: int
+    new: np.ndarray, rows: np.ndarray, itemsize: int, out: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, np.ndarray]:
     """The sparse blob of rows ``rows`` (ascending, from a span boundary) of ``new`` (``words``
     rows as a NumPy array) -- the same bytes as ``encode_sparse(rows, new[rows])``, the values
     gathered straight into the blob, all in NumPy, which releases the GIL -- and its values
-    (a NumPy view into it)."""
-    count = rows.size
-    blob = _sparse_blob(count, itemsize)
-    data = blob.numpy()
-    local = data[: count * INDEX_BYTES].view(np.uint16)
+    (a NumPy view into it). ``out``: where to write it (see ``sparse_blob``)."""
+    blob, local, values = sparse_blob(rows.size, itemsize, out)
     np.bitwise_and(rows, SPAN - 1, out=local, casting="unsafe")
-    values = words(blob[align_up(count * INDEX_BYTES, VALUES_ALIGNMENT) :], itemsize).numpy()
     np.take(new, rows, axis=0, out=values, mode="clip")  # "raise" would gather into a temporary
     return blob, values
 
 
-def _sparse_blob(count: int, itemsize: int) -> torch.Tensor:
-    blob = torch.empty(sparse_bytes(count, itemsize), dtype=torch.uint8)
-    blob[count * INDEX_BYTES : align_up(count * INDEX_BYTES, VALUES_ALIGNMENT)] = 0
-    return blob
+def sparse_blob(
+    count: int, itemsize: int, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    """A sparse blob of ``count`` changes to fill in: its bytes (the padding zeroed), and NumPy
+    views of its indices (uint16) and of its values (``words`` rows). ``out``: host bytes to
+    write it into, exactly its size and aligned to ``VALUES_ALIGNMENT`` (default: new ones)."""
+    size = sparse_bytes(count, itemsize)
+    blob = torch.empty(size, dtype=torch.uint8) if out is None else out
+    assert blob.numel() == size and blob.data_ptr() % VALUES_ALIGNMENT == 0
+    at = align_up(count * INDEX_BYTES, VALUES_ALIGNMENT)
+    blob[count * INDEX_BYTES : at] = 0
+    local = blob[: count * INDEX_BYTES].numpy().view(np.uint16)
+    return blob, local, words(blob[at:], itemsize).numpy()
 
 
 def patch(target: torch.Tensor, blob: Blob, data: torch.Tensor, itemsize: int) -> None:
