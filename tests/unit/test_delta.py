@@ -12,6 +12,7 @@ import torch
 
 from tests.zoo import zoo
 from weight_sync import SyncConfig
+from weight_sync.delta import baseline as baseline_module
 from weight_sync.delta.baseline import Baseline
 from weight_sync.delta.layout import (
     DELTA_BUCKETS,
@@ -214,8 +215,8 @@ def test_deltas_rebuild_every_dtype_bit_for_bit(cast: str | None, fused: bool, b
     delta the worker's tensors equal the trainer's copy byte for byte, and far fewer bytes
     travelled than a dense push sends. At a fifth changed, the blobs outgrow what a scan keeps
     encoded, and the rest are found again while packing (on ``threads``, ahead of the packer,
-    checksums still in the packer's order). ``fused``: fp32 changed to finite values, counted and
-    found again by the fused kernels (which keep nothing while scanning)."""
+    checksums still in the packer's order). ``fused``: fp32 changed to finite values, found by the
+    fused kernels, while scanning and again while packing."""
     tensors = zoo(seed=3, big=200_000)
     tensors["alias"] = tensors["float32_big"]  # tied: travels once, refreshed on the worker
     config = SyncConfig(bucket_bytes=bucket_bytes, direct_min_bytes=100_000, cast_dtype=cast)
@@ -277,7 +278,7 @@ def test_a_step_during_a_push_fails_it_and_no_encoding_thread_outlives_it(fused:
     destinations = {name: torch.zeros(4 * SPAN, dtype=plan.tensors[0].torch_dtype) for name in tensors}
     transfer(baseline, plan, entries.tensors, destinations, 1 << 20, delta=False)
     change(tensors, 0.3, seed=1, finite=fused)  # past what a scan keeps encoded
-    before = threading.active_count()
+    assert encoding_threads() == 0
     baseline.begin()
     counts = baseline.scan(plan, entries.tensors)
     layout = delta_layout(plan, counts, 1 << 20)
@@ -288,9 +289,39 @@ def test_a_step_during_a_push_fails_it_and_no_encoding_thread_outlives_it(fused:
     with pytest.raises(WeightSyncError, match="'w5' changed while it was being pushed"):
         for index in range(len(layout.plan.buckets)):
             packer.pack(index, buffer)
-    assert threading.active_count() > before  # encoding ahead
+    assert encoding_threads() > 0  # encoding ahead
     sources.close()
-    assert threading.active_count() == before
+    assert encoding_threads() == 0
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_change_moved_to_another_span_mid_push_fails_it(fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Workers place a sparse blob's changes by each span's count: a step that moves a change to
+    another span of the same blob keeps the blob's total, and still fails the push."""
+    monkeypatch.setattr(baseline_module, "_ENCODED_BUDGET", 1 << 40)  # nothing kept: compared again
+    w = torch.randn(2 * SPAN)
+    config = SyncConfig(direct_min_bytes=None, cast_dtype="bfloat16")
+    entries = check_state_dict({"w": w}, config)
+    plan = PushPlanner(config, CPU).plan(entries)
+    baseline = Baseline(threads=1, fused=fused)
+    transfer(baseline, plan, entries.tensors, {"w": torch.zeros(2 * SPAN, dtype=torch.bfloat16)}, 1 << 20, delta=False)
+    old = w[9].clone()
+    w[[5, 9, SPAN + 3]] += 1.0
+    baseline.begin()
+    counts = baseline.scan(plan, entries.tensors)
+    assert counts == [2, 1]
+    layout = delta_layout(plan, counts, 1 << 20)
+    assert [blob.counts for blob in layout.blobs.values()] == [(2, 1)]  # one blob over both spans
+    w[9], w[SPAN + 4] = old, w[SPAN + 4] + 1.0  # still 3 changes: 1 and 2
+    sources = baseline.sources(layout, plan, entries.tensors, None)
+    with pytest.raises(WeightSyncError, match="'w' changed while it was being pushed"):
+        Packer(layout.plan, sources).pack(0, bucket_buffers(layout.plan, CPU)[0])
+    sources.close()
+
+
+def encoding_threads() -> int:
+    """Threads encoding ahead of a packer (not, say, one loading the fused kernels)."""
+    return sum(thread.name.startswith("weight-sync-encode") for thread in threading.enumerate())
 
 
 def _index(plan: SyncPlan, name: str) -> int:

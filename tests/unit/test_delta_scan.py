@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import pytest
 import torch
 
 from weight_sync import SyncConfig
 from weight_sync.delta import baseline as baseline_module
+from weight_sync.delta import kernels
 from weight_sync.delta.baseline import _ENCODED_BUDGET, PIECE, Baseline, kept_bytes
 from weight_sync.delta.codec import encode_sparse, words
+from weight_sync.delta.fused import FusedKernels
 from weight_sync.delta.layout import (
     DENSE,
     RUN_SPANS,
@@ -178,7 +181,7 @@ def test_a_scan_on_threads_is_the_one_thread_scan(dtype: torch.dtype, cast: str 
 
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("fused", [False, True])
-def test_finite_fp32_pushed_as_bf16_is_scanned_fused_as_numpy_scans_it(fused: bool, threads: int) -> None:
+def test_finite_fp32_pushed_as_bf16_is_scanned_fused_as_numpy_scans_it(fused: bool, threads: int, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """Without NaNs the fused kernel finds the changes of every fp32 -> bf16 piece: the same
     counts, blobs kept and copy as NumPy's (and as the reference's); a NaN sends its piece the
     NumPy way."""
@@ -192,7 +195,9 @@ def test_finite_fp32_pushed_as_bf16_is_scanned_fused_as_numpy_scans_it(fused: bo
     for name, tensor in tensors.items():
         change(tensor, PATTERNS[patterns[name]], gen, finite=True)
     tensors["mixed_short"][SPAN + 1] = float("nan")  # its one piece: compared in NumPy, kept
+    scans = spy(monkeypatch, "scan_bf16")
     counts, encoded = scan_both(baseline, plan, entries.tensors, threads)
+    assert bool(scans) is fused  # the kernel ran, or never
     assert any(c == 0 for c in counts) and any(c == SPAN for c in counts)
     assert ("sparse_big", 0) in encoded and ("heavy_big", RUN_SPANS) not in encoded
     assert ("mixed_short", 0) in encoded and ("sparse_tail", 0) in encoded
@@ -261,10 +266,50 @@ def test_a_failing_thread_fails_the_scan_and_every_thread_ends(monkeypatch: pyte
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(baseline_module, "encode_sparse_rows", failing)
-    before = threading.active_count()
     with pytest.raises(RuntimeError, match="no memory left"):
         baseline.scan(plan, entries.tensors)
-    assert threading.active_count() == before
+    assert not [thread for thread in threading.enumerate() if thread.name.startswith("weight-sync-scan")]
+
+
+def spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """Count the calls of kernel ``name`` (what each returned)."""
+    real, calls = getattr(kernels, name), []
+
+    def counted(*args: object) -> object:
+        calls.append(real(*args))
+        return calls[-1]
+
+    monkeypatch.setattr(kernels, name, counted)
+    return calls
+
+
+def test_a_plan_that_grows_gets_room_for_its_kept_blobs() -> None:
+    """Kept blobs are written into room kept from scan to scan; a bigger push gets more."""
+    gen = torch.Generator().manual_seed(11)
+    tensors, patterns = model(torch.float32, gen, finite=True)
+    config = SyncConfig(cast_dtype="bfloat16", direct_min_bytes=None)
+    baseline = Baseline(fused=True)
+    for names in (["sparse_short", "mixed_short"], list(tensors)):
+        entries = check_state_dict({name: tensors[name] for name in names}, config)
+        plan = PushPlanner(config, CPU).plan(entries)
+        fill(baseline, plan, entries.tensors)
+        for name in names:
+            change(tensors[name], PATTERNS[patterns[name]], gen, finite=True)
+        room = baseline._room
+        _, encoded = scan_both(baseline, plan, entries.tensors, 2)
+        assert encoded and baseline._room.numel() >= plan.payload_bytes // _ENCODED_BUDGET
+    assert baseline._room is not room  # grown for the whole model
+    baseline.forget()
+    assert baseline._room.numel() == 0
+
+
+def test_kernels_load_on_their_own_thread() -> None:
+    loading = FusedKernels()
+    deadline = time.monotonic() + 60
+    while loading.get() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert loading.get() is kernels and FusedKernels(True).get() is kernels
+    assert FusedKernels(False).get() is None
 
 
 def test_threads_must_be_positive() -> None:

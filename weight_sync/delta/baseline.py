@@ -7,10 +7,14 @@ with that copy, sends what changed (see ``weight_sync.delta.layout``), and bring
 date as it goes. A dense push brings it up to date too, from the very bytes it sends.
 
 Memory beyond the copy stays small: comparisons run over pieces of ``PIECE`` elements on a few
-threads (see ``_Scan``), each in one scratch buffer it reuses; the sparse blobs encoded while
-comparing are kept for sending only up to an eighth of the push's size (past that they are found
-again while packing, at the cost of a second comparison); any other blob exists only while it is
-packed. Nothing is a second copy of the model.
+threads (see ``_Scan``), each in scratch buffers it reuses; the sparse blobs encoded while
+comparing are kept for sending, in a buffer kept from push to push, only up to an eighth of the
+push's size (past that they are found again while packing, at the cost of a second comparison);
+any other blob exists only while it is packed. Nothing is a second copy of the model.
+
+fp32 tensors pushed as bf16 -- master weights, the commonest delta -- are compared by fused
+kernels (``weight_sync.delta.kernels``) where they have loaded; everything else, and any piece
+holding a NaN, in NumPy. Both ways send the same bytes.
 """
 
 from __future__ import annotations
@@ -99,6 +103,7 @@ class Baseline:
         # in every 4 KiB as they are written, which two threads of a scan do no faster than one.
         self._encoded: dict[tuple[str, int], torch.Tensor] = {}
         self._room = torch.empty(0, dtype=torch.uint8)
+        self._scan_scratches: list[_Scratch] = []  # one per thread of a scan, by its number
         self._scratches = threading.local()  # each encoding thread's ``_Scratch``
 
     def name_for(self, version: int) -> str:
@@ -124,10 +129,13 @@ class Baseline:
                 del self._bytes[name], self._metas[name]
 
     def forget(self) -> None:
+        """Drop the copy, and every buffer kept for the next scan."""
         self.id = None
         self._bytes.clear()
         self._metas.clear()
         self._encoded.clear()
+        self._room = torch.empty(0, dtype=torch.uint8)
+        self._scan_scratches.clear()
 
     def scan(self, plan: SyncPlan, tensors: Sequence[torch.Tensor]) -> list[int]:
         """Changed elements per span of every tensor of ``plan`` (the delta header).
@@ -224,15 +232,17 @@ class Baseline:
     ) -> torch.Tensor:
         """A sparse blob the scan did not keep, found again, and ``held`` (the copy's range, as
         NumPy ``words``) brought up to date: with the fused kernel where it applies, else in
-        NumPy (where it does not, or on meeting a NaN)."""
+        NumPy (where it does not, or on meeting a NaN). What it finds must be what the header
+        counted, span by span: workers place each change by its span's count."""
         scratch, kernels = self._scratch(), self._kernels.get()
         stop = blob.first + blob.elements
         found = -1
         if kernels is not None and fusable(flat, meta):
             data, index, values = sparse_blob(blob.changed, meta.itemsize)
+            rows = scratch.rows(blob.changed)
             found = kernels.extract_bf16(
                 _bits(flat, blob.first, stop), held.view(np.uint16), index,
-                values.view(np.uint16), scratch.rows(blob.changed),
+                values.view(np.uint16), rows,
             )  # fmt: skip
         if found < 0:
             new = scratch.begin(flat, meta, blob.first, stop)
@@ -242,10 +252,14 @@ class Baseline:
             if found == blob.changed:
                 data, values = encode_sparse_rows(new, rows, meta.itemsize)
                 held[rows] = values
-        if found != blob.changed:
+        spans = len(blob.counts)
+        if found != blob.changed or np.bincount(rows // SPAN, minlength=spans).tolist() != list(
+            blob.counts
+        ):
             raise WeightSyncError(
                 f"{meta.name!r} changed while it was being pushed ({found} changed elements "
-                f"found, {blob.changed} counted); do not step the optimizer during a push"
+                f"found in spans {blob.first_span}-{blob.first_span + spans - 1}, "
+                f"{blob.changed} counted); do not step the optimizer during a push"
             )
         return data
 
@@ -280,9 +294,9 @@ class _Scan:
 
     Why threads: a scan casts each piece into the workers' dtype (torch), compares it with the
     copy and counts per span, and for the spans it keeps encoded finds the changed elements
-    (NumPy). Every one of these releases the GIL, and on one thread they are compute-bound
-    (the cast ~0.5 ns per element fp32 -> bf16, ``flatnonzero`` ~0.8 ns), far from memory
-    speed: threads divide that time.
+    (NumPy) -- or, fp32 -> bf16, does all of it in one fused kernel. Every one of these
+    releases the GIL, and on one thread they are compute-bound (the cast ~0.5 ns per element,
+    ``flatnonzero`` ~0.8 ns, the kernel ~0.7 ns), above memory speed: threads divide that time.
 
     Why it computes exactly what one thread computes, in any interleaving:
 
@@ -296,8 +310,10 @@ class _Scan:
     * a piece writes only its own counts, its own range of the copy and its own blobs, merged
       into ``Baseline._encoded`` in order at the end.
 
-    Each thread has a scratch of its own (a piece in the workers' dtype and its mask), so the
-    memory beyond the copy and the kept blobs stays threads x a piece. The threads are the
+    Each thread has a scratch of its own (a piece in the workers' dtype and its mask; for the
+    kernel, room for a piece's changes: 6 bytes an element), so the memory beyond the copy and
+    the kept blobs stays threads x a piece. Kept blobs are written into ``Baseline._room``, at
+    offsets given out in turn order with the budget. The threads are the
     scan's own: started for it, joined before it returns (starting one cost ~0.15 ms against
     ~0.1 s for a GPT-2-sized scan), so nothing outlives a scan, whatever becomes of the
     ``Baseline``.
@@ -337,9 +353,14 @@ class _Scan:
         )
         workers = min(threads, -(-compared // PIECE)) if compared >= PARALLEL_MIN else 1
         errors: list[BaseException] = []
+        scratches = self._baseline._scan_scratches
+        scratches += [_Scratch() for _ in range(workers - len(scratches))]
         helpers = [
             threading.Thread(
-                target=self._work, args=(errors,), name=f"weight-sync-scan-{i}", daemon=True
+                target=self._work,
+                args=(scratches[i], errors),
+                name=f"weight-sync-scan-{i}",
+                daemon=True,
             )
             for i in range(1, workers)
         ]
@@ -348,7 +369,7 @@ class _Scan:
             for helper in helpers:
                 helper.start()
                 started.append(helper)
-            self._work(errors)
+            self._work(scratches[0], errors)
         finally:  # no helper outlives the scan, even one that could not start all of them
             if len(started) < len(helpers):
                 self._stop()
@@ -362,9 +383,10 @@ class _Scan:
 
     # -- one thread ----------------------------------------------------------------------------
 
-    def _work(self, errors: list[BaseException]) -> None:
-        """Compare pieces until none is left (or another thread failed)."""
-        scratch = _Scratch()
+    def _work(self, scratch: _Scratch, errors: list[BaseException]) -> None:
+        """Compare pieces until none is left (or another thread failed), in ``scratch`` (this
+        thread's, kept by the ``Baseline`` from scan to scan: memory fresh from the allocator
+        faults a page in every 4 KiB it is first written)."""
         try:
             while (piece := self._take()) is not None:
                 self._compare(piece, scratch)
@@ -437,11 +459,12 @@ class _Scan:
         starts = np.cumsum([0] + counts).tolist() if runs else []
         for start, stop, room in runs:
             if found.kernel is not None:  # the changes of these spans, in order, in the scratch
-                values, rows = scratch.found(elements)
                 lo, hi = starts[start], starts[stop]
+                assert hi <= found.written
                 blob, index, blob_values = sparse_blob(hi - lo, size, room)
                 found.kernel.emit_bf16(
-                    rows[lo:hi], values[lo:hi], held.view(np.uint16), index, blob_values.view(np.uint16)
+                    found.rows[lo:hi], found.values[lo:hi], held.view(np.uint16), index,
+                    blob_values.view(np.uint16),
                 )  # fmt: skip
             else:
                 assert found.new is not None
@@ -547,6 +570,9 @@ class _Scratch:
         return self._values[:elements], self.rows(elements)
 
 
+_NONE_FOUND = (np.empty(0, dtype=np.uint16), np.empty(0, dtype=np.int32))
+
+
 class _Found:
     """The changes of one piece as a scan finds them, a range of spans at a time: by the fused
     kernel while it applies (each change's value and position left in ``scratch.found``),
@@ -561,7 +587,11 @@ class _Found:
         self.kernel = kernels if kernels is not None and fusable(piece.flat, piece.meta) else None
         self.new: np.ndarray | None = None
         self.counts: list[int] = []  # per span, from the piece's first
-        self._written = 0  # changes the kernel has written into the scratch
+        # Where the kernel writes each change's value and position, and how many it has.
+        found = _NONE_FOUND if self.kernel is None else scratch.found(piece.stop - piece.start)
+        self.values: np.ndarray = found[0]
+        self.rows: np.ndarray = found[1]
+        self.written = 0
 
     def count(self, stop: int) -> None:
         """Count the spans from where ``counts`` ends up to element ``stop`` of the piece."""
@@ -570,16 +600,17 @@ class _Found:
         if start >= stop:
             return
         if self.kernel is not None:
-            values, rows = scratch.found(piece.stop - piece.start)
             counts = np.empty(spans_of(stop - start), dtype=np.int64)
+            room = self.rows.size - self.written
+            assert room >= stop - start and self.values.size == self.rows.size
             written = self.kernel.scan_bf16(
                 _bits(piece.flat, piece.start + start, piece.start + stop),
-                self._held[start:stop].view(np.uint16), values[self._written :],
-                rows[self._written :], counts, SPAN, start,
+                self._held[start:stop].view(np.uint16), self.values[self.written :],
+                self.rows[self.written :], counts, SPAN, start,
             )  # fmt: skip
             if written >= 0:
                 self.counts += counts.tolist()
-                self._written += written
+                self.written += written
                 return
             self.kernel, self.counts, start = None, [], 0  # a NaN: NumPy, from the first span
         if self.new is None:

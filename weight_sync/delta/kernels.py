@@ -16,10 +16,11 @@ bytes once takes ~0.05 s. Here each is one pass over the fp32 bits and the copy:
 
 The rounding is torch's own fp32 -> bf16 (round to nearest even on the bits:
 ``c10::detail::round_to_nearest_even``, and the AVX2/AVX-512 ``cvtfp32_bf16``, which compute the
-same for everything but NaN). NaN is where torch disagrees with itself -- the scalar path writes
-0x7FC0, the vector paths 0xFFFF, depending on where in a tensor it falls -- so the kernels
-never decide a NaN: both return -1 on meeting one, and the caller compares that piece the
-torch way. Inf, -0.0, subnormals and ties round as torch rounds them (tested bit for bit).
+same for everything but NaN). NaN is where torch disagrees with itself -- its vectorised cast
+(contiguous tensors) writes 0xFFFF, its scalar one (0-dim or strided) 0x7FC0 -- so the kernels
+never decide a NaN: they return -1 on meeting one, and the caller compares that piece the
+torch way. Inf, -0.0, subnormals and ties round as torch rounds them (tested bit for bit, and
+checked again each time the kernels load: ``weight_sync.delta.fused``).
 
 Importing this module compiles the kernels (``cache=True``: later processes load them from
 numba's cache); ``Baseline`` does it on a thread of its own, and uses them once they are ready.
