@@ -24,6 +24,12 @@ MAX_NAME_CHARS = 1024
 MAX_DIMS = 32
 TRAINER_RANK = 0  # the trainer is rank 0 of every sync group and the source of every broadcast
 PLAN_CACHE_SIZE = 8  # plans a member keeps (by digest), most recently accepted last
+# What a push's bytes mean, beyond what the metadata's schema says: bumped whenever both ends
+# must change together though no field did (say, how a delta's layout is derived from its
+# counts), so that a trainer and a worker of different releases refuse each other before any
+# collective, instead of sizing receives differently (Gloo aborts a process whose receive is
+# smaller than what is sent). 1: delta layouts in eighths (2026-11-24).
+WIRE_VERSION = 1
 # Codes of a vote over the group (see Transport.vote), given by the trainer and every member:
 # every rank gets back the largest, so one refusal calls the push off everywhere.
 VOTE_AGREED, VOTE_REFUSED = 0, 1
@@ -305,6 +311,7 @@ class PrepareRequest(_Wire):
     """The one metadata message of a push: the version and the plan, or the hash of a cached plan."""
 
     version: int = Field(ge=1)
+    wire: int = WIRE_VERSION  # the trainer's; a worker refuses any other
     plan_digest: str = Field(pattern=r"^[0-9a-f]{64}$")
     plan: SyncPlan | None = None
     staging: StagingName = "stream"

@@ -26,6 +26,7 @@ from weight_sync.metadata import (
     PLAN_CACHE_SIZE,
     VOTE_AGREED,
     VOTE_REFUSED,
+    WIRE_VERSION,
     GroupSpec,
     MemberInfo,
     PrepareReply,
@@ -190,6 +191,11 @@ class Receiver:
         except ValidationError as exc:
             return _refuse(
                 f"malformed metadata ({exc.error_count()} errors): {exc.errors()[0]['msg']}"
+            )
+        if request.wire != WIRE_VERSION:
+            return _refuse(
+                f"the trainer's weight_sync speaks wire version {request.wire}, this worker's "
+                f"{WIRE_VERSION}: install the same weight_sync release on both"
             )
         plan = request.plan or self._plans.get(request.plan_digest)
         if plan is None:

@@ -14,7 +14,7 @@ from weight_sync.entries import (
     is_finite,
 )
 from weight_sync.mapping import fuse
-from weight_sync.metadata import PrepareRequest, TensorMeta
+from weight_sync.metadata import WIRE_VERSION, PrepareRequest, TensorMeta
 from weight_sync.packing import read_values
 from weight_sync.planner import make_plan
 from weight_sync.receive.buckets import Targets
@@ -117,6 +117,9 @@ def test_receiver_refuses_oversized_and_malformed_metadata() -> None:
     tampered = request(plan).replace(plan.digest, "0" * 64)
     assert receiver.prepare(tampered, accept_all).problems == ("plan does not match its digest",)
     assert receiver.prepare(request(plan, with_plan=False), accept_all).need_plan
+    other = PrepareRequest(version=1, wire=WIRE_VERSION + 1, plan_digest=plan.digest, plan=plan)
+    reply = receiver.prepare(other.model_dump_json(), accept_all)
+    assert not reply.accepted and "wire version" in reply.problems[0]  # another release
     assert receiver.version is None and not receiver.dirty
 
 
