@@ -30,7 +30,7 @@ from weight_sync.delta.layout import (
     spans_of,
 )
 from weight_sync.delta.layout import sparse_bytes as blob_bytes
-from weight_sync.entries import check_state_dict
+from weight_sync.entries import Entries, check_state_dict
 from weight_sync.metadata import SyncPlan
 from weight_sync.packing import Packer, bucket_buffers
 from weight_sync.sender import PushPlanner
@@ -145,6 +145,18 @@ def scan_both(baseline: Baseline, plan: SyncPlan, tensors: list[torch.Tensor], t
     return counts, want_encoded
 
 
+def stepped(baseline: Baseline, tensors: dict[str, torch.Tensor], patterns: dict[str, str], config: SyncConfig,
+            gen: torch.Generator, finite: bool = False) -> tuple[Entries, SyncPlan]:  # fmt: skip
+    """Plan ``tensors``, fill the copy as a dense push leaves it, then change each tensor by its
+    pattern (a tied name is changed through the tensor it names)."""
+    entries = check_state_dict(tensors, config)
+    plan = PushPlanner(config, CPU).plan(entries)
+    fill(baseline, plan, entries.tensors)
+    for name in entries.names:
+        change(tensors[name], PATTERNS[patterns[name]], gen, finite)
+    return entries, plan
+
+
 @pytest.fixture(autouse=True)
 def always_parallel(monkeypatch: pytest.MonkeyPatch) -> None:
     """Threads even for these small scans (left alone, they would stay on one)."""
@@ -163,14 +175,9 @@ def test_a_scan_on_threads_is_the_one_thread_scan(dtype: torch.dtype, cast: str 
     tensors, patterns = model(dtype, gen)
     tensors["alias"] = tensors["mixed_big"]  # tied: one copy
     config = SyncConfig(cast_dtype=cast, direct_min_bytes=None)
-    entries = check_state_dict(tensors, config)
-    plan = PushPlanner(config, CPU).plan(entries)
-    assert [tie.name for tie in plan.tied] == ["alias"]
     baseline = Baseline(fused=fused)
-    fill(baseline, plan, entries.tensors)
-    for name, tensor in tensors.items():
-        if name != "alias":
-            change(tensor, PATTERNS[patterns[name]], gen)
+    entries, plan = stepped(baseline, tensors, patterns, config, gen)
+    assert [tie.name for tie in plan.tied] == ["alias"]
     counts, encoded = scan_both(baseline, plan, entries.tensors, threads)
     # What this model is for: spans of every way, and the budget crossed in the middle (random
     # fp32 bytes hold NaNs in nearly every piece: the fused kernels leave those to NumPy).
@@ -188,12 +195,8 @@ def test_finite_fp32_pushed_as_bf16_is_scanned_fused_as_numpy_scans_it(fused: bo
     gen = torch.Generator().manual_seed(threads)
     tensors, patterns = model(torch.float32, gen, finite=True)
     config = SyncConfig(cast_dtype="bfloat16", direct_min_bytes=None)
-    entries = check_state_dict(tensors, config)
-    plan = PushPlanner(config, CPU).plan(entries)
     baseline = Baseline(fused=fused)
-    fill(baseline, plan, entries.tensors)
-    for name, tensor in tensors.items():
-        change(tensor, PATTERNS[patterns[name]], gen, finite=True)
+    entries, plan = stepped(baseline, tensors, patterns, config, gen, finite=True)
     tensors["mixed_short"][SPAN + 1] = float("nan")  # its one piece: compared in NumPy, kept
     scans = spy(monkeypatch, "scan_bf16")
     counts, encoded = scan_both(baseline, plan, entries.tensors, threads)
@@ -210,12 +213,8 @@ def test_partial_pushes_new_and_reshaped_tensors(threads: int) -> None:
     gen = torch.Generator().manual_seed(7)
     tensors, patterns = model(torch.float32, gen)
     config = SyncConfig(cast_dtype="bfloat16", direct_min_bytes=None)
-    entries = check_state_dict(tensors, config)
-    plan = PushPlanner(config, CPU).plan(entries)
     baseline = Baseline(fused=False)
-    fill(baseline, plan, entries.tensors)
-    for name, tensor in tensors.items():
-        change(tensor, PATTERNS[patterns[name]], gen)
+    stepped(baseline, tensors, patterns, config, gen)
     part = {name: tensors[name] for name in ["mixed_big", "sparse_tail", "heavy_short"]}
     part["new"] = torch.randn(SPAN + 9, generator=gen)
     part["sparse_short"] = tensors["sparse_short"][: SPAN - 3].clone()  # held with SPAN - 1 elements
@@ -251,12 +250,8 @@ def test_a_failing_thread_fails_the_scan_and_every_thread_ends(monkeypatch: pyte
     gen = torch.Generator().manual_seed(1)
     tensors, patterns = model(torch.float32, gen)
     config = SyncConfig(direct_min_bytes=None)
-    entries = check_state_dict(tensors, config)
-    plan = PushPlanner(config, CPU).plan(entries)
     baseline = Baseline(threads=3, fused=False)
-    fill(baseline, plan, entries.tensors)
-    for name, tensor in tensors.items():
-        change(tensor, PATTERNS[patterns[name]], gen)
+    entries, plan = stepped(baseline, tensors, patterns, config, gen)
     real = baseline_module.encode_sparse_rows
     calls = iter(range(1000))
 
@@ -290,11 +285,8 @@ def test_a_plan_that_grows_gets_room_for_its_kept_blobs() -> None:
     config = SyncConfig(cast_dtype="bfloat16", direct_min_bytes=None)
     baseline = Baseline(fused=True)
     for names in (["sparse_short", "mixed_short"], list(tensors)):
-        entries = check_state_dict({name: tensors[name] for name in names}, config)
-        plan = PushPlanner(config, CPU).plan(entries)
-        fill(baseline, plan, entries.tensors)
-        for name in names:
-            change(tensors[name], PATTERNS[patterns[name]], gen, finite=True)
+        part = {name: tensors[name] for name in names}
+        entries, plan = stepped(baseline, part, patterns, config, gen, finite=True)
         room = baseline._room
         _, encoded = scan_both(baseline, plan, entries.tensors, 2)
         assert encoded and baseline._room.numel() >= plan.payload_bytes // _ENCODED_BUDGET

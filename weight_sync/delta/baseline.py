@@ -456,7 +456,8 @@ class _Scan:
         first = piece.at + piece.first_span
         self.counts[first : first + len(counts)] = counts
         runs = self._decide(piece, counts)
-        starts = np.cumsum([0] + counts).tolist() if runs else []
+        # Where each span's changes start among those the kernel found.
+        starts = np.cumsum([0] + counts).tolist() if runs and found.kernel is not None else []
         for start, stop, room in runs:
             if found.kernel is not None:  # the changes of these spans, in order, in the scratch
                 lo, hi = starts[start], starts[stop]

@@ -67,6 +67,8 @@ def _changed_bits(x: np.ndarray, base: np.ndarray) -> tuple[int, int]:
     for j in range(64):
         bits = x[j]
         widest = max(widest, bits & _ABS)
+        # ``_round`` written out: called here (as uint16, or through a uint32 helper) the scan
+        # ran at 0.77-1.0 ns an element against 0.68.
         rounded = (bits + uint32(0x7FFF) + ((bits >> uint32(16)) & uint32(1))) >> uint32(16)
         changed |= uint64(rounded != uint32(base[j])) << uint64(j)
     return changed, -1 if widest > _INF else 0
