@@ -5,10 +5,22 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 import torch
 
+from tests import shm_leftovers
+
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _engine_shm_leftovers() -> Iterator[None]:
+    """Remove what vLLM and SGLang engines left in /dev/shm during the run (see
+    tests/shm_leftovers.py)."""
+    before = shm_leftovers.entries()
+    yield
+    removed = shm_leftovers.remove_new(before)
+    if removed:
+        print(f"\nremoved engine leftovers from /dev/shm: {', '.join(removed)}")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -8,12 +8,11 @@ skipping these tests.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.sglang.helpers import remove_shm, sglang_python, shm_entries
+from tests.sglang.helpers import sglang_python
 from tests.vllm.models import LLAMA, QWEN2, save
 
 
@@ -36,14 +35,6 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "qwen2": save(QWEN2, root / "qwen2", seed=0),
         "llama": save(LLAMA, root / "llama", seed=0),
     }
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _clean_shm() -> Iterator[None]:
-    """SGLang leaves its load statistics in /dev/shm on every exit: remove what the tests left."""
-    before = shm_entries()
-    yield
-    remove_shm(before)
 
 
 @pytest.fixture(scope="session")

@@ -73,18 +73,3 @@ def assert_matches(output: dict[str, Any], prompt: list[int], trainer: Trainer,
     for step, (token, logprob) in enumerate(zip(output["ids"], output["logprobs"], strict=True)):
         assert abs(logprob - want["logprobs"][step]) <= tolerance, (step, logprob, want)
         assert token == want["greedy"][step] or want["gap"][step] <= tolerance, (step, want)
-
-
-def shm_entries() -> set[str]:
-    """What SGLang may leave in /dev/shm (its load statistics, semaphores of a crash path)."""
-    root = Path("/dev/shm")
-    return (
-        {p.name for p in root.iterdir() if p.name.startswith(("sglang_", "sem.mp-"))}
-        if root.exists()
-        else set()
-    )
-
-
-def remove_shm(before: set[str]) -> None:
-    for name in shm_entries() - before:
-        Path("/dev/shm", name).unlink(missing_ok=True)
