@@ -28,8 +28,10 @@ PLAN_CACHE_SIZE = 8  # plans a member keeps (by digest), most recently accepted 
 # must change together though no field did (say, how a delta's layout is derived from its
 # counts), so that a trainer and a worker of different releases refuse each other before any
 # collective, instead of sizing receives differently (Gloo aborts a process whose receive is
-# smaller than what is sent). 1: delta layouts in eighths (2026-11-24).
-WIRE_VERSION = 1
+# smaller than what is sent). 1: delta layouts in eighths (2026-11-24). 2: deltas in sections,
+# a header before each (2026-11-25).
+WIRE_VERSION = 2
+MAX_DELTA_SECTIONS = 64  # a delta in more sections is refused (each header is a collective)
 # Codes of a vote over the group (see Transport.vote), given by the trainer and every member:
 # every rank gets back the largest, so one refusal calls the push off everywhere.
 VOTE_AGREED, VOTE_REFUSED = 0, 1
@@ -324,6 +326,9 @@ class PrepareRequest(_Wire):
     new_base: str | None = Field(None, pattern=BASE_PATTERN)
     delta: bool = False
     delta_bucket_bytes: int = Field(0, ge=0)
+    # A streamed delta travels in up to this many sections of the plan, each its header then its
+    # buckets (see weight_sync.delta.layout.sections); 1: one header for the whole push.
+    delta_sections: int = Field(1, ge=1, le=MAX_DELTA_SECTIONS)
     # After the last byte every rank votes over the group, and each member commits in its
     # receive call once the vote says all have received: no commit round.
     commit_on_receipt: bool = False
@@ -334,6 +339,8 @@ class PrepareRequest(_Wire):
             self.built_on is None or self.new_base is None or self.delta_bucket_bytes < 16
         ):
             raise ValueError("a delta push names its base, the base it makes and its bucket size")
+        if self.delta_sections > 1 and not (self.delta and self.staging == "stream"):
+            raise ValueError("only a delta with staging='stream' travels in sections")
         return self
 
 

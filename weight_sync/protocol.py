@@ -40,6 +40,7 @@ from weight_sync.control import ControlPlane, collect
 from weight_sync.deadline import Deadline
 from weight_sync.delta.baseline import Baseline
 from weight_sync.delta.choice import Choice, DeltaChoice
+from weight_sync.delta.layout import DELTA_SECTIONS
 from weight_sync.delta.lineage import next_base
 from weight_sync.delta_send import send as send_with_baseline
 from weight_sync.devices import push_device
@@ -333,6 +334,7 @@ class Pusher:
             version=version, plan_digest=plan.digest, staging=config.staging,
             checksum=config.checksum, partial=partial, built_on=built_on, new_base=new_base,
             delta=delta, delta_bucket_bytes=config.bucket_bytes if delta else 0,
+            delta_sections=DELTA_SECTIONS if delta and config.staging == "stream" else 1,
             commit_on_receipt=on_receipt,
         )  # fmt: skip
 
@@ -347,7 +349,9 @@ class Pusher:
         dense = [i for i, reply in enumerate(replies) if reply.need_dense]
         if dense:
             logger.info("worker(s) %s do not hold the trainer's base: this push goes dense", dense)
-            request = request.model_copy(update={"delta": False, "delta_bucket_bytes": 0})
+            request = request.model_copy(
+                update={"delta": False, "delta_bucket_bytes": 0, "delta_sections": 1}
+            )
             replies = self._prepare_all(request, plan, deadline)
         problems = {i: reply.problems or ("refused",) for i, reply in enumerate(replies)
                     if not reply.accepted}  # fmt: skip
@@ -447,8 +451,9 @@ class Pusher:
             else:
                 baseline.begin()
                 out = send_with_baseline(group, plan, tensors, baseline, delta=request.delta,
-                                         bucket_bytes=config.bucket_bytes, deadline=deadline,
-                                         with_checksums=config.checksum)  # fmt: skip
+                                         bucket_bytes=config.bucket_bytes,
+                                         sections_asked=request.delta_sections,
+                                         deadline=deadline, with_checksums=config.checksum)  # fmt: skip
                 baseline.finish(plan, request.version, request.partial)
                 sent, wire_bytes, density = out.checksums, out.wire_bytes, out.density
                 scan_s = out.scan_s

@@ -9,6 +9,7 @@ receiving, staging and applying the bytes). What it may load is ``weight_sync.re
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import time
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 from pydantic import ValidationError
 
-from weight_sync.delta.transfer import receive_layout
+from weight_sync.delta.transfer import receive_layout, receive_sections
 from weight_sync.devices import CPU, gpu_uuid
 from weight_sync.errors import WeightSyncError
 from weight_sync.metadata import (
@@ -344,7 +345,8 @@ class Receiver:
                     transport.close()
                 raise
         report = ReceiveReport(
-            version=version, nbytes=sent.nbytes, buckets=len(sent.buckets),
+            version=version, nbytes=sum(plan.nbytes for plan in sent),
+            buckets=sum(len(plan.buckets) for plan in sent),
             seconds=time.perf_counter() - start,
             checksums=tuple(read_checksums(sums)) if sums is not None else None,
         )  # fmt: skip
@@ -361,25 +363,37 @@ class Receiver:
         destinations: Destinations | None,
         targets_key: Targets | None,
         sums: list[Checksum] | None,
-    ) -> SyncPlan:
-        """Route the bytes of ``push`` by its staging, after a delta's header; returns the plan
-        that went over the wire (a delta's layout, else the push's own)."""
-        layout = None
-        if push.request.delta:
-            layout = receive_layout(transport, push.plan, push.request.delta_bucket_bytes)
-            self._state.expect(len(layout.plan.buckets))
-        advance = self._state.advance
-        if push.staging == "atomic":
+    ) -> list[SyncPlan]:
+        """Route the bytes of ``push`` by its staging, after a delta's header; returns the plans
+        that went over the wire (a delta's layouts, one per section, else the push's own)."""
+        request, advance = push.request, self._state.advance
+        if push.staging == "atomic":  # a delta in one section (PrepareRequest says so)
+            layout = None
+            if request.delta:
+                layout = receive_layout(transport, push.plan, request.delta_bucket_bytes)
+                self._state.expect(len(layout.plan.buckets))
             staged = self._inbound.receive_all(
                 transport, push.plan, layout, push.area, destinations, sums, advance
             )
             self._state.stage(staged)
-        else:
-            self._state.touch()  # dirty from the first byte
-            self._inbound.stream(
-                transport, push.plan, layout, destinations, loader, sums, advance, targets_key
-            )
-        return push.plan if layout is None else layout.plan
+            return [push.plan if layout is None else layout.plan]
+        sent: list[SyncPlan] = []
+        layouts = None
+        if request.delta:
+
+            def expect(plan: SyncPlan) -> None:
+                sent.append(plan)
+                self._state.expect(sum(len(each.buckets) for each in sent))
+
+            sections = receive_sections(transport, push.plan, request.delta_bucket_bytes,
+                                        request.delta_sections, expect)  # fmt: skip
+            # The first header before the model is touched: a damaged one leaves it clean.
+            layouts = itertools.chain([next(sections)], sections)
+        self._state.touch()  # dirty from the first byte
+        self._inbound.stream(
+            transport, push.plan, layouts, destinations, loader, sums, advance, targets_key
+        )
+        return sent or [push.plan]
 
     @torch.no_grad()
     def commit(

@@ -1,6 +1,6 @@
 """Delta pushes on spawned ranks over the shared-memory ring, through the real ``delta.send`` and
 ``Receiver``: a model of ~10M elements (blobs of every kind, the direct path, a tied name),
-streamed and staged, with checksums. (The Ray-level guarantees -- lineage, fallback, faults --
+streamed and staged, with checksums, in one section and in several. (The Ray-level guarantees -- lineage, fallback, faults --
 are in tests/ray.)"""
 
 from __future__ import annotations
@@ -52,16 +52,21 @@ def step(tensors: dict[str, torch.Tensor], seed: int) -> None:
             tensor.mul_(1 + 0.0001 * torch.randn(tensor.shape, generator=gen))
 
 
-def request(plan: SyncPlan, version: int, staging: str, built_on: str | None, new_base: str) -> str:
+def request(
+    plan: SyncPlan, version: int, staging: str, built_on: str | None, new_base: str, sections: int
+) -> str:
+    delta = built_on is not None
     return PrepareRequest(
         version=version, plan_digest=plan.digest, plan=plan, staging=staging, checksum=True,
-        built_on=built_on, new_base=new_base, delta=built_on is not None, delta_bucket_bytes=BUCKET,
+        built_on=built_on, new_base=new_base, delta=delta, delta_bucket_bytes=BUCKET,
+        delta_sections=sections if delta else 1,
     ).model_dump_json()  # fmt: skip
 
 
-def delta_rank(ctx: RankContext) -> dict:
-    """Rank 0 pushes dense, then two deltas; rank 1 streams them in place, rank 2 stages them.
-    Each returns, per push, its checksums (and the workers their weights' digests)."""
+def delta_rank(ctx: RankContext, sections: int) -> dict:
+    """Rank 0 pushes dense, then two deltas in ``sections``; rank 1 streams them in place, rank 2
+    stages them (or streams them too, in sections: a staged delta comes in one). Each returns,
+    per push, its checksums (and the workers their weights' digests)."""
     tensors = model(seed=5)
     entries = Entries(list(tensors), list(tensors.values()))
     plan = PushPlanner(CONFIG, torch.device("cpu")).plan(entries)
@@ -77,7 +82,8 @@ def delta_rank(ctx: RankContext) -> dict:
                     step(tensors, seed=version)
                 baseline.begin()
                 sent = transfer.send(ring, plan, entries.tensors, baseline, delta=version > 1,
-                                     bucket_bytes=BUCKET, with_checksums=True)  # fmt: skip
+                                     bucket_bytes=BUCKET, sections_asked=sections,
+                                     with_checksums=True)  # fmt: skip
                 baseline.finish(plan, version, partial=False)
                 out["sums"].append(sent.checksums)
                 out["wire"].append(sent.wire_bytes)
@@ -92,11 +98,11 @@ def delta_rank(ctx: RankContext) -> dict:
     held["head"] = held["embed"]
     receiver = Receiver()
     receiver.join(ctx.shm_spec(), max_metadata_bytes=1 << 24)
-    staging = "stream" if ctx.rank == 1 else "atomic"
+    staging = "stream" if ctx.rank == 1 or sections > 1 else "atomic"
     out = {"sums": [], "digests": []}
     try:
         for version in (1, 2, 3):
-            asked = request(plan, version, staging, BASES[version - 1], BASES[version])
+            asked = request(plan, version, staging, BASES[version - 1], BASES[version], sections)
             reply = receiver.prepare(asked, expecting(lambda: None), lambda: held)
             assert reply.accepted and reply.in_place, reply
             report = receiver.receive(version, lambda items: None, held)
@@ -109,8 +115,9 @@ def delta_rank(ctx: RankContext) -> dict:
     return out
 
 
-def test_deltas_stream_and_stage_bit_for_bit_with_checksums() -> None:
-    trainer, streamed, staged = run_ranks(delta_rank, 3, timeout_s=150)
+@pytest.mark.parametrize("sections", [1, 4])
+def test_deltas_stream_and_stage_bit_for_bit_with_checksums(sections: int) -> None:
+    trainer, streamed, staged = run_ranks(delta_rank, 3, sections, timeout_s=150)
     dense, *deltas = trainer["wire"]
     assert all(wire < dense / 10 for wire in deltas), trainer["wire"]
     for worker in (streamed, staged):

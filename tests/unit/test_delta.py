@@ -27,6 +27,7 @@ from weight_sync.delta.layout import (
     delta_layout,
     encoding,
     header_counts,
+    sections,
     span_runs,
 )
 from weight_sync.delta.lineage import next_base
@@ -77,6 +78,36 @@ def test_runs_are_maximal_and_never_cross_a_piece(ways: list[int], runs: list[tu
 def plan_of(*shapes: tuple[int, ...], direct: tuple[bool, ...] = (), tied: tuple[Tied, ...] = ()) -> SyncPlan:
     metas = [TensorMeta(name=f"t{i}", dtype="float32", shape=shape) for i, shape in enumerate(shapes)]
     return make_plan(metas, 1 << 20, 64, direct, tied)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "count", "cuts"),
+    [
+        ([100, 5, 5, 5, 300, 1, 1, 1, 1, 50], 1, [(0, 10)]),  # one: the plan itself
+        ([100, 5, 5, 5, 300, 1, 1, 1, 1, 50], 2, [(0, 5), (5, 10)]),
+        ([100, 5, 5, 5, 300, 1, 1, 1, 1, 50], 8, [(0, 1), (1, 5), (5, 10)]),  # at tensors only
+        ([10] * 8, 4, [(0, 2), (2, 4), (4, 6), (6, 8)]),
+        ([10] * 3, 8, [(0, 1), (1, 2), (2, 3)]),  # never more than one tensor each
+        ([1000, 1, 1], 4, [(0, 1), (1, 3)]),  # a tensor goes where its first byte falls
+        ([0, 0, 10, 0], 2, [(0, 3), (3, 4)]),
+        ([], 4, [(0, 0)]),
+    ],
+)  # fmt: skip
+def test_a_delta_is_cut_into_sections_at_tensors(sizes: list[int], count: int, cuts: list[tuple[int, int]]) -> None:  # fmt: skip
+    plan = plan_of(*[(size,) for size in sizes], direct=tuple(size >= 300 for size in sizes),
+                   tied=(Tied(name="alias", tensor=len(sizes) - 1),) if sizes else ())  # fmt: skip
+    parts = sections(plan, count)
+    assert [(part.first, part.stop) for part in parts] == cuts
+    assert sum((part.plan.tensors for part in parts), ()) == plan.tensors
+    for part in parts:  # direct tensors and tied names go with their section, renumbered
+        direct = {b.segments[0].tensor + part.first for b in part.plan.buckets if b.direct}
+        assert direct == {part.first + i for i, meta in enumerate(part.plan.tensors)
+                          if meta.nbytes >= 4 * 300}  # fmt: skip
+        assert [(tie.name, tie.tensor + part.first) for tie in part.plan.tied] == [
+            (tie.name, tie.tensor) for tie in plan.tied if part.first <= tie.tensor < part.stop
+        ]
+    with pytest.raises(ValueError, match="count"):
+        sections(plan, 0)
 
 
 def test_layout_keeps_dense_tensors_whole_skips_unchanged_ones_and_cuts_blobs() -> None:

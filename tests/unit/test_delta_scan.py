@@ -2,7 +2,8 @@
 torch alone: the same counts, the same blobs kept while scanning (the budget spent in the same
 order), the same copy afterwards -- over dtypes (1 to 16 bytes, a cast), densities (none, sparse,
 dense, spans of each in one tensor, enough to cross the budget), sizes that are not multiples of
-a span, tied names and partial pushes; with the fused kernels (fp32 -> bf16) and without."""
+a span, tied names and partial pushes; with the fused kernels (fp32 -> bf16) and without; and a
+push scanned section after section (``layout.sections``), as a sectioned delta's send scans it."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from weight_sync.delta.layout import (
     SPAN,
     SPARSE,
     encoding,
+    sections,
     span_elements,
     span_runs,
     spans_of,
@@ -308,3 +310,31 @@ def test_threads_must_be_positive() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         Baseline(threads=0)
     assert Baseline().threads >= 1
+
+
+@pytest.mark.parametrize("count", [2, 5])
+def test_a_push_scanned_by_sections_keeps_each_sections_blobs_in_room_of_its_own(count: int) -> None:  # fmt: skip
+    """Each section is scanned as a push of its own (its own share of the budget), all of them
+    before any blob is sent -- as when the scan runs ahead of the wire -- and no section's kept
+    blobs are written over by a later one's: they share the push's room."""
+    gen = torch.Generator().manual_seed(count)
+    tensors, patterns = model(torch.float32, gen, finite=True)
+    config = SyncConfig(cast_dtype="bfloat16", direct_min_bytes=None)
+    baseline = Baseline(fused=True)
+    entries, plan = stepped(baseline, tensors, patterns, config, gen, finite=True)
+    held = {name: data.clone() for name, data in baseline._bytes.items()}
+    parts = sections(plan, count)
+    assert len(parts) > 1 and parts[-1].stop == len(plan.tensors)
+    baseline.begin()
+    counts: list[int] = []
+    want_encoded: Encoded = {}
+    for part in parts:
+        own = entries.tensors[part.first : part.stop]
+        want_counts, encoded, _ = reference(part.plan, own, held)
+        assert baseline.scan(part.plan, own, plan) == want_counts
+        counts += want_counts
+        want_encoded.update(encoded)
+    assert counts == reference(plan, entries.tensors, held)[0]  # the header a whole scan makes
+    assert want_encoded and list(baseline._encoded) == list(want_encoded)
+    for key, blob in want_encoded.items():
+        assert torch.equal(baseline._encoded[key], blob), key

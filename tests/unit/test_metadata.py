@@ -4,6 +4,7 @@ import torch
 
 from weight_sync.metadata import (
     BucketMeta,
+    MAX_DELTA_SECTIONS,
     GroupSpec,
     PrepareRequest,
     Segment,
@@ -85,6 +86,16 @@ def test_messages_are_bounded_and_strict() -> None:
         PrepareRequest(version=0, plan_digest="0" * 64)
     with pytest.raises(pydantic.ValidationError):
         PrepareRequest(version=1, plan_digest="not-a-digest")
+    delta = {"version": 1, "plan_digest": "0" * 64, "built_on": f"{'5e' * 8}:1",
+             "new_base": f"{'5e' * 8}:2", "delta": True, "delta_bucket_bytes": 1 << 20}  # fmt: skip
+    assert PrepareRequest(**delta, delta_sections=4).delta_sections == 4
+    for wrong in ({"delta_sections": 0}, {"delta_sections": MAX_DELTA_SECTIONS + 1}):
+        with pytest.raises(pydantic.ValidationError):
+            PrepareRequest(**delta, **wrong)
+    # Sections are for streamed deltas only: a staged one sizes its staging area by one header.
+    for wrong in ({"staging": "atomic"}, {"delta": False}):
+        with pytest.raises(pydantic.ValidationError, match="sections"):
+            PrepareRequest(**{**delta, **wrong}, delta_sections=2)
     with pytest.raises(pydantic.ValidationError, match="outside world"):
         GroupSpec(group_id="abcdef0123", address="127.0.0.1", port=1, world_size=2, rank=2,
                   backend="gloo", mode="world", rendezvous_timeout_s=1, collective_timeout_s=1)

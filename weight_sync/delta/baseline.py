@@ -103,6 +103,7 @@ class Baseline:
         # in every 4 KiB as they are written, which two threads of a scan do no faster than one.
         self._encoded: dict[tuple[str, int], torch.Tensor] = {}
         self._room = torch.empty(0, dtype=torch.uint8)
+        self._room_used = 0  # bytes of ``_room`` given to this push's kept blobs so far
         self._scan_scratches: list[_Scratch] = []  # one per thread of a scan, by its number
         self._scratches = threading.local()  # each encoding thread's ``_Scratch``
 
@@ -116,6 +117,7 @@ class Baseline:
         the base the push is built on."""
         self._built_on, self.id = self.id, None
         self._encoded.clear()
+        self._room_used = 0
         return self._built_on
 
     def finish(self, plan: SyncPlan, version: int, partial: bool) -> None:
@@ -134,11 +136,22 @@ class Baseline:
         self._bytes.clear()
         self._metas.clear()
         self._encoded.clear()
-        self._room = torch.empty(0, dtype=torch.uint8)
+        self._room, self._room_used = torch.empty(0, dtype=torch.uint8), 0
         self._scan_scratches.clear()
 
-    def scan(self, plan: SyncPlan, tensors: Sequence[torch.Tensor]) -> list[int]:
+    def scan(
+        self,
+        plan: SyncPlan,
+        tensors: Sequence[torch.Tensor],
+        push: SyncPlan | None = None,
+        threads: int | None = None,
+    ) -> list[int]:
         """Changed elements per span of every tensor of ``plan`` (the delta header).
+
+        ``push``: the whole push, where ``plan`` is one section of it (``layout.sections``),
+        scanned in order after ``begin``: the sections share the push's budget for kept blobs,
+        each its own share of it, and what one keeps stays until it is sent. ``threads``: at
+        most this many (default ``self.threads``).
 
         A tensor the copy lacks (or holds with another dtype or shape) counts as all changed.
         So does one whose first span is dense: the density of an update is much the same across
@@ -151,8 +164,15 @@ class Baseline:
         Pieces are compared on up to ``threads`` threads (see ``_Scan``); the counts, the blobs
         kept and the copy come out exactly as one thread would leave them.
         """
-        scan = _Scan(self, plan, tensors)
-        scan.run(self.threads)
+        if push is None:
+            push, self._room_used = plan, 0
+        if not self._room_used and self._room.numel() < push.payload_bytes // _ENCODED_BUDGET:
+            self._room = torch.empty(push.payload_bytes // _ENCODED_BUDGET, dtype=torch.uint8)
+        budget = plan.payload_bytes // _ENCODED_BUDGET
+        assert self._room_used + budget <= self._room.numel()
+        scan = _Scan(self, plan, tensors, self._room[self._room_used : self._room_used + budget])
+        scan.run(self.threads if threads is None else threads)
+        self._room_used += scan.spent
         return scan.counts.tolist()
 
     def sources(
@@ -319,21 +339,24 @@ class _Scan:
     ``Baseline``.
     """
 
-    def __init__(self, baseline: Baseline, plan: SyncPlan, tensors: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        baseline: Baseline,
+        plan: SyncPlan,
+        tensors: Sequence[torch.Tensor],
+        room: torch.Tensor,
+    ) -> None:
         self._baseline, self._plan, self._tensors = baseline, plan, tensors
         self._numels = [math.prod(meta.shape) for meta in plan.tensors]
         firsts = np.cumsum([0] + [spans_of(numel) for numel in self._numels])
         self._at: list[int] = firsts[:-1].tolist()
         self.counts = np.zeros(int(firsts[-1]), dtype=np.int64)  # the header, filled by pieces
-        budget = plan.payload_bytes // _ENCODED_BUDGET
-        if baseline._room.numel() < budget:
-            baseline._room = torch.empty(budget, dtype=torch.uint8)
-        self._room = baseline._room  # where kept blobs are written, in the order they are kept
+        self._room = room  # where kept blobs are written, in the order they are kept
         self._fused = baseline._kernels.get()  # for the whole scan, whenever they become ready
         self._cond = threading.Condition()
         # Guarded by _cond:
-        self._budget = budget
-        self._spent = 0  # bytes of ``_room`` given to kept blobs
+        self._budget = room.numel()
+        self.spent = 0  # bytes of ``_room`` given to kept blobs
         self._tensor = 0  # the next piece handed out is of this tensor...
         self._start = 0  # ...from this element
         self._current: tuple[torch.Tensor, torch.Tensor] | None = None  # its (flat, copy words)
@@ -494,10 +517,10 @@ class _Scan:
             if self._failed:
                 raise _Cancelled
             keep = bool(runs) and kept <= self._budget
-            at = self._spent
+            at = self.spent
             if keep:
                 self._budget -= kept
-                self._spent += kept
+                self.spent += kept
                 self._kept.append((piece.seq, piece.blobs))
             self._decided += 1
             self._cond.notify_all()

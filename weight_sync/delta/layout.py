@@ -21,6 +21,7 @@ a delta (``delta_bucket_bytes``).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ VALUES_ALIGNMENT = (
 COUNT_BYTES = 4  # the header holds one int32 count per span
 DELTA_BUCKETS = 8  # a delta travels in about this many buckets (see ``delta_bucket_bytes``)
 MIN_DELTA_BUCKET = 1 << 20  # ...each of at least this many bytes
+DELTA_SECTIONS = 4  # a streamed delta is scanned and sent in about this many sections
 
 
 def spans_of(numel: int) -> int:
@@ -131,6 +133,51 @@ def check_counts(plan: SyncPlan, counts: Sequence[int]) -> None:
                     f"delta header: {counts[at]} changes in span {span} of {meta.name!r}"
                 )
             at += 1
+
+
+@dataclass(frozen=True)
+class Section:
+    """Tensors ``first:first + len(plan.tensors)`` of a push's plan, as a plan of their own."""
+
+    plan: SyncPlan
+    first: int
+
+    @property
+    def stop(self) -> int:
+        return self.first + len(self.plan.tensors)
+
+
+def sections(plan: SyncPlan, count: int) -> list[Section]:
+    """``plan`` cut at tensor boundaries into at most ``count`` runs of about equal bytes.
+
+    A delta pushed in sections has each section's header and buckets follow one another, so
+    that the trainer compares section k+1 with its copy while section k is on the wire, instead
+    of comparing the whole model before the first byte goes. Both ends cut alike: the cut is a
+    pure function of the plan. A section's own plan keeps which of its tensors are sent direct,
+    and its tied names; its buckets are not used (a delta plans its own)."""
+    if count < 1:
+        raise ValueError(f"count must be >= 1 (got {count})")
+    if count == 1:
+        return [Section(plan, 0)]
+    total = max(plan.payload_bytes, 1)
+    cuts, start, last = [], 0, -1
+    for index, meta in enumerate(plan.tensors):  # a tensor goes where its first byte falls
+        share = start * count // total
+        if share != last:
+            cuts.append(index)
+            last = share
+        start += meta.nbytes
+    cuts = (cuts or [0]) + [len(plan.tensors)]
+    direct = {b.segments[0].tensor for b in plan.buckets if b.direct}
+    out = []
+    for first, stop in itertools.pairwise(cuts):
+        metas = plan.tensors[first:stop]
+        ties = [tie.model_copy(update={"tensor": tie.tensor - first})
+                for tie in plan.tied if first <= tie.tensor < stop]  # fmt: skip
+        room = align_up(max([meta.nbytes for meta in metas] + [1]), plan.alignment)
+        flags = [index in direct for index in range(first, stop)]
+        out.append(Section(make_plan(metas, room, plan.alignment, flags, ties), first))
+    return out
 
 
 def delta_bucket_bytes(payload: int, bucket_bytes: int, alignment: int) -> int:

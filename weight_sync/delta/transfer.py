@@ -1,11 +1,12 @@
 """Both ends of a push with a baseline kept: what the trainer puts on the wire, a worker's header
 and patches.
 
-On the wire a delta push is one header broadcast (an int32 change count per span and their CRC32,
-its size fixed by the plan) followed by the buckets of the layout both sides derive from it; the
-push protocol around it -- prepare, receive, commit, blame -- is the same as for any push. The
-header decides the size of every receive that follows, and Gloo aborts a process whose receive
-is smaller than what is sent: it is checked whole before any of them.
+On the wire a delta push is, for each of its sections (``layout.sections``; one, the whole plan,
+unless the push asks for more), one header broadcast (an int32 change count per span and their
+CRC32, its size fixed by the section's plan) followed by the buckets of the layout both sides
+derive from it; the push protocol around it -- prepare, receive, commit, blame -- is the same as
+for any push. A header decides the size of every receive that follows it, and Gloo aborts a
+process whose receive is smaller than what is sent: it is checked whole before any of them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ from weight_sync.delta.layout import (
     check_counts,
     delta_layout,
     header_counts,
+    sections,
 )
 from weight_sync.errors import TransportError
 from weight_sync.metadata import TRAINER_RANK, SyncPlan
@@ -76,10 +78,10 @@ def outgoing(
     )
 
 
-def density(plan: SyncPlan, counts: list[int]) -> float:
-    """The share of ``plan``'s elements a delta with these ``counts`` sends as changed."""
+def density(plan: SyncPlan, changed: int) -> float:
+    """The share of ``plan``'s elements a delta that counted ``changed`` sends as changed."""
     elements = sum(math.prod(meta.shape) for meta in plan.tensors)
-    return sum(counts) / max(elements, 1)
+    return changed / max(elements, 1)
 
 
 def receive_layout(transport: Transport, plan: SyncPlan, bucket_bytes: int) -> DeltaLayout:
@@ -98,6 +100,22 @@ def receive_layout(transport: Transport, plan: SyncPlan, bucket_bytes: int) -> D
     except ValueError as exc:
         raise TransportError(f"{exc}; the trainer and this worker disagree on the push") from exc
     return delta_layout(plan, counts, bucket_bytes)
+
+
+def receive_sections(
+    transport: Transport,
+    plan: SyncPlan,
+    bucket_bytes: int,
+    count: int,
+    on_layout: Callable[[SyncPlan], None],
+) -> Iterator[tuple[SyncPlan, DeltaLayout]]:
+    """A worker's side of a delta in ``count`` sections (see ``layout.sections``): each
+    section's plan and layout, its header received only when asked for -- after the buckets of
+    the section before. ``on_layout`` sees each layout's plan as its header arrives."""
+    for part in sections(plan, count):
+        layout = receive_layout(transport, part.plan, bucket_bytes)
+        on_layout(layout.plan)
+        yield part.plan, layout
 
 
 def encode_header(counts: list[int]) -> torch.Tensor:

@@ -12,7 +12,7 @@ Receivers in one process.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
@@ -124,29 +124,33 @@ class Inbound:
         self,
         transport: Transport,
         plan: SyncPlan,
-        layout: DeltaLayout | None,
+        layouts: Iterable[tuple[SyncPlan, DeltaLayout]] | None,
         destinations: Destinations | None,
         loader: Loader,
         sums: list[Checksum] | None,
         advance: Callable[[], None],
         targets: Targets | None = None,
     ) -> None:
-        """Receive a streaming push of ``plan`` (sent as ``layout``, for a delta), each bucket
-        applied as it lands, in one ``loader`` window. ``targets``: what identifies
+        """Receive a streaming push of ``plan``, each bucket applied as it lands, in one
+        ``loader`` window. A delta comes as ``layouts``: each section's plan and layout, in
+        order (``delta.transfer.receive_sections``). ``targets``: what identifies
         ``destinations``, where the caller has it."""
-        patched: list[int] | None = [] if sums is not None else None
-        landing, apply, finish = _appliers(plan, layout, destinations, loader.load, patched)
-        sent = plan if layout is None else layout.plan
-        if layout is not None:  # a delta's layout changes every push: nothing to reuse
-            unpacker = Unpacker(sent, landing, transport.device, owned=loader.keeps)
-        else:
-            key = targets if targets is not None else self.targets(landing)
-            unpacker = self._unpacker(sent, landing, key, transport.device, loader.keeps)
         with loader.window():
-            _stream(transport, sent, apply, unpacker, sums, advance, self._streams)
-            finish()
-        if sums is not None and patched:
-            sums += patched
+            if layouts is None:
+                key = targets if targets is not None else self.targets(destinations)
+                unpacker = self._unpacker(plan, destinations, key, transport.device, loader.keeps)
+                _stream(transport, plan, loader.load, unpacker, sums, advance, self._streams)
+                return
+            for section, layout in layouts:  # a delta's layout changes every push: no reuse
+                patched: list[int] | None = [] if sums is not None else None
+                landing, apply, finish = _appliers(
+                    section, layout, destinations, loader.load, patched
+                )
+                unpacker = Unpacker(layout.plan, landing, transport.device, owned=loader.keeps)
+                _stream(transport, layout.plan, apply, unpacker, sums, advance, self._streams)
+                finish()
+                if sums is not None and patched:
+                    sums += patched
 
     def receive_all(
         self,

@@ -136,9 +136,9 @@ class ReceiveState:
                 self._receiving = None
 
     def expect(self, buckets: int) -> None:
-        """The push sends ``buckets`` buckets after all (a delta's layout, known from its
-        header)."""
-        self._progress = (0, buckets)
+        """The push sends ``buckets`` buckets after all (a delta's layouts, known from their
+        headers: the sections' so far)."""
+        self._progress = (self._progress[0], buckets)
 
     def advance(self) -> None:
         done, total = self._progress
