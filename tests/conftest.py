@@ -10,17 +10,24 @@ import torch
 from tests import shm_leftovers
 
 REPO = Path(__file__).resolve().parents[1]
+_SHM_REMOVED = pytest.StashKey[list[str]]()
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _engine_shm_leftovers() -> Iterator[None]:
+def _engine_shm_leftovers(request: pytest.FixtureRequest) -> Iterator[None]:
     """Remove what vLLM and SGLang engines left in /dev/shm during the run (see
-    tests/shm_leftovers.py)."""
+    tests/shm_leftovers.py); the session's summary names them."""
     before = shm_leftovers.entries()
     yield
-    removed = shm_leftovers.remove_new(before)
+    request.config.stash[_SHM_REMOVED] = shm_leftovers.remove_new(before)
+
+
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, config: pytest.Config
+) -> None:
+    removed = config.stash.get(_SHM_REMOVED, [])
     if removed:
-        print(f"\nremoved engine leftovers from /dev/shm: {', '.join(removed)}")
+        terminalreporter.write_line(f"removed engine leftovers from /dev/shm: {', '.join(removed)}")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

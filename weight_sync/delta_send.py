@@ -14,9 +14,9 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Self
 
 import torch
+from typing_extensions import Self
 
 from weight_sync.deadline import Deadline
 from weight_sync.delta.baseline import Baseline
@@ -119,10 +119,16 @@ class _Scans:
     ) -> None:  # fmt: skip
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weight-sync-scan-ahead")
         threads = [baseline.threads] + [max(1, baseline.threads - 1)] * (len(parts) - 1)
-        self._futures = [
-            self._pool.submit(baseline.scan, part.plan, tensors[part.first : part.stop], plan, n)
-            for part, n in zip(parts, threads, strict=True)
-        ]
+        try:
+            self._futures = [
+                self._pool.submit(
+                    baseline.scan, part.plan, tensors[part.first : part.stop], plan, n
+                )
+                for part, n in zip(parts, threads, strict=True)
+            ]
+        except BaseException:  # none may go on scanning once this has raised
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            raise
 
     def counts(self, number: int) -> list[int]:
         return self._futures[number].result()
