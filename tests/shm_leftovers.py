@@ -1,7 +1,8 @@
 """What inference engines leave in /dev/shm when their processes end without cleaning up after
-themselves: vLLM's message queues (``psm_*``, 160-240 MiB each: their creator unlinks them only
-in ``__del__``, which a worker stopped by a signal never runs), SGLang's load statistics
-(``sglang_*``) and the semaphores of a crash path (``sem.mp-*``). A CI run left ~1 GB there.
+themselves: Python's shared-memory segments (``psm_*``; vLLM's message queues are 160-240 MiB
+each, and their creator unlinks them only in ``__del__``, which a worker stopped by a signal never
+runs), SGLang's load statistics (``sglang_*``) and the semaphores of a crash path (``sem.mp-*``).
+A CI run left ~1 GB there (eight ``psm_*`` in the run of 2026-11-25, early morning).
 
 The test session removes what appeared while it ran and no live process still maps or holds
 open, so that a run never deletes the memory of an engine it did not start, or one still up."""
