@@ -1,7 +1,7 @@
 """Delta pushes on spawned ranks over the shared-memory ring, through the real ``delta.send`` and
 ``Receiver``: a model of ~10M elements (blobs of every kind, the direct path, a tied name),
-streamed and staged, with checksums, in one section and in several. (The Ray-level guarantees -- lineage, fallback, faults --
-are in tests/ray.)"""
+streamed and staged, with checksums, in one section and in several. (The Ray-level guarantees
+-- lineage, fallback, faults -- are in tests/ray.)"""
 
 from __future__ import annotations
 

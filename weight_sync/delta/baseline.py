@@ -351,11 +351,11 @@ class _Scan:
         firsts = np.cumsum([0] + [spans_of(numel) for numel in self._numels])
         self._at: list[int] = firsts[:-1].tolist()
         self.counts = np.zeros(int(firsts[-1]), dtype=np.int64)  # the header, filled by pieces
-        self._room = room  # where kept blobs are written, in the order they are kept
+        # Where kept blobs are written, in the order they are kept: as large as the budget.
+        self._room = room
         self._fused = baseline._kernels.get()  # for the whole scan, whenever they become ready
         self._cond = threading.Condition()
         # Guarded by _cond:
-        self._budget = room.numel()
         self.spent = 0  # bytes of ``_room`` given to kept blobs
         self._tensor = 0  # the next piece handed out is of this tensor...
         self._start = 0  # ...from this element
@@ -516,10 +516,9 @@ class _Scan:
                 self._cond.wait()
             if self._failed:
                 raise _Cancelled
-            keep = bool(runs) and kept <= self._budget
             at = self.spent
+            keep = bool(runs) and at + kept <= self._room.numel()
             if keep:
-                self._budget -= kept
                 self.spent += kept
                 self._kept.append((piece.seq, piece.blobs))
             self._decided += 1
