@@ -9,7 +9,8 @@ Scenarios:
   called off), then rank 2's model has a layer of another shape: the push is refused everywhere
   before any byte moves; rank 2 then takes the right model and the next push lands;
 * ``kill_receiver`` -- rank 2 dies on the first bucket of the second push;
-* ``kill_trainer`` -- rank 0 dies in the middle of sending the second push.
+* ``kill_trainer`` -- rank 0 dies in the middle of sending the second push: once rank 1 has
+  its first bucket, rank 0 still has most of them to send.
 """
 
 from __future__ import annotations
@@ -56,17 +57,21 @@ def run(scenario: str, out: Path, init_method: str | None = None) -> None:
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-        if big and step == 1 and scenario == "kill_trainer" and rank == 0:
-            # Halfway through the bytes, as the first push timed its phases.
-            assert sync.last_result is not None
-            phases = sync.last_result.phases
-            _die_soon(phases.get("prepare", 0.0) + phases.get("transfer", 0.0) / 2)
+        kill_trainer = big and step == 1 and scenario == "kill_trainer"
+        landed = out / "landed"  # rank 1 made it: push 2's first bucket reached a receiver
+        if kill_trainer and rank == 0:
+            _die_once(landed)
         started = time.monotonic()
         try:
             if big and step == 1 and scenario == "kill_receiver" and rank == 2:
                 sync.receive(load_weights=_die)  # dies on the first bucket of the broadcast
-            version = sync.update(model)
+            if kill_trainer and rank == 1:
+                version = sync.receive(load_weights=_load_and_say(model, landed))
+            else:
+                version = sync.update(model)
             record["versions"].append(version)
+            if big:  # what this rank held at each version, for a later failed push to keep
+                record.setdefault("at", {})[version] = state_dict_digests(model.state_dict())
         except WeightSyncError as exc:
             record["errors"].append({"step": step, "type": type(exc).__name__, "message": str(exc),
                                      "seconds": time.monotonic() - started})  # fmt: skip
@@ -90,10 +95,30 @@ def _die(weights: object) -> None:
     os._exit(9)
 
 
-def _die_soon(after_s: float) -> None:
-    """Kill this process ``after_s`` from now, from a thread: in the middle of the push begun
-    meanwhile (SIGKILL-like: no cleanup, sockets closed by the kernel)."""
-    threading.Timer(after_s, lambda: os._exit(9)).start()
+def _die_once(landed: Path) -> None:
+    """Kill this process, from a thread, as soon as ``landed`` exists: in the middle of the push
+    begun meanwhile (SIGKILL-like: no cleanup, sockets closed by the kernel). A timer timed from
+    the first push was not enough: on a loaded machine it fired before push 2's first byte."""
+
+    def watch() -> None:
+        while not landed.exists():
+            time.sleep(0.001)
+        os._exit(9)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _load_and_say(model: torch.nn.Module, landed: Path) -> Any:
+    """A ``load_weights`` that writes each bucket into ``model`` and, after the first, makes
+    ``landed``."""
+    params = model.state_dict()
+
+    def load(weights: Any) -> None:
+        for name, tensor in weights:
+            params[name].copy_(tensor)
+        landed.touch()
+
+    return load
 
 
 def spawned(index: int, world_size: int, scenario: str, out: str, store_file: str) -> None:

@@ -140,9 +140,14 @@ def test_mp_spawn_the_trainer_killed_mid_push(tmp_path: Path) -> None:
     context = _spawn("kill_trainer", tmp_path)
     _join_all(context, LAUNCH_S)
     assert context.processes[0].exitcode == 9
-    for report in _reports(tmp_path, (1, 2, 3)):
+    assert (tmp_path / "landed").exists()  # rank 0 died after push 2's first bucket reached rank 1
+    reports = _reports(tmp_path, (1, 2, 3))
+    for report in reports:
         (lost,) = report["errors"]
         assert lost["type"] == "TransportError", lost
         assert lost["seconds"] < job.TIMEOUT_S + 5
-        # Part of push 2 may have landed: the rank claims no version (not 1, not 2).
-        assert report["versions"] == [1, None] and report["held"] is None, report
+        assert report["versions"] == [1, None], report
+        # A rank push 2 reached claims no version (not 1, not 2); one it never reached (a
+        # straggler, on a loaded machine) may still claim 1, and then holds 1 bit for bit.
+        assert report["held"] is None or report["digests"] == report["at"]["1"], report
+    assert reports[0]["held"] is None  # rank 1 had push 2's first bucket
