@@ -326,8 +326,8 @@ class PrepareRequest(_Wire):
     new_base: str | None = Field(None, pattern=BASE_PATTERN)
     delta: bool = False
     delta_bucket_bytes: int = Field(0, ge=0)
-    # A streamed delta travels in up to this many sections of the plan, each its header then its
-    # buckets (see weight_sync.delta.layout.sections); 1: one header for the whole push.
+    # A delta travels in up to this many sections of the plan, each its header then its buckets
+    # (see weight_sync.delta.layout.sections); 1: one header for the whole push.
     delta_sections: int = Field(1, ge=1, le=MAX_DELTA_SECTIONS)
     # After the last byte every rank votes over the group, and each member commits in its
     # receive call once the vote says all have received: no commit round.
@@ -339,8 +339,8 @@ class PrepareRequest(_Wire):
             self.built_on is None or self.new_base is None or self.delta_bucket_bytes < 16
         ):
             raise ValueError("a delta push names its base, the base it makes and its bucket size")
-        if self.delta_sections > 1 and not (self.delta and self.staging == "stream"):
-            raise ValueError("only a delta with staging='stream' travels in sections")
+        if self.delta_sections > 1 and not self.delta:
+            raise ValueError("only a delta travels in sections")
         return self
 
 

@@ -334,7 +334,7 @@ class Pusher:
             version=version, plan_digest=plan.digest, staging=config.staging,
             checksum=config.checksum, partial=partial, built_on=built_on, new_base=new_base,
             delta=delta, delta_bucket_bytes=config.bucket_bytes if delta else 0,
-            delta_sections=DELTA_SECTIONS if delta and config.staging == "stream" else 1,
+            delta_sections=DELTA_SECTIONS if delta else 1,
             commit_on_receipt=on_receipt,
         )  # fmt: skip
 

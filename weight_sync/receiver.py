@@ -14,13 +14,14 @@ import os
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from pydantic import ValidationError
 
-from weight_sync.delta.transfer import receive_layout, receive_sections
+from weight_sync.delta.layout import DeltaLayout
+from weight_sync.delta.transfer import receive_sections
 from weight_sync.devices import CPU, gpu_uuid
 from weight_sync.errors import WeightSyncError
 from weight_sync.metadata import (
@@ -367,28 +368,25 @@ class Receiver:
         """Route the bytes of ``push`` by its staging, after a delta's header; returns the plans
         that went over the wire (a delta's layouts, one per section, else the push's own)."""
         request, advance = push.request, self._state.advance
-        if push.staging == "atomic":  # a delta in one section (PrepareRequest says so)
-            layout = None
-            if request.delta:
-                layout = receive_layout(transport, push.plan, request.delta_bucket_bytes)
-                self._state.expect(len(layout.plan.buckets))
-            staged = self._inbound.receive_all(
-                transport, push.plan, layout, push.area, destinations, sums, advance
-            )
-            self._state.stage(staged)
-            return [push.plan if layout is None else layout.plan]
         sent: list[SyncPlan] = []
-        layouts = None
+        layouts: Iterator[tuple[SyncPlan, DeltaLayout]] | None = None
         if request.delta:
 
             def expect(plan: SyncPlan) -> None:
                 sent.append(plan)
                 self._state.expect(sum(len(each.buckets) for each in sent))
 
-            sections = receive_sections(transport, push.plan, request.delta_bucket_bytes,
-                                        request.delta_sections, expect)  # fmt: skip
+            layouts = receive_sections(transport, push.plan, request.delta_bucket_bytes,
+                                       request.delta_sections, expect)  # fmt: skip
+        if push.staging == "atomic":  # nothing reaches the model before commit
+            staged = self._inbound.receive_all(
+                transport, push.plan, layouts, push.area, destinations, sums, advance
+            )
+            self._state.stage(staged)
+            return sent or [push.plan]
+        if layouts is not None:
             # The first header before the model is touched: a damaged one leaves it clean.
-            layouts = itertools.chain([next(sections)], sections)
+            layouts = itertools.chain([next(layouts)], layouts)
         self._state.touch()  # dirty from the first byte
         self._inbound.stream(
             transport, push.plan, layouts, destinations, loader, sums, advance, targets_key
@@ -410,7 +408,7 @@ class Receiver:
         if staged is not None:
             self._state.applying()
             try:
-                self._inbound.apply_staged(push.plan, staged, destinations, loader)
+                self._inbound.apply_staged(staged, destinations, loader)
             except BaseException as exc:
                 self._fail(exc)
                 raise

@@ -65,8 +65,8 @@ def request(
 
 def delta_rank(ctx: RankContext, sections: int) -> dict:
     """Rank 0 pushes dense, then two deltas in ``sections``; rank 1 streams them in place, rank 2
-    stages them (or streams them too, in sections: a staged delta comes in one). Each returns,
-    per push, its checksums (and the workers their weights' digests)."""
+    stages them. Each returns, per push, its checksums (and the workers their weights'
+    digests)."""
     tensors = model(seed=5)
     entries = Entries(list(tensors), list(tensors.values()))
     plan = PushPlanner(CONFIG, torch.device("cpu")).plan(entries)
@@ -98,7 +98,7 @@ def delta_rank(ctx: RankContext, sections: int) -> dict:
     held["head"] = held["embed"]
     receiver = Receiver()
     receiver.join(ctx.shm_spec(), max_metadata_bytes=1 << 24)
-    staging = "stream" if ctx.rank == 1 or sections > 1 else "atomic"
+    staging = "stream" if ctx.rank == 1 else "atomic"
     out = {"sums": [], "digests": []}
     try:
         for version in (1, 2, 3):

@@ -92,10 +92,11 @@ def test_messages_are_bounded_and_strict() -> None:
     for wrong in ({"delta_sections": 0}, {"delta_sections": MAX_DELTA_SECTIONS + 1}):
         with pytest.raises(pydantic.ValidationError):
             PrepareRequest(**delta, **wrong)
-    # Sections are for streamed deltas only: a staged one sizes its staging area by one header.
-    for wrong in ({"staging": "atomic"}, {"delta": False}):
-        with pytest.raises(pydantic.ValidationError, match="sections"):
-            PrepareRequest(**{**delta, **wrong}, delta_sections=2)
+    # Sections are for deltas only (streamed or staged: a staged one reserves its staging area
+    # section by section).
+    assert PrepareRequest(**delta, staging="atomic", delta_sections=2).delta_sections == 2
+    with pytest.raises(pydantic.ValidationError, match="sections"):
+        PrepareRequest(**{**delta, "delta": False}, delta_sections=2)
     with pytest.raises(pydantic.ValidationError, match="outside world"):
         GroupSpec(group_id="abcdef0123", address="127.0.0.1", port=1, world_size=2, rank=2,
                   backend="gloo", mode="world", rendezvous_timeout_s=1, collective_timeout_s=1)

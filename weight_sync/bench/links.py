@@ -58,6 +58,10 @@ MODES: dict[str, tuple[dict[str, Any], str]] = {
     "dense (tree)": ({"cast_dtype": CAST, "delta": False, "relay": False}, "after_step"),
     "delta": ({"cast_dtype": CAST, "delta": True, "relay": True}, "after_step"),
     "delta (always)": ({"cast_dtype": CAST, "delta": "always", "relay": True}, "after_step"),
+    "delta (atomic)": (
+        {"cast_dtype": CAST, "delta": "always", "relay": True, "staging": "atomic"},
+        "after_step",
+    ),
     "raw": ({"cast_dtype": CAST, "delta": False, "relay": False, "same_host": "group"}, "raw"),
 }
 SCALING_MODES = ("dense", "delta")

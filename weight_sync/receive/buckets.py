@@ -61,14 +61,27 @@ class Loader:
 
 
 @dataclass(frozen=True)
-class Staged:
-    """A received atomic push: each bucket's bytes in host memory, the device the push's
-    transport received on (where they go back at commit), and a delta's layout (what the bytes
-    are, when they are not the plan's buckets)."""
+class StagedPart:
+    """Buckets of a received atomic push, in host memory: of ``plan`` (the push's), or of a
+    delta section's ``layout`` (``plan`` then the section's own)."""
 
-    views: list[torch.Tensor]
-    device: torch.device
+    plan: SyncPlan
     layout: DeltaLayout | None
+    views: list[torch.Tensor]
+
+    @property
+    def sent(self) -> SyncPlan:
+        """What the bytes are: the plan's buckets, or the layout's."""
+        return self.plan if self.layout is None else self.layout.plan
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A received atomic push: its parts in order (one, or a delta's sections), and the device
+    the push's transport received on (where the bytes go back at commit)."""
+
+    parts: list[StagedPart]
+    device: torch.device
 
 
 @dataclass(frozen=True)
@@ -156,39 +169,42 @@ class Inbound:
         self,
         transport: Transport,
         plan: SyncPlan,
-        layout: DeltaLayout | None,
+        layouts: Iterable[tuple[SyncPlan, DeltaLayout]] | None,
         area: list[torch.Tensor] | None,
         destinations: Destinations | None,
         sums: list[Checksum] | None,
         advance: Callable[[], None],
     ) -> Staged:
         """Receive an atomic push of ``plan`` into its staging area, touching nothing else:
-        ``area``, reserved when it was prepared, or -- for a delta, whose size the header told
-        only now -- one reserved here."""
-        if layout is not None:
-            area = staging_area(layout.plan, transport.device)
-        assert area is not None
-        sent = plan if layout is None else layout.plan
-        _receive_all(transport, sent, area, sums, advance, self._streams)
-        if sums is not None and layout is not None:
-            sums += staged_checksums(plan, layout, area, _required(destinations))
-        return Staged(area, transport.device, layout)
+        ``area``, reserved when it was prepared -- or, for a delta (``layouts``, as for
+        ``stream``), one per section, reserved as each header tells its size."""
+        device = transport.device
+        if layouts is None:
+            assert area is not None
+            _receive_all(transport, plan, area, sums, advance, self._streams)
+            return Staged([StagedPart(plan, None, area)], device)
+        parts = []
+        for section, layout in layouts:
+            part = StagedPart(section, layout, staging_area(layout.plan, device))
+            _receive_all(transport, layout.plan, part.views, sums, advance, self._streams)
+            if sums is not None:
+                sums += staged_checksums(section, layout, part.views, _required(destinations))
+            parts.append(part)
+        return Staged(parts, device)
 
     def apply_staged(
-        self,
-        plan: SyncPlan,
-        staged: Staged,
-        destinations: Destinations | None,
-        loader: Loader,
+        self, staged: Staged, destinations: Destinations | None, loader: Loader
     ) -> None:
-        """Apply a received atomic push of ``plan`` from its staging area, in one ``loader``
-        window (see ``_apply_staged``)."""
-        layout = staged.layout
-        landing, apply, finish = _appliers(plan, layout, destinations, loader.load)
+        """Apply a received atomic push from its staging area, part after part, in one
+        ``loader`` window (see ``_apply_staged``)."""
         with loader.window():
-            sent = layout.plan if layout else plan
-            _apply_staged(sent, staged, apply, landing, self._streams, loader.keeps)
-            finish()
+            for part in staged.parts:
+                landing, apply, finish = _appliers(
+                    part.plan, part.layout, destinations, loader.load
+                )
+                _apply_staged(part.sent, part.views, staged.device, apply, landing,
+                              self._streams, loader.keeps)  # fmt: skip
+                finish()
 
     def _unpacker(
         self,
@@ -366,17 +382,18 @@ def _finish(
 
 def _apply_staged(
     plan: SyncPlan,
-    staged: Staged,
+    views: list[torch.Tensor],
+    device: torch.device,
     apply: Apply,
     destinations: Destinations | None,
     streams: Streams,
     owned: bool = False,
 ) -> None:
-    """Apply a received atomic push from its staging area. For a GPU worker each bucket goes
-    back to the GPU first, into two buffers used in turn (a direct bucket straight into its
-    destination, where it has one), by asynchronous copies from pinned memory on the receive
-    stream: the model then takes its tensors on the device, as when streaming."""
-    device = staged.device
+    """Apply the buckets of ``plan`` received into the staging area (``views``). For a GPU
+    worker each bucket goes back to the GPU first, into two buffers used in turn (a direct
+    bucket straight into its destination, where it has one), by asynchronous copies from pinned
+    memory on the receive stream: the model then takes its tensors on the device, as when
+    streaming."""
     unpacker = Unpacker(plan, destinations, device, owned=owned)
     on_host = device.type == "cpu"
     buffers = [] if on_host else unpacker.buffers()
@@ -385,7 +402,7 @@ def _apply_staged(
         empties = unpacker.empty_tensors(device)
         if empties:
             apply(empties)
-        for index, view in enumerate(staged.views):
+        for index, view in enumerate(views):
             slot = slots[index]
             if on_host:
                 data = view
