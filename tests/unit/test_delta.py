@@ -28,7 +28,10 @@ from weight_sync.delta.layout import (
     encoding,
     header_counts,
     sections,
+    span_elements,
     span_runs,
+    span_ways,
+    spans_of,
 )
 from weight_sync.delta.lineage import next_base
 from weight_sync.delta.transfer import Patcher
@@ -59,6 +62,18 @@ CPU = torch.device("cpu")
 )
 def test_each_span_travels_the_smaller_way(count: int, elements: int, itemsize: int, way: int) -> None:
     assert encoding(count, elements, itemsize) == way
+
+
+@pytest.mark.parametrize("itemsize", [1, 2, 4, 16])
+@pytest.mark.parametrize("numel", [0, 1, 10, SPAN, SPAN + 1, 3 * SPAN - 5])
+def test_a_tensor_s_spans_travel_as_each_would_alone(itemsize: int, numel: int) -> None:
+    # Boundary counts of every way, cycled over the spans (capped at a span's elements).
+    edges = [0, 1, SPAN // 3, SPAN // 3 + 1, SPAN // 2 - 1, SPAN // 2, SPAN * 2 // 3, SPAN]
+    for shift in range(len(edges)):
+        counts = [min(edges[(span + shift) % len(edges)], span_elements(numel, span))
+                  for span in range(spans_of(numel))]  # fmt: skip
+        alone = [encoding(c, span_elements(numel, span), itemsize) for span, c in enumerate(counts)]
+        assert span_ways(counts, numel, itemsize) == alone
 
 
 @pytest.mark.parametrize(

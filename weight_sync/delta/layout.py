@@ -64,6 +64,16 @@ def encoding(count: int, elements: int, itemsize: int) -> int:
     return SPARSE if sparse < elements * itemsize else DENSE
 
 
+def span_ways(counts: Sequence[int], numel: int, itemsize: int) -> list[int]:
+    """``encoding`` of every span of a tensor of ``numel`` elements with these ``counts``: the
+    full spans against one threshold (a worker lays out every span of the model each push)."""
+    full, per_change = SPAN * itemsize, INDEX_BYTES + itemsize
+    ways = [NONE if c == 0 else SPARSE if c * per_change < full else DENSE for c in counts]
+    if counts and numel % SPAN:  # the last span is short
+        ways[-1] = encoding(counts[-1], numel % SPAN, itemsize)
+    return ways
+
+
 def sparse_bytes(count: int, itemsize: int) -> int:
     """Size of a sparse blob holding ``count`` changed elements."""
     return align_up(count * INDEX_BYTES, VALUES_ALIGNMENT) + count * itemsize
@@ -207,9 +217,7 @@ def delta_layout(plan: SyncPlan, counts: Sequence[int], bucket_bytes: int) -> De
         spans = spans_of(numel)
         tensor_counts = counts[at : at + spans]
         at += spans
-        ways = [
-            encoding(c, span_elements(numel, s), meta.itemsize) for s, c in enumerate(tensor_counts)
-        ]
+        ways = span_ways(tensor_counts, numel, meta.itemsize)
         if all(way == DENSE for way in ways):  # every span (or none: an empty tensor)
             whole[len(metas)] = index
             metas.append(meta)
