@@ -29,8 +29,8 @@ PLAN_CACHE_SIZE = 8  # plans a member keeps (by digest), most recently accepted 
 # counts), so that a trainer and a worker of different releases refuse each other before any
 # collective, instead of sizing receives differently (Gloo aborts a process whose receive is
 # smaller than what is sent). 1: delta layouts in eighths (2026-11-24). 2: deltas in sections,
-# a header before each (2026-11-25).
-WIRE_VERSION = 2
+# a header before each (2026-11-25). 3: staged (atomic) deltas in sections too (2026-11-25).
+WIRE_VERSION = 3
 MAX_DELTA_SECTIONS = 64  # a delta in more sections is refused (each header is a collective)
 # Codes of a vote over the group (see Transport.vote), given by the trainer and every member:
 # every rank gets back the largest, so one refusal calls the push off everywhere.

@@ -194,9 +194,11 @@ class Receiver:
             return _refuse(
                 f"malformed metadata ({exc.error_count()} errors): {exc.errors()[0]['msg']}"
             )
-        if request.wire != WIRE_VERSION:
+        if request.wire != WIRE_VERSION or "wire" not in request.model_fields_set:
+            # A trainer older than wire versions names none (the field's default would pass).
+            spoken = request.wire if "wire" in request.model_fields_set else "none"
             return _refuse(
-                f"the trainer's weight_sync speaks wire version {request.wire}, this worker's "
+                f"the trainer's weight_sync speaks wire version {spoken}, this worker's "
                 f"{WIRE_VERSION}: install the same weight_sync release on both"
             )
         plan = request.plan or self._plans.get(request.plan_digest)

@@ -120,6 +120,12 @@ def test_receiver_refuses_oversized_and_malformed_metadata() -> None:
     other = PrepareRequest(version=1, wire=WIRE_VERSION + 1, plan_digest=plan.digest, plan=plan)
     reply = receiver.prepare(other.model_dump_json(), accept_all)
     assert not reply.accepted and "wire version" in reply.problems[0]  # another release
+    # A release from before wire versions sends no "wire" at all: refused too, not defaulted.
+    older = request(plan).replace(f'"wire":{WIRE_VERSION},', "")
+    assert '"wire"' not in older
+    reply = receiver.prepare(older, accept_all)
+    assert not reply.accepted and "wire version none" in reply.problems[0], reply
+    assert "wire" not in receiver.prepare(request(plan), accept_all).problems[0]  # past it
     assert receiver.version is None and not receiver.dirty
 
 
