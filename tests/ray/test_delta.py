@@ -201,16 +201,22 @@ def test_newcomers_a_new_trainer_and_a_returning_worker_get_dense_bytes(fleet: l
         ray.get(policy.close.remote(), timeout=TIMEOUT)
 
 
-def test_a_damaged_delta_push_is_caught_and_the_next_push_repairs_it(fleet: list) -> None:
-    policy = Policy.remote(fleet, checksum=True)
+@pytest.mark.parametrize("staging", ["stream", "atomic"])
+def test_a_damaged_delta_push_is_caught_and_the_next_push_repairs_it(fleet: list, staging: str) -> None:
+    policy = Policy.remote(fleet, checksum=True, staging=staging)
     try:
-        ray.get(policy.push.remote(), timeout=TIMEOUT)
+        first = ray.get(policy.push.remote(), timeout=TIMEOUT).version
+        held = ray.get([w.weight_sync_digests.remote() for w in fleet], timeout=TIMEOUT)
         ray.get(policy.step.remote(0), timeout=TIMEOUT)
         ray.get(fleet[1].damage_next_push.remote(), timeout=TIMEOUT)
         with pytest.raises(WeightSyncError, match="checksum differs"):
-            ray.get(policy.push.remote(), timeout=TIMEOUT)
+            ray.get(policy.push.remote(), timeout=TIMEOUT)  # a delta, in sections
         versions = ray.get([w.weights_version.remote() for w in fleet], timeout=TIMEOUT)
-        assert versions == [None] * 3  # streamed in, never committed: nobody claims a version
+        if staging == "stream":  # streamed in, never committed: nobody claims a version
+            assert versions == [None] * 3
+        else:  # staged section by section, never applied: the old version and weights
+            assert versions == [first] * 3
+            assert ray.get([w.weight_sync_digests.remote() for w in fleet], timeout=TIMEOUT) == held
         repaired = ray.get(policy.push.remote(), timeout=TIMEOUT)
         assert not repaired.delta
         check(policy, fleet)
