@@ -51,6 +51,7 @@ from weight_sync.delta.layout import (
     encoding,
     span_elements,
     span_runs,
+    span_ways,
     spans_of,
     sparse_bytes,
 )
@@ -504,10 +505,7 @@ class _Scan:
         encode, each with the bytes of the room it is to be written into: all of them, or
         none."""
         size = piece.meta.itemsize
-        ways = [
-            encoding(count, span_elements(piece.numel, piece.first_span + s), size)
-            for s, count in enumerate(counts)
-        ]
+        ways = span_ways(counts, piece.stop - piece.start, size)  # a piece starts on a span
         runs = [(start, stop) for start, stop, way in span_runs(ways) if way == SPARSE]
         sizes = [sparse_bytes(sum(counts[start:stop]), size) for start, stop in runs]
         kept = sum(kept_bytes(blob) for blob in sizes)

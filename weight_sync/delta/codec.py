@@ -21,6 +21,7 @@ from weight_sync.packing import checksum
 from weight_sync.planner import align_up
 
 _WORDS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NUMPY_WORDS = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64, 16: np.int64}
 
 
 def words(data: torch.Tensor, itemsize: int) -> torch.Tensor:
@@ -82,9 +83,14 @@ def sparse_blob(
     blob = torch.empty(size, dtype=torch.uint8) if out is None else out
     assert blob.numel() == size and blob.data_ptr() % VALUES_ALIGNMENT == 0
     at = align_up(count * INDEX_BYTES, VALUES_ALIGNMENT)
-    blob[count * INDEX_BYTES : at] = 0
-    local = blob[: count * INDEX_BYTES].numpy().view(np.uint16)
-    return blob, local, words(blob[at:], itemsize).numpy()
+    raw = blob.numpy()  # sliced in NumPy: a scan makes one blob per piece, torch slices cost more
+    raw[count * INDEX_BYTES : at] = 0
+    values = raw[at:].view(_NUMPY_WORDS[itemsize])
+    return (
+        blob,
+        raw[: count * INDEX_BYTES].view(np.uint16),
+        values.reshape(-1, 2) if itemsize == 16 else values,
+    )
 
 
 def patch(target: torch.Tensor, blob: Blob, data: torch.Tensor, itemsize: int) -> None:
