@@ -13,6 +13,7 @@ at the end:
 * ``delta`` -- the push after an Adam step with ``delta=True``: a delta where that was faster
   when timed (``weight_sync.delta.choice``; three untimed pushes first let it time both ways);
 * ``delta (always)`` -- with ``delta="always"``: the delta push itself, faster or not;
+* ``delta (atomic)`` -- the same with ``staging="atomic"``: staged, applied at commit;
 * ``raw`` -- one flat Gloo broadcast of the dense payload's bytes over a group that holds every
   worker (``relay=False, same_host="group"``): what a hand-written broadcast costs.
 

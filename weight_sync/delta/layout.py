@@ -39,7 +39,7 @@ VALUES_ALIGNMENT = (
 COUNT_BYTES = 4  # the header holds one int32 count per span
 DELTA_BUCKETS = 8  # a delta travels in about this many buckets (see ``delta_bucket_bytes``)
 MIN_DELTA_BUCKET = 1 << 20  # ...each of at least this many bytes
-DELTA_SECTIONS = 4  # a streamed delta is scanned and sent in about this many sections
+DELTA_SECTIONS = 4  # a delta is scanned and sent in about this many sections
 
 
 def spans_of(numel: int) -> int:
@@ -65,8 +65,10 @@ def encoding(count: int, elements: int, itemsize: int) -> int:
 
 
 def span_ways(counts: Sequence[int], numel: int, itemsize: int) -> list[int]:
-    """``encoding`` of every span of a tensor of ``numel`` elements with these ``counts``: the
-    full spans against one threshold (a worker lays out every span of the model each push)."""
+    """``encoding`` of every span of a tensor of ``numel`` elements with these ``counts`` (one
+    per span, or none at all), the full spans against one threshold (a worker lays out every
+    span of the model each push)."""
+    assert not counts or len(counts) == spans_of(numel), (len(counts), numel)
     full, per_change = SPAN * itemsize, INDEX_BYTES + itemsize
     ways = [NONE if c == 0 else SPARSE if c * per_change < full else DENSE for c in counts]
     if counts and numel % SPAN:  # the last span is short
