@@ -10,6 +10,7 @@ receiving, staging and applying the bytes). What it may load is ``weight_sync.re
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import socket
 import time
@@ -191,16 +192,15 @@ class Receiver:
         try:
             request = PrepareRequest.model_validate_json(request_json)
         except ValidationError as exc:
+            spoken = _wire_of(request_json)
+            if spoken not in (None, WIRE_VERSION):  # another release's fields: say so
+                return _refuse(_other_release(spoken))
             return _refuse(
                 f"malformed metadata ({exc.error_count()} errors): {exc.errors()[0]['msg']}"
             )
-        if request.wire != WIRE_VERSION or "wire" not in request.model_fields_set:
-            # A trainer older than wire versions names none (the field's default would pass).
-            spoken = request.wire if "wire" in request.model_fields_set else "none"
-            return _refuse(
-                f"the trainer's weight_sync speaks wire version {spoken}, this worker's "
-                f"{WIRE_VERSION}: install the same weight_sync release on both"
-            )
+        named = "wire" in request.model_fields_set  # a trainer before wire versions names none
+        if request.wire != WIRE_VERSION or not named:  # (and the field's default would pass)
+            return _refuse(_other_release(request.wire if named else None))
         plan = request.plan or self._plans.get(request.plan_digest)
         if plan is None:
             return PrepareReply(accepted=False, need_plan=True)
@@ -437,6 +437,23 @@ def _join(spec: GroupSpec, device: torch.device) -> Transport:
 
 def _refuse(*problems: str) -> PrepareReply:
     return PrepareReply(accepted=False, problems=problems)
+
+
+def _wire_of(request_json: str) -> object:
+    """The wire version a request names, read as plain JSON (its size is already bounded):
+    None where it names none, or is not a JSON object at all."""
+    try:
+        data = json.loads(request_json)
+    except ValueError:
+        return None
+    return data.get("wire") if isinstance(data, dict) else None
+
+
+def _other_release(spoken: object) -> str:
+    return (
+        f"the trainer's weight_sync speaks wire version {'none' if spoken is None else spoken}, "
+        f"this worker's {WIRE_VERSION}: install the same weight_sync release on both"
+    )
 
 
 def _as_loader(loader: Loader | Apply) -> Loader:

@@ -126,6 +126,11 @@ def test_receiver_refuses_oversized_and_malformed_metadata() -> None:
     reply = receiver.prepare(older, accept_all)
     assert not reply.accepted and "wire version none" in reply.problems[0], reply
     assert "wire" not in receiver.prepare(request(plan), accept_all).problems[0]  # past it
+    # Another release whose fields this one cannot read is named as such, not as malformed.
+    newer = request(plan).replace(f'"wire":{WIRE_VERSION}', f'"wire":{WIRE_VERSION + 1}')
+    newer = newer.replace('"staging":"stream"', '"staging":"a-staging-of-tomorrow"')
+    reply = receiver.prepare(newer, accept_all)
+    assert not reply.accepted and f"wire version {WIRE_VERSION + 1}" in reply.problems[0], reply
     assert receiver.version is None and not receiver.dirty
 
 
