@@ -20,8 +20,13 @@ from weight_sync.delta.layout import (
 from weight_sync.packing import checksum
 from weight_sync.planner import align_up
 
-_WORDS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_NUMPY_WORDS = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64, 16: np.int64}
+# The integer of each itemsize, in torch and in NumPy (16-byte elements: pairs of the 8-byte one).
+_WORDS = {
+    1: (torch.int8, np.int8),
+    2: (torch.int16, np.int16),
+    4: (torch.int32, np.int32),
+    8: (torch.int64, np.int64),
+}
 
 
 def words(data: torch.Tensor, itemsize: int) -> torch.Tensor:
@@ -29,7 +34,15 @@ def words(data: torch.Tensor, itemsize: int) -> torch.Tensor:
     8, (n, 2) of int64 for 16-byte elements (complex128)."""
     if itemsize == 16:
         return data.view(torch.int64).view(-1, 2)
-    return data.view(_WORDS[itemsize])
+    return data.view(_WORDS[itemsize][0])
+
+
+def numpy_words(data: np.ndarray, itemsize: int) -> np.ndarray:
+    """``words`` of a uint8 NumPy array: slicing and viewing in NumPy costs less than in torch
+    where it is done once per blob."""
+    if itemsize == 16:
+        return data.view(np.int64).reshape(-1, 2)
+    return data.view(_WORDS[itemsize][1])
 
 
 def differ(new: np.ndarray, base: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -83,14 +96,9 @@ def sparse_blob(
     blob = torch.empty(size, dtype=torch.uint8) if out is None else out
     assert blob.numel() == size and blob.data_ptr() % VALUES_ALIGNMENT == 0
     at = align_up(count * INDEX_BYTES, VALUES_ALIGNMENT)
-    raw = blob.numpy()  # sliced in NumPy: a scan makes one blob per piece, torch slices cost more
+    raw = blob.numpy()  # sliced in NumPy: a scan makes one blob per piece
     raw[count * INDEX_BYTES : at] = 0
-    values = raw[at:].view(_NUMPY_WORDS[itemsize])
-    return (
-        blob,
-        raw[: count * INDEX_BYTES].view(np.uint16),
-        values.reshape(-1, 2) if itemsize == 16 else values,
-    )
+    return blob, raw[: count * INDEX_BYTES].view(np.uint16), numpy_words(raw[at:], itemsize)
 
 
 def patch(target: torch.Tensor, blob: Blob, data: torch.Tensor, itemsize: int) -> None:
