@@ -1,8 +1,11 @@
 """What inference engines leave in /dev/shm when their processes end without cleaning up after
 themselves: Python's shared-memory segments (``psm_*``; vLLM's message queues are 160-240 MiB
 each, and their creator unlinks them only in ``__del__``, which a worker stopped by a signal never
-runs), SGLang's load statistics (``sglang_*``) and the semaphores of a crash path (``sem.mp-*``).
-A CI run left ~1 GB there (eight ``psm_*`` in the run of 2026-11-25, early morning).
+runs), vLLM-CPU's tensor-parallel communicator (``vllm_dist_<id>-...-cpushm_<rank>``, 4 MiB a
+rank: made by its C++ ``init_shm_manager`` in ``device_communicators/cpu_communicator.py`` and
+never unlinked, so a TP=2 engine leaves two behind even when shut down cleanly), SGLang's load
+statistics (``sglang_*``) and the semaphores of a crash path (``sem.mp-*``). A CI run left ~1 GB
+there (eight ``psm_*`` in the run of 2026-11-25, early morning).
 
 The test session removes what appeared while it ran and no live process still maps or holds
 open, so that a run never deletes the memory of an engine it did not start, or one still up."""
@@ -13,7 +16,7 @@ import contextlib
 from pathlib import Path
 
 SHM = Path("/dev/shm")
-PREFIXES = ("psm_", "sglang_", "sem.mp-")
+PREFIXES = ("psm_", "vllm_dist_", "sglang_", "sem.mp-")
 
 
 def entries(root: Path = SHM) -> set[str]:

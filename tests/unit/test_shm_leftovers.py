@@ -15,7 +15,14 @@ def test_new_leftovers_go_and_what_is_in_use_or_older_stays(tmp_path: Path) -> N
         (root / name).write_bytes(b"x")
     before = shm_leftovers.entries(root)
     assert before == {"psm_older"}
-    for name in ("psm_left", "sglang_stats", "sem.mp-crash", "psm_mapped", "psm_open"):
+    for name in (
+        "psm_left",
+        "vllm_dist_ab-tp:0-[0-1]-cpushm_0",
+        "sglang_stats",
+        "sem.mp-crash",
+        "psm_mapped",
+        "psm_open",
+    ):
         (root / name).write_bytes(b"x" * mmap.PAGESIZE)
     with (root / "psm_mapped").open("r+b") as file:
         mapped = mmap.mmap(file.fileno(), mmap.PAGESIZE)  # stays mapped once the file is closed
@@ -24,7 +31,12 @@ def test_new_leftovers_go_and_what_is_in_use_or_older_stays(tmp_path: Path) -> N
             removed = shm_leftovers.remove_new(before, root)
     finally:
         mapped.close()
-    assert removed == ["psm_left", "sem.mp-crash", "sglang_stats"]
+    assert removed == [
+        "psm_left",
+        "sem.mp-crash",
+        "sglang_stats",
+        "vllm_dist_ab-tp:0-[0-1]-cpushm_0",
+    ]
     assert sorted(path.name for path in root.iterdir()) == [
         "psm_mapped", "psm_older", "psm_open", "unrelated",
     ]  # fmt: skip
