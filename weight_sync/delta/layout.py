@@ -56,21 +56,24 @@ def header_counts(plan: SyncPlan) -> int:
     return sum(spans_of(math.prod(meta.shape)) for meta in plan.tensors)
 
 
+def sparse_most(elements: int, itemsize: int) -> int:
+    """The most changes of ``elements`` that travel sparse: while their positions and values,
+    ``count * (INDEX_BYTES + itemsize)`` bytes, are fewer than the span's own."""
+    return (elements * itemsize - 1) // (INDEX_BYTES + itemsize)
+
+
 def encoding(count: int, elements: int, itemsize: int) -> int:
     """How a span with ``count`` of its ``elements`` changed travels: the smaller way."""
-    if count == 0:
-        return NONE
-    sparse = count * (INDEX_BYTES + itemsize)
-    return SPARSE if sparse < elements * itemsize else DENSE
+    return NONE if count == 0 else SPARSE if count <= sparse_most(elements, itemsize) else DENSE
 
 
 def span_ways(counts: Sequence[int], numel: int, itemsize: int) -> list[int]:
     """``encoding`` of every span of a tensor of ``numel`` elements with these ``counts`` (one
-    per span, or none at all), the full spans against one threshold (a worker lays out every
-    span of the model each push)."""
+    per span, or none at all), the full spans against one ``sparse_most`` (a worker lays out
+    every span of the model each push)."""
     assert not counts or len(counts) == spans_of(numel), (len(counts), numel)
-    full, per_change = SPAN * itemsize, INDEX_BYTES + itemsize
-    ways = [NONE if c == 0 else SPARSE if c * per_change < full else DENSE for c in counts]
+    most = sparse_most(SPAN, itemsize)
+    ways = [NONE if c == 0 else SPARSE if c <= most else DENSE for c in counts]
     if counts and numel % SPAN:  # the last span is short
         ways[-1] = encoding(counts[-1], numel % SPAN, itemsize)
     return ways
