@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from weight_sync.metadata import Segment, SyncPlan, TensorMeta
+from weight_sync.metadata import BucketMeta, Segment, SyncPlan, TensorMeta
 from weight_sync.planner import align_up
 
 NamedTensors = list[tuple[str, torch.Tensor]]
@@ -52,28 +52,50 @@ _BATCHED = frozenset({
 
 
 @dataclass
-class _Wholes:
-    """A packed bucket's segments that hold a whole tensor of a batched dtype: their tensors'
-    indices and typed views of the bucket where they go, packed with one batched copy that also
-    casts, gathers strided tensors and moves across devices. ``rest``: the other segments."""
+class _Fill:
+    """How a packed bucket is filled: the segments that hold a whole tensor of a batched dtype
+    (their tensors' indices and typed views of the bucket where they go), packed with one
+    batched copy that also casts, gathers strided tensors and moves across devices; ``rest``,
+    the other segments; and ``gaps``, views of the bytes between segments (alignment padding).
+
+    The gaps are zeroed on every pack: a staging buffer is reused by buckets of other layouts,
+    so a gap would otherwise carry whatever an earlier bucket left there -- the user's weights
+    -- onto the wire and into the checksums. Zeroed, a bucket's bytes are a function of the
+    pushed tensors alone."""
 
     sources: list[int]
     targets: list[torch.Tensor]
     rest: list[Segment]
+    gaps: list[torch.Tensor]
 
     @classmethod
-    def of(cls, plan: SyncPlan, bucket_index: int, out: torch.Tensor) -> _Wholes:
-        wholes = cls([], [], [])
-        for seg in plan.buckets[bucket_index].segments:
+    def of(cls, plan: SyncPlan, bucket_index: int, out: torch.Tensor) -> _Fill:
+        fill = cls([], [], [], [])
+        bucket = plan.buckets[bucket_index]
+        for seg in bucket.segments:
             meta = plan.tensors[seg.tensor]
             if seg.nbytes == meta.nbytes and meta.torch_dtype in _BATCHED:
-                wholes.sources.append(seg.tensor)
-                wholes.targets.append(
+                fill.sources.append(seg.tensor)
+                fill.targets.append(
                     typed_view(out[seg.bucket_offset : seg.bucket_offset + seg.nbytes], meta)
                 )
             else:
-                wholes.rest.append(seg)
-        return wholes
+                fill.rest.append(seg)
+        fill.gaps = [out[start:end] for start, end in gaps(bucket)]
+        return fill
+
+
+def gaps(bucket: BucketMeta) -> list[tuple[int, int]]:
+    """The byte ranges ``[start, end)`` of a bucket that no segment covers (pure)."""
+    found: list[tuple[int, int]] = []
+    end = 0
+    for seg in sorted(bucket.segments, key=lambda seg: seg.bucket_offset):
+        if seg.bucket_offset > end:
+            found.append((end, seg.bucket_offset))
+        end = max(end, seg.bucket_offset + seg.nbytes)
+    if bucket.nbytes > end:
+        found.append((end, bucket.nbytes))
+    return found
 
 
 class Staging:
@@ -89,13 +111,13 @@ class Staging:
         self.plan = plan
         self.pinned = pinned
         self.buffers = bucket_buffers(plan, device, pinned)
-        self._wholes: dict[tuple[int, int], _Wholes] = {}
+        self._fills: dict[tuple[int, int], _Fill] = {}
 
-    def wholes(self, bucket_index: int, out: torch.Tensor) -> _Wholes:
+    def fill(self, bucket_index: int, out: torch.Tensor) -> _Fill:
         key = (bucket_index, out.data_ptr())
-        if key not in self._wholes:
-            self._wholes[key] = _Wholes.of(self.plan, bucket_index, out)
-        return self._wholes[key]
+        if key not in self._fills:
+            self._fills[key] = _Fill.of(self.plan, bucket_index, out)
+        return self._fills[key]
 
 
 class Packer:
@@ -122,19 +144,21 @@ class Packer:
     def pack(self, bucket_index: int, out: torch.Tensor) -> torch.Tensor:
         """Pack bucket ``bucket_index`` into ``out``; returns the filled prefix of ``out``.
 
-        Alignment padding between tensors is left as it was: it is never read back.
+        The alignment padding between tensors is zeroed (see ``_Fill``).
         """
         bucket = self._plan.buckets[bucket_index]
         assert not bucket.direct, "direct buckets are sent from the tensor itself"
         if self._staging is not None:
-            wholes = self._staging.wholes(bucket_index, out)
+            fill = self._staging.fill(bucket_index, out)
         else:
-            wholes = _Wholes.of(self._plan, bucket_index, out)
+            fill = _Fill.of(self._plan, bucket_index, out)
+        if fill.gaps:  # one call, on the current stream for a GPU buffer
+            torch._foreach_zero_(fill.gaps)
         non_blocking = self._non_blocking
-        if wholes.sources:
+        if fill.sources:
             tensors = self._tensors
-            copy_all(wholes.targets, [tensors[index] for index in wholes.sources], non_blocking)
-        for seg in wholes.rest:
+            copy_all(fill.targets, [tensors[index] for index in fill.sources], non_blocking)
+        for seg in fill.rest:
             meta = self._plan.tensors[seg.tensor]
             dest = out[seg.bucket_offset : seg.bucket_offset + seg.nbytes]
             source = self._tensors[seg.tensor]

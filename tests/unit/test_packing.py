@@ -4,7 +4,7 @@ import torch
 from tests.zoo import zoo
 from weight_sync import SyncConfig
 from weight_sync.entries import Entries, check_state_dict
-from weight_sync.metadata import SyncPlan, TensorMeta
+from weight_sync.metadata import BucketMeta, Segment, SyncPlan, TensorMeta
 from weight_sync.packing import (
     Packer,
     Staging,
@@ -14,11 +14,12 @@ from weight_sync.packing import (
     checksum,
     checksum_of,
     device_checksum,
+    gaps,
     read_checksums,
     staging_slots,
 )
 from weight_sync.planner import make_plan
-from weight_sync.sender import PushPlanner
+from weight_sync.sender import PushPlanner, Sender
 from weight_sync.verify import tensor_digest
 
 
@@ -275,3 +276,103 @@ def test_queued_checksums_are_read_in_order() -> None:
     buffers = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (10, 5000, 1 << 16)]
     queued = [device_checksum(buffers[0]), 7, checksum_of(buffers[1]), device_checksum(buffers[2])]
     assert read_checksums(queued) == [checksum(buffers[0]), 7, checksum(buffers[1]), checksum(buffers[2])]
+
+
+def _bucket(nbytes: int, *spans: tuple[int, int]) -> BucketMeta:
+    return BucketMeta(nbytes=nbytes, segments=tuple(
+        Segment(tensor=i, tensor_offset=0, bucket_offset=start, nbytes=size)
+        for i, (start, size) in enumerate(spans)))  # fmt: skip
+
+
+@pytest.mark.parametrize(("bucket", "expected"), [
+    (_bucket(8, (0, 8)), []),                                   # one segment, no padding
+    (_bucket(128, (0, 60), (64, 64)), [(60, 64)]),               # padding after a segment
+    (_bucket(328, (0, 264), (320, 8)), [(264, 320)]),            # an int64[33] then a tensor
+    (_bucket(100, (16, 84)), [(0, 16)]),                         # a gap before the first
+    (_bucket(200, (0, 10), (64, 10), (128, 72)), [(10, 64), (74, 128)]),
+    (_bucket(200, (128, 72), (0, 10)), [(10, 128)]),             # segments out of order
+])  # fmt: skip
+def test_gaps_are_the_bytes_no_segment_covers(bucket: BucketMeta, expected: list) -> None:
+    assert gaps(bucket) == expected
+
+
+def odd_sizes(seed: int) -> dict[str, torch.Tensor]:
+    """Tensors whose sizes leave alignment padding after them (an int64[33] is 264 bytes: 56 of
+    padding at 64), of every kind the packer handles: batched dtypes, bytes-only dtypes,
+    strided, cast, split across buckets."""
+    g = torch.Generator().manual_seed(seed)
+    out = zoo(seed=seed, big=1001)
+    for layer in range(6):
+        out[f"l{layer}_w"] = torch.randn(17, 19, generator=g)
+        out[f"l{layer}_n"] = torch.randint(-99, 99, (33,), generator=g)
+        out[f"l{layer}_b"] = torch.randn(13, generator=g).to(torch.bfloat16)
+        out[f"l{layer}_t"] = torch.randn(9, 11, generator=g).t()
+    return out
+
+
+@pytest.mark.parametrize("cast", [None, torch.bfloat16])
+@pytest.mark.parametrize(("bucket_bytes", "alignment"), [(4096, 64), (1000, 64), (1 << 20, 256)])
+def test_every_gap_is_zero_on_every_pack_through_reused_staging(
+    cast: torch.dtype | None, bucket_bytes: int, alignment: int
+) -> None:
+    """Different data through the same staging buffers, which start full of other bytes: every
+    gap of every packed bucket is zero, and each bucket is byte for byte what a pack into a
+    fresh zeroed buffer gives -- a function of the pushed tensors alone."""
+    first = odd_sizes(seed=1)
+    metas = [TensorMeta.of(n, t, cast if t.dtype == torch.float32 else None) for n, t in first.items()]
+    plan = make_plan(metas, bucket_bytes, alignment)
+    assert any(gaps(bucket) for bucket in plan.buckets)
+    staging = Staging(plan, torch.device("cpu"))
+    for buffer in staging.buffers:
+        buffer.fill_(0xA5)  # what a reused buffer may hold: anything
+    slots = staging_slots(plan)
+    for seed in (1, 2, 3):
+        tensors = list(odd_sizes(seed).values())
+        packer, fresh = Packer(plan, tensors, staging), Packer(plan, tensors)
+        for index, bucket in enumerate(plan.buckets):
+            slot = slots[index]
+            assert slot is not None
+            packed = packer.pack(index, staging.buffers[slot])
+            for start, end in gaps(bucket):
+                assert not packed[start:end].any(), (seed, index, start, end)
+            clean = fresh.pack(index, torch.zeros(bucket.nbytes, dtype=torch.uint8))
+            assert torch.equal(packed, clean), (seed, index)
+
+
+class Recording:
+    """A one-process transport that keeps a copy of every broadcast: what would go on the wire
+    (a fake for this pure check of the sender's bytes; the real transports are tested apart)."""
+
+    rank, world_size, device, tally_is_final = 0, 1, torch.device("cpu"), True
+
+    def __init__(self) -> None:
+        self.sent: list[torch.Tensor] = []
+
+    def broadcast(self, tensor: torch.Tensor, src: int, timeout_s: float | None = None) -> "Recording":
+        self.sent.append(tensor.clone())
+        return self
+
+    def after(self) -> None:
+        pass
+
+    def wait(self) -> None:
+        pass
+
+
+def test_what_the_sender_puts_on_the_wire_and_checksums_depends_on_the_tensors_alone() -> None:
+    """Two pushes of one plan with different values, then the first values again: the third
+    push's buckets and checksums equal the first's, though the staging buffers held the second
+    push's bytes in between."""
+    config = SyncConfig(bucket_bytes=2048, alignment=64, direct_min_bytes=None)
+    planner, transport = PushPlanner(config, torch.device("cpu")), Recording()
+    sender = Sender(transport)  # type: ignore[arg-type]
+    pushes = []
+    for seed in (1, 2, 1):
+        entries = check_state_dict(odd_sizes(seed), config)
+        sums = sender.send(planner.plan(entries), entries.tensors, with_checksums=True)
+        pushes.append((transport.sent, sums))
+        transport.sent = []
+    (first, first_sums), (second, _), (third, third_sums) = pushes
+    assert len(first) > 2 and first_sums == third_sums
+    assert all(torch.equal(a, b) for a, b in zip(first, third, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
