@@ -7,6 +7,7 @@ port is ever guessed.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import secrets
 import socket
@@ -23,6 +24,12 @@ from weight_sync.transport import TorchGroup, bind_listener, shm
 from weight_sync.verify import state_dict_digests
 
 Target = Callable[..., Any]
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def repo_env() -> dict[str, str]:
+    """This environment, with the repository importable: for a child run as ``python -c``."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
 
 
 class RankContext:

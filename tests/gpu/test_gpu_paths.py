@@ -20,10 +20,12 @@ from weight_sync.metadata import PrepareRequest, SyncPlan, TensorMeta
 from weight_sync.packing import (
     Packer,
     Staging,
+    Unpacker,
     bucket_buffers,
     byte_view,
     checksum,
     device_checksum,
+    gaps,
     read_values,
     staging_slots,
 )
@@ -167,20 +169,53 @@ def test_a_gpu_worker_receives_bit_exactly_and_atomic_staging_stays_off_the_gpu(
 
 
 def test_pinned_staging_packs_gpu_tensors_for_a_host_transport_bit_exactly() -> None:
+    """GPU tensors packed into pinned host staging (casts, a strided tensor, int64 tensors
+    whose 264 bytes leave 56 of padding) read back, through a receiver's unpacker, as exactly
+    the host's own cast of each tensor; and every gap of every bucket is zero, although the
+    two staging buffers are reused by buckets of other layouts."""
     state = model(DEVICE, seed=2)
     state["strided"] = torch.randn(300, 200, device=DEVICE).t()
     tensors = list(state.values())
-    plan = make_plan([TensorMeta.of(n, t, torch.bfloat16 if t.dtype == torch.float32 else None)
-                      for n, t in state.items()], 4096 + 64, 64)  # fmt: skip
+    wire = [torch.bfloat16 if t.dtype == torch.float32 else None for t in tensors]
+    plan = make_plan([TensorMeta.of(n, t, w) for (n, t), w in zip(state.items(), wire, strict=True)],
+                     4096 + 64, 64)  # fmt: skip
     staging = Staging(plan, torch.device("cpu"), pinned=True)
     assert all(buffer.is_pinned() for buffer in staging.buffers)
-    device_packer, host_packer = Packer(plan, tensors, staging), Packer(plan, [t.cpu() for t in tensors])
-    reference = torch.empty(plan.max_packed_bytes, dtype=torch.uint8)
+    for buffer in staging.buffers:
+        buffer.fill_(0xA5)  # stale bytes, as a reused buffer holds
+    packer = Packer(plan, tensors, staging)
+    unpacker = Unpacker(plan, None, torch.device("cpu"))
+    read: dict[str, torch.Tensor] = {}
     for index, slot in enumerate(staging_slots(plan)):
         assert slot is not None  # no direct buckets in this plan
-        packed = device_packer.pack(index, staging.buffers[slot])
+        packed = packer.pack(index, staging.buffers[slot])
         torch.cuda.current_stream(DEVICE).synchronize()  # what the sender does per bucket for Gloo
-        assert torch.equal(packed, host_packer.pack(index, reference))
+        for start, end in gaps(plan.buckets[index]):
+            assert not packed[start:end].any(), (index, start, end)
+        read.update((name, t.clone()) for name, t in unpacker.unpack(index, packed.clone()))
+    expected = {name: t.cpu().to(w) if w is not None else t.cpu()
+                for (name, t), w in zip(state.items(), wire, strict=True)}  # fmt: skip
+    assert read.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert read[name].dtype == tensor.dtype and torch.equal(
+            read[name].view(torch.uint8), tensor.contiguous().view(torch.uint8)
+        ), name
+
+
+def test_cuda_staging_zeroes_every_gap_on_every_pack() -> None:
+    """The same on the GPU's own staging (what NCCL and the CUDA ring send): the padding after
+    each tensor is zero in every bucket, whatever the buffers held before."""
+    state = model(DEVICE, seed=3)
+    plan = make_plan([TensorMeta.of(n, t) for n, t in state.items()], 4096 + 64, 64)
+    staging = Staging(plan, DEVICE)
+    for buffer in staging.buffers:
+        buffer.fill_(0xA5)
+    packer = Packer(plan, list(state.values()), staging)
+    for index, slot in enumerate(staging_slots(plan)):
+        assert slot is not None
+        packed = packer.pack(index, staging.buffers[slot])
+        for start, end in gaps(plan.buckets[index]):
+            assert not packed[start:end].any(), (index, start, end)
 
 
 @pytest.mark.parametrize("size", [1, 9, 8192, 8193, (3 << 20) + 5])

@@ -11,6 +11,8 @@ reported, not as a dead pytest.
 from __future__ import annotations
 
 import datetime
+import subprocess
+import sys
 import threading
 import time
 
@@ -18,11 +20,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed.harness import RankContext, run_ranks
+from tests.distributed.harness import RankContext, repo_env, run_ranks
 from weight_sync.errors import SyncTimeoutError, TransportError
 from weight_sync.transport import TorchGroup
 from weight_sync.transport.nccl import judge, local_report
 from weight_sync.transport.rendezvous import open_store
+from weight_sync.transport.torch_group import TorchWork
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
@@ -38,8 +41,25 @@ def gpu_sleep(seconds: float) -> None:
 
 
 def random_bytes(seed: int, n: int = 1 << 22) -> torch.Tensor:
+    """A payload on DEVICE, made and synchronised before anything else is queued: a pageable
+    host-to-device copy synchronises the stream, so made after a spin kernel it would wait the
+    spin out on the host, and a collective posted after it would find an idle GPU."""
     generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator).to(DEVICE)
+    data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator).to(DEVICE)
+    torch.cuda.synchronize(DEVICE)
+    return data
+
+
+def post_behind_a_spin(group: TorchGroup, payload: torch.Tensor, seconds: float) -> TorchWork:
+    """Queue a spin kernel of ``seconds``, then post a broadcast of ``payload`` behind it (the
+    NCCL stream waits on the current one); assert that the host got here before the spin
+    ended and that the broadcast was not complete when posted -- else the test tests nothing."""
+    queued = time.monotonic()
+    gpu_sleep(seconds)
+    work = group.broadcast(payload, src=0)
+    assert time.monotonic() - queued < seconds / 2, "the host waited for the spin kernel"
+    assert not work.finished(time.monotonic()), "the broadcast was complete when posted"
+    return work
 
 
 def push_once(group: TorchGroup, seed: int) -> bool:
@@ -88,10 +108,11 @@ def timeout_rank(ctx: RankContext) -> dict:
     result: dict = {}
     spec = ctx.spec("standalone", world_size=1, backend="nccl", collective_timeout_s=2)
     group = TorchGroup.join(spec, ctx.listener(0), DEVICE)
-    gpu_sleep(10)  # the broadcast's NCCL stream waits behind this kernel
+    payload = random_bytes(1)
     started = time.monotonic()
+    work = post_behind_a_spin(group, payload, 10)  # the NCCL stream waits behind the spin
     try:
-        group.broadcast(random_bytes(1), src=0).wait()
+        work.wait()
         result["outcome"] = "returned"
     except SyncTimeoutError:
         result["outcome"] = "SyncTimeoutError"
@@ -122,8 +143,7 @@ def test_a_timed_out_collective_raises_and_leaves_the_process_alive() -> None:
 def close_from_another_thread_rank(ctx: RankContext) -> dict:
     spec = ctx.spec("standalone", world_size=1, backend="nccl", collective_timeout_s=60)
     group = TorchGroup.join(spec, ctx.listener(0), DEVICE)
-    gpu_sleep(5)
-    work = group.broadcast(random_bytes(3), src=0)
+    work = post_behind_a_spin(group, random_bytes(3), 5)
     raised: dict = {}
 
     def waiter() -> None:
@@ -161,3 +181,50 @@ def test_the_check_in_report_names_this_gpu_and_refuses_sharing_it() -> None:
     assert len(report.gpu) >= 32 and report.nccl.count(".") >= 2  # a UUID; major.minor.patch
     verdict = judge({0: report, 1: report}, 2)
     assert not verdict.ok and verdict.ranks == (1,)
+
+
+# A process that times out a push and exits at once: the abort's thread is still inside
+# ProcessGroupNCCL::abort (waiting for ncclCommAbort behind the spin) when the main thread ends.
+EXIT_AFTER_TIMEOUT = """
+import sys, time
+import torch
+from tests.gpu.test_nccl import DEVICE, post_behind_a_spin, random_bytes
+from weight_sync.errors import SyncTimeoutError
+from weight_sync.metadata import GroupSpec
+from weight_sync.transport import TorchGroup, bind_listener, teardown
+teardown.EXIT_WAIT_S = {exit_wait_s}
+listener = bind_listener("127.0.0.1")
+spec = GroupSpec(group_id="5eed" * 4, address="127.0.0.1", port=listener.getsockname()[1],
+                 world_size=1, rank=0, backend="nccl", mode="standalone",
+                 rendezvous_timeout_s=60, collective_timeout_s=2)
+group = TorchGroup.join(spec, listener, DEVICE)
+work = post_behind_a_spin(group, random_bytes(1), {spin_s})
+try:
+    work.wait()
+    sys.exit("the broadcast returned")
+except SyncTimeoutError:
+    pass
+group.close()
+print("closed; running:", teardown.running(), flush=True)
+"""
+
+
+@pytest.mark.parametrize(("spin_s", "exit_wait_s", "waited"), [(5, 10, True), (20, 2, False)])
+def test_a_process_exits_cleanly_right_after_a_timed_out_close(
+    spin_s: float, exit_wait_s: float, waited: bool
+) -> None:
+    """Status 0, never std::terminate: the exit waits for the abort (which ends with the spin,
+    within the bound), or, past the bound, names it and ends the process at once."""
+    code = EXIT_AFTER_TIMEOUT.format(spin_s=spin_s, exit_wait_s=exit_wait_s)
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], env=repo_env(), capture_output=True,
+                          text=True, timeout=120, check=False)  # fmt: skip
+    took = time.monotonic() - started
+    assert done.returncode == 0, (done.returncode, done.stdout, done.stderr)
+    assert "closed; running: ['weight-sync-abort(" in done.stdout, done.stdout
+    assert "terminate called" not in done.stderr, done.stderr
+    if waited:
+        assert "teardowns still running" not in done.stderr, done.stderr
+    else:
+        assert "teardowns still running after 2.0s: weight-sync-abort(" in done.stderr, done.stderr
+        assert took < spin_s, took

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from weight_sync.devices import gpu_uuid
 from weight_sync.errors import GroupFormationError
 from weight_sync.metadata import GroupSpec
+from weight_sync.transport import teardown
 
 logger = logging.getLogger(__name__)
 
@@ -330,8 +331,8 @@ def _connect_bounded(backend: object, device: torch.device, world_size: int, end
         except Exception as exc:  # reported as what it is: OOM, duplicate GPU, NCCL error ...
             result.append(f"{type(exc).__name__}: {exc}".strip()[:2000])
 
-    thread = threading.Thread(target=run, name="weight-sync-nccl-init", daemon=True)
-    thread.start()
+    # A teardown: abandoned inside ncclCommInitRank, it must not be killed there at exit.
+    thread = teardown.start("weight-sync-nccl-init", run)
     thread.join(max(end - time.monotonic(), 0.0))
     if result:
         return result[0]

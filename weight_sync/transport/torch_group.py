@@ -35,7 +35,9 @@ Failure semantics are ours, not the backend's, and the same on Gloo and NCCL:
   or a wait running, and ``abort``, abort too; only a ``close`` with nothing in flight shuts the
   group down cleanly. Aborts run on a background thread that ``close`` waits on for at most
   ``_CLOSE_WAIT_S``: a Gloo group's destructor waits for its ops to end, and ``ncclCommAbort``
-  may take a while, neither of which a leaving member should sit through.
+  may take a while, neither of which a leaving member should sit through. That thread is a
+  ``teardown``: an exit waits for it, within a bound, so that it is never killed inside the
+  abort (which would end the process in ``std::terminate``).
 * The trainer (rank 0) writes the abort key whenever it leaves, and any rank writes it when it
   aborts, so that peers stop at once: Gloo peers used to learn from the closed sockets, but only
   once our side's ops had ended; NCCL peers learn nothing at all from a peer's abort.
@@ -70,7 +72,7 @@ from weight_sync.errors import (
     WeightSyncError,
 )
 from weight_sync.metadata import GroupSpec
-from weight_sync.transport import nccl
+from weight_sync.transport import nccl, teardown
 from weight_sync.transport.rendezvous import local_address_towards, open_store
 
 logger = logging.getLogger(__name__)
@@ -593,7 +595,7 @@ class TorchGroup:
                 self._held.clear()  # the communicator is aborted: its kernels use nothing more
                 finished.set()
 
-        threading.Thread(target=finish, name="weight-sync-abort", daemon=True).start()
+        teardown.start(f"weight-sync-abort({self._spec.group_id}, rank {self.rank})", finish)
         finished.wait(_CLOSE_WAIT_S)
         self._drop_store()
 
