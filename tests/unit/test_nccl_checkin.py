@@ -22,6 +22,8 @@ from weight_sync.transport.nccl import (
     env_window,
     judge,
     judge_init,
+    require_process_group_nccl,
+    world_backend,
 )
 from weight_sync.transport.rendezvous import open_store
 
@@ -184,3 +186,27 @@ def test_gloo_takes_the_cpu_device() -> None:
         assert group.device == torch.device("cpu") and group.vote(3) == 3
     finally:
         group.close()
+
+
+@pytest.mark.parametrize(("registered", "expected"), [
+    (["GLOO", "NCCL", "UCC"], "nccl"),                            # torch before 2.14
+    (["gloo", "nccl", "nccl-legacy", "nccl2", "nccl-lazy"], "nccl-legacy"),  # 2.14, 2.15
+    (["NCCL-LEGACY"], "nccl-legacy"),                             # Backend._plugins: upper case
+    ([], "nccl"),
+])  # fmt: skip
+def test_world_mode_names_the_backend_that_builds_process_group_nccl(
+    registered: list[str], expected: str
+) -> None:
+    assert world_backend(registered) == expected
+
+
+def test_this_torch_gets_a_backend_name_it_knows() -> None:
+    assert world_backend() in ("nccl", "nccl-legacy")
+
+
+def test_a_backend_that_is_not_process_group_nccl_is_refused_with_what_to_do() -> None:
+    class ProcessGroupNCCL2:  # what torch 2.15's "nccl" builds: another class altogether
+        pass
+
+    with pytest.raises(GroupFormationError, match="ProcessGroupNCCL2.*group_mode='standalone'"):
+        require_process_group_nccl(ProcessGroupNCCL2(), "world")

@@ -3,7 +3,10 @@ kill, a check-in before the first NCCL call, and an eager communicator bounded b
 
 Everything here is written from PyTorch's source (torch/csrc/distributed/c10d/
 ProcessGroupNCCL.cpp, NCCLUtils.cpp; torch 2.8+, the ``Watchdog``/``HeartbeatMonitor`` classes);
-the functions cite what they rely on. No GPU has run this module yet: see tests/gpu/test_nccl.py.
+the functions cite what they rely on. It ran on one H100 (torch 2.11, NCCL 2.28.9: one-rank
+groups, tests/gpu/test_nccl.py), and was read again against torch 2.14 and 2.15, whose
+``ProcessGroupNCCL`` keeps every behaviour below -- but whose "nccl" may build another class
+(see ``LEGACY_NAME``).
 
 Why blocking-wait mode (``TORCH_NCCL_BLOCKING_WAIT=1``, only while our group is constructed):
 
@@ -39,7 +42,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -106,6 +109,48 @@ def nccl_group(spec: GroupSpec, store: dist.Store, collective: datetime.timedelt
     options = ProcessGroupNCCL.Options()
     options._timeout = collective  # also bounds ProcessGroupNCCL::abort's own wait
     return construct(lambda: ProcessGroupNCCL(store, spec.rank, spec.world_size, options))
+
+
+# torch 2.14 added a second NCCL backend built on the torchcomms engine (``ProcessGroupNCCL2``,
+# "nccl2"), and 2.15 made it what "nccl" builds in ``init_process_group`` / ``new_group``
+# (``_register_builtin_nccl_backend`` in distributed_c10d.py: ``_create_nccl2_process_group``
+# unless TORCH_DIST_USE_NCCL2=0, read once, when "nccl" is first registered). Everything in this
+# module is about ``ProcessGroupNCCL``: nccl2 has a watchdog of its own, an abort with no bounded
+# wait, and picks its device itself. Both releases keep the old one as "nccl-legacy", and
+# constructing ``ProcessGroupNCCL`` directly (standalone mode) still builds it.
+LEGACY_NAME = "nccl-legacy"
+
+
+def world_backend(registered: Iterable[str] | None = None) -> str:
+    """The backend name under which ``init_process_group`` / ``new_group`` build a
+    ``ProcessGroupNCCL``: "nccl-legacy" where torch knows that name (registered, or declared as
+    an entry point of ``torch.distributed.backends``), else "nccl" (torch before 2.14).
+    ``registered``: the names to look among (default: this torch's)."""
+    names = _known_backends() if registered is None else registered
+    return LEGACY_NAME if LEGACY_NAME in {name.lower() for name in names} else "nccl"
+
+
+def _known_backends() -> list[str]:
+    from importlib.metadata import entry_points
+
+    plugins = list(getattr(dist.Backend, "_plugins", {}))
+    return plugins + [point.name for point in entry_points(group="torch.distributed.backends")]
+
+
+def require_process_group_nccl(backend: object, mode: str) -> None:
+    """Refuse a group whose NCCL backend is not ``ProcessGroupNCCL`` (nccl2, or a torchcomms
+    wrapper under TORCH_DISTRIBUTED_USE_TORCHCOMMS): our bounds and our process's survival after
+    a timeout rest on that class's blocking-wait construction and abort."""
+    expected = getattr(dist, "ProcessGroupNCCL", None)
+    if expected is not None and isinstance(backend, expected):
+        return
+    raise GroupFormationError(
+        f"group_mode={mode!r} built a {type(backend).__name__} for the sync group, not the "
+        f"torch.distributed.ProcessGroupNCCL whose failure semantics weight_sync relies on "
+        f"(torch {torch.__version__}); use group_mode='standalone', or set "
+        "TORCH_DIST_USE_NCCL2=0 (and not TORCH_DISTRIBUTED_USE_TORCHCOMMS) before the process "
+        "builds its first NCCL group"
+    )
 
 
 def abort_backend(abort: Callable[[], None]) -> None:

@@ -278,6 +278,7 @@ class TorchGroup:
         group = cls(spec, pg, store, ours, device)
         if spec.backend == "nccl":
             try:
+                nccl.require_process_group_nccl(group._backend(pg), spec.mode)
                 nccl.connect(group._backend(pg), device, ours, spec, deadline)
             except GroupFormationError:
                 group._abort("the sync group did not form", tell_peers=False)
@@ -633,8 +634,10 @@ def _join_world(
     collective: datetime.timedelta,
 ) -> dist.ProcessGroup:
     env: dict[str, str | None] = {}
+    backend: str = spec.backend
     if spec.backend == "nccl":
         env["TORCH_NCCL_BLOCKING_WAIT"] = "1"  # see weight_sync.transport.nccl
+        backend = nccl.world_backend()  # ProcessGroupNCCL, not torch 2.15's default nccl2
     elif "GLOO_SOCKET_IFNAME" not in os.environ:
         # init_process_group gives Gloo no device option: the environment is the only way to
         # keep its sockets on the interface that reaches the master (loopback by default).
@@ -649,12 +652,9 @@ def _join_world(
                 "but this one has one; use group_mode='standalone' (or 'auto')"
             )
         dist.init_process_group(
-            spec.backend, store=store, rank=spec.rank, world_size=spec.world_size,
-            timeout=rendezvous,
-        )  # fmt: skip
-        group = dist.new_group(
-            list(range(spec.world_size)), timeout=collective, backend=spec.backend
+            backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=rendezvous
         )
+        group = dist.new_group(list(range(spec.world_size)), timeout=collective, backend=backend)
     assert isinstance(group, dist.ProcessGroup)
     return group
 
