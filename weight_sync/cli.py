@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="run a trainer actor and N worker actors, push after each step, verify",
         description="Start (or join) a Ray cluster, create a trainer actor and N inference-worker "
-        "actors on CPU, take optimizer steps with a push after each, print a table per push and "
+        "actors (on the cluster's GPUs if it has any, else on CPU), take optimizer steps with a push after each, print a table per push and "
         "verify that every worker holds the trainer's weights bit for bit.",
     )
     demo.add_argument("--workers", type=positive_int, default=7, help="worker actors (default 7)")
@@ -35,6 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--address", default=None,
         help="Ray cluster to join (e.g. 'auto'); default: start a local one",
+    )  # fmt: skip
+    demo.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto",
+        help="where the weights live: auto (the cluster's GPUs if it has any), cpu, cuda; with "
+        "fewer GPUs than actors, the actors share them (default auto)",
     )  # fmt: skip
     bench = commands.add_parser(
         "bench",
@@ -154,7 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from weight_sync.demo import run_demo
 
-        return run_demo(args.workers, args.steps, args.address, args.bucket_mb)
+        try:
+            return run_demo(
+                args.workers, args.steps, args.address, args.bucket_mb, device=args.device
+            )
+        except ValueError as exc:  # a choice this cluster cannot honour: say so, no traceback
+            print(f"weight-sync demo: {exc}", file=sys.stderr)
+            return 2
     if args.command == "bench" and (args.nodes is not None or args.node_scaling):
         return _bench_links(args)
     if args.command == "bench":

@@ -13,6 +13,8 @@ from torch import nn
 
 from weight_sync import PushResult, SyncConfig, WeightSyncWorker, WeightUpdater, remote_worker
 from weight_sync.actors.fleet import count_verified, take_down
+from weight_sync.placement import describe_share, gpu_share, largest_node_gpus
+from weight_sync.routes import describe_routes
 from weight_sync.verify import state_dict_digests
 
 MiB = 1 << 20
@@ -49,21 +51,22 @@ def build_model(seed: int) -> TinyLM:
 class DemoWorker(WeightSyncWorker):
     """An inference worker: its own randomly initialised model until the first push lands."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, device: str = "cpu") -> None:
         super().__init__()
         torch.set_num_threads(1)
-        self.model = build_model(seed)
+        self.model = build_model(seed).to(device)
 
 
 @ray.remote(num_cpus=0)
 class DemoTrainer:
-    def __init__(self, workers: list, config: SyncConfig) -> None:
-        self.model = build_model(seed=0)
+    def __init__(self, workers: list, config: SyncConfig, device: str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.model = build_model(seed=0).to(self.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.updater = WeightUpdater(workers, config)
 
     def step(self) -> tuple[float, PushResult]:
-        tokens = torch.randint(0, 8192, (8, 32))
+        tokens = torch.randint(0, 8192, (8, 32), device=self.device)
         logits = self.model(tokens[:, :-1])
         loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
         self.optimizer.zero_grad()
@@ -74,8 +77,23 @@ class DemoTrainer:
     def digests(self) -> dict[str, str]:
         return state_dict_digests(self.model.state_dict())
 
+    def routes(self) -> list[str]:
+        return list(self.updater.routes)
+
     def close(self) -> None:
         self.updater.close()
+
+
+def resolve_device(device: str, cluster_gpus: float) -> str:
+    """``auto``: "cuda" where the Ray cluster has a GPU, else "cpu"; "cuda" needs one (pure)."""
+    if device == "auto":
+        return "cuda" if cluster_gpus >= 1 else "cpu"
+    if device == "cuda" and cluster_gpus < 1:
+        raise ValueError(
+            f"--device cuda, but the Ray cluster has {cluster_gpus:g} GPUs; "
+            "use --device cpu (or auto), or join a cluster with a GPU (--address)"
+        )
+    return device
 
 
 def run_demo(
@@ -84,9 +102,12 @@ def run_demo(
     address: str | None = None,
     bucket_mb: int | None = None,
     timeout_s: float = 600.0,
+    device: str = "auto",
 ) -> int:
     """Run the loop and verify every worker; returns a process exit code.
-    ``bucket_mb`` None keeps SyncConfig's default bucket size."""
+    ``bucket_mb`` None keeps SyncConfig's default bucket size. ``device``: "cpu", "cuda" or
+    "auto" (the GPUs the Ray cluster has, if any): with GPUs, one per actor where there are
+    enough, else the actors share them (Ray's fractional GPUs: the colocated deployment)."""
     config = SyncConfig() if bucket_mb is None else SyncConfig(bucket_bytes=bucket_mb * MiB)
     started_here = not ray.is_initialized()
     if started_here:
@@ -95,11 +116,29 @@ def run_demo(
             ray.init(num_cpus=os.cpu_count(), include_dashboard=False)
         else:
             ray.init(address=address)
-    handles = [DemoWorker.remote(seed=i + 1) for i in range(workers)]  # type: ignore[attr-defined]
-    trainer = DemoTrainer.remote(handles, config)  # type: ignore[attr-defined]
     try:
+        gpus = largest_node_gpus()
+        device = resolve_device(device, gpus)
+        share = gpu_share(workers + 1, gpus) if device == "cuda" else 0.0
+        return _run(workers, steps, config, device, share, timeout_s)
+    finally:
+        if started_here:
+            ray.shutdown()
+
+
+def _run(
+    workers: int, steps: int, config: SyncConfig, device: str, share: float, timeout_s: float
+) -> int:
+    handles = [
+        DemoWorker.options(num_gpus=share).remote(seed=i + 1, device=device)  # type: ignore[attr-defined]
+        for i in range(workers)
+    ]
+    trainer = DemoTrainer.options(num_gpus=share).remote(handles, config, device)  # type: ignore[attr-defined]
+    try:
+        where = "" if device == "cpu" else f" on {describe_share(workers + 1, share)}"
         print(
-            f"trainer -> {workers} workers, {config.bucket_bytes // MiB} MiB buckets, {steps} steps"
+            f"trainer -> {workers} workers{where}, {config.bucket_bytes // MiB} MiB buckets, "
+            f"{steps} steps"
         )
         print(f"{'version':>7} {'loss':>7} {'MB':>8} {'buckets':>7} {'seconds':>8} {'GB/s':>6}")
         result = None
@@ -112,6 +151,9 @@ def run_demo(
         if result is None:
             return 0
         good, tensors = count_verified(trainer, handles, result.version, timeout_s)
+        if device != "cpu":  # on the CPU every worker is on the trainer's host: the ring
+            routes = ray.get(trainer.routes.remote(), timeout=timeout_s)
+            print(f"routes (workers): {describe_routes(routes)}")
         verdict = "OK" if good == workers else "FAILED"
         print(
             f"verified: {good}/{workers} workers hold version {result.version}, "
@@ -120,5 +162,3 @@ def run_demo(
         return 0 if good == workers else 1
     finally:
         take_down(trainer, handles)
-        if started_here:
-            ray.shutdown()

@@ -27,6 +27,7 @@ import torch
 from weight_sync import PushResult, SyncConfig, WeightSyncWorker, WeightUpdater
 from weight_sync.actors.fleet import count_verified, take_down
 from weight_sync.placement import reserve
+from weight_sync.routes import describe_routes
 from weight_sync.verify import state_dict_digests
 
 MB = 1_000_000
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         config = _sync_config(args, nodes)
         ray.get(trainer.connect.remote(workers, config), timeout=args.timeout)
         print(f"trainer on {_where(nodes[0])}; workers on {_count_by_node(nodes[1:])}; "
-              f"{'GPU' if placement.layout.gpus else 'CPU'} bundles, {placement.layout.strategy}; "
+              f"{placement.layout.describe()}, {placement.layout.strategy}; "
               f"group listens on {config.get('interface') or config['master_addr']}", flush=True)  # fmt: skip
         print(f"{'version':>7} {'MB':>9} {'buckets':>7} {'seconds':>8} {'GB/s':>6}  phases (s)")
         results: list[PushResult] = []
@@ -131,19 +132,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "workers": args.workers, "pushes": args.pushes, "size_mb": args.size_mb,
             "verified": verified, "version": last, "trainer_node": nodes[0],
             "worker_nodes": nodes[1:], "gpus": placement.layout.gpus,
-            "strategy": placement.layout.strategy,
+            "gpu_share": placement.layout.gpu_share, "strategy": placement.layout.strategy,
             "median_seconds": statistics.median(r.seconds for r in results) if results else None,
             "median_gbps": statistics.median(r.gbps for r in results) if results else None,
             "seconds": [r.seconds for r in results],
-            # per worker: "shm" (on the trainer's host), "group", or "relay" (from the member of
-            # its host in the group)
+            # per worker, a weight_sync.routes.Route: "group", "shm" (on the trainer's host),
+            # "cuda_ipc" (on the trainer's GPU), "relay" (from the member of its host in the group)
             "routes": routes,
         }  # fmt: skip
-        print(
-            f"routes: {routes.count('shm')} workers through shared memory, "
-            f"{routes.count('group')} through the group, {routes.count('relay')} relayed on "
-            "their host"
-        )
+        print(f"routes (workers): {describe_routes(routes)}")
         verdict = "OK" if verified == args.workers else "FAILED"
         print(f"verified: {verified}/{args.workers} workers hold version {last}, {tensors} "
               f"tensors bit-exact (sha256); median {report['median_seconds'] or 0:.3f}s "
@@ -202,7 +199,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--gpus",
         choices=("auto", "yes", "no"),
         default="auto",
-        help="one GPU per actor: auto (if the cluster has GPUs), yes, no",
+        help="put the actors on GPUs: auto (if the cluster has any), yes, no; one GPU per actor "
+        "where there are enough, else they share GPUs (Ray's fractional GPUs)",
     )
     parser.add_argument(
         "--interface", default=None, help="NIC whose address the group listens on (e.g. eth1)"

@@ -86,6 +86,24 @@ def choose_routes(
     return Routes(chosen, tuple(routes), leaders)
 
 
+# Each route in a user's words, in the order a summary lists them.
+ROUTE_WORDS: Mapping[Route, str] = {
+    "group": "through the group",
+    "shm": "through shared memory",
+    "cuda_ipc": "through the trainer's GPU (CUDA IPC)",
+    "relay": "relayed on their host",
+}
+
+
+def describe_routes(routes: Sequence[str]) -> str:
+    """How many members took each route, every route named, none left out (pure): "0 through
+    the group, 0 through shared memory, 7 through the trainer's GPU (CUDA IPC), 0 relayed on
+    their host"."""
+    unknown = sorted(set(routes) - set(ROUTE_WORDS))
+    parts = [f"{routes.count(route)} {words}" for route, words in ROUTE_WORDS.items()]
+    return ", ".join(parts + [f"{routes.count(route)} {route}" for route in unknown])
+
+
 def relay_leaders(
     routes: Sequence[Route], infos: Sequence[MemberInfo], trainer_host: str | None
 ) -> dict[int, int]:

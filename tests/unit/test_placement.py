@@ -5,40 +5,79 @@ import math
 
 import pytest
 
+from weight_sync.demo import resolve_device
 from weight_sync.job import _sync_config, model_shapes
-from weight_sync.placement import bundles_for
+from weight_sync.placement import bundles_for, describe_share
 
 GPU = {"GPU": 1.0, "CPU": 1.0}
 CPU = {"CPU": 0.1}
 
 
+def shared(share: float) -> dict[str, float]:
+    return {"GPU": share, "CPU": 0.1}
+
+
 @pytest.mark.parametrize(
-    ("workers", "cluster_gpus", "gpus", "spread", "bundle", "strategy"),
+    ("workers", "cluster_gpus", "node_gpus", "gpus", "spread", "bundle", "strategy"),
     [
-        (7, 8, "auto", False, GPU, "STRICT_PACK"),  # the reference layout: 1 + 7 on one node
-        (7, 16, "auto", True, GPU, "SPREAD"),  # scaled out on request
-        (7, 0, "auto", False, CPU, "PACK"),  # the CPU fallback these machines use
-        (2, 0, "auto", True, CPU, "SPREAD"),
-        (3, 8, "no", False, CPU, "PACK"),  # forced off
+        (7, 8, 8, "auto", False, GPU, "STRICT_PACK"),  # the reference layout: 1 + 7 on one node
+        (7, 16, 8, "auto", True, GPU, "SPREAD"),  # scaled out on request
+        (7, 0, 0, "auto", False, CPU, "PACK"),  # the CPU fallback these machines use
+        (2, 0, 0, "auto", True, CPU, "SPREAD"),
+        (3, 8, 8, "no", False, CPU, "PACK"),  # forced off
+        (7, 1, 1, "auto", False, shared(0.125), "STRICT_PACK"),  # one GPU: all 8 colocated
+        (7, 4, 4, "auto", False, shared(0.5), "STRICT_PACK"),  # two actors per GPU
+        (7, 3, 3, "yes", False, shared(0.3333), "STRICT_PACK"),  # 3 per GPU; 3 x 0.3333 <= 1
+        (7, 16, 4, "auto", False, shared(0.5), "STRICT_PACK"),  # packed: the largest node counts
+        (7, 16, 4, "auto", True, GPU, "SPREAD"),  # spread: the cluster's GPUs count
+        (1, 1, 1, "auto", False, shared(0.5), "STRICT_PACK"),
+        (7, 1.5, None, "auto", False, shared(0.125), "STRICT_PACK"),  # whole GPUs only
     ],
 )
-def test_bundles_table(workers, cluster_gpus, gpus, spread, bundle, strategy) -> None:
-    layout = bundles_for(workers, cluster_gpus=cluster_gpus, gpus=gpus, spread=spread)
+def test_bundles_table(workers, cluster_gpus, node_gpus, gpus, spread, bundle, strategy) -> None:
+    layout = bundles_for(workers, cluster_gpus=cluster_gpus, node_gpus=node_gpus, gpus=gpus,
+                         spread=spread)  # fmt: skip
     assert layout.bundles == (bundle,) * (workers + 1) and layout.strategy == strategy
     assert layout.workers == workers and layout.gpus == ("GPU" in bundle)
+    assert layout.gpu_share == bundle.get("GPU", 0.0)
+    if layout.gpus:  # the shares fit on the GPUs counted
+        per_gpu = math.floor(1 / layout.gpu_share)
+        pool = cluster_gpus if spread or node_gpus is None else node_gpus
+        assert per_gpu * math.floor(pool) >= workers + 1
 
 
 @pytest.mark.parametrize(
-    ("workers", "cluster_gpus", "gpus", "message"),
+    ("workers", "cluster_gpus", "node_gpus", "gpus", "message"),
     [
-        (7, 4, "auto", "need 8 GPUs, the cluster has 4"),
-        (1, 0, "yes", "need 2 GPUs, the cluster has 0"),
-        (0, 8, "auto", "workers must be >= 1"),
+        (1, 0, 0, "yes", "need at least one GPU, the largest node has 0"),
+        (7, 2, 0.5, "auto", "need at least one GPU, the largest node has 0.5"),
+        (0, 8, 8, "auto", "workers must be >= 1"),
     ],
 )
-def test_bundles_refused(workers, cluster_gpus, gpus, message) -> None:
+def test_bundles_refused(workers, cluster_gpus, node_gpus, gpus, message) -> None:
     with pytest.raises(ValueError, match=message):
-        bundles_for(workers, cluster_gpus=cluster_gpus, gpus=gpus)
+        bundles_for(workers, cluster_gpus=cluster_gpus, node_gpus=node_gpus, gpus=gpus)
+
+
+@pytest.mark.parametrize(("actors", "share", "words"), [
+    (8, 0.0, "CPU"), (8, 1.0, "a GPU each"), (8, 0.125, "8 actors per GPU on 1 GPU"),
+    (8, 0.3333, "3 actors per GPU on 3 GPUs"), (2, 0.5, "2 actors per GPU on 1 GPU"),
+])  # fmt: skip
+def test_how_the_actors_sit_in_words(actors: int, share: float, words: str) -> None:
+    assert describe_share(actors, share) == words
+
+
+@pytest.mark.parametrize(("device", "gpus", "expected"), [
+    ("auto", 0, "cpu"), ("auto", 1, "cuda"), ("auto", 8, "cuda"), ("cpu", 8, "cpu"),
+    ("cuda", 1, "cuda"),
+])  # fmt: skip
+def test_the_demo_device(device: str, gpus: float, expected: str) -> None:
+    assert resolve_device(device, gpus) == expected
+
+
+def test_the_demo_refuses_cuda_without_a_gpu_saying_what_to_do() -> None:
+    with pytest.raises(ValueError, match="has 0 GPUs; use --device cpu"):
+        resolve_device("cuda", 0)
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,8 @@ decided from the members' GPU UUIDs and host keys alone -- so it is tested here,
 
 from __future__ import annotations
 
+from typing import get_args
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from weight_sync.devices import CPU, module_device, push_device
 from weight_sync.errors import TransportError
 from weight_sync.formation import _choose_mode
 from weight_sync.metadata import MemberInfo
-from weight_sync.routes import choose_routes
+from weight_sync.routes import ROUTE_WORDS, Route, choose_routes, describe_routes
 
 HERE, THERE, OTHER_NS = "boot-a/net:[1]", "boot-b/net:[1]", "boot-a/net:[2]"
 G0, G1, G2, G3 = "GPU-0000", "GPU-1111", "GPU-2222", "GPU-3333"
@@ -143,3 +145,11 @@ def test_members_of_a_far_host_relay_through_the_first_of_them(
     off = choose_routes(backend=backend, same_host=same_host, trainer_gpu=trainer_gpu,  # type: ignore[arg-type]
                         trainer_host=HERE, infos=members, relay=False)  # fmt: skip
     assert "relay" not in off.routes and not off.leaders
+
+
+def test_every_route_has_words_and_a_summary_counts_every_route() -> None:
+    assert set(ROUTE_WORDS) == set(get_args(Route))
+    summary = describe_routes(["cuda_ipc"] * 7)
+    assert summary == ("0 through the group, 0 through shared memory, 7 through the trainer's "
+                       "GPU (CUDA IPC), 0 relayed on their host")  # fmt: skip
+    assert describe_routes(["group", "shm", "mystery"]).endswith(", 1 mystery")
