@@ -64,7 +64,7 @@ def gpu_share(actors: int, gpus: float) -> float:
 
 def describe_share(actors: int, share: float) -> str:
     if share <= 0:
-        return "CPU"
+        return "CPU bundles"
     if share >= 1:
         return "a GPU each"
     per_gpu = round(1 / share)

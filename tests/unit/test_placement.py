@@ -60,7 +60,7 @@ def test_bundles_refused(workers, cluster_gpus, node_gpus, gpus, message) -> Non
 
 
 @pytest.mark.parametrize(("actors", "share", "words"), [
-    (8, 0.0, "CPU"), (8, 1.0, "a GPU each"), (8, 0.125, "8 actors per GPU on 1 GPU"),
+    (8, 0.0, "CPU bundles"), (8, 1.0, "a GPU each"), (8, 0.125, "8 actors per GPU on 1 GPU"),
     (8, 0.3333, "3 actors per GPU on 3 GPUs"), (2, 0.5, "2 actors per GPU on 1 GPU"),
 ])  # fmt: skip
 def test_how_the_actors_sit_in_words(actors: int, share: float, words: str) -> None:
