@@ -84,10 +84,16 @@ class DemoTrainer:
         self.updater.close()
 
 
-def resolve_device(device: str, cluster_gpus: float) -> str:
-    """``auto``: "cuda" where the Ray cluster has a GPU, else "cpu"; "cuda" needs one (pure)."""
+def resolve_device(device: str, cluster_gpus: float, torch_has_cuda: bool = True) -> str:
+    """``auto``: "cuda" where the Ray cluster has a GPU and torch can use it, else "cpu";
+    "cuda" needs both (pure). ``torch_has_cuda``: whether the actors' torch is a CUDA build."""
     if device == "auto":
-        return "cuda" if cluster_gpus >= 1 else "cpu"
+        return "cuda" if cluster_gpus >= 1 and torch_has_cuda else "cpu"
+    if device == "cuda" and not torch_has_cuda:
+        raise ValueError(
+            f"--device cuda, but this torch ({torch.__version__}) cannot use a GPU; install a "
+            "CUDA build of torch, or use --device cpu (or auto)"
+        )
     if device == "cuda" and cluster_gpus < 1:
         raise ValueError(
             f"--device cuda, but the Ray cluster has {cluster_gpus:g} GPUs; "
@@ -118,7 +124,8 @@ def run_demo(
             ray.init(address=address)
     try:
         gpus = largest_node_gpus()
-        device = resolve_device(device, gpus)
+        # A local cluster's actors run this torch; a joined cluster's, whatever its nodes have.
+        device = resolve_device(device, gpus, address is not None or torch.cuda.is_available())
         share = gpu_share(workers + 1, gpus) if device == "cuda" else 0.0
         return _run(workers, steps, config, device, share, timeout_s)
     finally:

@@ -78,6 +78,9 @@ def test_the_demo_device(device: str, gpus: float, expected: str) -> None:
 def test_the_demo_refuses_cuda_without_a_gpu_saying_what_to_do() -> None:
     with pytest.raises(ValueError, match="has 0 GPUs; use --device cpu"):
         resolve_device("cuda", 0)
+    with pytest.raises(ValueError, match="cannot use a GPU; install a CUDA build of torch"):
+        resolve_device("cuda", 1, torch_has_cuda=False)
+    assert resolve_device("auto", 1, torch_has_cuda=False) == "cpu"  # a GPU this torch can't use
 
 
 @pytest.mark.parametrize(
