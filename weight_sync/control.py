@@ -35,6 +35,7 @@ from weight_sync.metadata import (
     ReceiveReport,
     SyncPlan,
 )
+from weight_sync.transport import teardown
 
 # How a member's failed call ended: its process is gone; it lost a collective because another
 # member failed (alive, not at fault); or it raised (alive, at fault).
@@ -185,9 +186,15 @@ def settle(future: Future[Any], *, result: Any = None, error: BaseException | No
         pass
 
 
-def in_thread(call: Callable[[], Any], name: str = "weight-sync-call") -> Future[Any]:
+def in_thread(
+    call: Callable[[], Any], name: str = "weight-sync-call", exit_waits: bool = False
+) -> Future[Any]:
     """Run a blocking call on a daemon thread of its own: a stuck peer may never return, and must
-    not hold up anything else (the caller bounds its wait on the future)."""
+    not hold up anything else (the caller bounds its wait on the future).
+
+    ``exit_waits``: the call blocks in C++ with the GIL released (an NCCL communicator's
+    creation, an NCCL wait), so an exit waits for it, within a bound, rather than let the
+    interpreter kill it inside the call (see ``transport.teardown``)."""
     future: Future[Any] = Future()
 
     def run() -> None:
@@ -196,7 +203,10 @@ def in_thread(call: Callable[[], Any], name: str = "weight-sync-call") -> Future
         except BaseException as exc:
             settle(future, error=exc)
 
-    threading.Thread(target=run, name=name, daemon=True).start()
+    if exit_waits:
+        teardown.start(name, run)
+    else:
+        threading.Thread(target=run, name=name, daemon=True).start()
     return future
 
 

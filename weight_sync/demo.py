@@ -6,6 +6,7 @@ Used by ``weight-sync demo``; also the smallest complete picture of how the piec
 from __future__ import annotations
 
 import os
+import sys
 
 import ray
 import torch
@@ -124,8 +125,11 @@ def run_demo(
             ray.init(address=address)
     try:
         gpus = largest_node_gpus()
-        # A local cluster's actors run this torch; a joined cluster's, whatever its nodes have.
-        device = resolve_device(device, gpus, address is not None or torch.cuda.is_available())
+        try:  # a local cluster's actors run this torch; a joined cluster's, what its nodes have
+            device = resolve_device(device, gpus, address is not None or torch.cuda.is_available())
+        except ValueError as exc:  # a choice this cluster cannot honour: say so, no traceback
+            print(f"weight-sync demo: {exc}", file=sys.stderr)
+            return 2
         share = gpu_share(workers + 1, gpus) if device == "cuda" else 0.0
         return _run(workers, steps, config, device, share, timeout_s)
     finally:

@@ -211,6 +211,7 @@ def test_cuda_staging_zeroes_every_gap_on_every_pack() -> None:
     for buffer in staging.buffers:
         buffer.fill_(0xA5)
     packer = Packer(plan, list(state.values()), staging)
+    assert sum(len(gaps(bucket)) for bucket in plan.buckets) >= 16  # padding after each int64[33]
     for index, slot in enumerate(staging_slots(plan)):
         assert slot is not None
         packed = packer.pack(index, staging.buffers[slot])

@@ -147,9 +147,9 @@ def require_process_group_nccl(backend: object, mode: str) -> None:
     raise GroupFormationError(
         f"group_mode={mode!r} built a {type(backend).__name__} for the sync group, not the "
         f"torch.distributed.ProcessGroupNCCL whose failure semantics weight_sync relies on "
-        f"(torch {torch.__version__}); use group_mode='standalone', or set "
-        "TORCH_DIST_USE_NCCL2=0 (and not TORCH_DISTRIBUTED_USE_TORCHCOMMS) before the process "
-        "builds its first NCCL group"
+        f"(torch {torch.__version__}); use group_mode='standalone', which constructs that class "
+        "itself, or unset TORCH_DISTRIBUTED_USE_TORCHCOMMS and set TORCH_DIST_USE_NCCL2=0 "
+        "before the process builds its first NCCL group"
     )
 
 

@@ -5,42 +5,52 @@ runs ``abortComms`` under ``std::async`` and that future's destructor waits for
 ``ncclCommAbort`` (behind kernels still queued), and an abandoned ``ncclCommInitRank`` returns
 when it returns. They run on background threads so that a leaving member never sits through
 them. But such a thread must not come back from its call while the interpreter finalises:
-CPython before 3.14 ends a thread that takes the GIL back then with ``pthread_exit``, and that
-forced unwind through pybind11's ``gil_scoped_release`` destructor (``noexcept``) is
-``std::terminate`` -- the process dies printing "terminate called without an active exception"
-with status 134 (pytorch#38228, pybind11#2215). On an H100 that was a process exiting right
-after a timed-out NCCL push; on a CPU, any ``TCPStore.wait`` that returns during finalisation
-does the same (tests/distributed/test_exit.py shows both).
+CPython before 3.14 ends a thread that takes the GIL back then with ``pthread_exit``
+(``take_gil`` -> ``PyThread_exit_thread``), and that forced unwind through pybind11's
+``gil_scoped_release`` destructor (``noexcept``) is ``std::terminate`` -- the process dies
+printing "terminate called without an active exception" with status 134 (pytorch#38228,
+pybind11#2215). On an H100 that was a process exiting right after a timed-out NCCL push; on a
+CPU, any ``TCPStore.wait`` that returns during finalisation does the same
+(tests/distributed/test_exit.py shows both).
 
 So such threads are started here (``start``), and an exit handler joins them for at most
-``EXIT_WAIT_S`` in all before the interpreter finalises:
+``EXIT_WAIT_S`` in all. It runs among the ``atexit`` handlers, which CPython calls before it
+marks itself finalising (``Py_FinalizeEx``: ``wait_for_thread_shutdown``, ``_PyAtExit_Call``,
+then ``_PyRuntimeState_SetFinalizing``), so the threads may still return safely meanwhile:
 
 * every one done in time: the exit goes on as it would have, with its own status;
-* one still inside its call: its name is logged (WARNING), logging's handlers and stdio are
-  flushed, and the process ends at once through ``os._exit``, skipping the finalisation that
-  would kill it mid-call. The status is then 1 if the process was ending on an uncaught
-  exception, else 0: an exit handler cannot see the status a ``SystemExit`` carried.
+* one still inside its call: its name is logged (WARNING) and the process ends at once through
+  ``os._exit(FORCED_EXIT_STATUS)``, skipping the finalisation that would kill it mid-call. An
+  exit handler cannot read the status the process was exiting with (CPython keeps a
+  ``SystemExit``'s code on its C stack), so the status says what happened instead: not 0, since
+  a push failed and its teardown hung. What the skipped finalisation would have done that
+  matters is done first (``_finish``): ``weakref.finalize`` callbacks, ``multiprocessing``'s
+  exit function, ``ray.shutdown()`` if Ray is initialised, every open file flushed, logging
+  shut down, stdio flushed. (``atexit`` handlers registered before this module was imported
+  run after this one and are otherwise skipped: CPython offers no way to run them.)
 
-The handler is registered when this module is first imported (with the transports), so that it
-runs after every exit handler registered later -- Ray's shutdown, the user's own -- which gives
-the teardowns their time too. The registry is process state, like the environment lock in
-``nccl``: an exit is process-wide.
+The registry is process state, like the environment lock in ``nccl``: an exit is process-wide.
+A forked child starts with an empty registry (its copies of the threads do not run).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
+import io
 import logging
 import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
 EXIT_WAIT_S = 10.0  # the longest an exit waits for the teardowns still running, all together
+FORCED_EXIT_STATUS = 70  # EX_SOFTWARE: the process ended with a teardown still running
 
 _LOCK = threading.Lock()
 _RUNNING: set[threading.Thread] = set()
@@ -62,14 +72,19 @@ def start(name: str, target: Callable[[], None]) -> threading.Thread:
     thread = threading.Thread(target=run, name=name, daemon=True)
     with _LOCK:
         _RUNNING.add(thread)
-    thread.start()
+    try:
+        thread.start()
+    except BaseException:  # no thread could be had (a limit, or the interpreter shutting down)
+        with _LOCK:
+            _RUNNING.discard(thread)
+        raise
     return thread
 
 
 def running() -> list[str]:
     """The names of the teardowns still running."""
     with _LOCK:
-        return sorted(thread.name for thread in _RUNNING)
+        return sorted(thread.name for thread in _RUNNING if thread.is_alive())
 
 
 def join(timeout_s: float) -> list[str]:
@@ -88,35 +103,56 @@ def _at_exit() -> None:
         return
     started = time.monotonic()
     left = join(EXIT_WAIT_S)
+    waited = time.monotonic() - started
     if not left:
-        logger.debug("teardowns done %.2fs into the exit", time.monotonic() - started)
+        logger.debug("teardowns done %.2fs into the exit", waited)
         return
-    status = 1 if _ending_on_an_exception() else 0
     logger.warning(
-        "exiting with teardowns still running after %.1fs: %s; ending the process now "
-        "(status %d) rather than let the interpreter kill them inside a C++ call",
-        EXIT_WAIT_S,
+        "exiting with teardowns still running after %.1fs: %s; ending the process now with "
+        "status %d rather than let the interpreter kill them inside a C++ call",
+        waited,
         ", ".join(left),
-        status,
+        FORCED_EXIT_STATUS,
     )
-    _flush()
-    os._exit(status)
+    _finish()
+    os._exit(FORCED_EXIT_STATUS)
 
 
-def _ending_on_an_exception() -> bool:
-    """Whether the main thread is exiting on an uncaught exception: ``PyErr_Print`` records it
-    in ``sys.last_exc`` (3.12+) / ``sys.last_value`` before the interpreter finalises."""
-    last = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-    return last is not None and not isinstance(last, SystemExit)
-
-
-def _flush() -> None:
-    """What a normal exit would have flushed: logging's handlers, then stdout and stderr."""
-    logging.shutdown()
+def _finish() -> None:
+    """What the finalisation ``os._exit`` skips would have done that a user would miss, each
+    step on its own (one that fails must not keep the others from running)."""
+    steps: list[Callable[[], object]] = [weakref.finalize._exitfunc]  # type: ignore[attr-defined]
+    util = sys.modules.get("multiprocessing.util")
+    if util is not None:
+        steps.append(util._exit_function)
+    ray = sys.modules.get("ray")
+    if ray is not None and getattr(ray, "is_initialized", lambda: False)():
+        steps.append(ray.shutdown)
+    steps += [_flush_open_files, logging.shutdown]
+    for step in steps:
+        with contextlib.suppress(Exception):
+            step()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):  # a stream already closed: nothing more to write
             if stream is not None:
                 stream.flush()
 
 
+def _flush_open_files() -> None:
+    """Flush every open file object: finalisation would have, as it collected them."""
+    for obj in gc.get_objects():
+        if isinstance(obj, io.IOBase):
+            with contextlib.suppress(Exception):
+                if not obj.closed and obj.writable():
+                    obj.flush()
+
+
+def _forget_in_child() -> None:
+    """A forked child: the parent's teardown threads do not run here."""
+    global _LOCK
+    _LOCK = threading.Lock()
+    _RUNNING.clear()
+
+
 atexit.register(_at_exit)
+os.register_at_fork(after_in_child=_forget_in_child)

@@ -278,8 +278,9 @@ class TorchGroup:
         group = cls(spec, pg, store, ours, device)
         if spec.backend == "nccl":
             try:
-                nccl.require_process_group_nccl(group._backend(pg), spec.mode)
-                nccl.connect(group._backend(pg), device, ours, spec, deadline)
+                backend = group._backend(pg)
+                nccl.require_process_group_nccl(backend, spec.mode)
+                nccl.connect(backend, device, ours, spec, deadline)
             except GroupFormationError:
                 group._abort("the sync group did not form", tell_peers=False)
                 raise
@@ -621,10 +622,17 @@ class TorchGroup:
         return min(self._timeout, datetime.timedelta(seconds=max(timeout_s, 1e-3)))
 
     def _backend(self, pg: _GroupHandle) -> object:
-        """The ProcessGroupNCCL behind ``pg`` (world and job modes wrap it in a ProcessGroup)."""
-        if self._spec.mode in ("world", "job"):
-            return cast(dist.ProcessGroup, pg)._get_backend(self._device)
-        return pg
+        """The ProcessGroupNCCL behind ``pg``: world and job modes wrap it in a ProcessGroup,
+        and under TORCH_DISTRIBUTED_DEBUG=DETAIL torch wraps that backend once more in a
+        ``_ProcessGroupWrapper`` (its collectives checked against a Gloo group), which has
+        none of the methods we call on the backend itself."""
+        if self._spec.mode not in ("world", "job"):
+            return pg
+        backend = cast(dist.ProcessGroup, pg)._get_backend(self._device)
+        wrapper = getattr(dist.distributed_c10d, "_ProcessGroupWrapper", None)
+        while wrapper is not None and isinstance(backend, wrapper):
+            backend = backend.wrapped_pg
+        return backend
 
 
 def _join_world(

@@ -299,7 +299,8 @@ class SGLangPusher:
     def _finish(self, work: TorchWork, calls: dict[str, Future[Any]], deadline: Deadline) -> None:
         """Wait for one bucket: an engine that failed is named at once, even while the
         broadcast still waits (for it, perhaps)."""
-        sending = in_thread(work.wait, "weight-sync-broadcast")  # bounded by the collective's
+        # bounded by the collective's timeout
+        sending = in_thread(work.wait, "weight-sync-broadcast", exit_waits=True)
         settle(calls, deadline.left(self.config.collective_timeout_s) + 1.0,
                "update_weights_from_distributed", who=_WHO, also=sending)  # fmt: skip
 
@@ -310,7 +311,9 @@ class SGLangPusher:
         (lazily, under the same store key), bounded: torch bounds nothing of
         ``ncclCommInitRank``, and posting the first broadcast without a communicator would run
         it under the group's lock with no bound at all (see ``transport.nccl.connect``)."""
-        connecting = in_thread(lambda: connect_nccl(group), "weight-sync-nccl-init")
+        connecting = in_thread(
+            lambda: connect_nccl(group), "weight-sync-nccl-init", exit_waits=True
+        )
         settle(calls, deadline.left(self.config.rendezvous_timeout_s),
                "creating the NCCL communicator", who=_WHO, also=connecting, until_also=True)  # fmt: skip
         self._connected = True
