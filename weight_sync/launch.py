@@ -153,11 +153,15 @@ class JobSync:
 
     # -- every rank ----------------------------------------------------------------------------
 
-    def update(self, model: torch.nn.Module, timeout_s: float | None = None) -> int:
+    def update(
+        self, model: torch.nn.Module, timeout_s: float | None = None, version: int | None = None
+    ) -> int:
         """One push: rank 0 sends ``model.state_dict()``, every other rank receives into its
-        ``model`` (same names, shapes, dtypes). Returns the version now held, on every rank."""
+        ``model`` (same names, shapes, dtypes). Returns the version now held, on every rank.
+        ``version`` (read on rank 0 only): as ``WeightUpdater.push`` -- an RL loop's step, past
+        every version a rank holds or was sent, or refused before anything is sent."""
         if self.rank == 0:
-            return self.push(model.state_dict()).version
+            return self.push(model.state_dict(), version=version).version
         return self.receive(model, timeout_s=timeout_s)
 
     @property

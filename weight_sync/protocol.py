@@ -62,6 +62,7 @@ from weight_sync.routes import Route
 from weight_sync.sender import PushPlanner, Sender
 from weight_sync.sharded import ShardedSource
 from weight_sync.transport import Transport, cuda_ipc
+from weight_sync.versions import check_version, choose_version
 
 __all__ = ["PushObserver", "PushResult", "Pusher"]
 
@@ -162,6 +163,7 @@ class Pusher:
         rename: Rename | None = None,
         transform: Transform | None = None,
         partial: bool = False,
+        version: int | None = None,
     ) -> PushResult:
         """Send every tensor to every worker; returns once all of them hold it and commit.
 
@@ -173,6 +175,12 @@ class Pusher:
         ``ShardedSource`` (see ``weight_sync.sharded``) is gathered bucket by bucket with the
         other trainer ranks, which call ``serve()`` meanwhile.
 
+        ``version``: the version to label this push with (an RL loop's global step, say), which
+        must be past every version any worker holds or was ever sent, and past this pusher's
+        own (``next_version``); without it the count goes on from there (docs/guarantees.md,
+        "Versions"). One that is not past them is refused with a ``ValueError`` before any byte
+        moves.
+
         Raises ``TypeError``/``ValueError`` for a bad state dict (nothing sent anywhere), and a
         ``WeightSyncError`` within ``push_timeout_s`` for failures while running:
         ``PlanMismatchError`` when workers refuse the push (nothing changed anywhere);
@@ -181,9 +189,10 @@ class Pusher:
         particular is to blame.
         """
         started = time.monotonic()  # the bound runs from the call: checks and the lock count
+        check_version(version)
         if not isinstance(state_dict, ShardedSource):
             entries = check_state_dict(state_dict, self._config, rename, transform)
-            return self._push(entries, entries.tensors, partial, sharded=False, started=started)
+            return self._push(entries, entries.tensors, partial, False, started, version)
         source, version = state_dict, None
         if not source.is_sender:
             raise ValueError("this rank does not send: call serve() on its ShardedSource")
@@ -196,7 +205,7 @@ class Pusher:
             if self._config.check_finite and not source.all_finite(cast):
                 raise nonfinite_error(cast)
             gathering = source.gathering(entries.tensors)
-            result = self._push(entries, gathering, partial, sharded=True, started=started)
+            result = self._push(entries, gathering, partial, True, started, version)
             version = result.version
             return result
         finally:
@@ -218,6 +227,7 @@ class Pusher:
         partial: bool,
         sharded: bool,
         started: float,
+        named: int | None = None,
     ) -> PushResult:
         with self._lock:
             self._check_open()
@@ -238,7 +248,7 @@ class Pusher:
             try:
                 group = self._ensure_group(entries.tensors, deadline)  # may move _next_version up
                 plan = self._plan(group, entries)
-                version = self._next_version
+                version = choose_version(named, self._next_version)
                 clock.lap("group")
                 choice = self._delta.choose(self._far)
                 request = self._request(version, partial, sharded, plan, choice)

@@ -6,22 +6,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-# The weight-version label serving engines (vLLM, SGLang) put on their outputs: the committed
-# version as a string, this while they hold none (a push under way, or one that failed part-way).
-NO_VERSION = "none"
-_UNLABELLED = frozenset({NO_VERSION, "default"})  # "default": the engines' own, before any push
-
-
-def label_version(label: str) -> int | None:
-    """The version an engine's label names: None for no version, or a label that is not one of
-    ours (set by someone else)."""
-    if label in _UNLABELLED:
-        return None
-    try:
-        return int(label)
-    except ValueError:
-        return None
-
 
 @dataclass(frozen=True)
 class PushResult:

@@ -186,9 +186,9 @@ class Trainer:
         torch.set_num_threads(1)
         self.updater = WeightUpdater(workers, SyncConfig(**config))
 
-    def push_zoo(self, seed: int, mutation: str = "none") -> PushResult:
+    def push_zoo(self, seed: int, mutation: str = "none", version: int | None = None) -> PushResult:
         # Built here, so the non-contiguous views really are non-contiguous at the sender.
-        return self.updater.push(mutate(zoo(seed, big=BIG), mutation))
+        return self.updater.push(mutate(zoo(seed, big=BIG), mutation), version=version)
 
     def push(self, state_dict: Any) -> PushResult:
         return self.updater.push(state_dict)

@@ -186,3 +186,52 @@ def test_corrupted_metadata_is_refused_and_changes_nothing(fleet: tuple, message
     assert state(workers) == before
     result = ray.get(trainer.push_zoo.remote(21), timeout=TIMEOUT)  # the protocol goes on
     assert state(workers) == ([result.version] * WORKERS, [state_dict_digests(zoo(21, big=BIG))] * WORKERS)
+
+
+def test_a_named_version_labels_the_push_and_one_not_past_the_workers_is_refused(
+    fleet: tuple,
+) -> None:
+    """``version=`` (an RL loop's step) is the push's version; one not past what the workers
+    were ever sent is refused before anything moves; without it the count goes on from there."""
+    trainer, workers = fleet
+    ray.get(trainer.push_zoo.remote(5), timeout=TIMEOUT)
+    step = ray.get(trainer.version.remote(), timeout=TIMEOUT) + 10
+    result = ray.get(trainer.push_zoo.remote(6, version=step), timeout=TIMEOUT)
+    assert result.version == step and state(workers)[0] == [step] * WORKERS
+    versions, digests = state(workers)
+    for stale in (step, step - 5, 1):
+        with pytest.raises(ValueError, match=f"version {stale} is not past .* at least {step + 1}"):
+            ray.get(trainer.push_zoo.remote(7, version=stale), timeout=TIMEOUT)
+        assert state(workers) == (versions, digests)  # nothing moved anywhere
+    for bad, error in ((0, ValueError), (True, TypeError), ("3", TypeError)):
+        with pytest.raises(error, match="version must be"):
+            ray.get(trainer.push_zoo.remote(7, version=bad), timeout=TIMEOUT)
+    assert ray.get(trainer.push_zoo.remote(7), timeout=TIMEOUT).version == step + 1
+
+
+def test_a_new_trainer_continues_past_every_version_the_workers_were_sent(
+    ray_cluster: None,
+) -> None:
+    """Trainer A pushes three versions and goes; trainer B, new over the same workers, takes
+    version 4 -- never one the workers served -- refuses a named version they were already
+    sent, and takes a named one past them (a trainer restarted from a checkpoint at that step)."""
+    workers = [ZooWorker.remote(seed=300 + i) for i in range(2)]
+    first = Trainer.remote(workers)
+    second = None
+    try:
+        for seed in (1, 2, 3):
+            ray.get(first.push_zoo.remote(seed), timeout=TIMEOUT)
+        ray.get(first.close.remote(), timeout=TIMEOUT)
+        second = Trainer.remote(workers)
+        with pytest.raises(ValueError, match=r"version 2 is not past what these workers were already pushed \(up to 3\)"):
+            ray.get(second.push_zoo.remote(4, version=2), timeout=TIMEOUT)
+        assert state(workers)[0] == [3, 3]
+        assert ray.get(second.push_zoo.remote(4), timeout=TIMEOUT).version == 4
+        assert ray.get(second.push_zoo.remote(5, version=40), timeout=TIMEOUT).version == 40
+        assert state(workers) == ([40, 40], [state_dict_digests(zoo(5, big=BIG))] * 2)
+    finally:
+        for trainer in (first, second):
+            if trainer is not None:
+                ray.get(trainer.close.remote(), timeout=TIMEOUT)
+        for actor in [first, *([second] if second is not None else []), *workers]:
+            ray.kill(actor)

@@ -37,7 +37,7 @@ from weight_sync.adapters.sglang.client import ROUTES, checked
 from weight_sync.adapters.sglang.pusher import PauseMode, SGLangPusher
 from weight_sync.config import SyncConfig
 from weight_sync.http import ServerError
-from weight_sync.result import label_version
+from weight_sync.versions import label_version
 
 __all__ = ["ActorEngine", "RemoteSGLangEngine", "SGLangEngine", "SGLangUpdater", "start_engine"]
 

@@ -11,12 +11,15 @@ us keep, we keep:
   engine, or one that answers ``success: false``, is a ``ServerError`` naming it, in bound. The
   group is then aborted on our side, which over Gloo ends the engines' own waits in it at once
   (their sockets to us close); over NCCL it cannot (see ``_recover``).
-* **Versioned**: engines answer ``"none"`` (SGLang's ``weight_version`` label, which every
-  output's ``meta_info`` carries) from before the first byte moves until the push committed,
-  then the version. A push that failed after bytes moved leaves them ``"none"``: SGLang loads
-  each bucket as it arrives, so they may hold half-new weights, and say so. The next push must
-  then carry at least every tensor the failed one sent (else it is refused, nothing sent), so
-  that no engine claims a version over a mix.
+* **Versioned**: engines answer ``"none (past N)"`` (SGLang's ``weight_version`` label, which
+  every output's ``meta_info`` carries; ``N`` the version being pushed) from before the first
+  byte moves until the push committed, then the version. A push that failed after bytes moved
+  leaves them so: SGLang loads each bucket as it arrives, so they may hold half-new weights,
+  and say so. The next push must then carry at least every tensor the failed one sent (else it
+  is refused, nothing sent), so that no engine claims a version over a mix. The label is the
+  engines' only memory of what they were pushed: a pusher reads it (``/model_info``) when it
+  forms its group and takes versions past it (``weight_sync.versions``), so a new trainer or a
+  repair never reuses a version an engine served.
 * **Paused and flushed**: generation is paused around the push (``pause_mode``: ``"retract"``
   puts running requests back in the queue, recomputed with the new weights on resume;
   ``"abort"`` ends them; SGLang's ``"in_place"``, which keeps them with their KV cache, would
@@ -54,10 +57,18 @@ from weight_sync.errors import PlanMismatchError, WeightSyncError
 from weight_sync.http import ServerError, reason, settle
 from weight_sync.mapping import Transform
 from weight_sync.metadata import BackendName, dtype_name
-from weight_sync.result import NO_VERSION, PushResult, label_version
+from weight_sync.result import PushResult
 from weight_sync.sharded import ShardedSource
 from weight_sync.transport.rendezvous import address_of_interface, bind_listener
 from weight_sync.transport.torch_group import TorchGroup, TorchWork
+from weight_sync.versions import (
+    NO_VERSION,
+    check_version,
+    choose_version,
+    label_past,
+    label_version,
+    unlabelled,
+)
 
 __all__ = ["NO_VERSION", "PauseMode", "SGLangPusher"]
 
@@ -131,17 +142,23 @@ class SGLangPusher:
         *,
         rename: Rename | None = None,
         transform: Transform | None = None,
+        version: int | None = None,
     ) -> PushResult:
         """Push ``state_dict`` (names as the engines' checkpoint has them, or mapped there by
         ``transform`` then ``rename``) to every engine; when it returns, every engine serves
         ``result.version``, its cache flushed, and generates again.
 
+        ``version``: the version to label the push with (an RL loop's step), past every version
+        an engine was ever pushed, else refused (``ValueError``) with nothing sent; by default
+        the count goes on past them.
+
         Raises ``TypeError``/``ValueError`` for a bad state dict, and ``PlanMismatchError`` for
         one the engines cannot load, before anything is sent or paused; otherwise a
         ``WeightSyncError`` within ``push_timeout_s`` -- ``ServerError`` naming the engines that
-        failed where that is known -- after which the engines still reachable say ``"none"``
-        (if any byte moved) and generate again, until a push repairs them."""
+        failed where that is known -- after which the engines still reachable say ``"none (past
+        N)"`` (if any byte moved) and generate again, until a push repairs them."""
         started = time.monotonic()
+        check_version(version)
         if isinstance(state_dict, ShardedSource):
             raise TypeError("SGLang engines take whole tensors: gather a ShardedSource's "
                             "tensors (full_tensor()) and push them as a state dict")  # fmt: skip
@@ -165,7 +182,8 @@ class SGLangPusher:
                  for (name, _), t in zip(sent, sources, strict=True)],
                 self.config.bucket_bytes,
             )  # fmt: skip
-            return self._push(buckets, sources, {name for name, _ in sent}, deadline, started)
+            names = {name for name, _ in sent}
+            return self._push(buckets, sources, names, deadline, started, version)
 
     def close(self) -> None:
         """Leave the group on every engine (they keep serving their weights). Idempotent."""
@@ -219,6 +237,7 @@ class SGLangPusher:
         names: set[str],
         deadline: Deadline,
         started: float,
+        named: int | None,
     ) -> PushResult:
         phases: dict[str, float] = {}
         mark = time.monotonic()
@@ -230,27 +249,28 @@ class SGLangPusher:
             mark = now
 
         paused = moved = False
+        version = 0
         try:
             paused = True  # before the calls: an engine that paused must resume, whoever failed
             self._fan("pause_generation", {"mode": self.pause_mode}, deadline)
-            group = self._ensure_group(sources, deadline)
+            group = self._ensure_group(sources, deadline)  # may move _next_version up
+            version = choose_version(named, self._next_version, "engines")
             lap("group")
             self._fan("begin_weight_update", {}, deadline)
             moved = True  # from the label on: the engines may no longer hold what they say
-            self._label(NO_VERSION, deadline)
+            self._next_version = version + 1  # spent, whatever happens: an engine may hold it
+            self._label(unlabelled(version), deadline)
             self._transfer(group, buckets, sources, deadline)
             lap("transfer")
             self._fan("end_weight_update", {}, deadline)
             self._fan("flush_cache", None, deadline)
-            version = self._next_version
             self._label(str(version), deadline)
             lap("commit")
         except BaseException as exc:
-            blamed = self._recover(exc, paused, moved, names)
+            blamed = self._recover(exc, paused, version if moved else None, names)
             if blamed is exc:
                 raise
             raise blamed from exc
-        self._next_version += 1
         self._version, self._must_cover = version, set()
         try:
             self._fan("continue_generation", {"torch_empty_cache": False},
@@ -336,9 +356,13 @@ class SGLangPusher:
                         "replica, tensor-parallel only"
                     )
             ranks.append(int(info.get("tp_size", 1) or 1))
-            # Versions never repeat, across trainers too: past what any engine holds.
-            held = label_version(str(info.get("weight_version")))
-            self._next_version = max(self._next_version, (held or 0) + 1)
+        # Versions never repeat, across trainers and repairs too: past what any engine was ever
+        # pushed, as its label says -- read from /model_info, where SGLang keeps it (0.5.23's
+        # /server_info has no weight_version).
+        labels = self._fan("model_info", None, deadline)
+        for engine in self.engines:
+            past = label_past(str((labels[engine.name] or {}).get("weight_version")))
+            self._next_version = max(self._next_version, past + 1)
         # A trainer that died mid-push left a session open: SGLang refuses to begin another.
         self._quietly("end_weight_update", {}, _QUICK_S)
         config = self.config
@@ -393,10 +417,11 @@ class SGLangPusher:
     # -- failure -------------------------------------------------------------------------------
 
     def _recover(
-        self, error: BaseException, paused: bool, moved: bool, names: set[str]
+        self, error: BaseException, paused: bool, moved: int | None, names: set[str]
     ) -> BaseException:
         """After a failed push: abort our end of the group, then release every engine (see
-        ``release``), within what the push kept of its bound. Returns the error to raise: a
+        ``release``), within what the push kept of its bound. ``moved``: the version being
+        pushed, once bytes may have moved (None before). Returns the error to raise: a
         ``ServerError`` naming the engines that could not be reached (dead) or whose calls
         failed.
 
@@ -406,14 +431,14 @@ class SGLangPusher:
         failed = dict(error.servers) if isinstance(error, ServerError) else {}
         group_name, nccl = self._group_name, self._backend == "nccl"
         self._drop_group(abort=True)
-        if moved:
+        if moved is not None:
             self._must_cover |= names
         budget = _reserve(self.config.push_timeout_s)
-        wedged = nccl and moved
+        wedged = nccl and moved is not None
         unreachable: dict[str, str] = {}
         futures = {
             engine.name: in_thread(partial(
-                release, engine, group_name, label=moved, resume=paused and not wedged,
+                release, engine, group_name, past=moved, resume=paused and not wedged,
                 timeout_s=budget / 4,
             ))
             for engine in self.engines
@@ -428,7 +453,8 @@ class SGLangPusher:
         if wedged:
             return WeightSyncError(
                 f"{error} [over NCCL, the engines' receives cannot be cancelled: restart the "
-                "SGLang engines of this push (they are labelled 'none' and were not resumed)]"
+                f"SGLang engines of this push (they are labelled {unlabelled(moved or 0)!r} and "
+                "were not resumed)]"
             )
         if not isinstance(error, WeightSyncError):
             return error
@@ -474,14 +500,20 @@ class SGLangPusher:
 
 
 def release(
-    engine: Engine, group_name: str | None, *, label: bool, resume: bool, timeout_s: float
+    engine: Engine,
+    group_name: str | None,
+    *,
+    past: int | None,
+    resume: bool,
+    timeout_s: float,
 ) -> None:
     """Free one engine after a push that failed, or whose trainer died: leave the group first
     (an engine rank still waiting in it on a peer ends its wait when that peer's sockets close;
     meanwhile its update call holds the lock the calls below need), end the update session
-    (SGLang refuses the next one until then), say ``"none"`` if bytes may have moved (SGLang
-    loads bucket by bucket), and resume generation. Leaving and ending may fail (nothing to
-    leave or end); labelling and resuming raise ``ServerError``."""
+    (SGLang refuses the next one until then), say ``"none (past N)"`` if bytes of version
+    ``past`` may have moved (SGLang loads bucket by bucket; None: they did not), and resume
+    generation. Leaving and ending may fail (nothing to leave or end); labelling and resuming
+    raise ``ServerError``."""
     steps: list[tuple[str, dict[str, Any]]] = [("end_weight_update", {})]
     if group_name is not None:
         steps.insert(0, ("destroy_weights_update_group", {"group_name": group_name}))
@@ -490,9 +522,9 @@ def release(
             engine.call(route, body, timeout_s)
         except ServerError as exc:
             logger.debug("releasing %s, %s: %s", engine.name, route, exc)
-    if label:
+    if past is not None:
         engine.call("update_weight_version",
-                    {"new_version": NO_VERSION, "abort_all_requests": False}, timeout_s)  # fmt: skip
+                    {"new_version": unlabelled(past), "abort_all_requests": False}, timeout_s)  # fmt: skip
     if resume:
         engine.call("continue_generation", {"torch_empty_cache": False}, timeout_s)
 

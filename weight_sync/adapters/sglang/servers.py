@@ -30,6 +30,7 @@ from weight_sync.adapters.sglang.client import HTTPEngine
 from weight_sync.adapters.sglang.pusher import PauseMode, SGLangPusher, release
 from weight_sync.config import SyncConfig
 from weight_sync.http import check_urls, fan_out
+from weight_sync.versions import label_past
 
 __all__ = ["SGLangServers", "release_servers"]
 
@@ -69,9 +70,14 @@ class SGLangServers(SGLangPusher):
 
 def release_servers(urls: Sequence[str], timeout_s: float = 30.0) -> None:
     """Free SGLang servers a dead trainer left mid-push: end its update session, label them
-    ``"none"`` (the weights may be half-new: the next push repairs them) and resume generation
+    ``"none (past N)"`` (the weights may be half-new: the next push repairs them; ``N`` the
+    highest version their label shows they were pushed) and resume generation
     (``pusher.release``). ``ServerError`` names the servers that failed."""
     engines = {url: HTTPEngine(url) for url in check_urls(urls, "SGLang")}
-    fan_out(list(engines), lambda url: release(engines[url], None, label=True, resume=True,
-                                               timeout_s=timeout_s),
-            timeout_s * 3 + 1.0, "release")  # fmt: skip
+
+    def free(url: str) -> None:
+        info = engines[url].call("model_info", None, timeout_s) or {}
+        label = str(info.get("weight_version"))
+        release(engines[url], None, past=label_past(label), resume=True, timeout_s=timeout_s)
+
+    fan_out(list(engines), free, timeout_s * 4 + 1.0, "release")

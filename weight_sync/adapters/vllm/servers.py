@@ -43,8 +43,9 @@ from weight_sync.entries import Rename, StateDict
 from weight_sync.errors import PlanMismatchError, WeightSyncError
 from weight_sync.http import ServerError, call, check_urls, fan_out
 from weight_sync.mapping import Transform
-from weight_sync.result import NO_VERSION, PushResult, label_version
+from weight_sync.result import PushResult
 from weight_sync.sharded import ShardedSource
+from weight_sync.versions import NO_VERSION, check_version, label_version
 
 __all__ = [
     "NO_VERSION",
@@ -193,10 +194,12 @@ class VLLMServers:
         *,
         rename: Rename | None = None,
         transform: Transform | None = None,
+        version: int | None = None,
     ) -> PushResult:
         """Push every tensor of ``state_dict`` (or a ``ShardedSource``, gathered with the other
         trainer ranks) to every server, as ``Pusher.push``; when it returns, every server serves
-        ``result.version``, its prefix cache reset, and is resumed.
+        ``result.version``, its prefix cache reset, and is resumed. ``version``: as
+        ``Pusher.push`` (past every version a server's workers were ever sent, or refused).
 
         Raises ``TypeError``/``ValueError`` for a bad state dict and ``PlanMismatchError`` when
         the servers refused it, both before any byte moved (the servers keep their weights and
@@ -204,6 +207,7 @@ class VLLMServers:
         otherwise a ``WeightSyncError`` -- ``ServerError`` naming the servers that failed where
         that is known -- after which the servers still reachable report no version and serve
         again, until a push repairs them."""
+        check_version(version)
         with self._lock:
             if self._closed:
                 raise WeightSyncError("these VLLMServers are closed; create new ones")
@@ -220,7 +224,9 @@ class VLLMServers:
                     self._discard()
                 if self._pusher is None:
                     self._build(rpc_s)
-                result = self._pusher.push(state_dict, rename=rename, transform=transform)
+                result = self._pusher.push(
+                    state_dict, rename=rename, transform=transform, version=version
+                )
                 self._reset_caches(rpc_s)
             except (PlanMismatchError, TypeError, ValueError):
                 # Refused before any byte moved (by the servers, or the state dict's checks):

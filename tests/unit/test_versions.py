@@ -1,0 +1,65 @@
+"""The version rules (weight_sync.versions), as tables: labels read and written, a named
+version checked and chosen."""
+
+from __future__ import annotations
+
+import pytest
+
+from weight_sync.versions import (
+    NO_VERSION,
+    check_version,
+    choose_version,
+    label_past,
+    label_version,
+    unlabelled,
+)
+
+
+@pytest.mark.parametrize(("label", "version", "past"), [
+    ("7", 7, 7),
+    ("none", None, 0),
+    ("none (past 7)", None, 7),         # a push of 7 under way, or failed part-way
+    ("default", None, 0),               # SGLang's own label, before any push
+    ("None", None, 0),                  # no label at all, as str() makes it
+    ("step-3", None, 0),                # someone else's label: not ours to read
+    ("none (past x)", None, 0),
+])  # fmt: skip
+def test_labels_say_the_version_held_and_the_highest_pushed(
+    label: str, version: int | None, past: int
+) -> None:
+    assert label_version(label) == version and label_past(label) == past
+
+
+@pytest.mark.parametrize("past", [0, 1, 12345])
+def test_an_unlabelled_engine_keeps_what_it_was_pushed_in_its_label(past: int) -> None:
+    label = unlabelled(past)
+    assert label.startswith(NO_VERSION) and label_version(label) is None
+    assert label_past(label) == past
+    assert (label == NO_VERSION) == (past == 0)
+
+
+@pytest.mark.parametrize(("named", "lowest", "chosen"), [
+    (None, 1, 1), (None, 8, 8), (8, 8, 8), (100, 8, 100),
+])  # fmt: skip
+def test_a_push_takes_the_named_version_or_the_lowest_free_one(
+    named: int | None, lowest: int, chosen: int
+) -> None:
+    assert choose_version(named, lowest) == chosen
+
+
+@pytest.mark.parametrize(("named", "lowest"), [(7, 8), (1, 8), (3, 4)])
+def test_a_named_version_not_past_what_was_pushed_is_refused_saying_what_is_free(
+    named: int, lowest: int
+) -> None:
+    with pytest.raises(ValueError, match=f"version {named} is not past .* of at least {lowest}"):
+        choose_version(named, lowest, "engines")
+
+
+@pytest.mark.parametrize(("bad", "error"), [
+    (0, ValueError), (-3, ValueError), (True, TypeError), (2.0, TypeError), ("4", TypeError),
+])  # fmt: skip
+def test_a_version_that_cannot_be_one_is_a_caller_error(bad: object, error: type) -> None:
+    with pytest.raises(error, match="version must be"):
+        check_version(bad)
+    check_version(None)
+    check_version(1)
