@@ -16,7 +16,8 @@ import pytest
 from tests.sglang.helpers import ENV, PROMPTS, Trainer, assert_matches, engine_kwargs, of_output
 from tests.vllm.models import QWEN2
 from weight_sync import PlanMismatchError, SyncConfig
-from weight_sync.adapters.sglang import NO_VERSION, ServerError
+from weight_sync.adapters.sglang import ServerError
+from weight_sync.versions import unlabelled
 
 ray = pytest.importorskip("ray")
 
@@ -99,14 +100,14 @@ class Striking(ActorEngine):
 
 def test_an_engine_killed_mid_push_is_named_in_bound(engines: list[Any]) -> None:
     """An engine's actor dies on the third bucket: the push raises ``ServerError`` naming it
-    within its bound; the other engine says ``"none"`` (it may hold half-new weights) and
-    generates again."""
+    within its bound; the other engine says ``"none (past N)"`` (it may hold half-new weights
+    of version N) and generates again."""
     from weight_sync.adapters.sglang.pusher import SGLangPusher
 
     trainer = Trainer(QWEN2)
     config = SyncConfig(bucket_bytes=4096, push_timeout_s=60)
     with SGLangUpdater(engines, config) as updater:
-        updater.push(trainer.model.state_dict())
+        served = updater.push(trainer.model.state_dict()).version
     trainer.step()
     survivor, victim = ActorEngine(engines[0]), Striking(engines[1], 3)
     with SGLangPusher([survivor, victim], config) as pusher:
@@ -116,5 +117,5 @@ def test_an_engine_killed_mid_push_is_named_in_bound(engines: list[Any]) -> None
         assert time.monotonic() - started < config.push_timeout_s
     assert victim.name in caught.value.servers and survivor.name not in caught.value.servers
     output = generate(engines[0], PROMPTS[0])
-    assert output["version"] == NO_VERSION
+    assert output["version"] == unlabelled(served + 1)
     assert ray.get(engines[0].weights_version.remote(), timeout=60) is None

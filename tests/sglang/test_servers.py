@@ -33,7 +33,6 @@ from tests.sglang.helpers import (
 from tests.vllm.models import LLAMA, QWEN2
 from weight_sync import PlanMismatchError, SyncConfig
 from weight_sync.adapters.sglang import (
-    NO_VERSION,
     SGLangPusher,
     SGLangServer,
     SGLangServers,
@@ -43,6 +42,7 @@ from weight_sync.adapters.sglang import (
 from weight_sync.adapters.sglang.client import HTTPEngine
 from weight_sync.http import call
 from weight_sync.serving import start_together
+from weight_sync.versions import label_past, label_version, unlabelled
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -176,19 +176,25 @@ class Striking(HTTPEngine):
         return super().call(route, body, timeout_s)
 
 
+def label(url: str) -> str:
+    return str(call(url, "model_info", timeout_s=30)["weight_version"])
+
+
 def test_a_server_killed_mid_push_is_named_in_bound_and_the_other_serves_again(
     fleet: Fleet,
 ) -> None:
     """A server dies on the third bucket of a push to two: the push raises ``ServerError``
     naming it within its bound; the survivor, which may hold half-new weights, says so
-    (``"none"``) and generates again. Started again at its URL, the next push repairs both."""
+    (``"none (past N)"``, N the failed push's version) and generates again. Started again at its
+    URL (its label gone with it), the next push repairs both -- with a version past N, never one
+    the survivor served."""
     trainer = Trainer(QWEN2)
     names = ["qwen2_a", "qwen2_b"]
     urls = [fleet.url(name) for name in names]
     victim = fleet.running["qwen2_b"]
     config = SyncConfig(bucket_bytes=SMALL, push_timeout_s=60)
     with SGLangServers(urls, config) as servers:
-        push(servers, trainer)
+        served = push(servers, trainer)
     trainer.step()
     engines = [HTTPEngine(urls[0]), Striking(urls[1], 3, lambda: victim.kill())]
     with SGLangPusher(engines, config) as pusher:
@@ -199,11 +205,13 @@ def test_a_server_killed_mid_push_is_named_in_bound_and_the_other_serves_again(
     assert urls[1] in caught.value.servers, caught.value
     assert urls[0] not in caught.value.servers, caught.value
     output = generate(urls[0], PROMPTS[0])
-    assert output["version"] == NO_VERSION  # resumed, and honest about its weights
+    assert output["version"] == unlabelled(served + 1)  # resumed, and honest about its weights
     fleet.restart("qwen2_b")
+    assert label_version(label(urls[1])) is None  # restarted: it remembers nothing
     with SGLangServers(urls, config) as servers:
         trainer.step()
         version = push(servers, trainer)
+        assert version == served + 2  # past the failed push's, which the survivor may hold
         for url in urls:
             assert_serves(url, trainer, version, FLOAT32_TOLERANCE)
 
@@ -225,19 +233,22 @@ SGLangPusher([engine], SyncConfig(bucket_bytes={small})).push(trainer.model.stat
 
 def test_the_trainer_killed_mid_push_leaves_the_server_to_the_next_one(fleet: Fleet) -> None:
     """A trainer process is killed on the third bucket of its push. The server lives on, paused
-    and labelled ``"none"`` (SGLang cannot notice a trainer gone: the limit of HTTP servers);
-    ``release_servers`` frees it, and a new trainer's push lands."""
+    and labelled ``"none (past N)"`` (SGLang cannot notice a trainer gone: the limit of HTTP
+    servers); ``release_servers`` frees it, and a new trainer's push lands, with a version past
+    N."""
     url = fleet.url("qwen2_a")
+    before = label_past(label(url))
     script = DYING_TRAINER.format(repo=str(REPO), url=url, small=SMALL)
     dying = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300)
     assert dying.returncode == -signal.SIGKILL, dying.stderr.decode()[-3000:]
-    assert call(url, "model_info", timeout_s=30)["weight_version"] == NO_VERSION
+    assert label(url) == unlabelled(before + 1)
     release_servers([url])
-    assert generate(url, PROMPTS[0])["version"] == NO_VERSION  # serves again, and says so
+    assert generate(url, PROMPTS[0])["version"] == unlabelled(before + 1)  # serves, says so
     trainer = Trainer(QWEN2)
     with SGLangServers([url], SyncConfig(bucket_bytes=SMALL)) as servers:
         trainer.step()
         version = push(servers, trainer)
+        assert version == before + 2
         assert_serves(url, trainer, version, FLOAT32_TOLERANCE)
 
 
@@ -252,3 +263,34 @@ def test_the_next_trainer_alone_repairs_a_server_a_dead_one_left(fleet: Fleet) -
     with SGLangServers([url], SyncConfig(bucket_bytes=SMALL)) as servers:
         version = push(servers, trainer)
         assert_serves(url, trainer, version, FLOAT32_TOLERANCE)
+
+
+def test_a_new_trainer_continues_past_what_the_servers_served_and_a_named_version_too(
+    fleet: Fleet,
+) -> None:
+    """Two pushes from one trainer, then a new one on the same servers: it takes the next
+    version, not 1 (its labels are read from /model_info); a named version the servers already
+    served is refused before anything is paused or sent, and one past them labels the push (a
+    trainer restarted from a checkpoint at that step)."""
+    trainer = Trainer(QWEN2)
+    url = fleet.url("qwen2_a")
+    config = SyncConfig(bucket_bytes=64 << 10)
+    with SGLangServers([url], config) as servers:
+        first = push(servers, trainer)
+        trainer.step()
+        second = push(servers, trainer)
+    assert second == first + 1
+    with SGLangServers([url], config) as servers:
+        trainer.step()
+        third = push(servers, trainer)
+        assert third == second + 1
+        trainer.step()
+        with pytest.raises(ValueError, match=f"version {second} is not past"):
+            servers.push(trainer.model.state_dict(), version=second)
+        assert label(url) == str(third)  # unchanged, and serving
+        step = third + 100
+        assert push(servers, trainer, version=step) == step
+        assert_serves(url, trainer, step, FLOAT32_TOLERANCE)
+    with SGLangServers([url], config) as servers:  # and after it, the count goes on past it
+        trainer.step()
+        assert push(servers, trainer) == step + 1
