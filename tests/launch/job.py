@@ -67,8 +67,9 @@ def run(scenario: str, out: Path, init_method: str | None = None) -> None:
                 sync.receive(load_weights=_die)  # dies on the first bucket of the broadcast
             if kill_trainer and rank == 1:
                 version = sync.receive(load_weights=_load_and_say(model, landed))
-            else:
-                version = sync.update(model)
+            else:  # "named": the loop's own step names each version (read on rank 0)
+                named = 10 * (step + 1) if scenario == "named" else None
+                version = sync.update(model, version=named)
             record["versions"].append(version)
             if big:  # what this rank held at each version, for a later failed push to keep
                 record.setdefault("at", {})[version] = state_dict_digests(model.state_dict())
@@ -80,6 +81,11 @@ def run(scenario: str, out: Path, init_method: str | None = None) -> None:
                 break
         if scenario == "refuse" and rank == 2 and step == 0:
             model = make_model()  # the right shapes, its own (stale) weights: the push must land
+    if scenario == "named":  # a version already served: refused on rank 0, nothing sent
+        try:
+            sync.update(model, version=20)
+        except (ValueError, WeightSyncError) as exc:
+            record["stale"] = f"{type(exc).__name__}: {exc}"
     record["held"] = sync.version
     record["digests"] = state_dict_digests(model.state_dict())
     if rank == 0 and sync._pusher is not None and sync._pusher.group is not None:

@@ -55,6 +55,19 @@ def test_torchrun_four_ranks(tmp_path: Path) -> None:
     _assert_steps(_reports(tmp_path, range(4)))
 
 
+def test_torchrun_versions_named_by_the_loop(tmp_path: Path) -> None:
+    """``update(model, version=step)``: every rank holds the version rank 0 named; one the ranks
+    already served is refused on rank 0 before anything is sent, and every rank keeps 30."""
+    _launch([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "3",
+             "tests/launch/job.py", "named", str(tmp_path)], tmp_path)  # fmt: skip
+    reports = _reports(tmp_path, range(3))
+    for report in reports:
+        assert report["errors"] == [] and report["versions"] == [10, 20, 30], report
+        assert report["held"] == 30 and report["digests"] == reports[0]["digests"], report
+    assert reports[0]["stale"].startswith("ValueError: version 20 is not past"), reports[0]
+    assert all("stale" in report for report in reports[1:]), reports  # their receive ended too
+
+
 def test_torchrun_example_as_a_user_runs_it(tmp_path: Path) -> None:
     done = subprocess.run(
         [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "4", "examples/torchrun_job.py"],

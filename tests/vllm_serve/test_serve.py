@@ -45,11 +45,25 @@ def paused(url: str) -> bool:
     return bool(get(url, "is_paused")["is_paused"])
 
 
-def push(servers: VLLMServers, trainer: Trainer) -> int:
-    result = servers.push(trainer.state())
+# Every version each server (by URL, across restarts) was seen serving in this module: a version
+# must never name two sets of weights, whichever trainer pushed it and whatever happened between.
+SERVED: dict[str, set[int]] = {}
+
+
+def served(url: str, version: int) -> None:
+    """Record that ``url`` serves ``version``, which must be past every version it served."""
+    before = SERVED.setdefault(url, set())
+    assert version > max(before, default=0), (url, version, sorted(before))
+    before.add(version)
+
+
+def push(servers: VLLMServers, trainer: Trainer, version: int | None = None) -> int:
+    result = servers.push(trainer.state(), version=version)
     trainer.landed()
     assert servers.version == result.version
     assert servers.versions() == [result.version] * len(servers.urls)
+    for url in servers.urls:
+        served(url, result.version)
     return result.version
 
 
@@ -173,9 +187,33 @@ def test_vllms_own_http_client_through_the_factory(servers: Servers, model_dir: 
             post(url, "resume", {})
             trainer.landed()
             assert get(url, "weight_info")["weight_version"] == str(result.version)
+            served(url, result.version)
             assert_matches(url, model_dir, trainer, PROMPTS + LONG_PROMPTS)
     finally:
         engine.shutdown()
+
+
+def test_a_new_trainer_continues_past_what_the_server_served_and_a_named_version_too(
+    servers: Servers, model_dir: str
+) -> None:
+    """A new trainer on a server that earlier trainers pushed to takes a version past theirs
+    (checked by ``served``); a named version the server already served is refused before
+    anything moves (the server keeps its weights and version, resumed); one past them labels
+    the push -- a trainer restarted from a checkpoint at that step."""
+    url = servers.urls[0]
+    trainer = Trainer(QWEN2, seed=7)
+    with VLLMServers([url]) as pushing:
+        current = push(pushing, trainer)
+        trainer.step()
+        with pytest.raises(ValueError, match=f"version {current} is not past .* at least"):
+            pushing.push(trainer.state(), version=current)
+        assert pushing.versions() == [current] and not paused(url)
+        step = current + 100
+        assert push(pushing, trainer, version=step) == step
+        assert_matches(url, model_dir, trainer)
+    with VLLMServers([url]) as pushing:  # and the next trainer goes on past it
+        trainer.step()
+        assert push(pushing, trainer) == step + 1
 
 
 @pytest.mark.parametrize("where", ["broadcast", "commit"])
@@ -214,7 +252,7 @@ def test_the_trainer_killed_mid_push_leaves_the_server_serving(
         ids, _ = complete(url, model_dir, PROMPTS[0])  # still serving
         assert len(ids) == 8
         trainer = Trainer(QWEN2, seed=6)
-        push(watching, trainer)  # the repair
+        push(watching, trainer)  # the repair: past what the dead trainer sent (``served``)
         assert_matches(url, model_dir, trainer)
     print(f"killed at {where}: released {released_s:.1f}s after the trainer was killed")
 
