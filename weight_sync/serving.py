@@ -1,9 +1,11 @@
 """Inference servers started on this machine, for examples and tests: one process group per
 server, ready when ``/health`` answers, stopped cleanly (then killed, group and all).
 
-Ports: ``port=0`` lets the server bind an ephemeral port itself and the port is read back from
-the kernel's table of the server process's listening sockets -- no "pick a free port, close it,
-hand it over" race. The engines' own modules (``adapters.vllm.process``,
+Ports: ``port=0`` gives the server an ephemeral port without a "pick a free port, close it, hand
+it over" race. A server that can bind port 0 itself (vLLM) does, and its port is read back from
+the kernel's table of its listening sockets; one that cannot (SGLang, whose warm-up request goes
+to the port it was given: ``binds_port_zero``) is handed a port bound here first and held until
+it listens there. The engines' own modules (``adapters.vllm.process``,
 ``adapters.sglang.process``) say which command starts a server.
 """
 
@@ -48,8 +50,8 @@ class LocalServer:
     ``port``), started at construction and ready (``/health`` answers) when it returns;
     ``url`` is its base URL. ``name`` says what it is in logs and errors.
 
-    ``env``: variables added to this process's environment. ``port=0``: an ephemeral port, read
-    back once the server bound it. ``log_path``: where its output goes (default: a temporary
+    ``env``: variables added to this process's environment. ``port=0``: an ephemeral port (see
+    the module docstring). ``log_path``: where its output goes (default: a temporary
     file). Raises ``ServerStartError`` if it exits or is not ready within ``ready_timeout_s``
     (it is then stopped). ``stop()`` stops it cleanly (a killed engine leaves its shared memory
     behind); servers still running when this interpreter exits are stopped then."""
@@ -120,7 +122,8 @@ class LocalServer:
         return self._process.poll() is None
 
     def stop(self, timeout_s: float = 60) -> int | None:
-        """SIGTERM (the engine shuts down and frees its shared memory), wait up to
+        """SIGTERM (the engine shuts down and frees most of its shared memory: an SGLang 0.5.23
+        server still leaves a 16 KB ``sglang_loads_*.shm`` in /dev/shm), wait up to
         ``timeout_s``, then SIGKILL the whole process group. Returns the exit code. Idempotent."""
         if self._process.poll() is None:
             if self.terminate_group:

@@ -3,7 +3,9 @@
 SGLang often lives in a virtual environment of its own (its pins and vLLM's differ), so the
 server runs with the interpreter given as ``python`` (default: this one). ``weight_sync.serving``
 runs it: its own process group (stopping it stops SGLang's scheduler and detokenizer too),
-ready when ``/health`` answers, the port read back from the kernel when it is 0.
+ready when ``/health`` answers. SGLang cannot listen on port 0 (its warm-up request goes to the
+port it was given), so ``port=0`` is a port bound here first and held until the server listens
+on it. Stopped cleanly, it still leaves a 16 KB ``sglang_loads_*.shm`` in /dev/shm.
 """
 
 from __future__ import annotations
