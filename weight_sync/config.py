@@ -6,6 +6,7 @@ message that says what to change -- not minutes later inside a collective on ano
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 from typing import Literal
 
@@ -179,6 +180,17 @@ class SyncConfig(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
+    def _known_fields(cls, data: object) -> object:
+        """An unknown field is refused naming the closest known ones (``bucket_size`` ->
+        ``bucket_bytes``) and where every field is described, not only "extra inputs"."""
+        if isinstance(data, dict):
+            unknown = [key for key in data if key not in cls.model_fields]
+            if unknown:
+                raise ValueError("; ".join(_unknown_field(str(key)) for key in unknown))
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
     def _derive_timeouts(cls, data: object) -> object:
         """Fill in the timeouts left out from the ones given: push_timeout_s=20 alone must not be
         refused for the default collective_timeout_s of 300, nor collective_timeout_s=600 alone
@@ -241,7 +253,8 @@ class SyncConfig(BaseModel):
         if self.bucket_bytes < self.alignment:
             raise ValueError(
                 f"bucket_bytes ({self.bucket_bytes}) must be at least alignment "
-                f"({self.alignment}); buckets of 64 MiB to 1 GiB are typical"
+                f"({self.alignment}) bytes; the default is 32 MiB (32 << 20), and on a GPU "
+                "buckets of hundreds of MiB push faster"
             )
         if self.push_timeout_s <= 2 * self.collective_timeout_s:
             raise ValueError(
@@ -255,6 +268,14 @@ class SyncConfig(BaseModel):
                 "address, or pass allow_all_interfaces=True if that is really meant"
             )
         return self
+
+
+def _unknown_field(key: str) -> str:
+    fields = list(SyncConfig.model_fields)
+    close = difflib.get_close_matches(key, fields, n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(repr(name) for name in close)}? " if close else ""
+    return (f"SyncConfig has no field {key!r}: {hint}its fields are {', '.join(fields)} "
+            "(each described in docs/api.md, 'SyncConfig')")  # fmt: skip
 
 
 def _is_wildcard(addr: str) -> bool:

@@ -94,6 +94,9 @@ def _columns(
 ) -> tuple[list, list]:
     """The names and the tensors, mapped, as two lists: no tuple per entry, which on thousands
     of tensors would wake the garbage collector every push (it cost more than the checks)."""
+    if isinstance(state_dict, torch.nn.Module | torch.Tensor):
+        raise TypeError(f"push a state dict (name -> tensor), not a {type(state_dict).__name__}: "
+                        "model.state_dict()")  # fmt: skip
     if isinstance(state_dict, Mapping) and rename is None and transform is None:
         names, tensors = list(state_dict), list(state_dict.values())
     else:
@@ -105,7 +108,8 @@ def _columns(
         pairs = list(itertools.islice(items, limit + 1))
         for entry in pairs:
             if not (isinstance(entry, tuple) and len(entry) == 2):
-                raise TypeError(f"expected (name, tensor) pairs, got {type(entry).__name__}")
+                raise TypeError(f"expected (name, tensor) pairs, got {type(entry).__name__}; "
+                                "push a state dict, e.g. model.state_dict()")  # fmt: skip
         names, tensors = [name for name, _ in pairs], [tensor for _, tensor in pairs]
     if len(names) > limit:
         raise ValueError(
@@ -303,6 +307,16 @@ def _all_finite(tensor: torch.Tensor, wire: torch.dtype | None = None) -> bool:
     return all(bool(torch.isfinite(chunk).all()) for chunk in torch.split(flat, _FINITE_CHUNK))
 
 
+def _what_to_pass(value: object) -> str:
+    """What to push instead of a state dict holding ``value`` where a tensor belongs."""
+    if isinstance(value, Mapping):  # a whole checkpoint: {"model": ..., "optimizer": ...}
+        return ("a whole checkpoint or a nested dict? push the model's own state dict "
+                "(model.state_dict(), or checkpoint['model']): name -> tensor, flat")  # fmt: skip
+    if isinstance(value, torch.nn.Module):
+        return "push model.state_dict(), not the module"
+    return "push name -> tensor pairs, e.g. model.state_dict() (other values: torch.as_tensor)"
+
+
 def _check_entry(name: object, tensor: object, sharded: bool = False) -> bool:
     """Raises for an entry that cannot be sent; returns whether the tensor is a DTensor."""
     if not isinstance(name, str):
@@ -310,7 +324,8 @@ def _check_entry(name: object, tensor: object, sharded: bool = False) -> bool:
     if not name or len(name) > MAX_NAME_CHARS:
         raise ValueError(f"tensor name must have 1..{MAX_NAME_CHARS} characters: {name[:80]!r}")
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+        raise TypeError(f"{name!r}: expected a torch.Tensor, got {type(tensor).__name__}; "
+                        + _what_to_pass(tensor))  # fmt: skip
     dtensor = is_dtensor(tensor)
     if dtensor and not sharded:
         raise TypeError(

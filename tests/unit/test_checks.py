@@ -137,7 +137,14 @@ def test_receiver_refuses_oversized_and_malformed_metadata() -> None:
 @pytest.mark.parametrize(
     ("state_dict", "error", "message"),
     [
-        ({"w": [1.0, 2.0]}, TypeError, "expected a torch.Tensor"),
+        ({"w": [1.0, 2.0]}, TypeError, "expected a torch.Tensor, got list; push name -> tensor"),
+        # the common mistakes, each told what to pass instead
+        ({"model": {"w": torch.zeros(1)}, "step": 3}, TypeError,
+         r"'model': expected a torch.Tensor, got dict; a whole checkpoint .*checkpoint\['model'\]"),
+        ({"encoder": torch.nn.Linear(2, 2)}, TypeError, r"push model.state_dict\(\), not the module"),
+        (torch.nn.Linear(2, 2), TypeError, r"not a Linear: model.state_dict\(\)"),
+        (torch.zeros(3), TypeError, r"not a Tensor: model.state_dict\(\)"),
+        (["w"], TypeError, "pairs, got str; push a state dict"),
         ({3: torch.zeros(1)}, TypeError, "names must be str"),
         ({"": torch.zeros(1)}, ValueError, "1..1024 characters"),
         ([("w", torch.zeros(1)), ("w", torch.ones(1))], ValueError, "appears twice"),

@@ -30,7 +30,11 @@ def test_defaults_are_valid_and_frozen() -> None:
         ({"cast_dtype": "int8"}, "bfloat16"),
         ({"backend": "mpi"}, "gloo"),
         ({"group_mode": "shared"}, "standalone"),
-        ({"bucket_sise": 1}, "Extra inputs"),
+        ({"bucket_sise": 1}, "no field 'bucket_sise': did you mean 'bucket_bytes'"),
+        ({"bucket_size": 1 << 20}, "did you mean 'bucket_bytes'.*docs/api.md"),
+        ({"timeout_s": 60}, "did you mean .*'push_timeout_s'"),
+        ({"frobnicate": True}, "no field 'frobnicate': its fields are bucket_bytes, "),
+        ({"bucket_bytes": -1}, "at least alignment .* the default is 32 MiB"),
     ],
 )
 def test_bad_values_fail_at_construction(kwargs: dict, message: str) -> None:
