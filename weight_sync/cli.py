@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from weight_sync import __version__
 from weight_sync.job import add_arguments as add_job_arguments
 from weight_sync.job import positive_int
 
@@ -16,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Push a trainer's weights to inference workers over a dedicated process group.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = commands.add_parser(
         "demo",

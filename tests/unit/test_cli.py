@@ -27,3 +27,12 @@ def test_bench_refuses_an_unknown_device() -> None:
 
     with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda'"):
         run_bench(workloads=[], device="tpu")
+
+
+def test_version_is_printed(capsys: pytest.CaptureFixture[str]) -> None:
+    from weight_sync import __version__
+    from weight_sync.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out.strip() == f"weight-sync {__version__}"

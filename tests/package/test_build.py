@@ -1,0 +1,78 @@
+"""The package as a user gets it: ``python -m build`` makes a wheel and an sdist; each installs
+into a fresh virtual environment and runs the demo there, from outside this repository, with
+the library imported from what was installed. The heavy dependencies (torch, Ray) come from
+this environment through a path entry, so the test costs minutes, not a torch install; the
+package's own files, metadata and entry point are the wheel's and the sdist's alone."""
+
+from __future__ import annotations
+
+import os
+import site
+import subprocess
+import sys
+import zipfile
+from email.parser import HeaderParser
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("build", reason="the package test needs `build` (the test extra)")
+
+pytestmark = pytest.mark.timeout(900)
+REPO = Path(__file__).resolve().parents[2]
+DEMO = ["demo", "--workers", "2", "--steps", "2", "--device", "cpu"]
+
+
+def run(command: list[str], cwd: Path, timeout_s: float = 400) -> str:
+    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout_s,
+                          check=False, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})  # fmt: skip
+    assert done.returncode == 0, (command, done.stdout[-3000:], done.stderr[-5000:])
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    run([sys.executable, "-m", "build", "--sdist", "--wheel", "--outdir", str(out), str(REPO)],
+        cwd=REPO)  # fmt: skip
+    return out
+
+
+def test_the_wheel_carries_the_license_the_type_hints_and_the_metadata(dist: Path) -> None:
+    [wheel] = dist.glob("weight_sync-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        [metadata] = [n for n in names if n.endswith(".dist-info/METADATA")]
+        fields = HeaderParser().parsestr(archive.read(metadata).decode())
+    assert "weight_sync/py.typed" in names
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
+    assert fields["License-Expression"] == "Apache-2.0"
+    assert "Typing :: Typed" in fields.get_all("Classifier")
+    assert not any(n.startswith(("tests/", "benchmarks/", "docs/")) for n in names)
+    description = fields.get_payload()
+    assert "](docs/" not in description, "a relative link in the long description breaks off-repo"
+    [sdist] = dist.glob("weight_sync-*.tar.gz")
+    assert sdist.stat().st_size > 0
+
+
+@pytest.mark.parametrize("kind", ["wheel", "sdist"])
+def test_each_installs_into_a_fresh_venv_and_runs_the_demo(
+    dist: Path, kind: str, tmp_path: Path
+) -> None:
+    [artifact] = dist.glob("weight_sync-*.whl" if kind == "wheel" else "weight_sync-*.tar.gz")
+    venv = tmp_path / "venv"
+    run([sys.executable, "-m", "venv", str(venv)], cwd=tmp_path)
+    python = venv / "bin" / "python"
+    run([str(python), "-m", "pip", "install", "--no-deps", "--quiet", str(artifact)],
+        cwd=tmp_path)  # fmt: skip
+    # torch, Ray and the rest from this environment, after the venv's own site-packages.
+    ours = run([str(python), "-c", "import site; print(site.getsitepackages()[0])"], cwd=tmp_path)
+    Path(ours.strip(), "dependencies.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    where = run([str(python), "-c", "import weight_sync; print(weight_sync.__file__)"],
+                cwd=tmp_path)  # fmt: skip
+    assert where.startswith(str(venv)), where  # the installed package, not this repository
+    assert run([str(venv / "bin" / "weight-sync"), "--version"], cwd=tmp_path).strip() == (
+        "weight-sync 0.1.0"
+    )
+    out = run([str(venv / "bin" / "weight-sync"), *DEMO], cwd=tmp_path)
+    assert "verified: 2/2 workers hold version 2" in out and "-- OK" in out, out
