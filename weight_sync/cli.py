@@ -161,7 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from weight_sync.demo import run_demo
 
-        return run_demo(args.workers, args.steps, args.address, args.bucket_mb, device=args.device)
+        return run_demo(
+            args.workers, args.steps, args.address, args.bucket_mb, device=args.device,
+            verbose=args.verbose,
+        )  # fmt: skip
     if args.command == "bench" and (args.nodes is not None or args.node_scaling):
         return _bench_links(args)
     if args.command == "bench":

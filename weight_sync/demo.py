@@ -5,6 +5,7 @@ Used by ``weight-sync demo``; also the smallest complete picture of how the piec
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -110,19 +111,23 @@ def run_demo(
     bucket_mb: int | None = None,
     timeout_s: float = 600.0,
     device: str = "auto",
+    verbose: bool = False,
 ) -> int:
     """Run the loop and verify every worker; returns a process exit code.
     ``bucket_mb`` None keeps SyncConfig's default bucket size. ``device``: "cpu", "cuda" or
     "auto" (the GPUs the Ray cluster has, if any): with GPUs, one per actor where there are
-    enough, else the actors share them (Ray's fractional GPUs: the colocated deployment)."""
+    enough, else the actors share them (Ray's fractional GPUs: the colocated deployment).
+    ``verbose``: Ray's own log lines and the actors' output too; else the demo's output only."""
     config = SyncConfig() if bucket_mb is None else SyncConfig(bucket_bytes=bucket_mb * MiB)
     started_here = not ray.is_initialized()
     if started_here:
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # the demo talks to loopback only
+        level = logging.INFO if verbose else logging.ERROR  # quiet: the demo's output only
         if address is None:
-            ray.init(num_cpus=os.cpu_count(), include_dashboard=False)
+            ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level=level,
+                     log_to_driver=verbose)  # fmt: skip
         else:
-            ray.init(address=address)
+            ray.init(address=address, logging_level=level, log_to_driver=verbose)
     try:
         gpus = largest_node_gpus()
         try:  # a local cluster's actors run this torch; a joined cluster's, what its nodes have

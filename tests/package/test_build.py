@@ -24,10 +24,14 @@ DEMO = ["demo", "--workers", "2", "--steps", "2", "--device", "cpu"]
 
 
 def run(command: list[str], cwd: Path, timeout_s: float = 400) -> str:
+    return run_both(command, cwd, timeout_s)[0]
+
+
+def run_both(command: list[str], cwd: Path, timeout_s: float = 400) -> tuple[str, str]:
     done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout_s,
                           check=False, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})  # fmt: skip
     assert done.returncode == 0, (command, done.stdout[-3000:], done.stderr[-5000:])
-    return done.stdout
+    return done.stdout, done.stderr
 
 
 @pytest.fixture(scope="module")
@@ -74,5 +78,6 @@ def test_each_installs_into_a_fresh_venv_and_runs_the_demo(
     assert run([str(venv / "bin" / "weight-sync"), "--version"], cwd=tmp_path).strip() == (
         "weight-sync 0.1.0"
     )
-    out = run([str(venv / "bin" / "weight-sync"), *DEMO], cwd=tmp_path)
+    out, err = run_both([str(venv / "bin" / "weight-sync"), *DEMO], cwd=tmp_path)
     assert "verified: 2/2 workers hold version 2" in out and "-- OK" in out, out
+    assert "Started a local Ray instance" not in out + err, err  # quiet: the demo's output only
