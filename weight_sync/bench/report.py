@@ -360,30 +360,31 @@ def plot(rows: Sequence[Measurement], out: Path) -> list[Path]:
         return []
     written = []
     names = list(dict.fromkeys(r.workload for r in rows if r.suite == "workloads"))
-    if names:
-        fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 4), squeeze=False)
-        for ax, name in zip(axes[0], names, strict=True):
-            group = [r for r in rows if r.workload == name and r.suite == "workloads" and r.seconds]
-            ax.bar(
-                range(len(group)),
-                [r.median for r in group],
-                yerr=[
-                    [r.median - min(r.seconds) for r in group],
-                    [max(r.seconds) - r.median for r in group],
-                ],
-                color=[
-                    "tab:green" if r.strategy.startswith("weight_sync") else "tab:gray"
-                    for r in group
-                ],
-            )
-            ax.set_xticks(range(len(group)), [r.strategy for r in group], rotation=35, ha="right")
-            ax.set_yscale("log")
-            ax.set_title(
-                f"{name}: {group[0].nbytes / MB:.0f} MB to {group[0].workers} workers", fontsize=9
-            )
-            ax.set_ylabel("seconds per push (median, min-max)")
+    # One figure per workload: side by side they were too wide to read in a page's column.
+    for name in names:
+        group = [r for r in rows if r.workload == name and r.suite == "workloads" and r.seconds]
+        if not group:
+            continue
+        fig, ax = plt.subplots(figsize=(5, 4))
+        ax.bar(
+            range(len(group)),
+            [r.median for r in group],
+            yerr=[
+                [r.median - min(r.seconds) for r in group],
+                [max(r.seconds) - r.median for r in group],
+            ],
+            color=[
+                "tab:green" if r.strategy.startswith("weight_sync") else "tab:gray" for r in group
+            ],
+        )
+        ax.set_xticks(range(len(group)), [r.strategy for r in group], rotation=35, ha="right")
+        ax.set_yscale("log")
+        ax.set_title(
+            f"{name}: {group[0].nbytes / MB:.0f} MB to {group[0].workers} workers", fontsize=9
+        )
+        ax.set_ylabel("seconds per push (median, min-max)")
         fig.tight_layout()
-        written.append(_save(fig, out / "workloads.png"))
+        written.append(_save(fig, out / f"workload_{name}.png"))
     scaling = [r for r in rows if r.suite == "scaling"]
     if scaling:
         fig, ax = plt.subplots(figsize=(6, 4))
