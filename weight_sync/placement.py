@@ -37,8 +37,12 @@ class Layout:
 
     bundles: tuple[dict[str, float], ...]
     strategy: str
-    gpus: bool
     gpu_share: float = 0.0
+
+    @property
+    def gpus(self) -> bool:
+        """Whether the actors hold GPUs (whole or shared)."""
+        return self.gpu_share > 0
 
     @property
     def workers(self) -> int:
@@ -97,8 +101,7 @@ def bundles_for(
     use_gpus = gpus == "yes" or (gpus == "auto" and cluster_gpus > 0)
     if not use_gpus:
         bundle = {"CPU": cpus_per_actor_without_gpus}
-        return Layout(tuple(dict(bundle) for _ in range(actors)), "SPREAD" if spread else "PACK",
-                      False)  # fmt: skip
+        return Layout(tuple(dict(bundle) for _ in range(actors)), "SPREAD" if spread else "PACK")
     pool = cluster_gpus if spread or node_gpus is None else node_gpus
     if pool < 1:
         raise ValueError(
@@ -110,7 +113,7 @@ def bundles_for(
     cpus = cpus_per_actor if share >= 1 else cpus_per_actor_without_gpus
     bundle = {"GPU": share, "CPU": cpus}
     strategy = "SPREAD" if spread else "STRICT_PACK"
-    return Layout(tuple(dict(bundle) for _ in range(actors)), strategy, True, share)
+    return Layout(tuple(dict(bundle) for _ in range(actors)), strategy, share)
 
 
 def largest_node_gpus() -> float:
