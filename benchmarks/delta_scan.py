@@ -38,10 +38,10 @@ from weight_sync import SyncConfig
 from weight_sync.bench.workloads import WORKLOADS
 from weight_sync.delta.baseline import Baseline
 from weight_sync.delta.layout import delta_layout
-from weight_sync.entries import Entries
 from weight_sync.metadata import SyncPlan
 from weight_sync.packing import Packer, bucket_buffers
-from weight_sync.sender import PushPlanner
+from weight_sync.send.checks import Entries
+from weight_sync.send.sender import PushPlanner
 
 
 def timed(

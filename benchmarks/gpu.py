@@ -37,7 +37,7 @@ import torch
 from weight_sync.metadata import GroupSpec, PrepareRequest, SyncPlan, TensorMeta
 from weight_sync.planner import make_plan
 from weight_sync.receiver import Receiver, accept_all
-from weight_sync.sender import Sender
+from weight_sync.send.sender import Sender
 from weight_sync.transport import TorchGroup, bind_listener, cuda_ipc, shm
 
 BUCKET = 256 << 20
@@ -60,7 +60,9 @@ def model_shapes(gib: float, hidden: int = 4096) -> list[tuple[str, tuple[int, .
     return shapes
 
 
-def build(gib: float, hidden: int, device: torch.device) -> tuple[SyncPlan, dict[str, torch.Tensor]]:
+def build(
+    gib: float, hidden: int, device: torch.device
+) -> tuple[SyncPlan, dict[str, torch.Tensor]]:
     generator = torch.Generator(device=device).manual_seed(1)
     tensors = {
         name: torch.randn(shape, generator=generator, device=device, dtype=torch.bfloat16)
@@ -71,7 +73,9 @@ def build(gib: float, hidden: int, device: torch.device) -> tuple[SyncPlan, dict
     return make_plan(metas, BUCKET, ALIGN, direct), tensors
 
 
-def spec(group_id: str, rank: int, world: int, transport: str, port: int, backend: str) -> GroupSpec:
+def spec(
+    group_id: str, rank: int, world: int, transport: str, port: int, backend: str
+) -> GroupSpec:
     if transport == "group":
         address = "127.0.0.1"
     else:
@@ -98,7 +102,9 @@ def _backend(args: argparse.Namespace) -> str:
     return "gloo" if args.cpu else "nccl"
 
 
-def trainer(args: argparse.Namespace, transport: str, port_queue: Any, world: int) -> dict[str, Any]:
+def trainer(
+    args: argparse.Namespace, transport: str, port_queue: Any, world: int
+) -> dict[str, Any]:
     device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
     plan, tensors = build(args.gib, args.hidden, device)
     group_id = secrets.token_hex(8)
@@ -116,7 +122,9 @@ def trainer(args: argparse.Namespace, transport: str, port_queue: Any, world: in
         port_queue.put((group_id, port))
     if listener is not None:
         on = None if args.cpu else device
-        part = TorchGroup.join(spec(group_id, 0, world, "group", port, _backend(args)), listener, device=on)
+        part = TorchGroup.join(
+            spec(group_id, 0, world, "group", port, _backend(args)), listener, device=on
+        )
     else:
         part.accept(120)
     sender = Sender(part)
@@ -149,7 +157,9 @@ def trainer(args: argparse.Namespace, transport: str, port_queue: Any, world: in
     return result
 
 
-def worker(args: argparse.Namespace, transport: str, port_queue: Any, world: int, rank: int) -> None:
+def worker(
+    args: argparse.Namespace, transport: str, port_queue: Any, world: int, rank: int
+) -> None:
     device = torch.device("cuda", rank if transport == "group" else 0)
     if args.cpu:
         device = torch.device("cpu")
@@ -186,8 +196,15 @@ def worker(args: argparse.Namespace, transport: str, port_queue: Any, world: int
     receiver.leave()
 
 
-def _entry(role: str, args: argparse.Namespace, transport: str, ports: Any, results: Any,
-           world: int, rank: int) -> None:
+def _entry(
+    role: str,
+    args: argparse.Namespace,
+    transport: str,
+    ports: Any,
+    results: Any,
+    world: int,
+    rank: int,
+) -> None:
     try:
         if role == "trainer":
             results.put((rank, True, trainer(args, transport, ports, world)))
@@ -212,7 +229,9 @@ def run_case(args: argparse.Namespace, transport: str, world: int) -> dict[str, 
             try:
                 rank, ok, value = results.get(timeout=args.timeout)
             except queue.Empty:
-                raise RuntimeError(f"{transport}: ranks did not finish in {args.timeout}s") from None
+                raise RuntimeError(
+                    f"{transport}: ranks did not finish in {args.timeout}s"
+                ) from None
             if not ok:
                 raise RuntimeError(f"{transport} rank {rank} failed:\n{value}")
             if rank == 0:

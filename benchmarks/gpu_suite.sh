@@ -35,7 +35,7 @@ if python -c "import ray" 2>/dev/null; then
   python -c "from weight_sync.cli import main; raise SystemExit(main(['demo', '--device', 'cuda']))" \
     2>&1 | tee "$out/demo.txt"
   demo=${PIPESTATUS[0]}
-  python -m weight_sync.job --workers 7 --size-mb 1024 --pushes 5 --gpus yes 2>&1 | tee "$out/job.txt"
+  python -m weight_sync.ray_job --workers 7 --size-mb 1024 --pushes 5 --gpus yes 2>&1 | tee "$out/job.txt"
   job=${PIPESTATUS[0]}
 else
   echo "skipped: Ray is not installed here (pip install ray to run the demo and the job)" \

@@ -22,9 +22,9 @@ import torch
 
 from weight_sync import SyncConfig
 from weight_sync.bench.workloads import WORKLOADS
-from weight_sync.entries import Entries
 from weight_sync.packing import Packer, Unpacker, bucket_buffers, staging_slots
-from weight_sync.sender import PushPlanner
+from weight_sync.send.checks import Entries
+from weight_sync.send.sender import PushPlanner
 
 
 def timed(fn: Callable[[], None], repeats: int, device: torch.device) -> float:
@@ -41,7 +41,9 @@ def timed(fn: Callable[[], None], repeats: int, device: torch.device) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--workload", default="W1", choices=sorted(WORKLOADS))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--bucket-mb", type=int, default=64)
@@ -58,8 +60,10 @@ def main() -> None:
     model = {n: torch.zeros_like(t) for n, t in state.items()}
     landing = {i: model[m.name] for i, m in enumerate(plan.tensors)}
     gb = plan.nbytes / 1e9
-    print(f"{workload.title}: {plan.nbytes / 1e6:.0f} MB in {len(plan.buckets)} buckets on {device}"
-          + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
+    print(
+        f"{workload.title}: {plan.nbytes / 1e6:.0f} MB in {len(plan.buckets)} buckets on {device}"
+        + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
+    )
 
     buffers = bucket_buffers(plan, device)
 
@@ -76,15 +80,19 @@ def main() -> None:
     print(f"  unpack {gb / timed(unpack, args.repeats, device):8.2f} GB/s")
     if device.type == "cuda":
         for pinned in (False, True):
-            host = [torch.empty(plan.max_packed_bytes, dtype=torch.uint8, pin_memory=pinned)
-                    for _ in range(2)]
+            host = [
+                torch.empty(plan.max_packed_bytes, dtype=torch.uint8, pin_memory=pinned)
+                for _ in range(2)
+            ]
 
             def to_host(host: list[torch.Tensor] = host) -> None:
                 for index in range(len(plan.buckets)):
                     packer.pack(index, host[slots[index] or 0])
 
             label = "pinned" if pinned else "pageable"
-            print(f"  pack device->host ({label}) {gb / timed(to_host, args.repeats, device):8.2f} GB/s")
+            print(
+                f"  pack device->host ({label}) {gb / timed(to_host, args.repeats, device):8.2f} GB/s"
+            )
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from weight_sync import PushResult, SyncConfig
 from weight_sync.adapters.hf import load_model
-from weight_sync.sharded import push_sharded
+from weight_sync.send.sharded import push_sharded
 
 CONFIG = {  # a ~100k-parameter Qwen2, tied embeddings; heads of 32 dims (vLLM's CPU minimum)
     "model_type": "qwen2", "vocab_size": 16, "hidden_size": 64, "intermediate_size": 128,

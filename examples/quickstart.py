@@ -18,7 +18,9 @@ from weight_sync.verify import state_dict_digests
 
 def build_model(seed: int) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Embedding(1000, 128), nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 1000))
+    return nn.Sequential(
+        nn.Embedding(1000, 128), nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 1000)
+    )
 
 
 @ray.remote(num_cpus=0)  # or weight_sync.remote_worker(num_cpus=0): status answers mid-push
@@ -57,8 +59,10 @@ if __name__ == "__main__":
     trainer = Trainer.remote(workers)
     for _ in range(3):
         result = ray.get(trainer.train_step_and_push.remote(), timeout=300)
-        print(f"pushed version {result.version}: {result.nbytes / 1e6:.1f} MB in "
-              f"{result.buckets} bucket(s), {result.seconds:.3f}s")
+        print(
+            f"pushed version {result.version}: {result.nbytes / 1e6:.1f} MB in "
+            f"{result.buckets} bucket(s), {result.seconds:.3f}s"
+        )
     want = ray.get(trainer.digests.remote())
     assert ray.get([w.weight_sync_digests.remote() for w in workers]) == [want] * 7
     assert ray.get([w.weights_version.remote() for w in workers]) == [result.version] * 7

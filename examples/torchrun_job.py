@@ -49,7 +49,9 @@ def main() -> None:
             if optimizer is not None:
                 tokens = torch.randint(0, 1000, (8, 16))
                 logits = model(tokens[:, :-1])
-                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+                loss = torch.nn.functional.cross_entropy(
+                    logits.flatten(0, 1), tokens[:, 1:].flatten()
+                )
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()

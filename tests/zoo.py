@@ -19,7 +19,9 @@ warnings.filterwarnings("ignore", "ComplexHalf support is experimental")
 def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=gen).bool()
-    raw = torch.randint(0, 256, (math.prod(shape) * dtype.itemsize,), dtype=torch.uint8, generator=gen)
+    raw = torch.randint(
+        0, 256, (math.prod(shape) * dtype.itemsize,), dtype=torch.uint8, generator=gen
+    )
     return raw.view(dtype).view(shape)
 
 

@@ -22,7 +22,7 @@ from weight_sync.result import PushResult
 
 if TYPE_CHECKING:
     from weight_sync.actors import WeightSyncWorker, WeightUpdater, remote_worker
-    from weight_sync.launch import JobSync
+    from weight_sync.torchrun import JobSync
 
 # Imported when first used: the Ray glue (the data plane, the protocol and their tests run where
 # Ray is not installed: a GPU machine, a torchrun job), and the launched job's API.
@@ -30,7 +30,7 @@ _LAZY = {
     "WeightSyncWorker": "weight_sync.actors",
     "WeightUpdater": "weight_sync.actors",
     "remote_worker": "weight_sync.actors",
-    "JobSync": "weight_sync.launch",
+    "JobSync": "weight_sync.torchrun",
 }
 
 

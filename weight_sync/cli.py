@@ -7,8 +7,8 @@ import logging
 import sys
 
 from weight_sync import __version__
-from weight_sync.job import add_arguments as add_job_arguments
-from weight_sync.job import positive_int
+from weight_sync.ray_job import add_arguments as add_job_arguments
+from weight_sync.ray_job import positive_int
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the cluster job: place a trainer and N workers, push K times, verify",
         description="Reserve a placement group (GPUs if the cluster has them), push a synthetic "
         "model of --size-mb MB --pushes times, verify every worker, report timings. The same as "
-        "`python -m weight_sync.job`; submit it with `ray job submit`.",
+        "`python -m weight_sync.ray_job`; submit it with `ray job submit`.",
     )
     add_job_arguments(job)
     return parser
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"report: {Path(args.out) / 'results.md'}")
         return 0
     if args.command == "job":
-        from weight_sync.job import run_job
+        from weight_sync.ray_job import run_job
 
         return run_job(args)
     raise AssertionError(f"unhandled command {args.command}")

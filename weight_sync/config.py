@@ -86,7 +86,7 @@ class SyncConfig(BaseModel):
         "'auto': 'world' for a Gloo push when no member has a default group, else 'standalone' "
         "(always for NCCL: a standalone group is aborted without blocking the caller); 'job': "
         "new_group over the default group every member already shares (the ranks of one "
-        "torchrun/mpirun job: weight_sync.launch sets it).",
+        "torchrun/mpirun job: weight_sync.torchrun sets it).",
     )
     master_addr: str = Field(
         "127.0.0.1",

@@ -16,7 +16,7 @@ from torch import nn
 from weight_sync import PushResult, SyncConfig, WeightSyncWorker, WeightUpdater, remote_worker
 from weight_sync.actors.fleet import count_verified, take_down
 from weight_sync.placement import describe_share, gpu_share, largest_node_gpus
-from weight_sync.routes import describe_routes
+from weight_sync.send.routes import describe_routes
 from weight_sync.verify import state_dict_digests
 
 MiB = 1 << 20

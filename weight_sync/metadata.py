@@ -302,7 +302,7 @@ class MemberInfo(_Wire):
     delta_base: str | None = Field(None, pattern=BASE_PATTERN)
     # The UUID of the GPU each of its ranks receives on (``torch.cuda.get_device_properties(i)
     # .uuid``), empty for a CPU member: members sharing a GPU with the trainer or with each other
-    # are never put in one NCCL group (NCCL refuses two ranks on one device; see weight_sync.routes).
+    # are never put in one NCCL group (NCCL refuses two ranks on one device; see weight_sync.send.routes).
     gpus: tuple[GpuUuid, ...] = Field((), max_length=4096)
     # It takes a whole push in one call -- prepare, receive, commit -- agreeing with the other
     # members by votes over the group (a ``WeightSyncWorker``; see ``Receiver.push``).

@@ -16,11 +16,11 @@ group first (so members blocked on it fail at once), waits a bounded time for ev
 call to end, and then knows each member's fate (see ``control.Outcomes``): members that died or
 never answered are dropped, the rest leave the group, and the next push forms a new one.
 
-A push reads downhill from here: the state dict is checked (``entries``) and planned; the group
-is formed when there is none (``formation``, settling the members' calls through ``roster``);
-the bytes go out through the ``sender`` -- or, where the trainer keeps a baseline, through
-``delta_send``, which has the delta layer encode what goes on the wire and the sender broadcast
-it. None of those modules imports this one.
+A push reads downhill from here into ``weight_sync.send``: the state dict is checked
+(``send.checks``) and planned (``send.sender.PushPlanner``); the group is formed when there is
+none (``send.formation``, settling the members' calls through ``send.roster``); ``send.wire``
+says what this push puts on the wire -- dense, or a delta against the trainer's baseline -- and
+sends it through the ``send.sender``. None of those modules imports this one.
 """
 
 from __future__ import annotations
@@ -38,15 +38,8 @@ import torch
 from weight_sync.config import SyncConfig
 from weight_sync.control import ControlPlane, collect
 from weight_sync.deadline import Deadline
-from weight_sync.delta.baseline import Baseline
-from weight_sync.delta.choice import Choice, DeltaChoice
-from weight_sync.delta.layout import DELTA_SECTIONS
-from weight_sync.delta.lineage import next_base
-from weight_sync.delta_send import send as send_with_baseline
 from weight_sync.devices import push_device
-from weight_sync.entries import Entries, Rename, StateDict, check_state_dict, nonfinite_error
 from weight_sync.errors import ChecksumMismatchError, PlanMismatchError, WeightSyncError
-from weight_sync.formation import form_group
 from weight_sync.mapping import Transform
 from weight_sync.metadata import (
     VOTE_AGREED,
@@ -57,10 +50,13 @@ from weight_sync.metadata import (
     SyncPlan,
 )
 from weight_sync.result import PushResult
-from weight_sync.roster import GRACE_S, Roster
-from weight_sync.routes import Route
-from weight_sync.sender import PushPlanner, Sender
-from weight_sync.sharded import ShardedSource
+from weight_sync.send.checks import Entries, Rename, StateDict, check_state_dict, nonfinite_error
+from weight_sync.send.formation import form_group
+from weight_sync.send.roster import GRACE_S, Roster
+from weight_sync.send.routes import Route
+from weight_sync.send.sender import PushPlanner, Sender
+from weight_sync.send.sharded import ShardedSource
+from weight_sync.send.wire import Decision, Sent, Wire, as_dense
 from weight_sync.transport import Transport, cuda_ipc
 from weight_sync.versions import check_version, choose_version
 
@@ -107,20 +103,19 @@ class Pusher:
             raise TypeError(f"config must be a SyncConfig, got {type(config).__name__}")
         self._plane = plane
         self._config = config or SyncConfig()
-        # The members, what plans each holds and which base each is: see weight_sync.roster.
+        # The members, what plans each holds and which base each is: see weight_sync.send.roster.
         self._roster = Roster(plane, self._config.rpc_timeout_s)
         self._observer = observer
         self._group: Transport | None = None
         self._planner: PushPlanner | None = None  # made with the first group (needs its device)
         self._sender: Sender | None = None  # of the current group: keeps its staging buffers
-        self._routes: list[Route] = []  # per member of the current group (see weight_sync.routes)
+        self._routes: list[
+            Route
+        ] = []  # per member of the current group (see weight_sync.send.routes)
         self._ipc_refused = False  # a CUDA ring failed to open here: colocated members take shm
-        # With SyncConfig.delta: the copy of what the members hold, and whether to send a delta
-        # against it (see weight_sync.delta.choice), which depends on whether any member of the
-        # current group receives across a network link.
-        self._baseline = Baseline() if self._config.delta else None
-        self._delta = DeltaChoice(self._config.delta)
-        self._far = False
+        # Dense or delta, push by push (with SyncConfig.delta: against its copy of what the
+        # members hold): see weight_sync.send.wire.
+        self._wire = Wire(self._config)
         # Every member of the current group commits in its receive call when asked (see
         # PrepareRequest.commit_on_receipt): learnt by the probe.
         self._on_receipt = False
@@ -143,7 +138,7 @@ class Pusher:
     def routes(self) -> list[Route]:
         """How each member receives through the current group: ``"group"`` (the broadcast
         group), ``"shm"`` (the host ring) or ``"cuda_ipc"`` (the CUDA ring on the trainer's GPU);
-        see ``weight_sync.routes``. Empty while no group is formed."""
+        see ``weight_sync.send.routes``. Empty while no group is formed."""
         return list(self._routes) if self._group is not None else []
 
     @property
@@ -172,7 +167,7 @@ class Pusher:
         sharing one tensor's bytes) travel once. ``partial=True`` sends only the tensors given
         (adapters, what changed): workers accept a subset of their model, but only on top of a
         committed version, and keep reporting the last full push as ``full_version``. A
-        ``ShardedSource`` (see ``weight_sync.sharded``) is gathered bucket by bucket with the
+        ``ShardedSource`` (see ``weight_sync.send.sharded``) is gathered bucket by bucket with the
         other trainer ranks, which call ``serve()`` meanwhile.
 
         ``version``: the version to label this push with (an RL loop's global step, say), which
@@ -250,33 +245,28 @@ class Pusher:
                 plan = self._plan(group, entries)
                 version = choose_version(named, self._next_version)
                 clock.lap("group")
-                choice = self._delta.choose(self._far)
-                request = self._request(version, partial, sharded, plan, choice)
+                decision = self._wire.decide(version, sharded, self._roster.bases)
+                request = self._request(version, partial, plan, decision)
                 done = None
                 if request.commit_on_receipt and self._roster.all_hold(plan.digest):
                     done = self._push_in_one_call(group, request, plan, tensors, deadline)
                     clock.lap("push")
                     if done is not None:
-                        clock.carve("push", "scan", done[0].scan_s)
+                        clock.carve("push", "scan", done[0].wire.scan_s)
                 if done is None:  # the long way: a round of prepare calls first
                     request, in_place = self._prepare(request, plan, deadline)
                     clock.lap("prepare")
                     broadcasting = True
                     sent, _ = self._transfer(group, request, plan, tensors, deadline)
                     clock.lap("transfer")
-                    clock.carve("transfer", "scan", sent.scan_s)
+                    clock.carve("transfer", "scan", sent.wire.scan_s)
                 else:
                     sent, in_place = done
                 if not request.commit_on_receipt:
                     timeout_s = deadline.left(self._config.rpc_timeout_s)
                     self._roster.settle(self._plane.commit(version, timeout_s), "commit", timeout_s)
                     clock.lap("commit")
-                self._roster.bases = [
-                    next_base(held, request.built_on, request.new_base, not partial)
-                    if ready
-                    else None
-                    for held, ready in zip(self._roster.bases, in_place, strict=True)
-                ]
+                self._roster.bases = self._wire.bases_after(self._roster.bases, request, in_place)
             except BaseException as exc:
                 if self._observer is not None:
                     self._observer.failed(exc)
@@ -289,12 +279,10 @@ class Pusher:
                     self._teardown(Deadline(bound, "push", started))
                 raise
             self._version = version
-            went = _as_sent(choice, request, sharded)
-            if request.built_on is not None:  # the first push into a copy also allocates it
-                self._delta.record(went, sent.seconds, plan.payload_bytes)
+            reason = self._wire.sent(decision, request, sent.seconds, plan.payload_bytes)
             result = PushResult(
                 version, plan.payload_bytes, len(plan.buckets), clock.total(), entries.count,
-                partial, clock.phases, sent.wire_bytes, request.delta, sent.density, went.reason,
+                partial, clock.phases, sent.wire.wire_bytes, request.delta, sent.wire.density, reason,
             )  # fmt: skip
             if self._observer is not None:
                 self._observer.pushed(
@@ -322,31 +310,20 @@ class Pusher:
         return plan
 
     def _request(
-        self, version: int, partial: bool, sharded: bool, plan: SyncPlan, choice: Choice
+        self, version: int, partial: bool, plan: SyncPlan, decision: Decision
     ) -> PrepareRequest:
-        """Push ``version``: a delta when ``choice`` says so, the trainer keeps a baseline and
-        every member holds it (as far as the trainer knows: each member checks again in
-        ``prepare``)."""
-        config, baseline = self._config, self._baseline
-        built_on = new_base = None
-        if baseline is not None and (sharded or not choice.keep_baseline):
-            baseline.forget()  # gathered bucket by bucket (nothing to compare), or not worth it
-        elif baseline is not None:
-            built_on, new_base = baseline.id, baseline.name_for(version)
-        delta = (
-            choice.delta
-            and built_on is not None
-            and all(held == built_on for held in self._roster.bases)
-        )
+        config = self._config
         # The trainer compares checksums before anyone commits: they keep the commit round.
         on_receipt = self._on_receipt and not config.checksum
         return PrepareRequest(
-            version=version, plan_digest=plan.digest, staging=config.staging,
-            checksum=config.checksum, partial=partial, built_on=built_on, new_base=new_base,
-            delta=delta, delta_bucket_bytes=config.bucket_bytes if delta else 0,
-            delta_sections=DELTA_SECTIONS if delta else 1,
+            version=version,
+            plan_digest=plan.digest,
+            staging=config.staging,
+            checksum=config.checksum,
+            partial=partial,
             commit_on_receipt=on_receipt,
-        )  # fmt: skip
+            **decision.request_fields(config.bucket_bytes),
+        )
 
     def _prepare(
         self, request: PrepareRequest, plan: SyncPlan, deadline: Deadline
@@ -359,9 +336,7 @@ class Pusher:
         dense = [i for i, reply in enumerate(replies) if reply.need_dense]
         if dense:
             logger.info("worker(s) %s do not hold the trainer's base: this push goes dense", dense)
-            request = request.model_copy(
-                update={"delta": False, "delta_bucket_bytes": 0, "delta_sections": 1}
-            )
+            request = as_dense(request)
             replies = self._prepare_all(request, plan, deadline)
         problems = {i: reply.problems or ("refused",) for i, reply in enumerate(replies)
                     if not reply.accepted}  # fmt: skip
@@ -401,7 +376,7 @@ class Pusher:
         plan: SyncPlan,
         tensors: Sequence[torch.Tensor],
         deadline: Deadline,
-    ) -> tuple[_Sent, list[bool]] | None:
+    ) -> tuple[_Transferred, list[bool]] | None:
         """The steady state, where every member holds the plan and commits on receipt: one call
         per member (``Receiver.push``). Before any byte moves, the members vote over the group
         on their verdicts, and the trainer with them: a refusal anywhere stops the push
@@ -435,11 +410,12 @@ class Pusher:
         tensors: Sequence[torch.Tensor],
         deadline: Deadline,
         calls: list[Future[Any]] | None = None,
-    ) -> tuple[_Sent, list[Any]]:
+    ) -> tuple[_Transferred, list[Any]]:
         """Broadcast the push while every member receives it (in ``calls``, a push in one call;
-        else in a round of receive calls started here); returns what was sent, and every
+        else in a round of receive calls started here); returns what was sent and the seconds
+        until every member had it (what a dense and a delta push are compared by), and every
         member's answer."""
-        config, baseline = self._config, self._baseline
+        config = self._config
         # Spent from here on, whatever happens: members may commit it as soon as they all have it.
         self._next_version = request.version + 1
         what, receiving = "push", calls
@@ -450,23 +426,9 @@ class Pusher:
             )
         started = time.perf_counter()
         try:
-            if baseline is None or request.new_base is None:
-                if self._sender is None:
-                    self._sender = Sender(group)
-                sent, wire_bytes = (
-                    self._sender.send(plan, tensors, deadline, config.checksum),
-                    plan.nbytes,
-                )
-                density, scan_s = None, 0.0
-            else:
-                baseline.begin()
-                out = send_with_baseline(group, plan, tensors, baseline, delta=request.delta,
-                                         bucket_bytes=config.bucket_bytes,
-                                         sections_asked=request.delta_sections,
-                                         deadline=deadline, with_checksums=config.checksum)  # fmt: skip
-                baseline.finish(plan, request.version, request.partial)
-                sent, wire_bytes, density = out.checksums, out.wire_bytes, out.density
-                scan_s = out.scan_s
+            if self._sender is None:
+                self._sender = Sender(group)
+            sent = self._wire.send(self._sender, request, plan, tensors, deadline)
             if request.commit_on_receipt:  # completes once every member has received
                 group.vote(VOTE_AGREED, deadline.left(self._config.collective_timeout_s))
         except WeightSyncError as exc:
@@ -476,9 +438,9 @@ class Pusher:
             raise self._after_failure(receiving, what, deadline) or outcomes.error(
                 what, deadline.seconds
             )
-        if sent is not None:
-            _check_checksums(outcomes.results, sent)
-        return _Sent(wire_bytes, density, time.perf_counter() - started, scan_s), outcomes.results
+        if sent.checksums is not None:
+            _check_checksums(outcomes.results, sent.checksums)
+        return _Transferred(sent, time.perf_counter() - started), outcomes.results
 
     # -- failures ------------------------------------------------------------------------------
 
@@ -497,7 +459,7 @@ class Pusher:
     # -- the group -----------------------------------------------------------------------------
 
     def _ensure_group(self, tensors: list[torch.Tensor], deadline: Deadline) -> Transport:
-        """The current group, or a new one formed over the members (see ``weight_sync.formation``)
+        """The current group, or a new one formed over the members (see ``weight_sync.send.formation``)
         after a probe that tells this updater what they hold."""
         if self._group is not None:
             return self._group
@@ -515,9 +477,7 @@ class Pusher:
             return self._ensure_group(tensors, deadline)
         self._routes = formed.routes
         self._group = formed.group
-        if formed.far != self._far:
-            self._delta.forget()
-            self._far = formed.far
+        self._wire.reached(formed.far)
         return formed.group
 
     def _probed(self, infos: list[MemberInfo]) -> None:
@@ -552,28 +512,12 @@ class Pusher:
         self._roster.leave(deadline)
 
 
-def _as_sent(choice: Choice, request: PrepareRequest, sharded: bool) -> Choice:
-    """The way a push went, and why: as chosen, or dense where a delta could not be sent."""
-    if sharded and choice.keep_baseline:
-        return Choice(False, "a sharded source is gathered bucket by bucket: dense", False)
-    if request.delta == choice.delta:
-        return choice
-    if request.built_on is None:
-        why = "the trainer holds no copy of the workers' weights yet: dense"
-    else:
-        why = "a worker does not hold the trainer's base: dense for all"
-    return Choice(request.delta, why, choice.keep_baseline)
-
-
 @dataclass(frozen=True)
-class _Sent:
-    """What a push's transfer put on the wire, and how long it took until every member had it
-    (what a dense and a delta push are compared by: see weight_sync.delta.choice)."""
+class _Transferred:
+    """What a push's transfer put on the wire, and the seconds until every member had it."""
 
-    wire_bytes: int
-    density: float | None  # of a delta: the share of elements that changed
+    wire: Sent
     seconds: float
-    scan_s: float = 0.0  # of a delta: the seconds of ``seconds`` the trainer's scan took
 
 
 class _PhaseClock:

@@ -50,7 +50,7 @@ def test_job_submitted_to_a_two_node_cluster(cluster: ShapedCluster) -> None:
     submitted = cluster.run(0, [
         "ray", "job", "submit", f"--address=http://{head_ip}:{DASHBOARD_PORT}",
         f"--runtime-env={REPO / 'deploy' / 'runtime_env.yaml'}", "--",
-        "python", "-m", "weight_sync.job", "--workers", "3", "--size-mb", "8", "--pushes", "3",
+        "python", "-m", "weight_sync.ray_job", "--workers", "3", "--size-mb", "8", "--pushes", "3",
         "--spread", "--timeout", "120"], timeout=240, check=False,
     )  # fmt: skip
     output = submitted.stdout + submitted.stderr
@@ -71,10 +71,10 @@ def test_job_submitted_to_a_two_node_cluster(cluster: ShapedCluster) -> None:
     pushed = 0.0
     for _ in range(30):  # Ray exports custom metrics every few seconds
         text = metrics(cluster, trainer_node)
-        found = re.findall(r'^ray_weight_sync_push_bytes_total\{[^}]*\} (\S+)$', text, re.MULTILINE)
+        found = re.findall(r"^ray_weight_sync_push_bytes_total\{[^}]*\} (\S+)$", text, re.MULTILINE)
         pushed = sum(float(value) for value in found)
         if pushed:
             break
         time.sleep(1)
     assert pushed == 3 * 8_000_000 + 3 * 4 * 4096, "weight_sync metrics missing from Prometheus"
-    assert re.search(r'^ray_weight_sync_version\{[^}]*\} 3\.0$', text, re.MULTILINE)
+    assert re.search(r"^ray_weight_sync_version\{[^}]*\} 3\.0$", text, re.MULTILINE)

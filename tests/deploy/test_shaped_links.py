@@ -37,7 +37,9 @@ def test_relay_crosses_a_shaped_link_once(tmp_path: Path) -> None:
     with ShapedCluster(2, rate) as cluster:
         namespaces = [node.netns for node in cluster.plan.nodes]
         rows = run_on_cluster(cluster, spec)
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    listed = subprocess.run(
+        ["ip", "netns", "list"], capture_output=True, text=True, check=True
+    ).stdout
     assert not any(name in listed for name in namespaces), "namespaces left behind"
     by_mode = {row.mode: row for row in rows}
     assert set(by_mode) == {"dense", "dense (tree)", "delta"}

@@ -19,7 +19,7 @@ import torch
 
 from weight_sync.metadata import GroupSpec, PrepareRequest, SyncPlan, TensorMeta
 from weight_sync.receiver import Receiver, expecting
-from weight_sync.sender import Sender
+from weight_sync.send.sender import Sender
 from weight_sync.transport import TorchGroup, bind_listener, shm
 from weight_sync.verify import state_dict_digests
 
@@ -75,8 +75,15 @@ class RankContext:
         return GroupSpec(**fields)
 
 
-def _entry(target: Target, rank: int, world_size: int, ports: mp.Queue, results: mp.Queue,
-           group_id: str, args: tuple) -> None:
+def _entry(
+    target: Target,
+    rank: int,
+    world_size: int,
+    ports: mp.Queue,
+    results: mp.Queue,
+    group_id: str,
+    args: tuple,
+) -> None:
     try:
         value = target(RankContext(rank, world_size, ports, group_id), *args)
         results.put((rank, True, value))
@@ -90,12 +97,17 @@ def _context() -> mp.context.BaseContext:
     would copy in whatever state they are."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "weight_sync.receiver",
-                                "weight_sync.sender", "tests.zoo"])  # fmt: skip
+                                "weight_sync.send.sender", "tests.zoo"])  # fmt: skip
     return ctx
 
 
-def run_ranks(target: Target, world_size: int, *args: Any, timeout_s: float = 90,
-              expect_dead: set[int] = frozenset()) -> list[Any]:  # type: ignore[assignment]
+def run_ranks(
+    target: Target,
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 90,
+    expect_dead: set[int] = frozenset(),
+) -> list[Any]:  # type: ignore[assignment]
     """Results by rank; raises AssertionError with the rank's traceback if any rank failed.
     Ranks in ``expect_dead`` (killed or frozen on purpose) are not waited for; their result is
     None."""
@@ -103,7 +115,11 @@ def run_ranks(target: Target, world_size: int, *args: Any, timeout_s: float = 90
     ports, results = ctx.Queue(), ctx.Queue()
     group_id = secrets.token_hex(8)
     procs = [
-        ctx.Process(target=_entry, args=(target, rank, world_size, ports, results, group_id, args), daemon=True)
+        ctx.Process(
+            target=_entry,
+            args=(target, rank, world_size, ports, results, group_id, args),
+            daemon=True,
+        )
         for rank in range(world_size)
     ]
     try:
@@ -115,8 +131,10 @@ def run_ranks(target: Target, world_size: int, *args: Any, timeout_s: float = 90
             try:
                 rank, ok, value = results.get(timeout=timeout_s)
             except queue.Empty:
-                raise AssertionError(f"ranks {sorted(set(range(world_size)) - set(out) - set(errors))} "
-                                     f"did not finish within {timeout_s}s") from None
+                raise AssertionError(
+                    f"ranks {sorted(set(range(world_size)) - set(out) - set(errors))} "
+                    f"did not finish within {timeout_s}s"
+                ) from None
             (out if ok else errors)[rank] = value
         assert not errors, "\n".join(f"--- rank {r}:\n{tb}" for r, tb in sorted(errors.items()))
         return [out.get(rank) for rank in range(world_size)]
@@ -129,8 +147,13 @@ def run_ranks(target: Target, world_size: int, *args: Any, timeout_s: float = 90
                 proc.join(timeout=5)
 
 
-def send_plan(ctx: RankContext, spec: GroupSpec, plan: SyncPlan, tensors: Sequence[torch.Tensor],
-              device: torch.device | None = None) -> None:
+def send_plan(
+    ctx: RankContext,
+    spec: GroupSpec,
+    plan: SyncPlan,
+    tensors: Sequence[torch.Tensor],
+    device: torch.device | None = None,
+) -> None:
     """Rank 0: form the group (NCCL: on ``device``), broadcast every bucket of ``plan``, leave."""
     group = TorchGroup.join(spec, ctx.listener(spec_port_index(ctx, spec)), device=device)
     try:
@@ -139,9 +162,15 @@ def send_plan(ctx: RankContext, spec: GroupSpec, plan: SyncPlan, tensors: Sequen
         group.close()
 
 
-def receive_plan(spec: GroupSpec, plan: SyncPlan, expected: Mapping[str, TensorMeta] | None = None,
-                 version: int = 1, destinations: Mapping[str, torch.Tensor] | None = None,
-                 staging: str = "stream", device: torch.device | None = None) -> dict[str, torch.Tensor]:
+def receive_plan(
+    spec: GroupSpec,
+    plan: SyncPlan,
+    expected: Mapping[str, TensorMeta] | None = None,
+    version: int = 1,
+    destinations: Mapping[str, torch.Tensor] | None = None,
+    staging: str = "stream",
+    device: torch.device | None = None,
+) -> dict[str, torch.Tensor]:
     """Any other rank: join, prepare, receive and commit ``plan`` (receiving on ``device``, the
     CPU by default); returns copies of what went through ``load_weights`` merged with
     ``destinations`` (where tensors may land in place)."""

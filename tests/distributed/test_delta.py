@@ -10,12 +10,12 @@ import torch
 
 from tests.distributed.harness import RankContext, run_ranks
 from weight_sync import SyncConfig
-from weight_sync import delta_send as transfer
 from weight_sync.delta.baseline import Baseline
-from weight_sync.entries import Entries
 from weight_sync.metadata import PrepareRequest, SyncPlan
 from weight_sync.receiver import Receiver, expecting
-from weight_sync.sender import PushPlanner
+from weight_sync.send import wire as transfer
+from weight_sync.send.checks import Entries
+from weight_sync.send.sender import PushPlanner
 from weight_sync.transport import shm
 from weight_sync.verify import state_dict_digests
 

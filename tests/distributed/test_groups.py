@@ -14,12 +14,12 @@ import torch.distributed as dist
 from tests.distributed.harness import RankContext, receive_plan, run_ranks, send_plan
 from tests.zoo import zoo
 from weight_sync import SyncConfig
-from weight_sync.entries import Entries
 from weight_sync.errors import TransportError, WeightSyncError
 from weight_sync.metadata import PrepareRequest, TensorMeta
 from weight_sync.planner import make_plan
 from weight_sync.receiver import Receiver, accept_all
-from weight_sync.sender import PushPlanner, Sender
+from weight_sync.send.checks import Entries
+from weight_sync.send.sender import PushPlanner, Sender
 from weight_sync.transport import TorchGroup
 from weight_sync.transport.rendezvous import open_store
 from weight_sync.verify import state_dict_digests
@@ -43,7 +43,9 @@ def direct_rank(ctx: RankContext, staging: str) -> tuple[dict[str, str], int]:
     (streaming: as the bytes arrive; atomic: from the staging area, on commit)."""
     tensors = zoo(seed=13, big=40_000)
     config = SyncConfig(bucket_bytes=4096, direct_min_bytes=10_000)
-    plan = PushPlanner(config, torch.device("cpu")).plan(Entries(list(tensors), list(tensors.values())))
+    plan = PushPlanner(config, torch.device("cpu")).plan(
+        Entries(list(tensors), list(tensors.values()))
+    )
     if ctx.rank == 0:
         send_plan(ctx, ctx.spec("standalone"), plan, list(tensors.values()))
         return state_dict_digests(tensors), sum(b.direct for b in plan.buckets)
@@ -65,18 +67,21 @@ def cast_rank(ctx: RankContext) -> dict[str, str]:
     (NaN payloads excepted: torch's own cast kernels disagree on those, so the zoo's random bit
     patterns are made finite first.)"""
     tensors = {
-        n: torch.nan_to_num(t) if t.dtype in (torch.float64, torch.float32, torch.float16,
-                                               torch.bfloat16) else t
+        n: torch.nan_to_num(t)
+        if t.dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+        else t
         for n, t in zoo(seed=17, big=40_000).items()
     }
     config = SyncConfig(bucket_bytes=8192, direct_min_bytes=10_000, cast_dtype="bfloat16")
-    plan = PushPlanner(config, torch.device("cpu")).plan(Entries(list(tensors), list(tensors.values())))
+    plan = PushPlanner(config, torch.device("cpu")).plan(
+        Entries(list(tensors), list(tensors.values()))
+    )
     if ctx.rank == 0:
         send_plan(ctx, ctx.spec("standalone"), plan, list(tensors.values()))
         castable = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-        return state_dict_digests({
-            n: t.to(torch.bfloat16) if t.dtype in castable else t for n, t in tensors.items()
-        })
+        return state_dict_digests(
+            {n: t.to(torch.bfloat16) if t.dtype in castable else t for n, t in tensors.items()}
+        )
     return state_dict_digests(receive_plan(ctx.spec("standalone"), plan))
 
 
@@ -103,8 +108,13 @@ def beside_default_group_rank(ctx: RankContext) -> dict:
     """Every rank already lives in a default world (an 'FSDP world') on its own store."""
     ctx.ports(2)
     world_store = open_store("127.0.0.1", ctx.ports()[1], ctx.world_size, 30, ctx.listener(1))
-    dist.init_process_group("gloo", store=world_store, rank=ctx.rank, world_size=ctx.world_size,
-                            timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo",
+        store=world_store,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        timeout=datetime.timedelta(seconds=30),
+    )
     default_before = dist.group.WORLD
     value = torch.tensor([float(ctx.rank + 1)])
     dist.all_reduce(value)
@@ -113,8 +123,12 @@ def beside_default_group_rank(ctx: RankContext) -> dict:
     dist.all_reduce(after)  # the default group still works, with its own numbering
     same_default = dist.group.WORLD is default_before and dist.get_world_size() == ctx.world_size
     dist.destroy_process_group()
-    return {"digests": digests, "sum_before": value.item(), "sum_after": after.item(),
-            "same_default": same_default}
+    return {
+        "digests": digests,
+        "sum_before": value.item(),
+        "sum_after": after.item(),
+        "same_default": same_default,
+    }
 
 
 def test_standalone_group_beside_an_existing_default_group() -> None:
@@ -147,7 +161,9 @@ def listening_addresses(pid: int) -> set[str]:
     """Local addresses of this process's listening TCP sockets (IPv4 and IPv6)."""
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
-        target = os.readlink(f"/proc/{pid}/fd/{fd}") if os.path.exists(f"/proc/{pid}/fd/{fd}") else ""
+        target = (
+            os.readlink(f"/proc/{pid}/fd/{fd}") if os.path.exists(f"/proc/{pid}/fd/{fd}") else ""
+        )
         if target.startswith("socket:["):
             inodes.add(target[8:-1])
     found = set()

@@ -78,7 +78,10 @@ def many_groups_rank(ctx: RankContext, count: int) -> dict:
         time.sleep(0.1)
     assert groups  # still referenced here
     return {
-        "correct": correct, "ports": ports, "before": before, "after": (_sockets(), _threads()),
+        "correct": correct,
+        "ports": ports,
+        "before": before,
+        "after": (_sockets(), _threads()),
         "listening": _listening_ports(),
         "python_threads": (python_threads, threading.active_count()),
     }

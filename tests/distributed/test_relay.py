@@ -1,7 +1,7 @@
 """A relay on spawned ranks (weight_sync.transport.relay): rank 0 is the trainer, rank 1 the only
 other rank of the Gloo group, and it passes every broadcast on to ranks 2.. through a ring of its
 own -- the real sender and receiver, votes across both hops, and a strike on either side of it.
-Which members relay is decided by host keys (weight_sync.routes, tested as a table); that the
+Which members relay is decided by host keys (weight_sync.send.routes, tested as a table); that the
 payload then crosses a real link once is measured on namespaces in tests/deploy."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from weight_sync.errors import WeightSyncError
 from weight_sync.metadata import GroupSpec, RelaySpec, TensorMeta
 from weight_sync.planner import make_plan
 from weight_sync.receiver import _join
-from weight_sync.sender import Sender
+from weight_sync.send.sender import Sender
 from weight_sync.transport import TorchGroup, Transport, shm
 from weight_sync.verify import state_dict_digests
 

@@ -19,13 +19,13 @@ import torch
 from tests.distributed.harness import RankContext, receive_plan, run_ranks
 from tests.zoo import zoo
 from weight_sync import SyncConfig
-from weight_sync.entries import Entries
 from weight_sync.errors import TransportError, WeightSyncError
-from weight_sync.formation import _open_ring
 from weight_sync.metadata import TensorMeta
 from weight_sync.planner import make_plan
 from weight_sync.receiver import Receiver
-from weight_sync.sender import PushPlanner, Sender
+from weight_sync.send.checks import Entries
+from weight_sync.send.formation import _open_ring
+from weight_sync.send.sender import PushPlanner, Sender
 from weight_sync.transport import Fanout, TorchGroup, ring, shm
 from weight_sync.verify import state_dict_digests
 
@@ -42,7 +42,9 @@ def dev_shm() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if not name.startswith("sem.")}
 
 
-def writer(ctx: RankContext, readers: int, timeout_s: float = 30, bucket: int = BUCKET) -> shm.ShmWriter:
+def writer(
+    ctx: RankContext, readers: int, timeout_s: float = 30, bucket: int = BUCKET
+) -> shm.ShmWriter:
     ring = shm.ShmWriter(ctx.group_id, readers, shm.slot_bytes_for(bucket), timeout_s)
     ctx.ports()  # the ring listens: the readers may come (see join_ring)
     ring.accept(30)
@@ -113,7 +115,9 @@ def voting_rank(ctx: RankContext) -> list[int]:
         if ctx.rank <= readers:
             transport = shm.ShmReader.join(ctx.shm_spec(world_size=readers + 1))
         else:
-            transport = TorchGroup.join(ctx.spec("standalone", world_size=3, rank=ctx.rank - readers))
+            transport = TorchGroup.join(
+                ctx.spec("standalone", world_size=3, rank=ctx.rank - readers)
+            )
     outcomes = []
     try:
         for round_ in range(3):
@@ -137,7 +141,9 @@ def direct_rank(ctx: RankContext) -> dict[str, str]:
     """Tensors far larger than the ring go direct and land in the reader's own tensors."""
     tensors = zoo(seed=13, big=40_000)
     config = SyncConfig(bucket_bytes=BUCKET, direct_min_bytes=10_000)
-    plan = PushPlanner(config, torch.device("cpu")).plan(Entries(list(tensors), list(tensors.values())))
+    plan = PushPlanner(config, torch.device("cpu")).plan(
+        Entries(list(tensors), list(tensors.values()))
+    )
     assert sum(b.direct for b in plan.buckets) >= 2
     if ctx.rank == 0:
         ring = writer(ctx, ctx.world_size - 1)
@@ -218,9 +224,11 @@ def test_no_room_is_a_clear_error_and_the_updater_falls_back_to_the_group(
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))
     try:
-        with pytest.raises(shm.ShmUnavailableError, match=r"cannot claim 4\.0 MiB.*same_host='group'"):
+        with pytest.raises(
+            shm.ShmUnavailableError, match=r"cannot claim 4\.0 MiB.*same_host='group'"
+        ):
             shm.ShmWriter("cd" * 8, 1, 1 << 20, 30)
-        with caplog.at_level(logging.WARNING, logger="weight_sync.formation"):
+        with caplog.at_level(logging.WARNING, logger="weight_sync.send.formation"):
             assert _open_ring(SyncConfig(bucket_bytes=4 << 20), "cd" * 8, 2) is None
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))

@@ -158,7 +158,7 @@ def same_process_rank(ctx: RankContext) -> tuple[list[int], str]:
     def join() -> None:
         try:
             cuda_ipc.CudaIpcReader.join(ipc_spec(ctx, world_size=2, rank=1), GPU).close()
-        except BaseException as exc:  # noqa: BLE001 (handed to the main thread)
+        except BaseException as exc:
             refused.append(exc)
 
     thread = threading.Thread(target=join, daemon=True)

@@ -37,10 +37,16 @@ def test_pack_unpack_on_cuda_buffers_is_bit_exact() -> None:
 
 
 def cuda_source_over_gloo(ctx: RankContext) -> dict[str, str]:
-    tensors = cuda_zoo(22) if ctx.rank == 0 else {n: t for n, t in zoo(22).items() if t.dtype != torch.complex32}
+    tensors = (
+        cuda_zoo(22)
+        if ctx.rank == 0
+        else {n: t for n, t in zoo(22).items() if t.dtype != torch.complex32}
+    )
     plan = make_plan([TensorMeta.of(n, t) for n, t in tensors.items()], 2048, 64)
     if ctx.rank == 0:
-        send_plan(ctx, ctx.spec("world"), plan, list(tensors.values()))  # device -> host while packing
+        send_plan(
+            ctx, ctx.spec("world"), plan, list(tensors.values())
+        )  # device -> host while packing
         return state_dict_digests(tensors)
     return state_dict_digests(receive_plan(ctx.spec("world"), plan))
 

@@ -24,7 +24,9 @@ DEMO = "from weight_sync.cli import main; raise SystemExit(main(['demo', '--devi
 
 
 def test_the_demo_runs_on_the_gpus_found_and_verifies_every_worker() -> None:
-    pytest.importorskip("ray", reason="the demo needs Ray; this machine runs the GPU suite without it")
+    pytest.importorskip(
+        "ray", reason="the demo needs Ray; this machine runs the GPU suite without it"
+    )
     done = subprocess.run([sys.executable, "-c", DEMO], env=repo_env(), capture_output=True,
                           text=True, timeout=540, check=False)  # fmt: skip
     out = done.stdout

@@ -15,7 +15,6 @@ import torch
 
 from tests.distributed.harness import RankContext, run_ranks
 from weight_sync import SyncConfig
-from weight_sync.entries import check_state_dict, device_finite_flags, is_finite
 from weight_sync.metadata import PrepareRequest, SyncPlan, TensorMeta
 from weight_sync.packing import (
     Packer,
@@ -31,7 +30,8 @@ from weight_sync.packing import (
 )
 from weight_sync.planner import make_plan
 from weight_sync.receiver import Receiver, accept_all
-from weight_sync.sender import PushPlanner, Sender
+from weight_sync.send.checks import check_state_dict, device_finite_flags, is_finite
+from weight_sync.send.sender import PushPlanner, Sender
 from weight_sync.transport import TorchGroup
 from weight_sync.verify import state_dict_digests
 
@@ -57,11 +57,19 @@ def model(device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
 def host_checksums(plan: SyncPlan, tensors: list[torch.Tensor]) -> list[int]:
     """Every bucket's checksum, packed and summed on the host: what the GPU must match."""
     host = [tensor.cpu() for tensor in tensors]
-    packer, buffers, slots = Packer(plan, host), bucket_buffers(plan, torch.device("cpu")), staging_slots(plan)
+    packer, buffers, slots = (
+        Packer(plan, host),
+        bucket_buffers(plan, torch.device("cpu")),
+        staging_slots(plan),
+    )
     sums = []
     for index, bucket in enumerate(plan.buckets):
         slot = slots[index]
-        data = byte_view(host[bucket.segments[0].tensor]) if slot is None else packer.pack(index, buffers[slot])
+        data = (
+            byte_view(host[bucket.segments[0].tensor])
+            if slot is None
+            else packer.pack(index, buffers[slot])
+        )
         sums.append(checksum(data))
     return sums
 
@@ -96,7 +104,7 @@ def steady_state_push(ctx: RankContext) -> tuple[list[int], list[int], int]:
 
 
 def test_a_steady_state_push_over_nccl_synchronises_only_at_its_end() -> None:
-    (sums, expected, direct), = run_ranks(steady_state_push, 1, timeout_s=240)
+    ((sums, expected, direct),) = run_ranks(steady_state_push, 1, timeout_s=240)
     assert sums == expected  # GPU checksums equal the host's, bucket by bucket
     assert direct == 2  # 'auto' on a GPU: only tensors of a bucket or more go alone
 
@@ -137,12 +145,18 @@ def packed_buckets(plan: SyncPlan, tensors: list[torch.Tensor]) -> list[torch.Te
         if slots[index] is None:
             out.append(byte_view(host[bucket.segments[0].tensor]).clone().pin_memory())
         else:
-            out.append(packer.pack(index, torch.empty(bucket.nbytes, dtype=torch.uint8)).clone().pin_memory())
+            out.append(
+                packer.pack(index, torch.empty(bucket.nbytes, dtype=torch.uint8))
+                .clone()
+                .pin_memory()
+            )
     return out
 
 
 @pytest.mark.parametrize("staging", ["atomic", "stream"])
-def test_a_gpu_worker_receives_bit_exactly_and_atomic_staging_stays_off_the_gpu(staging: str) -> None:
+def test_a_gpu_worker_receives_bit_exactly_and_atomic_staging_stays_off_the_gpu(
+    staging: str,
+) -> None:
     sent = model(torch.device("cpu"), seed=1)
     config = SyncConfig(bucket_bytes=BUCKET)
     plan = PushPlanner(config, DEVICE).plan(check_state_dict(sent, config))
@@ -155,7 +169,9 @@ def test_a_gpu_worker_receives_bit_exactly_and_atomic_staging_stays_off_the_gpu(
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats(DEVICE)
     before = torch.cuda.memory_allocated(DEVICE)
-    request = PrepareRequest(version=1, plan_digest=plan.digest, plan=plan, staging=staging, checksum=True)
+    request = PrepareRequest(
+        version=1, plan_digest=plan.digest, plan=plan, staging=staging, checksum=True
+    )
     assert receiver.prepare(request.model_dump_json(), accept_all).accepted
     report = receiver.receive(1, lambda named: None, weights)
     if staging == "atomic":

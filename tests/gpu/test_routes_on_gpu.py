@@ -13,7 +13,7 @@ import torch
 from weight_sync.devices import gpu_uuid, module_device, push_device
 from weight_sync.metadata import MemberInfo
 from weight_sync.receiver import Receiver
-from weight_sync.routes import choose_routes
+from weight_sync.send.routes import choose_routes
 from weight_sync.transport import shm
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]

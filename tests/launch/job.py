@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from weight_sync import SyncConfig, WeightSyncError
-from weight_sync.launch import JobSync
+from weight_sync.torchrun import JobSync
 from weight_sync.verify import state_dict_digests
 
 TIMEOUT_S = 30.0  # push_timeout_s: the bound every failure must be seen within
@@ -40,7 +40,9 @@ def make_model(wide: int = 64, layers: int = 2) -> torch.nn.Module:
 def run(scenario: str, out: Path, init_method: str | None = None) -> None:
     big = scenario.startswith("kill")
     model = make_model(1024, 24) if big else make_model()  # 24 x 4 MB: a push of many buckets
-    sync = JobSync(SyncConfig(push_timeout_s=TIMEOUT_S, bucket_bytes=1 << 20), init_method=init_method)
+    sync = JobSync(
+        SyncConfig(push_timeout_s=TIMEOUT_S, bucket_bytes=1 << 20), init_method=init_method
+    )
     rank = sync.rank
     record: dict[str, Any] = {"rank": rank, "world": sync.world_size, "versions": [], "errors": []}
     if scenario == "refuse" and rank == 2:

@@ -84,11 +84,16 @@ def test_torchrun_refused_push_changes_nothing_and_the_next_lands(tmp_path: Path
     trainer, _, misfit, _ = reports
     # A state dict rank 0 refused before sending anything: every other rank's receive ends too.
     assert trainer["bad"].startswith("TypeError")
-    assert all(r["bad"].startswith("WeightSyncError") and "called off" in r["bad"] for r in reports[1:])
+    assert all(
+        r["bad"].startswith("WeightSyncError") and "called off" in r["bad"] for r in reports[1:]
+    )
     # Refused before any byte moved: rank 0 names rank 2 (member 1) and its layer; rank 2 says
     # why; the others are told the push was called off.
     assert [e["type"] for e in trainer["errors"]] == ["PlanMismatchError"]
-    assert "worker 1" in trainer["errors"][0]["message"] and "1.weight" in trainer["errors"][0]["message"]
+    assert (
+        "worker 1" in trainer["errors"][0]["message"]
+        and "1.weight" in trainer["errors"][0]["message"]
+    )
     assert [e["type"] for e in misfit["errors"]] == ["PlanMismatchError"]
     for other in (reports[1], reports[3]):
         assert [e["type"] for e in other["errors"]] == ["WeightSyncError"]

@@ -17,7 +17,7 @@ from weight_sync import PushResult, SyncConfig, WeightSyncWorker, WeightUpdater,
 from weight_sync.errors import WeightSyncError
 from weight_sync.mapping import fuse
 from weight_sync.metadata import TensorMeta
-from weight_sync.sharded import ShardedSource, push_sharded
+from weight_sync.send.sharded import ShardedSource, push_sharded
 from weight_sync.transport.rendezvous import bind_listener, open_store
 from weight_sync.verify import state_dict_digests
 
@@ -161,8 +161,14 @@ def mutate(state_dict: dict[str, torch.Tensor], mutation: str) -> dict[str, torc
             state_dict = mutate(state_dict, each)
     elif mutation == "finite":  # the zoo's random bits include NaN and Inf patterns
         for name, tensor in state_dict.items():
-            if tensor.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64,
-                                torch.complex64, torch.complex128):
+            if tensor.dtype in (
+                torch.float16,
+                torch.bfloat16,
+                torch.float32,
+                torch.float64,
+                torch.complex64,
+                torch.complex128,
+            ):
                 state_dict[name] = torch.nan_to_num(tensor, nan=0.0, posinf=1.0, neginf=-1.0)
     elif mutation == "nan":
         state_dict["float32_matrix"] = state_dict["float32_matrix"].clone()
@@ -316,8 +322,13 @@ class ShardedTrainer:
         from torch.distributed.fsdp import fully_shard
 
         store = open_store("127.0.0.1", port, self.world_size, 60, self.listener)
-        dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world_size,
-                                timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group(
+            "gloo",
+            store=store,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=60),
+        )
         mesh = init_device_mesh("cpu", (self.world_size,))
         self.model = TinyLM(fused=False, seed=0)
         fully_shard(self.model, mesh=mesh)

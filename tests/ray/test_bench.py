@@ -12,28 +12,47 @@ from weight_sync.bench.workloads import small_tensors, synthetic
 
 
 @pytest.mark.timeout(300)
-def test_harness_measures_every_strategy_and_writes_a_report(ray_cluster: None, tmp_path: Path) -> None:
+def test_harness_measures_every_strategy_and_writes_a_report(
+    ray_cluster: None, tmp_path: Path
+) -> None:
     bench = Bench(2)
     try:
-        cases = [Case(small_tensors(count=50, nbytes=4096), 2, STRATEGIES),
-                 Case(synthetic(4 << 20, tensor_bytes=1 << 20), 2, ("weight_sync", "raw"), suite="scaling"),
-                 Case(small_tensors(count=20, nbytes=4096), 2, ("raw", "weight_sync"), suite="options"),
-                 Case(small_tensors(count=20, nbytes=4096), 2, ("weight_sync",),
-                      (("staging", "atomic"), ("checksum", True)), "weight_sync (atomic, checksum)",
-                      suite="options")]
+        cases = [
+            Case(small_tensors(count=50, nbytes=4096), 2, STRATEGIES),
+            Case(
+                synthetic(4 << 20, tensor_bytes=1 << 20), 2, ("weight_sync", "raw"), suite="scaling"
+            ),
+            Case(small_tensors(count=20, nbytes=4096), 2, ("raw", "weight_sync"), suite="options"),
+            Case(
+                small_tensors(count=20, nbytes=4096),
+                2,
+                ("weight_sync",),
+                (("staging", "atomic"), ("checksum", True)),
+                "weight_sync (atomic, checksum)",
+                suite="options",
+            ),
+        ]
         progress = Progress(sum(len(c.strategies) * 2 for c in cases))
         rows = [row for case in cases for row in bench.measure(case, 1, progress)]
     finally:
         bench.close()
-    assert [r.strategy for r in rows] == [*STRATEGIES, "weight_sync", "raw", "raw", "weight_sync",
-                                          "weight_sync (atomic, checksum)"]
+    assert [r.strategy for r in rows] == [
+        *STRATEGIES,
+        "weight_sync",
+        "raw",
+        "raw",
+        "weight_sync",
+        "weight_sync (atomic, checksum)",
+    ]
     assert not any(r.error for r in rows)
     assert all(len(r.seconds) == 1 and r.seconds[0] > 0 for r in rows)
     assert all(r.nbytes == 50 * 4096 for r in rows[: len(STRATEGIES)])
     report = write_report(rows, tmp_path)
     text = report.read_text()
     assert "## W2: 50 tensors of 4 KB" in text and "| per_tensor |" in text and "## Scaling" in text
-    assert "## What the safety options cost" in text and "| weight_sync (atomic, checksum) |" in text
+    assert (
+        "## What the safety options cost" in text and "| weight_sync (atomic, checksum) |" in text
+    )
     assert (tmp_path / "results.json").exists()
 
 

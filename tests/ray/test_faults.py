@@ -83,6 +83,7 @@ def mid_push(worker: Any) -> Callable[[], bool]:
     def receiving() -> bool:
         now = status(worker)
         return now.phase == "receiving" and now.buckets_done >= 3
+
     return receiving
 
 
@@ -94,7 +95,9 @@ def digests(workers: list) -> list:
     return ray.get([w.weight_sync_digests.remote() for w in workers], timeout=TIMEOUT)
 
 
-def strike(fleet: Fleet, victim: int, sig: signal.Signals, seed: int) -> tuple[WorkerFailedError, float]:
+def strike(
+    fleet: Fleet, victim: int, sig: signal.Signals, seed: int
+) -> tuple[WorkerFailedError, float]:
     """Start a push, send ``sig`` to worker ``victim`` in the middle of it; the error and how
     long after the signal it came."""
     pushing = fleet.trainer.push_zoo.remote(seed)
@@ -145,7 +148,9 @@ def test_worker_killed_or_frozen_mid_broadcast_is_named_dropped_and_replaced(
     assert_next_push_lands(fleet, [*survivors, replacement], seed=4)  # full weights to the newcomer
 
 
-def test_push_timeout_alone_bounds_a_push_with_a_frozen_worker(fleet_of: Callable[..., Fleet]) -> None:
+def test_push_timeout_alone_bounds_a_push_with_a_frozen_worker(
+    fleet_of: Callable[..., Fleet],
+) -> None:
     """Only push_timeout_s is set (the other bounds derive from it): a worker frozen in the middle
     of a broadcast is reported within push_timeout_s of the call, the teardown included (the
     trainer times the call itself, so the Ray call that asked for it does not count)."""
@@ -163,7 +168,9 @@ def test_push_timeout_alone_bounds_a_push_with_a_frozen_worker(fleet_of: Callabl
 
 
 @pytest.mark.parametrize("how", ["hangs-in-join", "stopped-before-push"])
-def test_a_worker_that_never_joins_is_named_and_dropped(fleet_of: Callable[..., Fleet], how: str) -> None:
+def test_a_worker_that_never_joins_is_named_and_dropped(
+    fleet_of: Callable[..., Fleet], how: str
+) -> None:
     fleet = fleet_of(3)
     if how == "hangs-in-join":  # answers the probe, then never reaches the rendezvous
         ray.get(fleet.workers[2].hang_in_next_join.remote(120), timeout=TIMEOUT)
@@ -194,8 +201,13 @@ def test_trainer_killed_mid_push_leaves_workers_able_to_join_a_new_updater(
     os.kill(trainer_pid, signal.SIGKILL)
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(pushing, timeout=TIMEOUT)
-    wait_until(lambda: all(status(w).phase in ("idle", "received") and not status(w).in_group
-                           for w in fleet.workers), "the workers to leave the dead group")
+    wait_until(
+        lambda: all(
+            status(w).phase in ("idle", "received") and not status(w).in_group
+            for w in fleet.workers
+        ),
+        "the workers to leave the dead group",
+    )
     if staging == "atomic":  # the old weights and version, untouched
         assert versions(fleet.workers) == [first.version] * 2
         assert digests(fleet.workers) == [state_dict_digests(zoo(7, big=BIG))] * 2
@@ -206,7 +218,7 @@ def test_trainer_killed_mid_push_leaves_workers_able_to_join_a_new_updater(
 
 
 def test_damaged_bytes_fail_the_checksum_and_nothing_is_committed(
-    fleet_of: Callable[..., Fleet]
+    fleet_of: Callable[..., Fleet],
 ) -> None:
     fleet = fleet_of(3, checksum=True, staging="atomic")
     first = ray.get(fleet.trainer.push_zoo.remote(10), timeout=TIMEOUT)
@@ -234,7 +246,9 @@ def test_status_answers_during_a_push(fleet_of: Callable[..., Fleet]) -> None:
     assert after.last is not None and after.last.version == result.version
 
 
-def test_atomic_staging_serves_the_old_weights_during_a_push(fleet_of: Callable[..., Fleet]) -> None:
+def test_atomic_staging_serves_the_old_weights_during_a_push(
+    fleet_of: Callable[..., Fleet],
+) -> None:
     fleet = fleet_of(2, staging="atomic")
     first = ray.get(fleet.trainer.push_zoo.remote(19), timeout=TIMEOUT)
     old = state_dict_digests(zoo(19, big=BIG))
@@ -264,7 +278,9 @@ def test_nan_weights_are_refused_when_checked(fleet_of: Callable[..., Fleet]) ->
     assert versions(fleet.workers) == [again.version] * 2 and digests(fleet.workers) != landed
 
 
-def test_metadata_over_the_limit_is_refused_before_any_collective(fleet_of: Callable[..., Fleet]) -> None:
+def test_metadata_over_the_limit_is_refused_before_any_collective(
+    fleet_of: Callable[..., Fleet],
+) -> None:
     fleet = fleet_of(2, max_metadata_bytes=2000)
     with pytest.raises(ValueError, match="max_metadata_bytes=2000"):
         ray.get(fleet.trainer.push_zoo.remote(18), timeout=TIMEOUT)

@@ -63,9 +63,11 @@ def test_partial_push_updates_a_subset_and_says_so(fleet: tuple) -> None:
     now, want = digests(workers), ray.get(trainer.digests.remote(), timeout=TIMEOUT)
     for got in now:
         assert {n: d for n, d in got.items() if n.startswith("adapter.")} == {
-            n: d for n, d in want.items() if n.startswith("adapter.")}
+            n: d for n, d in want.items() if n.startswith("adapter.")
+        }
         assert {n: d for n, d in got.items() if not n.startswith("adapter.")} == {
-            n: d for n, d in before.items() if not n.startswith("adapter.")}
+            n: d for n, d in before.items() if not n.startswith("adapter.")
+        }
     assert [(s.version, s.full_version) for s in statuses(workers)] == [(result.version, 1)] * 2
     full = ray.get(trainer.push.remote(), timeout=TIMEOUT)
     assert all(got == want for got in digests(workers))

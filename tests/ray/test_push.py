@@ -47,7 +47,9 @@ def test_pushes_land_bit_exact_with_versions_one_apart(fleet: tuple) -> None:
         before = ray.get(trainer.version.remote(), timeout=TIMEOUT)
         result: PushResult = ray.get(trainer.push_zoo.remote(seed), timeout=TIMEOUT)
         assert result.version == before + 1
-        assert result.buckets > 1 and result.nbytes == sum(t.nbytes for t in zoo(seed, big=BIG).values())
+        assert result.buckets > 1 and result.nbytes == sum(
+            t.nbytes for t in zoo(seed, big=BIG).values()
+        )
         assert result.tensors == len(zoo(seed, big=BIG))
         versions, digests = state(workers)
         assert versions == [result.version] * WORKERS
@@ -65,7 +67,9 @@ def test_pushes_land_bit_exact_with_versions_one_apart(fleet: tuple) -> None:
         ("dtype", "'float32_matrix': sent float64[7, 13], model has float32[7, 13]"),
     ],
 )
-def test_mismatch_is_refused_before_any_broadcast(fleet: tuple, mutation: str, problem: str) -> None:
+def test_mismatch_is_refused_before_any_broadcast(
+    fleet: tuple, mutation: str, problem: str
+) -> None:
     trainer, workers = fleet
     ray.get(trainer.push_zoo.remote(3), timeout=TIMEOUT)
     versions, digests = state(workers)
@@ -79,7 +83,9 @@ def test_mismatch_is_refused_before_any_broadcast(fleet: tuple, mutation: str, p
     assert state(workers)[1][0] == state_dict_digests(zoo(4, big=BIG))
 
 
-@pytest.mark.parametrize(("bad", "error"), [({"w": "not a tensor"}, TypeError), ({1: None}, TypeError)])
+@pytest.mark.parametrize(
+    ("bad", "error"), [({"w": "not a tensor"}, TypeError), ({1: None}, TypeError)]
+)
 def test_bad_input_is_a_caller_error(fleet: tuple, bad: dict, error: type) -> None:
     trainer, workers = fleet
     versions, _ = state(workers)
@@ -110,8 +116,9 @@ def test_concurrent_pushes_are_serialised(fleet: tuple) -> None:
 def test_custom_load_weights_on_a_standalone_group(ray_cluster: None) -> None:
     workers = [RecordingWorker.remote() for _ in range(2)]
     # Direct buckets without a destination: received into temporaries, then load_weights.
-    trainer = Trainer.remote(workers, bucket_bytes=64 << 10, direct_min_bytes=100_000,
-                             group_mode="standalone")
+    trainer = Trainer.remote(
+        workers, bucket_bytes=64 << 10, direct_min_bytes=100_000, group_mode="standalone"
+    )
     try:
         result = ray.get(trainer.push_zoo.remote(5), timeout=TIMEOUT)
         want = state_dict_digests(zoo(5, big=BIG))
@@ -128,7 +135,9 @@ def test_custom_load_weights_on_a_standalone_group(ray_cluster: None) -> None:
 
 def test_a_worker_failing_mid_push_leaves_no_one_claiming_the_version(ray_cluster: None) -> None:
     workers = [FlakyWorker.remote(seed=200 + i) for i in range(3)]
-    trainer = Trainer.remote(workers, bucket_bytes=64 << 10, collective_timeout_s=20, rpc_timeout_s=30)
+    trainer = Trainer.remote(
+        workers, bucket_bytes=64 << 10, collective_timeout_s=20, rpc_timeout_s=30
+    )
     try:
         first = ray.get(trainer.push_zoo.remote(6), timeout=TIMEOUT)
         ray.get(workers[1].fail_next_push.remote(2), timeout=TIMEOUT)  # fails on its 3rd bucket
@@ -167,17 +176,29 @@ GOOD_DIGEST = "0" * 64
     ("message", "problem"),
     [
         ('{"version": 1, "plan_dig', "malformed metadata"),
-        ('{"version": 1, "plan_digest": "' + GOOD_DIGEST + '", "plan": {"tensors": [{"name": "w", '
-         '"dtype": "float32", "shape": [4]}], "buckets": [{"nbytes": 8, "segments": [{"tensor": 0, '
-         '"tensor_offset": 0, "bucket_offset": 0, "nbytes": 16}]}]}}', "malformed metadata"),
-        (PrepareRequest(version=1, plan_digest=GOOD_DIGEST, plan=make_plan(
-            [TensorMeta(name="w", dtype="float32", shape=(4,))], 1024, 64)).model_dump_json(),
-         "plan does not match its digest"),
+        (
+            '{"version": 1, "plan_digest": "'
+            + GOOD_DIGEST
+            + '", "plan": {"tensors": [{"name": "w", '
+            '"dtype": "float32", "shape": [4]}], "buckets": [{"nbytes": 8, "segments": [{"tensor": 0, '
+            '"tensor_offset": 0, "bucket_offset": 0, "nbytes": 16}]}]}}',
+            "malformed metadata",
+        ),
+        (
+            PrepareRequest(
+                version=1,
+                plan_digest=GOOD_DIGEST,
+                plan=make_plan([TensorMeta(name="w", dtype="float32", shape=(4,))], 1024, 64),
+            ).model_dump_json(),
+            "plan does not match its digest",
+        ),
         ('{"version": -5, "plan_digest": "' + GOOD_DIGEST + '"}', "malformed metadata"),
     ],
     ids=["truncated", "segment-outside-bucket", "digest", "negative-version"],
 )
-def test_corrupted_metadata_is_refused_and_changes_nothing(fleet: tuple, message: str, problem: str) -> None:
+def test_corrupted_metadata_is_refused_and_changes_nothing(
+    fleet: tuple, message: str, problem: str
+) -> None:
     trainer, workers = fleet
     ray.get(trainer.push_zoo.remote(20), timeout=TIMEOUT)
     before = state(workers)
@@ -185,7 +206,10 @@ def test_corrupted_metadata_is_refused_and_changes_nothing(fleet: tuple, message
     assert not reply.accepted and any(problem in p for p in reply.problems), reply
     assert state(workers) == before
     result = ray.get(trainer.push_zoo.remote(21), timeout=TIMEOUT)  # the protocol goes on
-    assert state(workers) == ([result.version] * WORKERS, [state_dict_digests(zoo(21, big=BIG))] * WORKERS)
+    assert state(workers) == (
+        [result.version] * WORKERS,
+        [state_dict_digests(zoo(21, big=BIG))] * WORKERS,
+    )
 
 
 def test_a_named_version_labels_the_push_and_one_not_past_the_workers_is_refused(
@@ -223,7 +247,10 @@ def test_a_new_trainer_continues_past_every_version_the_workers_were_sent(
             ray.get(first.push_zoo.remote(seed), timeout=TIMEOUT)
         ray.get(first.close.remote(), timeout=TIMEOUT)
         second = Trainer.remote(workers)
-        with pytest.raises(ValueError, match=r"version 2 is not past what these workers were already pushed \(up to 3\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"version 2 is not past what these workers were already pushed \(up to 3\)",
+        ):
             ray.get(second.push_zoo.remote(4, version=2), timeout=TIMEOUT)
         assert state(workers)[0] == [3, 3]
         assert ray.get(second.push_zoo.remote(4), timeout=TIMEOUT).version == 4

@@ -144,7 +144,9 @@ def test_pushes_alternating_between_plans_stay_at_one_call(fleet: tuple[list, li
     the trainer's record of what it holds."""
     (trainer, *_), workers = fleet
     ray.get(trainer.push_zoo.remote(13), timeout=TIMEOUT)
-    ray.get(trainer.push_partial_zoo.remote(14, ["float32_matrix", "int64_matrix"]), timeout=TIMEOUT)
+    ray.get(
+        trainer.push_partial_zoo.remote(14, ["float32_matrix", "int64_matrix"]), timeout=TIMEOUT
+    )
     counted(workers)
     for seed in (15, 16):
         full = ray.get(trainer.push_zoo.remote(seed), timeout=TIMEOUT)

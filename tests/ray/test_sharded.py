@@ -19,8 +19,13 @@ def trainers(ray_cluster: None) -> Iterator[tuple[list, list]]:
     workers = [LMWorker.remote(fused=False) for _ in range(2)]
     ranks = [ShardedTrainer.remote(rank, 2) for rank in range(2)]
     port = ray.get(ranks[0].port.remote(), timeout=TIMEOUT)
-    ray.get([ranks[0].setup.remote(port, workers, bucket_bytes=1024, check_finite=True),
-             ranks[1].setup.remote(port, None)], timeout=TIMEOUT)
+    ray.get(
+        [
+            ranks[0].setup.remote(port, workers, bucket_bytes=1024, check_finite=True),
+            ranks[1].setup.remote(port, None),
+        ],
+        timeout=TIMEOUT,
+    )
     try:
         yield ranks, workers
     finally:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from weight_sync import SyncConfig
-from weight_sync.adapters.sglang import SGLangServer, SGLangServers, ServerError
+from weight_sync.adapters.sglang import ServerError, SGLangServer, SGLangServers
 
 
 def test_the_trainer_side_imports_without_sglang_or_ray() -> None:

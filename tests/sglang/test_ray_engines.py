@@ -21,7 +21,7 @@ from weight_sync.versions import unlabelled
 
 ray = pytest.importorskip("ray")
 
-from weight_sync.adapters.sglang.engine import ActorEngine, SGLangUpdater, start_engine  # noqa: E402
+from weight_sync.adapters.sglang.engine import ActorEngine, SGLangUpdater, start_engine
 
 pytestmark = pytest.mark.timeout(900)
 TOLERANCE = 1e-4

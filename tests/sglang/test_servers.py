@@ -33,15 +33,15 @@ from tests.sglang.helpers import (
 from tests.vllm.models import LLAMA, QWEN2
 from weight_sync import PlanMismatchError, SyncConfig
 from weight_sync.adapters.sglang import (
+    ServerError,
     SGLangPusher,
     SGLangServer,
     SGLangServers,
-    ServerError,
     release_servers,
 )
 from weight_sync.adapters.sglang.client import HTTPEngine
 from weight_sync.http import call
-from weight_sync.serving import start_together
+from weight_sync.server_launcher import start_together
 from weight_sync.versions import label_past, label_version, unlabelled
 
 pytestmark = pytest.mark.timeout(900)

@@ -27,7 +27,9 @@ def outcomes(n: int, **fields) -> Outcomes:
         ({"died": {0: "actor died"}, "late": [2]}, WorkerFailedError, [0, 2], [0, 2]),
     ],
 )
-def test_blame_table(fields: dict, error: type, blamed: list[int] | None, unreachable: list[int]) -> None:
+def test_blame_table(
+    fields: dict, error: type, blamed: list[int] | None, unreachable: list[int]
+) -> None:
     result = outcomes(3, **fields)
     assert not result.ok
     assert result.unreachable == unreachable
@@ -60,7 +62,7 @@ def test_all_answered_is_ok() -> None:
 def test_followers_of_a_relay_that_failed_to_join_are_not_blamed_for_it(
     fields: dict, late: list[int], collateral: list[int]
 ) -> None:
-    from weight_sync.formation import _excuse_followers
+    from weight_sync.send.formation import _excuse_followers
 
     got = outcomes(4, **fields)
     _excuse_followers(got, {1: 0, 2: 0})

@@ -5,7 +5,13 @@ import pytest
 import torch
 
 from weight_sync import SyncConfig
-from weight_sync.entries import (
+from weight_sync.mapping import fuse
+from weight_sync.metadata import WIRE_VERSION, PrepareRequest, TensorMeta
+from weight_sync.packing import read_values
+from weight_sync.planner import make_plan
+from weight_sync.receive.buckets import Targets
+from weight_sync.receiver import Receiver, accept_all, check_plan
+from weight_sync.send.checks import (
     _entries,
     _plain_entries,
     check_state_dict,
@@ -13,13 +19,7 @@ from weight_sync.entries import (
     finite_flags,
     is_finite,
 )
-from weight_sync.mapping import fuse
-from weight_sync.metadata import WIRE_VERSION, PrepareRequest, TensorMeta
-from weight_sync.packing import read_values
-from weight_sync.planner import make_plan
-from weight_sync.receive.buckets import Targets
-from weight_sync.receiver import Receiver, accept_all, check_plan
-from weight_sync.sender import PushPlanner
+from weight_sync.send.sender import PushPlanner
 
 
 def expected_of(**tensors: torch.Tensor) -> dict[str, TensorMeta]:
@@ -40,8 +40,14 @@ MODEL = expected_of(w=torch.zeros(4, 4), b=torch.zeros(4))
         (plan_of(b=torch.zeros(4), w=torch.zeros(4, 4)), []),  # order does not matter
         (plan_of(w=torch.zeros(4, 4), b=torch.zeros(4), x=torch.zeros(1)), ["unknown tensor 'x'"]),
         (plan_of(w=torch.zeros(4, 4)), ["missing tensor 'b'"]),
-        (plan_of(w=torch.zeros(4, 5), b=torch.zeros(4)), ["'w': sent float32[4, 5], model has float32[4, 4]"]),
-        (plan_of(w=torch.zeros(4, 4), b=torch.zeros(4, dtype=torch.float16)), ["'b': sent float16[4], model has float32[4]"]),
+        (
+            plan_of(w=torch.zeros(4, 5), b=torch.zeros(4)),
+            ["'w': sent float32[4, 5], model has float32[4, 4]"],
+        ),
+        (
+            plan_of(w=torch.zeros(4, 4), b=torch.zeros(4, dtype=torch.float16)),
+            ["'b': sent float16[4], model has float32[4]"],
+        ),
     ],
 )
 def test_check_plan_table(plan, problems: list[str]) -> None:
@@ -62,7 +68,9 @@ def test_check_plan_table_for_partial_pushes(plan, problems: list[str]) -> None:
 
 
 def test_check_plan_counts_tied_names_as_sent() -> None:
-    entries = check_state_dict({"w": (w := torch.zeros(4, 4)), "head": w, "b": torch.zeros(4)}, SyncConfig())
+    entries = check_state_dict(
+        {"w": (w := torch.zeros(4, 4)), "head": w, "b": torch.zeros(4)}, SyncConfig()
+    )
     plan = PushPlanner(SyncConfig(), torch.device("cpu")).plan(entries)
     model = {**MODEL, "head": MODEL["w"].model_copy(update={"name": "head"})}
     assert [t.name for t in plan.tensors] == ["w", "b"] and check_plan(plan, model) == []
@@ -102,7 +110,9 @@ def test_check_plan_accepts_anything_without_a_target() -> None:
 
 
 def request(plan, version: int = 1, with_plan: bool = True) -> str:
-    return PrepareRequest(version=version, plan_digest=plan.digest, plan=plan if with_plan else None).model_dump_json()
+    return PrepareRequest(
+        version=version, plan_digest=plan.digest, plan=plan if with_plan else None
+    ).model_dump_json()
 
 
 def test_receiver_refuses_oversized_and_malformed_metadata() -> None:
@@ -139,9 +149,16 @@ def test_receiver_refuses_oversized_and_malformed_metadata() -> None:
     [
         ({"w": [1.0, 2.0]}, TypeError, "expected a torch.Tensor, got list; push name -> tensor"),
         # the common mistakes, each told what to pass instead
-        ({"model": {"w": torch.zeros(1)}, "step": 3}, TypeError,
-         r"'model': expected a torch.Tensor, got dict; a whole checkpoint .*checkpoint\['model'\]"),
-        ({"encoder": torch.nn.Linear(2, 2)}, TypeError, r"push model.state_dict\(\), not the module"),
+        (
+            {"model": {"w": torch.zeros(1)}, "step": 3},
+            TypeError,
+            r"'model': expected a torch.Tensor, got dict; a whole checkpoint .*checkpoint\['model'\]",
+        ),
+        (
+            {"encoder": torch.nn.Linear(2, 2)},
+            TypeError,
+            r"push model.state_dict\(\), not the module",
+        ),
         (torch.nn.Linear(2, 2), TypeError, r"not a Linear: model.state_dict\(\)"),
         (torch.zeros(3), TypeError, r"not a Tensor: model.state_dict\(\)"),
         (["w"], TypeError, "pairs, got str; push a state dict"),
@@ -230,18 +247,26 @@ def test_the_plan_is_reused_while_the_layout_is_unchanged() -> None:
     planner = PushPlanner(SyncConfig(bucket_bytes=1024), torch.device("cpu"))
     first = planner.plan(check_state_dict({"a": torch.zeros(10), "b": torch.ones(3)}, SyncConfig()))
     same = planner.plan(check_state_dict({"a": torch.ones(10), "b": torch.zeros(3)}, SyncConfig()))
-    reshaped = planner.plan(check_state_dict({"a": torch.zeros(2, 5), "b": torch.ones(3)}, SyncConfig()))
+    reshaped = planner.plan(
+        check_state_dict({"a": torch.zeros(2, 5), "b": torch.ones(3)}, SyncConfig())
+    )
     assert same is first  # new values, same layout: no re-planning, no new digest
     assert reshaped is not first and reshaped.digest != first.digest
 
 
 def test_rename_maps_drops_and_refuses_collisions() -> None:
-    entries = check_state_dict({"model.w": torch.zeros(1), "model.rope": torch.zeros(2)}, SyncConfig(),
-                               rename=lambda n: None if n.endswith("rope") else n.removeprefix("model."))
+    entries = check_state_dict(
+        {"model.w": torch.zeros(1), "model.rope": torch.zeros(2)},
+        SyncConfig(),
+        rename=lambda n: None if n.endswith("rope") else n.removeprefix("model."),
+    )
     assert entries.names == ["w"]
     with pytest.raises(ValueError, match=r"'w' appears twice \(after renaming\)"):
-        check_state_dict({"a.w": torch.zeros(1), "b.w": torch.zeros(1)}, SyncConfig(),
-                         rename=lambda n: n.split(".")[-1])
+        check_state_dict(
+            {"a.w": torch.zeros(1), "b.w": torch.zeros(1)},
+            SyncConfig(),
+            rename=lambda n: n.split(".")[-1],
+        )
     with pytest.raises(TypeError, match="returned int"):
         check_state_dict({"w": torch.zeros(1)}, SyncConfig(), rename=lambda n: 3)  # type: ignore[arg-type,return-value]
 
@@ -254,9 +279,23 @@ def test_rename_maps_drops_and_refuses_collisions() -> None:
         (torch.tensor([1 + 1j, complex(float("inf"), 0)]), True),
         (torch.tensor([1.0, 2.0], dtype=torch.float16), False),
         (torch.zeros(0), False),
-        (torch.full((10,), 1e308, dtype=torch.float64), False),  # the sum overflows; values are finite
-        (torch.full((100_000,), 60_000.0, dtype=torch.float16), False),  # likewise in half precision
-        (torch.cat([torch.full((10,), 1e308, dtype=torch.float64), torch.tensor([float("nan")], dtype=torch.float64)]), True),
+        (
+            torch.full((10,), 1e308, dtype=torch.float64),
+            False,
+        ),  # the sum overflows; values are finite
+        (
+            torch.full((100_000,), 60_000.0, dtype=torch.float16),
+            False,
+        ),  # likewise in half precision
+        (
+            torch.cat(
+                [
+                    torch.full((10,), 1e308, dtype=torch.float64),
+                    torch.tensor([float("nan")], dtype=torch.float64),
+                ]
+            ),
+            True,
+        ),
         (torch.tensor([1, 2]), False),  # integers are always finite
         (torch.zeros(4).to(torch.float8_e4m3fn), False),  # no isfinite kernel: not checked
     ],
@@ -283,7 +322,9 @@ def test_finiteness_check_table(tensor: torch.Tensor, refused: bool) -> None:
         (torch.tensor([70_000], dtype=torch.int64), "float16", False),  # integers are not cast
     ],
 )
-def test_finiteness_check_looks_through_the_cast(tensor: torch.Tensor, cast: str, refused: bool) -> None:
+def test_finiteness_check_looks_through_the_cast(
+    tensor: torch.Tensor, cast: str, refused: bool
+) -> None:
     config = SyncConfig(check_finite=True, cast_dtype=cast)
     if refused:
         with pytest.raises(ValueError, match=f"beyond torch.{cast}'s range"):

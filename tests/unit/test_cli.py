@@ -3,7 +3,9 @@ import pytest
 from weight_sync.cli import main
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["bench", "--help"], ["job", "--help"]])
+@pytest.mark.parametrize(
+    "argv", [["--help"], ["demo", "--help"], ["bench", "--help"], ["job", "--help"]]
+)
 def test_every_command_has_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
@@ -14,7 +16,13 @@ def test_every_command_has_help(argv: list[str], capsys: pytest.CaptureFixture[s
 
 @pytest.mark.parametrize(
     "argv",
-    [[], ["demo", "--workers", "0"], ["frobnicate"], ["job", "--size-mb", "nan"], ["job", "--gpus", "maybe"]],
+    [
+        [],
+        ["demo", "--workers", "0"],
+        ["frobnicate"],
+        ["job", "--size-mb", "nan"],
+        ["job", "--gpus", "maybe"],
+    ],
 )
 def test_bad_arguments_exit_with_usage(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
@@ -35,4 +43,6 @@ def test_version_is_printed(capsys: pytest.CaptureFixture[str]) -> None:
 
     with pytest.raises(SystemExit) as exited:
         main(["--version"])
-    assert exited.value.code == 0 and capsys.readouterr().out.strip() == f"weight-sync {__version__}"
+    assert (
+        exited.value.code == 0 and capsys.readouterr().out.strip() == f"weight-sync {__version__}"
+    )

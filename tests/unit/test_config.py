@@ -77,7 +77,12 @@ def test_timeouts_left_out_are_derived_from_those_given(
     given: dict, push: float, collective: float, rendezvous: float, rpc: float
 ) -> None:
     config = SyncConfig(**given)
-    got = (config.push_timeout_s, config.collective_timeout_s, config.rendezvous_timeout_s, config.rpc_timeout_s)
+    got = (
+        config.push_timeout_s,
+        config.collective_timeout_s,
+        config.rendezvous_timeout_s,
+        config.rpc_timeout_s,
+    )
     assert got == pytest.approx((push, collective, rendezvous, rpc))
 
 

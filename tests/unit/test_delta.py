@@ -35,12 +35,12 @@ from weight_sync.delta.layout import (
 )
 from weight_sync.delta.lineage import next_base
 from weight_sync.delta.transfer import Patcher
-from weight_sync.entries import check_state_dict
 from weight_sync.errors import WeightSyncError
 from weight_sync.metadata import SyncPlan, TensorMeta, Tied
 from weight_sync.packing import Packer, Unpacker, bucket_buffers, byte_view
 from weight_sync.planner import align_up, make_plan
-from weight_sync.sender import PushPlanner
+from weight_sync.send.checks import check_state_dict
+from weight_sync.send.sender import PushPlanner
 
 CPU = torch.device("cpu")
 
@@ -60,7 +60,9 @@ CPU = torch.device("cpu")
         (3, 10, 16, SPARSE),
     ],
 )
-def test_each_span_travels_the_smaller_way(count: int, elements: int, itemsize: int, way: int) -> None:
+def test_each_span_travels_the_smaller_way(
+    count: int, elements: int, itemsize: int, way: int
+) -> None:
     assert encoding(count, elements, itemsize) == way
 
 
@@ -86,12 +88,18 @@ def test_a_tensor_s_spans_travel_as_each_would_alone(itemsize: int, numel: int) 
          [(0, RUN_SPANS - 1, NONE), (RUN_SPANS - 1, RUN_SPANS, SPARSE), (RUN_SPANS, RUN_SPANS + 1, SPARSE)]),
     ],
 )  # fmt: skip
-def test_runs_are_maximal_and_never_cross_a_piece(ways: list[int], runs: list[tuple[int, int, int]]) -> None:
+def test_runs_are_maximal_and_never_cross_a_piece(
+    ways: list[int], runs: list[tuple[int, int, int]]
+) -> None:
     assert span_runs(ways) == runs
 
 
-def plan_of(*shapes: tuple[int, ...], direct: tuple[bool, ...] = (), tied: tuple[Tied, ...] = ()) -> SyncPlan:
-    metas = [TensorMeta(name=f"t{i}", dtype="float32", shape=shape) for i, shape in enumerate(shapes)]
+def plan_of(
+    *shapes: tuple[int, ...], direct: tuple[bool, ...] = (), tied: tuple[Tied, ...] = ()
+) -> SyncPlan:
+    metas = [
+        TensorMeta(name=f"t{i}", dtype="float32", shape=shape) for i, shape in enumerate(shapes)
+    ]
     return make_plan(metas, 1 << 20, 64, direct, tied)
 
 
@@ -178,7 +186,9 @@ def test_a_layout_cuts_a_delta_into_eighths_or_more() -> None:
     [([0, 0], "has 2 counts"), ([0, 0, -1], "-1 changes"), ([SPAN + 1, 0, 0], "changes in span 0"),
      ([0, 0, 11], "11 changes in span 1")],
 )  # fmt: skip
-def test_a_header_that_cannot_belong_to_the_plan_is_refused(counts: list[int], problem: str) -> None:
+def test_a_header_that_cannot_belong_to_the_plan_is_refused(
+    counts: list[int], problem: str
+) -> None:
     plan = plan_of((SPAN,), (SPAN + 10,))
     with pytest.raises(ValueError, match=problem):
         check_counts(plan, counts)
@@ -199,7 +209,9 @@ A, B, C = "0" * 16 + ":1", "0" * 16 + ":2", "0" * 16 + ":3"
         (A, A, None, True, None),  # the trainer keeps no copy
     ],
 )
-def test_lineage(held: str | None, built_on: str | None, new: str | None, full: bool, after: str | None) -> None:
+def test_lineage(
+    held: str | None, built_on: str | None, new: str | None, full: bool, after: str | None
+) -> None:
     assert next_base(held, built_on, new, full) == after
 
 
@@ -237,7 +249,9 @@ def transfer(baseline: Baseline, plan: SyncPlan, tensors: list[torch.Tensor],
     return layout.plan.nbytes
 
 
-def change(tensors: dict[str, torch.Tensor], fraction: float, seed: int, finite: bool = False) -> None:
+def change(
+    tensors: dict[str, torch.Tensor], fraction: float, seed: int, finite: bool = False
+) -> None:
     """Overwrite ``fraction`` of the elements of every contiguous tensor with random bits
     (``finite``: fp32 ones with random normal values, which hold no NaN for the fused kernels
     to leave to NumPy)."""
@@ -245,7 +259,9 @@ def change(tensors: dict[str, torch.Tensor], fraction: float, seed: int, finite:
     for tensor in tensors.values():
         if tensor.is_contiguous() and tensor.numel() > 4:
             rows = tensor.view(-1).view(torch.uint8).view(tensor.numel(), tensor.element_size())
-            picked = torch.randint(0, tensor.numel(), (max(1, int(tensor.numel() * fraction)),), generator=gen)
+            picked = torch.randint(
+                0, tensor.numel(), (max(1, int(tensor.numel() * fraction)),), generator=gen
+            )
             if finite and tensor.dtype == torch.float32:
                 tensor.view(-1)[picked] = torch.randn(picked.numel(), generator=gen)
                 continue
@@ -254,8 +270,12 @@ def change(tensors: dict[str, torch.Tensor], fraction: float, seed: int, finite:
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-@pytest.mark.parametrize(("cast", "fused"), [(None, False), ("bfloat16", False), ("bfloat16", True)])
-@pytest.mark.parametrize(("bucket_bytes", "fraction"), [(4096, 0.01), (1 << 20, 0.01), (1 << 20, 0.2)])
+@pytest.mark.parametrize(
+    ("cast", "fused"), [(None, False), ("bfloat16", False), ("bfloat16", True)]
+)
+@pytest.mark.parametrize(
+    ("bucket_bytes", "fraction"), [(4096, 0.01), (1 << 20, 0.01), (1 << 20, 0.2)]
+)
 def test_deltas_rebuild_every_dtype_bit_for_bit(cast: str | None, fused: bool, bucket_bytes: int, fraction: float, threads: int) -> None:  # fmt: skip
     """The zoo (every dtype, views, split tensors), changed at random again and again: after each
     delta the worker's tensors equal the trainer's copy byte for byte, and far fewer bytes
@@ -268,19 +288,28 @@ def test_deltas_rebuild_every_dtype_bit_for_bit(cast: str | None, fused: bool, b
     config = SyncConfig(bucket_bytes=bucket_bytes, direct_min_bytes=100_000, cast_dtype=cast)
     entries = check_state_dict(tensors, config)
     plan = PushPlanner(config, CPU).plan(entries)
-    destinations = {name: torch.zeros(meta.shape, dtype=meta.torch_dtype) for name, meta in plan.metas().items()}
+    destinations = {
+        name: torch.zeros(meta.shape, dtype=meta.torch_dtype) for name, meta in plan.metas().items()
+    }
     baseline = Baseline(threads=threads, fused=fused)
-    assert transfer(baseline, plan, entries.tensors, destinations, bucket_bytes, delta=False) >= plan.payload_bytes
+    assert (
+        transfer(baseline, plan, entries.tensors, destinations, bucket_bytes, delta=False)
+        >= plan.payload_bytes
+    )
     for step in range(3):
         change(tensors, fraction, seed=step, finite=fused)
         sent = transfer(baseline, plan, entries.tensors, destinations, bucket_bytes)
         assert sent < plan.nbytes * (0.1 if fraction < 0.05 else 0.8)
         for name in plan.metas():
-            held = baseline._bytes.get(plan.tensors[_index(plan, name)].name, torch.empty(0, dtype=torch.uint8))
+            held = baseline._bytes.get(
+                plan.tensors[_index(plan, name)].name, torch.empty(0, dtype=torch.uint8)
+            )
             assert torch.equal(byte_view(destinations[name].contiguous()), held), name
         if cast is None:  # without a cast, the copy is the trainer's tensors themselves
             for name, tensor in tensors.items():
-                assert torch.equal(byte_view(destinations[name].contiguous()), byte_view(tensor.contiguous())), name
+                assert torch.equal(
+                    byte_view(destinations[name].contiguous()), byte_view(tensor.contiguous())
+                ), name
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -289,7 +318,10 @@ def test_a_blob_split_over_buckets_is_encoded_once(threads: int) -> None:
     packer copies first there: the split blob is read again after another, and must not be
     compared again (its changes are already in the copy: nothing would be found)."""
     gen = torch.Generator().manual_seed(5)
-    tensors = {"a": torch.randn(RUN_SPANS * SPAN, generator=gen), "b": torch.randn(1000, generator=gen)}
+    tensors = {
+        "a": torch.randn(RUN_SPANS * SPAN, generator=gen),
+        "b": torch.randn(1000, generator=gen),
+    }
     config = SyncConfig(direct_min_bytes=None)
     entries = check_state_dict(tensors, config)
     plan = PushPlanner(config, CPU).plan(entries)
@@ -297,12 +329,14 @@ def test_a_blob_split_over_buckets_is_encoded_once(threads: int) -> None:
     baseline = Baseline(threads=threads, fused=False)  # it keeps the first blob while scanning
     transfer(baseline, plan, entries.tensors, destinations, config.bucket_bytes, delta=False)
     before = {name: tensor.clone() for name, tensor in tensors.items()}
-    tensors["a"].view(-1)[torch.randperm(RUN_SPANS * SPAN, generator=gen)[: 300_000]] += 1
+    tensors["a"].view(-1)[torch.randperm(RUN_SPANS * SPAN, generator=gen)[:300_000]] += 1
     tensors["b"][3] += 1
     counts = [int((before[meta.name] != tensors[meta.name]).view(-1)[at : at + SPAN].sum())
               for meta in plan.tensors for at in range(0, math.prod(meta.shape), SPAN)]  # fmt: skip
     layout = delta_layout(plan, counts, config.bucket_bytes)
-    buckets = [[layout.plan.tensors[seg.tensor].name for seg in b.segments] for b in layout.plan.buckets]
+    buckets = [
+        [layout.plan.tensors[seg.tensor].name for seg in b.segments] for b in layout.plan.buckets
+    ]
     assert len(buckets) == 2 and buckets[0] == buckets[1][:1] and len(buckets[1]) == 2, buckets
     transfer(baseline, plan, entries.tensors, destinations, config.bucket_bytes)
     for name, tensor in tensors.items():
@@ -321,7 +355,9 @@ def test_a_step_during_a_push_fails_it_and_no_encoding_thread_outlives_it(fused:
     entries = check_state_dict(tensors, config)
     plan = PushPlanner(config, CPU).plan(entries)
     baseline = Baseline(threads=3, fused=fused)
-    destinations = {name: torch.zeros(4 * SPAN, dtype=plan.tensors[0].torch_dtype) for name in tensors}
+    destinations = {
+        name: torch.zeros(4 * SPAN, dtype=plan.tensors[0].torch_dtype) for name in tensors
+    }
     transfer(baseline, plan, entries.tensors, destinations, 1 << 20, delta=False)
     change(tensors, 0.3, seed=1, finite=fused)  # past what a scan keeps encoded
     assert encoding_threads() == 0
@@ -350,7 +386,14 @@ def test_a_change_moved_to_another_span_mid_push_fails_it(fused: bool, monkeypat
     entries = check_state_dict({"w": w}, config)
     plan = PushPlanner(config, CPU).plan(entries)
     baseline = Baseline(threads=1, fused=fused)
-    transfer(baseline, plan, entries.tensors, {"w": torch.zeros(2 * SPAN, dtype=torch.bfloat16)}, 1 << 20, delta=False)
+    transfer(
+        baseline,
+        plan,
+        entries.tensors,
+        {"w": torch.zeros(2 * SPAN, dtype=torch.bfloat16)},
+        1 << 20,
+        delta=False,
+    )
     old = w[9].clone()
     w[[5, 9, SPAN + 3]] += 1.0
     baseline.begin()

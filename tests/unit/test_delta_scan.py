@@ -19,7 +19,7 @@ from weight_sync.delta import baseline as baseline_module
 from weight_sync.delta import kernels
 from weight_sync.delta.baseline import _ENCODED_BUDGET, PIECE, Baseline, kept_bytes
 from weight_sync.delta.codec import encode_sparse, words
-from weight_sync.delta.fused import FusedKernels
+from weight_sync.delta.kernel_loader import FusedKernels
 from weight_sync.delta.layout import (
     DENSE,
     RUN_SPANS,
@@ -32,10 +32,10 @@ from weight_sync.delta.layout import (
     spans_of,
 )
 from weight_sync.delta.layout import sparse_bytes as blob_bytes
-from weight_sync.entries import Entries, check_state_dict
 from weight_sync.metadata import SyncPlan
 from weight_sync.packing import Packer, bucket_buffers
-from weight_sync.sender import PushPlanner
+from weight_sync.send.checks import Entries, check_state_dict
+from weight_sync.send.sender import PushPlanner
 
 CPU = torch.device("cpu")
 Encoded = dict[tuple[str, int], torch.Tensor]
@@ -98,18 +98,24 @@ def fill(baseline: Baseline, plan: SyncPlan, tensors: list[torch.Tensor]) -> Non
     baseline.finish(plan, 1, False)
 
 
-def change(tensor: torch.Tensor, pattern: list[float], gen: torch.Generator, finite: bool = False) -> None:
+def change(
+    tensor: torch.Tensor, pattern: list[float], gen: torch.Generator, finite: bool = False
+) -> None:
     """Give each span of ``tensor`` (in place) its density of random bytes (``finite``: of
     random normal values, which the fused kernels compare; random fp32 bytes hold NaNs)."""
     rows = tensor.view(-1).view(torch.uint8).view(tensor.numel(), tensor.element_size())
     for span in range(spans_of(tensor.numel())):
         elements = span_elements(tensor.numel(), span)
-        picked = torch.randperm(elements, generator=gen)[: round(elements * pattern[span % len(pattern)])]
+        picked = torch.randperm(elements, generator=gen)[
+            : round(elements * pattern[span % len(pattern)])
+        ]
         picked += span * SPAN
         if finite:
             tensor.view(-1)[picked] = torch.randn(picked.numel(), generator=gen, dtype=tensor.dtype)
         else:
-            rows[picked] = torch.randint(0, 256, (picked.numel(), rows.shape[1]), dtype=torch.uint8, generator=gen)
+            rows[picked] = torch.randint(
+                0, 256, (picked.numel(), rows.shape[1]), dtype=torch.uint8, generator=gen
+            )
 
 
 def model(dtype: torch.dtype, gen: torch.Generator, finite: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:  # fmt: skip
@@ -219,11 +225,16 @@ def test_partial_pushes_new_and_reshaped_tensors(threads: int) -> None:
     stepped(baseline, tensors, patterns, config, gen)
     part = {name: tensors[name] for name in ["mixed_big", "sparse_tail", "heavy_short"]}
     part["new"] = torch.randn(SPAN + 9, generator=gen)
-    part["sparse_short"] = tensors["sparse_short"][: SPAN - 3].clone()  # held with SPAN - 1 elements
+    part["sparse_short"] = tensors["sparse_short"][
+        : SPAN - 3
+    ].clone()  # held with SPAN - 1 elements
     entries = check_state_dict(part, config)
     partial = PushPlanner(config, CPU).plan(entries)
     counts, _ = scan_both(baseline, partial, entries.tensors, threads)
-    assert counts[-1:] == [SPAN - 3] and counts[-3:-1] == [SPAN, 9]  # sparse_short, new: all changed
+    assert counts[-1:] == [SPAN - 3] and counts[-3:-1] == [
+        SPAN,
+        9,
+    ]  # sparse_short, new: all changed
     assert "sparse_big" in baseline._bytes
 
 
@@ -248,7 +259,9 @@ def test_bits_not_numbers(threads: int) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_a_failing_thread_fails_the_scan_and_every_thread_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failing_thread_fails_the_scan_and_every_thread_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     gen = torch.Generator().manual_seed(1)
     tensors, patterns = model(torch.float32, gen)
     config = SyncConfig(direct_min_bytes=None)
@@ -265,7 +278,9 @@ def test_a_failing_thread_fails_the_scan_and_every_thread_ends(monkeypatch: pyte
     monkeypatch.setattr(baseline_module, "encode_sparse_rows", failing)
     with pytest.raises(RuntimeError, match="no memory left"):
         baseline.scan(plan, entries.tensors)
-    assert not [thread for thread in threading.enumerate() if thread.name.startswith("weight-sync-scan")]
+    assert not [
+        thread for thread in threading.enumerate() if thread.name.startswith("weight-sync-scan")
+    ]
 
 
 def spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:

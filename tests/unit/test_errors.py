@@ -38,5 +38,10 @@ def test_plan_mismatch_message_names_workers_and_truncates() -> None:
 
 def test_timeout_is_also_a_builtin_timeout() -> None:
     assert issubclass(SyncTimeoutError, TimeoutError)
-    assert set(weight_sync.__all__) >= {"WeightSyncError", "PlanMismatchError", "SyncTimeoutError",
-                                        "WorkerFailedError", "TransportError"}
+    assert set(weight_sync.__all__) >= {
+        "WeightSyncError",
+        "PlanMismatchError",
+        "SyncTimeoutError",
+        "WorkerFailedError",
+        "TransportError",
+    }

@@ -24,13 +24,36 @@ QKV = fuse(["q_proj", "k_proj", "v_proj"], into="qkv_proj")
         (rename(lambda n: None if "rotary" in n else n), ["a", "rotary.inv", "b"], ["a", "b"]),
         (QKV, ["l0.q_proj.w", "l0.k_proj.w", "l0.v_proj.w", "l0.o.w"], ["l0.qkv_proj.w", "l0.o.w"]),
         # parts in any order, interleaved across layers: each group is emitted when complete
-        (QKV, ["l0.v_proj.w", "l1.q_proj.w", "l0.q_proj.w", "l1.k_proj.w", "l0.k_proj.w",
-               "l1.v_proj.w"], ["l0.qkv_proj.w", "l1.qkv_proj.w"]),
-        (QKV, ["l0.q_proj.w", "l0.k_proj.w", "l0.v_proj.w", "l0.q_proj.b", "l0.k_proj.b",
-               "l0.v_proj.b"], ["l0.qkv_proj.w", "l0.qkv_proj.b"]),
+        (
+            QKV,
+            [
+                "l0.v_proj.w",
+                "l1.q_proj.w",
+                "l0.q_proj.w",
+                "l1.k_proj.w",
+                "l0.k_proj.w",
+                "l1.v_proj.w",
+            ],
+            ["l0.qkv_proj.w", "l1.qkv_proj.w"],
+        ),
+        (
+            QKV,
+            [
+                "l0.q_proj.w",
+                "l0.k_proj.w",
+                "l0.v_proj.w",
+                "l0.q_proj.b",
+                "l0.k_proj.b",
+                "l0.v_proj.b",
+            ],
+            ["l0.qkv_proj.w", "l0.qkv_proj.b"],
+        ),
         (QKV, ["q_proj_extra.w", "x.q_proj2"], ["q_proj_extra.w", "x.q_proj2"]),  # whole parts only
-        (chain(QKV, rename(lambda n: n.replace("l0.", "layers.0."))),
-         ["l0.q_proj.w", "l0.k_proj.w", "l0.v_proj.w"], ["layers.0.qkv_proj.w"]),
+        (
+            chain(QKV, rename(lambda n: n.replace("l0.", "layers.0."))),
+            ["l0.q_proj.w", "l0.k_proj.w", "l0.v_proj.w"],
+            ["layers.0.qkv_proj.w"],
+        ),
         (chain(), ["a"], ["a"]),
     ],
 )
@@ -52,10 +75,24 @@ def test_fuse_concatenates_in_the_order_of_parts(dim: int, shape: tuple[int, ...
     [
         (stream("a.q_proj.w", "a.k_proj.w"), ValueError, r"parts \['v_proj'\] are missing"),
         (stream("a.q_proj.w", "a.q_proj.w"), ValueError, "appears twice"),
-        ([("a.q_proj.w", torch.zeros(2, 3)), ("a.k_proj.w", torch.zeros(2, 3, dtype=torch.float16)),
-          ("a.v_proj.w", torch.zeros(2, 3))], ValueError, "differ in dtype"),
-        ([("a.q_proj.w", torch.zeros(2, 3)), ("a.k_proj.w", torch.zeros(2, 4)),
-          ("a.v_proj.w", torch.zeros(2, 3))], ValueError, r"shapes \[\(2, 3\), \(2, 4\), \(2, 3\)\]"),
+        (
+            [
+                ("a.q_proj.w", torch.zeros(2, 3)),
+                ("a.k_proj.w", torch.zeros(2, 3, dtype=torch.float16)),
+                ("a.v_proj.w", torch.zeros(2, 3)),
+            ],
+            ValueError,
+            "differ in dtype",
+        ),
+        (
+            [
+                ("a.q_proj.w", torch.zeros(2, 3)),
+                ("a.k_proj.w", torch.zeros(2, 4)),
+                ("a.v_proj.w", torch.zeros(2, 3)),
+            ],
+            ValueError,
+            r"shapes \[\(2, 3\), \(2, 4\), \(2, 3\)\]",
+        ),
     ],
 )
 def test_fuse_refuses(items, error: type, message: str) -> None:
@@ -65,7 +102,11 @@ def test_fuse_refuses(items, error: type, message: str) -> None:
 
 @pytest.mark.parametrize(
     ("parts", "into", "message"),
-    [(["q"], "qk", "at least two"), (["q", "q"], "qq", "at least two"), (["q", "k"], "a.b", "single name")],
+    [
+        (["q"], "qk", "at least two"),
+        (["q", "q"], "qq", "at least two"),
+        (["q", "k"], "a.b", "single name"),
+    ],
 )
 def test_fuse_arguments_are_checked_up_front(parts, into: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from weight_sync.metadata import (
-    BucketMeta,
     MAX_DELTA_SECTIONS,
+    BucketMeta,
     GroupSpec,
     PrepareRequest,
     Segment,
@@ -20,11 +20,19 @@ def t(name: str, n: int, dtype: str = "float32") -> dict:
 
 
 def seg(tensor: int, tensor_offset: int, bucket_offset: int, nbytes: int) -> dict:
-    return {"tensor": tensor, "tensor_offset": tensor_offset, "bucket_offset": bucket_offset, "nbytes": nbytes}
+    return {
+        "tensor": tensor,
+        "tensor_offset": tensor_offset,
+        "bucket_offset": bucket_offset,
+        "nbytes": nbytes,
+    }
 
 
-GOOD = {"alignment": 16, "tensors": [t("a", 4), t("b", 8)],
-        "buckets": [{"nbytes": 48, "segments": [seg(0, 0, 0, 16), seg(1, 0, 16, 32)]}]}
+GOOD = {
+    "alignment": 16,
+    "tensors": [t("a", 4), t("b", 8)],
+    "buckets": [{"nbytes": 48, "segments": [seg(0, 0, 0, 16), seg(1, 0, 16, 32)]}],
+}
 
 
 def with_changes(**changes) -> dict:
@@ -40,25 +48,88 @@ def test_good_plan_parses() -> None:
     ("plan", "message"),
     [
         (with_changes(tensors=[t("a", 4), t("a", 8)]), "duplicate"),
-        (with_changes(buckets=[{"nbytes": 48, "segments": [seg(0, 0, 0, 16), seg(2, 0, 16, 32)]}]), "names tensor 2"),
-        (with_changes(buckets=[{"nbytes": 48, "segments": [seg(0, 0, 0, 16), seg(1, 0, 8, 32)]}]), "overlaps"),
-        (with_changes(buckets=[{"nbytes": 48, "segments": [seg(0, 0, 0, 16), seg(1, 0, 24, 24)]}]), "misaligned"),
-        (with_changes(buckets=[{"nbytes": 40, "segments": [seg(0, 0, 0, 16), seg(1, 0, 16, 32)]}]), "past the bucket"),
-        (with_changes(buckets=[{"nbytes": 64, "segments": [seg(0, 0, 0, 16), seg(1, 0, 16, 32)]}]), "declared"),
+        (
+            with_changes(
+                buckets=[{"nbytes": 48, "segments": [seg(0, 0, 0, 16), seg(2, 0, 16, 32)]}]
+            ),
+            "names tensor 2",
+        ),
+        (
+            with_changes(
+                buckets=[{"nbytes": 48, "segments": [seg(0, 0, 0, 16), seg(1, 0, 8, 32)]}]
+            ),
+            "overlaps",
+        ),
+        (
+            with_changes(
+                buckets=[{"nbytes": 48, "segments": [seg(0, 0, 0, 16), seg(1, 0, 24, 24)]}]
+            ),
+            "misaligned",
+        ),
+        (
+            with_changes(
+                buckets=[{"nbytes": 40, "segments": [seg(0, 0, 0, 16), seg(1, 0, 16, 32)]}]
+            ),
+            "past the bucket",
+        ),
+        (
+            with_changes(
+                buckets=[{"nbytes": 64, "segments": [seg(0, 0, 0, 16), seg(1, 0, 16, 32)]}]
+            ),
+            "declared",
+        ),
         (with_changes(buckets=[{"nbytes": 16, "segments": [seg(0, 0, 0, 16)]}]), "0 of 32 bytes"),
-        (with_changes(buckets=[{"nbytes": 48, "segments": [seg(0, 0, 0, 16), seg(1, 16, 16, 32)]}]), "out of order"),
-        (with_changes(buckets=[{"nbytes": 48, "segments": [seg(0, 0, 0, 16), seg(1, 0, 16, 30)]},
-                               {"nbytes": 2, "segments": [seg(1, 30, 0, 2)]}]), "inside an element"),
+        (
+            with_changes(
+                buckets=[{"nbytes": 48, "segments": [seg(0, 0, 0, 16), seg(1, 16, 16, 32)]}]
+            ),
+            "out of order",
+        ),
+        (
+            with_changes(
+                buckets=[
+                    {"nbytes": 48, "segments": [seg(0, 0, 0, 16), seg(1, 0, 16, 30)]},
+                    {"nbytes": 2, "segments": [seg(1, 30, 0, 2)]},
+                ]
+            ),
+            "inside an element",
+        ),
         (with_changes(tensors=[t("a", 4, "float128"), t("b", 8)]), "unknown dtype"),
-        (with_changes(tensors=[{"name": "a", "dtype": "float32", "shape": [-4]}, t("b", 8)]), "negative"),
+        (
+            with_changes(tensors=[{"name": "a", "dtype": "float32", "shape": [-4]}, t("b", 8)]),
+            "negative",
+        ),
         (with_changes(tensors=[t("", 4), t("b", 8)]), "at least 1 character"),
         (with_changes(tensors=[t("a" * 2000, 4), t("b", 8)]), "at most 1024"),
         ({**GOOD, "extra": 1}, "Extra inputs"),
-        (with_changes(buckets=[{"nbytes": 48, "direct": True, "segments": [seg(0, 0, 0, 16), seg(1, 0, 16, 32)]}]), "exactly one whole tensor"),
-        (with_changes(buckets=[{"nbytes": 16, "segments": [seg(0, 0, 0, 16)]},
-                               {"nbytes": 16, "direct": True, "segments": [seg(1, 0, 0, 16)]},
-                               {"nbytes": 16, "segments": [seg(1, 16, 0, 16)]}]), "exactly one whole tensor"),
-        (with_changes(buckets=[{"nbytes": 48, "segments": [seg(0, -16, 0, 16), seg(1, 0, 16, 32)]}]), "greater than or equal"),
+        (
+            with_changes(
+                buckets=[
+                    {
+                        "nbytes": 48,
+                        "direct": True,
+                        "segments": [seg(0, 0, 0, 16), seg(1, 0, 16, 32)],
+                    }
+                ]
+            ),
+            "exactly one whole tensor",
+        ),
+        (
+            with_changes(
+                buckets=[
+                    {"nbytes": 16, "segments": [seg(0, 0, 0, 16)]},
+                    {"nbytes": 16, "direct": True, "segments": [seg(1, 0, 0, 16)]},
+                    {"nbytes": 16, "segments": [seg(1, 16, 0, 16)]},
+                ]
+            ),
+            "exactly one whole tensor",
+        ),
+        (
+            with_changes(
+                buckets=[{"nbytes": 48, "segments": [seg(0, -16, 0, 16), seg(1, 0, 16, 32)]}]
+            ),
+            "greater than or equal",
+        ),
     ],
 )
 def test_corrupted_plans_are_refused(plan: dict, message: str) -> None:
@@ -67,7 +138,9 @@ def test_corrupted_plans_are_refused(plan: dict, message: str) -> None:
 
 
 def test_json_round_trip_and_digest() -> None:
-    plan = make_plan([TensorMeta(name=f"w{i}", dtype="bfloat16", shape=(i, 3)) for i in range(50)], 256, 64)
+    plan = make_plan(
+        [TensorMeta(name=f"w{i}", dtype="bfloat16", shape=(i, 3)) for i in range(50)], 256, 64
+    )
     again = SyncPlan.model_validate_json(plan.model_dump_json())
     assert again == plan and again.digest == plan.digest
     other = make_plan(list(plan.tensors), 512, 64)
@@ -75,7 +148,14 @@ def test_json_round_trip_and_digest() -> None:
 
 
 def test_dtype_names_cover_the_zoo_and_refuse_the_rest() -> None:
-    for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.bool, torch.uint16):
+    for dtype in (
+        torch.float32,
+        torch.bfloat16,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.bool,
+        torch.uint16,
+    ):
         assert TensorMeta.of("x", torch.empty(1, dtype=dtype)).torch_dtype == dtype
     with pytest.raises(TypeError, match="cannot be sent"):
         dtype_name(torch.bits16)
@@ -98,8 +178,17 @@ def test_messages_are_bounded_and_strict() -> None:
     with pytest.raises(pydantic.ValidationError, match="sections"):
         PrepareRequest(**{**delta, "delta": False}, delta_sections=2)
     with pytest.raises(pydantic.ValidationError, match="outside world"):
-        GroupSpec(group_id="abcdef0123", address="127.0.0.1", port=1, world_size=2, rank=2,
-                  backend="gloo", mode="world", rendezvous_timeout_s=1, collective_timeout_s=1)
+        GroupSpec(
+            group_id="abcdef0123",
+            address="127.0.0.1",
+            port=1,
+            world_size=2,
+            rank=2,
+            backend="gloo",
+            mode="world",
+            rendezvous_timeout_s=1,
+            collective_timeout_s=1,
+        )
     with pytest.raises(pydantic.ValidationError):
         BucketMeta(nbytes=4, segments=())
     with pytest.raises(pydantic.ValidationError):

@@ -3,7 +3,6 @@ import torch
 
 from tests.zoo import zoo
 from weight_sync import SyncConfig
-from weight_sync.entries import Entries, check_state_dict
 from weight_sync.metadata import BucketMeta, Segment, SyncPlan, TensorMeta
 from weight_sync.packing import (
     Packer,
@@ -19,7 +18,8 @@ from weight_sync.packing import (
     staging_slots,
 )
 from weight_sync.planner import make_plan
-from weight_sync.sender import PushPlanner, Sender
+from weight_sync.send.checks import Entries, check_state_dict
+from weight_sync.send.sender import PushPlanner, Sender
 from weight_sync.verify import tensor_digest
 
 
@@ -36,8 +36,10 @@ def round_trip(
     unless ``plan`` is given."""
     if plan is None:
         metas = [TensorMeta.of(n, t) for n, t in tensors.items()]
-        direct = [direct_min_bytes is not None and m.nbytes >= direct_min_bytes and t.is_contiguous()
-                  for m, t in zip(metas, tensors.values(), strict=True)]
+        direct = [
+            direct_min_bytes is not None and m.nbytes >= direct_min_bytes and t.is_contiguous()
+            for m, t in zip(metas, tensors.values(), strict=True)
+        ]
         plan = make_plan(metas, bucket_bytes, alignment, direct)
     destinations = destinations or {}
     cpu = torch.device("cpu")
@@ -108,7 +110,9 @@ def test_non_contiguous_split_source_is_made_contiguous_once() -> None:
 
 @pytest.mark.parametrize("direct_min_bytes", [1, 1000, 50_000])
 @pytest.mark.parametrize("land", [False, True])
-def test_zoo_round_trips_with_direct_buckets_and_destinations(direct_min_bytes: int, land: bool) -> None:
+def test_zoo_round_trips_with_direct_buckets_and_destinations(
+    direct_min_bytes: int, land: bool
+) -> None:
     tensors = zoo(seed=direct_min_bytes)
     destinations = None
     if land:  # a model's own storage: contiguous, same dtype and shape
@@ -122,7 +126,10 @@ def test_split_tensor_with_a_destination_is_assembled_in_place() -> None:
     big = torch.arange(100, dtype=torch.float32)
     destination = torch.zeros(100)
     plan = make_plan([TensorMeta.of("big", big)], 64, 16)
-    packer, unpacker = Packer(plan, [big]), Unpacker(plan, {"big": destination}, torch.device("cpu"))
+    packer, unpacker = (
+        Packer(plan, [big]),
+        Unpacker(plan, {"big": destination}, torch.device("cpu")),
+    )
     buffer = torch.empty(64, dtype=torch.uint8)
     for index in range(len(plan.buckets)):
         assert unpacker.unpack(index, packer.pack(index, buffer)) == []
@@ -132,7 +139,9 @@ def test_split_tensor_with_a_destination_is_assembled_in_place() -> None:
 def test_direct_bucket_is_received_straight_into_its_destination() -> None:
     tensor, destination = torch.arange(50.0), torch.zeros(50)
     plan = make_plan([TensorMeta.of("t", tensor)], 64, 16, [True])
-    target = Unpacker(plan, {"t": destination}, torch.device("cpu")).direct_target(0, torch.device("cpu"))
+    target = Unpacker(plan, {"t": destination}, torch.device("cpu")).direct_target(
+        0, torch.device("cpu")
+    )
     assert target.data_ptr() == destination.data_ptr() and target.numel() == 200
 
 
@@ -146,7 +155,12 @@ def test_direct_bucket_is_received_straight_into_its_destination() -> None:
     ],
 )
 def test_staging_slots_alternate_over_packed_buckets_only(direct: list[bool], slots: list) -> None:
-    plan = make_plan([TensorMeta(name=f"t{i}", dtype="float32", shape=(30,)) for i in range(len(direct))], 120, 16, direct)
+    plan = make_plan(
+        [TensorMeta(name=f"t{i}", dtype="float32", shape=(30,)) for i in range(len(direct))],
+        120,
+        16,
+        direct,
+    )
     assert staging_slots(plan) == slots
 
 
@@ -157,15 +171,20 @@ def test_sender_side_cast_gives_exactly_a_local_cast(target: str, bucket_bytes: 
     tensors = {
         "fp32": torch.randn(33, 17, generator=gen),
         "fp32_transposed": torch.randn(40, 30, generator=gen).t(),  # strided, split across buckets
-        "fp64_big": torch.randn(3000, generator=gen, dtype=torch.float64) * 1e6,  # split, overflows fp16
+        "fp64_big": torch.randn(3000, generator=gen, dtype=torch.float64)
+        * 1e6,  # split, overflows fp16
         "fp16": torch.randn(50, generator=gen).half(),
         "bf16": torch.randn(50, generator=gen).bfloat16(),
         "int64": torch.arange(20),
         "bool": torch.rand(9, generator=gen) > 0.5,
         "fp8": torch.randn(16, generator=gen).to(torch.float8_e4m3fn),
     }
-    config = SyncConfig(cast_dtype=target, bucket_bytes=bucket_bytes, alignment=16, direct_min_bytes=64)
-    plan = PushPlanner(config, torch.device("cpu")).plan(Entries(list(tensors), list(tensors.values())))
+    config = SyncConfig(
+        cast_dtype=target, bucket_bytes=bucket_bytes, alignment=16, direct_min_bytes=64
+    )
+    plan = PushPlanner(config, torch.device("cpu")).plan(
+        Entries(list(tensors), list(tensors.values()))
+    )
     out = round_trip(tensors, plan=plan)
     want_dtype = getattr(torch, target)
     for name, tensor in tensors.items():
@@ -176,8 +195,12 @@ def test_sender_side_cast_gives_exactly_a_local_cast(target: str, bucket_bytes: 
     for bucket in plan.buckets:  # a cast tensor cannot be sent from its own storage
         if bucket.direct:
             source = tensors[plan.tensors[bucket.segments[0].tensor].name]
-            assert source.dtype == want_dtype or source.dtype not in (torch.float64, torch.float32,
-                                                                      torch.float16, torch.bfloat16)
+            assert source.dtype == want_dtype or source.dtype not in (
+                torch.float64,
+                torch.float32,
+                torch.float16,
+                torch.bfloat16,
+            )
     assert plan.payload_bytes < sum(t.nbytes for t in tensors.values()) or target == "float32"
 
 
@@ -194,8 +217,9 @@ def test_a_cast_keeps_nan_and_inf_where_they_were() -> None:
 @pytest.mark.parametrize("bucket_bytes", [64, 4096])
 @pytest.mark.parametrize("direct_min_bytes", [None, 256])
 @pytest.mark.parametrize("landing", ["none", "tied", "separate", "source_only"])
-def test_tied_names_arrive_with_their_tensor(bucket_bytes: int, direct_min_bytes: int | None,
-                                             landing: str) -> None:
+def test_tied_names_arrive_with_their_tensor(
+    bucket_bytes: int, direct_min_bytes: int | None, landing: str
+) -> None:
     embed = torch.randn(30, 8)  # 960 bytes: split over 64-byte buckets, direct at 256
     tensors = {"embed": embed, "norm": torch.randn(8), "head": embed}
     config = SyncConfig(bucket_bytes=bucket_bytes, alignment=16, direct_min_bytes=direct_min_bytes)
@@ -205,12 +229,17 @@ def test_tied_names_arrive_with_their_tensor(bucket_bytes: int, direct_min_bytes
     shared = torch.zeros(30, 8)
     destinations = {
         "none": {},
-        "tied": {"embed": shared, "head": shared, "norm": torch.zeros(8)},  # a model tied the same way
+        "tied": {
+            "embed": shared,
+            "head": shared,
+            "norm": torch.zeros(8),
+        },  # a model tied the same way
         "separate": {"embed": torch.zeros(30, 8), "head": torch.zeros(30, 8)},
         "source_only": {"embed": shared},
     }[landing]
-    out = round_trip(dict(zip(entries.names, entries.tensors, strict=True)), plan=plan,
-                     destinations=destinations)
+    out = round_trip(
+        dict(zip(entries.names, entries.tensors, strict=True)), plan=plan, destinations=destinations
+    )
     for name in ("embed", "head"):
         assert torch.equal(out[name], embed), name
     if landing == "tied":
@@ -218,7 +247,9 @@ def test_tied_names_arrive_with_their_tensor(bucket_bytes: int, direct_min_bytes
 
 
 @pytest.mark.parametrize(("bucket_bytes", "alignment"), [(4096, 64), (1 << 20, 16), (100, 16)])
-def test_staging_and_unpacker_kept_across_pushes_of_one_plan(bucket_bytes: int, alignment: int) -> None:
+def test_staging_and_unpacker_kept_across_pushes_of_one_plan(
+    bucket_bytes: int, alignment: int
+) -> None:
     """The steady state: the sender keeps its staging (buffers and what it packs them with) and
     the worker its unpacker (receive buffers, landings), one plan pushed three times with new
     values; every push lands bit-exactly, every dtype, gaps of alignment between tensors."""
@@ -250,7 +281,9 @@ def test_staging_and_unpacker_kept_across_pushes_of_one_plan(bucket_bytes: int, 
 def test_host_and_device_checksums_agree(size: int, offset: int) -> None:
     """The trainer and every worker compute one value whatever device each holds the bytes on:
     the NumPy path (host buffers) and the torch path (what a GPU runs), here on the CPU."""
-    data = torch.randint(0, 256, (size + offset,), dtype=torch.uint8, generator=torch.Generator().manual_seed(size))
+    data = torch.randint(
+        0, 256, (size + offset,), dtype=torch.uint8, generator=torch.Generator().manual_seed(size)
+    )
     view = data[offset:]
     assert checksum(view) == int(device_checksum(view).item()) == checksum(view.clone())
 
@@ -261,12 +294,16 @@ def test_host_and_device_checksums_agree(size: int, offset: int) -> None:
         lambda d: d.__setitem__(5, d[5] ^ 1),  # one bit
         lambda d: d.__setitem__(slice(0, 16), d[0:16].flip(0)),  # bytes reordered in place
         lambda d: d.__setitem__(slice(0, 16), d[8 * 1024 : 8 * 1024 + 16].clone()),  # a word moved
-        lambda d: d.__setitem__(slice(None), d.view(-1, 8 * 1024).flip(0).reshape(-1)),  # rows swapped
+        lambda d: d.__setitem__(
+            slice(None), d.view(-1, 8 * 1024).flip(0).reshape(-1)
+        ),  # rows swapped
         lambda d: d.__setitem__(slice(None), d.view(-1, 8).flip(0).reshape(-1)),  # words reversed
     ],
 )
 def test_checksum_sees_damage(damage) -> None:
-    data = torch.randint(0, 256, (64 << 10,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    data = torch.randint(
+        0, 256, (64 << 10,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)
+    )
     before = checksum(data)
     damage(data)
     assert checksum(data) != before
@@ -275,7 +312,12 @@ def test_checksum_sees_damage(damage) -> None:
 def test_queued_checksums_are_read_in_order() -> None:
     buffers = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (10, 5000, 1 << 16)]
     queued = [device_checksum(buffers[0]), 7, checksum_of(buffers[1]), device_checksum(buffers[2])]
-    assert read_checksums(queued) == [checksum(buffers[0]), 7, checksum(buffers[1]), checksum(buffers[2])]
+    assert read_checksums(queued) == [
+        checksum(buffers[0]),
+        7,
+        checksum(buffers[1]),
+        checksum(buffers[2]),
+    ]
 
 
 def _bucket(nbytes: int, *spans: tuple[int, int]) -> BucketMeta:
@@ -319,7 +361,9 @@ def test_every_gap_is_zero_on_every_pack_through_reused_staging(
     gap of every packed bucket is zero, and each bucket is byte for byte what a pack into a
     fresh zeroed buffer gives -- a function of the pushed tensors alone."""
     first = odd_sizes(seed=1)
-    metas = [TensorMeta.of(n, t, cast if t.dtype == torch.float32 else None) for n, t in first.items()]
+    metas = [
+        TensorMeta.of(n, t, cast if t.dtype == torch.float32 else None) for n, t in first.items()
+    ]
     plan = make_plan(metas, bucket_bytes, alignment)
     assert any(gaps(bucket) for bucket in plan.buckets)
     staging = Staging(plan, torch.device("cpu"))
@@ -348,7 +392,9 @@ class Recording:
     def __init__(self) -> None:
         self.sent: list[torch.Tensor] = []
 
-    def broadcast(self, tensor: torch.Tensor, src: int, timeout_s: float | None = None) -> "Recording":
+    def broadcast(
+        self, tensor: torch.Tensor, src: int, timeout_s: float | None = None
+    ) -> "Recording":
         self.sent.append(tensor.clone())
         return self
 

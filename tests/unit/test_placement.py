@@ -6,8 +6,8 @@ import math
 import pytest
 
 from weight_sync.demo import resolve_device
-from weight_sync.job import _sync_config, model_shapes
 from weight_sync.placement import bundles_for, describe_share
+from weight_sync.ray_job import _sync_config, model_shapes
 
 GPU = {"GPU": 1.0, "CPU": 1.0}
 CPU = {"CPU": 0.1}
@@ -112,5 +112,7 @@ NODE_B = {"node_id": "b", "ip": "10.0.0.2", "pid": "2"}
     ],
 )
 def test_job_chooses_where_the_group_listens(flags, nodes, want) -> None:
-    args = argparse.Namespace(**{"bucket_mb": None, "interface": None, "master_addr": None, **flags})
+    args = argparse.Namespace(
+        **{"bucket_mb": None, "interface": None, "master_addr": None, **flags}
+    )
     assert _sync_config(args, nodes) == want

@@ -9,7 +9,10 @@ from weight_sync.planner import align_up, direct_threshold, make_plan
 
 
 def metas(*sizes_and_dtypes: tuple[int, str]) -> list[TensorMeta]:
-    return [TensorMeta(name=f"t{i}", dtype=dtype, shape=(n,)) for i, (n, dtype) in enumerate(sizes_and_dtypes)]
+    return [
+        TensorMeta(name=f"t{i}", dtype=dtype, shape=(n,))
+        for i, (n, dtype) in enumerate(sizes_and_dtypes)
+    ]
 
 
 def layout(plan) -> list[list[tuple[int, int, int, int]]]:
@@ -31,11 +34,17 @@ def layout(plan) -> list[list[tuple[int, int, int, int]]]:
         # larger than a bucket: fills the rest of the current bucket, then spills over
         (
             metas((4, "uint8"), (40, "float32")),
-            64, 16,
+            64,
+            16,
             [[(0, 0, 0, 4), (1, 0, 16, 48)], [(1, 48, 0, 64)], [(1, 112, 0, 48)]],
         ),
         # split on element boundaries (8-byte elements, 60 bytes of room -> 56)
-        (metas((1, "uint8"), (20, "float64")), 76, 16, [[(0, 0, 0, 1), (1, 0, 16, 56)], [(1, 56, 0, 72)], [(1, 128, 0, 32)]]),
+        (
+            metas((1, "uint8"), (20, "float64")),
+            76,
+            16,
+            [[(0, 0, 0, 1), (1, 0, 16, 56)], [(1, 56, 0, 72)], [(1, 128, 0, 32)]],
+        ),
         # empty tensors get no segment; the bucket after them is unaffected
         (metas((0, "float32"), (2, "int64"), (0, "bool")), 64, 16, [[(1, 0, 0, 16)]]),
         # nothing to send at all
@@ -85,17 +94,23 @@ def test_plan_is_deterministic_and_keeps_order() -> None:
 def test_random_plans_cover_every_byte_once(seed: int) -> None:
     rng = random.Random(seed)
     dtypes = ["uint8", "float16", "float32", "float64", "complex128", "bool"]
-    tensors = metas(*[(rng.choice([0, 1, 3, 17, 100, 1000, 5000]), rng.choice(dtypes)) for _ in range(40)])
+    tensors = metas(
+        *[(rng.choice([0, 1, 3, 17, 100, 1000, 5000]), rng.choice(dtypes)) for _ in range(40)]
+    )
     bucket = rng.choice([16, 48, 256, 4096, 1 << 20])
     plan = make_plan(tensors, bucket, 16)  # SyncPlan's own validator checks coverage and order
     assert all(b.nbytes <= bucket for b in plan.buckets)
     assert plan.nbytes >= sum(m.nbytes for m in tensors)
     whole = [m for m in tensors if 0 < m.nbytes <= bucket]
-    single = {s.tensor for b in plan.buckets for s in b.segments if s.nbytes == tensors[s.tensor].nbytes}
+    single = {
+        s.tensor for b in plan.buckets for s in b.segments if s.nbytes == tensors[s.tensor].nbytes
+    }
     assert {tensors.index(m) for m in whole} <= single  # a tensor that fits is never split
 
 
-@pytest.mark.parametrize(("offset", "alignment", "expected"), [(0, 64, 0), (1, 64, 64), (64, 64, 64), (65, 16, 80)])
+@pytest.mark.parametrize(
+    ("offset", "alignment", "expected"), [(0, 64, 0), (1, 64, 64), (64, 64, 64), (65, 16, 80)]
+)
 def test_align_up(offset: int, alignment: int, expected: int) -> None:
     assert align_up(offset, alignment) == expected
 
@@ -130,7 +145,11 @@ def test_direct_threshold_follows_where_the_buffers_live(
         ([100], 64, [128]),
         ([1 << 20] * 4, 64, [1 << 20] * 4),  # full buckets: no rounding at all
         ([1000, 1000, 1000], 64, [1024] * 3),  # padded to 1024: one per chunk
-        ([3000, 500, 500, 500], 64, [4096, 512]),  # first fit; the last chunk only as large as needed
+        (
+            [3000, 500, 500, 500],
+            64,
+            [4096, 512],
+        ),  # first fit; the last chunk only as large as needed
         ([(1 << 20) - 64] * 3 + [5 << 20], 64, [8 << 20]),  # a large direct bucket sets the chunk
     ],
 )
@@ -140,7 +159,9 @@ def test_pinned_chunks_are_powers_of_two_and_hold_every_buffer(
     got, where = pinned_chunks(sizes, alignment)
     assert got == chunks
     assert all(size & (size - 1) == 0 for size in got)
-    spans = sorted((chunk, offset, offset + size) for (chunk, offset), size in zip(where, sizes, strict=True))
+    spans = sorted(
+        (chunk, offset, offset + size) for (chunk, offset), size in zip(where, sizes, strict=True)
+    )
     for (chunk, start, end), (next_chunk, next_start, _) in itertools.pairwise(spans):
         assert next_chunk != chunk or next_start >= end  # no two buffers overlap
     for (chunk, offset), size in zip(where, sizes, strict=True):

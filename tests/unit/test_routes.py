@@ -1,4 +1,4 @@
-"""Who takes which route (weight_sync.routes): the NCCL group, the host ring or the CUDA ring,
+"""Who takes which route (weight_sync.send.routes): the NCCL group, the host ring or the CUDA ring,
 decided from the members' GPU UUIDs and host keys alone -- so it is tested here, without GPUs."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 from weight_sync.config import SyncConfig
 from weight_sync.devices import CPU, module_device, push_device
 from weight_sync.errors import TransportError
-from weight_sync.formation import _choose_mode
 from weight_sync.metadata import MemberInfo
-from weight_sync.routes import ROUTE_WORDS, Route, choose_routes, describe_routes
+from weight_sync.send.formation import _choose_mode
+from weight_sync.send.routes import ROUTE_WORDS, Route, choose_routes, describe_routes
 
 HERE, THERE, OTHER_NS = "boot-a/net:[1]", "boot-b/net:[1]", "boot-a/net:[2]"
 G0, G1, G2, G3 = "GPU-0000", "GPU-1111", "GPU-2222", "GPU-3333"
@@ -55,8 +55,13 @@ def member(host: str | None, *gpus: str, ranks: int = 1) -> MemberInfo:
     ],
 )  # fmt: skip
 def test_routes(
-    backend: str, same_host: str, trainer_gpu: str | None, members: list[MemberInfo],
-    ipc_refused: bool, chosen: str, routes: tuple[str, ...],
+    backend: str,
+    same_host: str,
+    trainer_gpu: str | None,
+    members: list[MemberInfo],
+    ipc_refused: bool,
+    chosen: str,
+    routes: tuple[str, ...],
 ) -> None:
     got = choose_routes(backend=backend, same_host=same_host, trainer_gpu=trainer_gpu,  # type: ignore[arg-type]
                         trainer_host=HERE, infos=members, ipc_refused=ipc_refused)  # fmt: skip
@@ -136,8 +141,12 @@ THIRD = "boot-c/net:[1]"
     ],
 )  # fmt: skip
 def test_members_of_a_far_host_relay_through_the_first_of_them(
-    backend: str, same_host: str, trainer_gpu: str | None, members: list[MemberInfo],
-    routes: tuple[str, ...], leaders: dict[int, int],
+    backend: str,
+    same_host: str,
+    trainer_gpu: str | None,
+    members: list[MemberInfo],
+    routes: tuple[str, ...],
+    leaders: dict[int, int],
 ) -> None:
     got = choose_routes(backend=backend, same_host=same_host, trainer_gpu=trainer_gpu,  # type: ignore[arg-type]
                         trainer_host=HERE, infos=members, relay=True)  # fmt: skip

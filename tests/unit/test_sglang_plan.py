@@ -122,7 +122,9 @@ def test_an_untied_head_is_checked_like_any_tensor() -> None:
 
 
 def test_read_checkpoint_from_safetensors_headers(tmp_path: Path) -> None:
-    save_file({"a": torch.zeros(2, 3), "b": torch.zeros(4, dtype=BF16)}, tmp_path / "one.safetensors")
+    save_file(
+        {"a": torch.zeros(2, 3), "b": torch.zeros(4, dtype=BF16)}, tmp_path / "one.safetensors"
+    )
     save_file({"c": torch.zeros(1, dtype=I64)}, tmp_path / "two.safetensors")
     (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
     checkpoint = read_checkpoint(tmp_path)

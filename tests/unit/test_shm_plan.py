@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from weight_sync.formation import first_ranks
 from weight_sync.metadata import GroupSpec
+from weight_sync.send.formation import first_ranks
 from weight_sync.transport import shm
 
 
@@ -36,8 +36,17 @@ def test_slots_hold_a_bucket_between_them(bucket: int, alignment: int, slot: int
 
 
 def spec(**fields: object) -> GroupSpec:
-    base = dict(group_id="ab" * 8, address="127.0.0.1", port=1234, world_size=3, rank=1,
-                backend="gloo", mode="standalone", rendezvous_timeout_s=5, collective_timeout_s=5)
+    base = dict(
+        group_id="ab" * 8,
+        address="127.0.0.1",
+        port=1234,
+        world_size=3,
+        rank=1,
+        backend="gloo",
+        mode="standalone",
+        rendezvous_timeout_s=5,
+        collective_timeout_s=5,
+    )
     return GroupSpec(**{**base, **fields})  # type: ignore[arg-type]
 
 

@@ -12,9 +12,8 @@ import pytest
 
 from weight_sync import SyncTimeoutError, TransportError, WeightSyncError
 from weight_sync.adapters.vllm.engine import NO_VERSION, VLLMEngine
-from weight_sync.metadata import WorkerReply
 from weight_sync.adapters.vllm.reload import DryRun, problems
-from weight_sync.metadata import PrepareReply, ReceiveReport, SyncStatus
+from weight_sync.metadata import PrepareReply, ReceiveReport, SyncStatus, WorkerReply
 
 
 def reply(value: str | None = None, version: int | None = None, dirty: bool = False,
@@ -114,7 +113,10 @@ def test_the_offline_engine_needs_no_pause_but_gets_its_cache_cleared() -> None:
     run(push(engine, fake))
     assert engine.weights_version() == 3
     assert [e for e in fake.events if not e.startswith("weight_sync")] == [
-        "label 2", f"label {NO_VERSION}", "label 3", "reset_prefix_cache",
+        "label 2",
+        f"label {NO_VERSION}",
+        "label 3",
+        "reset_prefix_cache",
     ]
 
 

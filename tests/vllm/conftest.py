@@ -8,6 +8,7 @@ test begins with a full push of its own, never relying on what an earlier one le
 from __future__ import annotations
 
 from collections.abc import Iterator
+
 import pytest
 import ray
 
@@ -15,8 +16,8 @@ from tests.vllm.models import LLAMA, LONG, QWEN2, engine_options, save
 
 vllm = pytest.importorskip("vllm", reason="the real-vLLM tests need the vllm extra")
 
-from tests.vllm.native_llm import NativeLLM  # noqa: E402
-from weight_sync.adapters.vllm import RemoteVLLMEngine  # noqa: E402
+from tests.vllm.native_llm import NativeLLM
+from weight_sync.adapters.vllm import RemoteVLLMEngine
 
 READY_S = 600  # engines start together on 2 cores
 # Single-rank engines leave OpenMP threads unbound (vLLM's automatic binding would pin every
@@ -34,7 +35,10 @@ def _start(options: dict, env: dict[str, str], **engine: object) -> object:
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("models")
-    return {"qwen2": save(QWEN2, root / "qwen2", seed=0), "llama": save(LLAMA, root / "llama", seed=0)}
+    return {
+        "qwen2": save(QWEN2, root / "qwen2", seed=0),
+        "llama": save(LLAMA, root / "llama", seed=0),
+    }
 
 
 @pytest.fixture(scope="session")
@@ -44,13 +48,16 @@ def engines(ray_cluster: None, model_dirs: dict[str, str]) -> Iterator[dict[str,
     a plain vllm.LLM with weight_sync as its weight-transfer backend (no VLLMEngine)."""
     started = {
         "qwen2": _start(engine_options(model_dirs["qwen2"]), UNBOUND),
-        "llama": _start(engine_options(model_dirs["llama"], max_model_len=LONG + 64), UNBOUND,
-                        async_engine=True),
+        "llama": _start(
+            engine_options(model_dirs["llama"], max_model_len=LONG + 64), UNBOUND, async_engine=True
+        ),
         "qwen2_tp2_bf16": _start(
             engine_options(model_dirs["qwen2"], dtype="bfloat16", tensor_parallel_size=2),
             TWO_CORES,
         ),
-        "native": ray.remote(num_cpus=0)(NativeLLM).options(runtime_env={"env_vars": UNBOUND}).remote(
+        "native": ray.remote(num_cpus=0)(NativeLLM)
+        .options(runtime_env={"env_vars": UNBOUND})
+        .remote(
             **engine_options(model_dirs["qwen2"]), weight_transfer_config={"backend": "weight_sync"}
         ),
     }

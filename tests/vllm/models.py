@@ -70,7 +70,8 @@ class Trainer:
 
             self.vllm = WeightTransferTrainerFactory.trainer_init(
                 WeightSyncTrainerInitInfo(rank=0, world_size=1 + vllm_workers, config=self.config),
-                client=RayVLLMWeightSyncClient(engines), source=StateDictSource(self.model),
+                client=RayVLLMWeightSyncClient(engines),
+                source=StateDictSource(self.model),
             )
         else:
             self.updater = WeightUpdater(engines, self.config)
@@ -85,7 +86,9 @@ class Trainer:
         self.optimizer.step()
         return loss.item()
 
-    def push(self, only: str | None = None, partial: bool = False, reshape: str | None = None) -> PushResult:
+    def push(
+        self, only: str | None = None, partial: bool = False, reshape: str | None = None
+    ) -> PushResult:
         """Push the state dict (``only``: the names containing it); ``reshape`` names a tensor
         to send one row short (a push the engine must refuse)."""
         state = {n: t for n, t in self.model.state_dict().items() if only is None or only in n}

@@ -33,7 +33,9 @@ def greedy(tokens: int) -> dict[str, Any]:
             "detokenize": False}  # fmt: skip
 
 
-def generate(engine: Any, prompts: list[list[int]], tokens: int = 8) -> tuple[list, list, int | None]:
+def generate(
+    engine: Any, prompts: list[list[int]], tokens: int = 8
+) -> tuple[list, list, int | None]:
     """(generated token ids, their log-probabilities, the version vLLM labelled them with)."""
     outputs, version = ray.get(
         engine.generate.remote([{"prompt_token_ids": p} for p in prompts], greedy(tokens)),
@@ -203,7 +205,9 @@ def test_bfloat16_and_tensor_parallel(qwen2_tp2_bf16: Any) -> None:
         for _ in range(2):
             ray.get(trainer.step.remote(), timeout=TIMEOUT)
             result = ray.get(trainer.push.remote(), timeout=TIMEOUT)
-            assert assert_matches(qwen2_tp2_bf16, trainer, tokens=4, tolerance=5e-2) == result.version
+            assert (
+                assert_matches(qwen2_tp2_bf16, trainer, tokens=4, tolerance=5e-2) == result.version
+            )
         status = ray.get(qwen2_tp2_bf16.sync_status.remote(), timeout=TIMEOUT)
         assert status.version == result.version and not status.dirty
     finally:

@@ -31,7 +31,9 @@ def check(native: Any, trainer: Any) -> str:
     for output, want in zip(outputs, reference, strict=True):
         completion = output.outputs[0]
         for step, token in enumerate(completion.token_ids):
-            assert abs(completion.logprobs[step][token].logprob - want["logprobs"][step]) <= TOLERANCE
+            assert (
+                abs(completion.logprobs[step][token].logprob - want["logprobs"][step]) <= TOLERANCE
+            )
             assert token == want["greedy"][step] or want["gap"][step] <= TOLERANCE
     labels = {span.version for o in outputs for span in o.outputs[0].weight_versions}
     assert len(labels) == 1

@@ -14,8 +14,23 @@ from tests.rlhf_checks import assert_learned
 pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("ray_cluster")]
 
 
-def test_rlhf_loop_learns_on_vllm_engines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_rlhf_loop_learns_on_vllm_engines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     plot = tmp_path / "loop.png"
-    history = main(["--engine", "vllm", "--workers", "1", "--steps", "40", "--plot", str(plot), "--window", "5"])
+    history = main(
+        [
+            "--engine",
+            "vllm",
+            "--workers",
+            "1",
+            "--steps",
+            "40",
+            "--plot",
+            str(plot),
+            "--window",
+            "5",
+        ]
+    )
     # Every rollout came labelled by vLLM with the trainer's current version: none was stale.
     assert_learned(capsys.readouterr().out, history, 40, plot)

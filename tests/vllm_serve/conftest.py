@@ -33,7 +33,9 @@ def servers(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     logs = Path(os.environ.get("WEIGHT_SYNC_SERVE_LOGS") or tmp_path_factory.mktemp("logs"))
     logs.mkdir(parents=True, exist_ok=True)
     held = Servers(model_dir, logs)
-    with local_servers(model_dir, 2, args=ARGS, log_dir=str(logs), ready_timeout_s=READY_S) as started:
+    with local_servers(
+        model_dir, 2, args=ARGS, log_dir=str(logs), ready_timeout_s=READY_S
+    ) as started:
         held.processes = list(started)
         try:
             yield held

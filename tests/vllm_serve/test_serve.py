@@ -266,8 +266,9 @@ def test_a_server_killed_mid_push_or_between_pushes_fails_fast_and_rejoins_when_
     survivor, victim = servers.urls
     trainer = Trainer(QWEN2, seed=8)
     # Tiny buckets over the group (the host ring would batch them): ~100 broadcasts, slowed.
-    config = SyncConfig(push_timeout_s=60, bucket_bytes=4096, direct_min_bytes=None,
-                        same_host="group")
+    config = SyncConfig(
+        push_timeout_s=60, bucket_bytes=4096, direct_min_bytes=None, same_host="group"
+    )
     with VLLMServers(servers.urls, config) as pushing:
         push(pushing, trainer)
         group = pushing._pusher.group  # a test hook: slow the link so the kill lands mid-push

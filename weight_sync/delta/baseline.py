@@ -39,7 +39,7 @@ from weight_sync.delta.codec import (
     sparse_blob,
     words,
 )
-from weight_sync.delta.fused import FusedKernels
+from weight_sync.delta.kernel_loader import FusedKernels
 from weight_sync.delta.layout import (
     DENSE,
     RUN_SPANS,
@@ -110,6 +110,11 @@ class Baseline:
 
     def name_for(self, version: int) -> str:
         return base_name(self._token, version)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the copy (the workers' weights as they hold them)."""
+        return sum(held.numel() for held in self._bytes.values())
 
     # -- one push ------------------------------------------------------------------------------
 

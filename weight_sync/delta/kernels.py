@@ -21,7 +21,7 @@ same for everything but NaN). NaN is where torch disagrees with itself -- its ve
 (contiguous tensors) writes 0xFFFF, its scalar one (0-dim or strided) 0x7FC0 -- so the kernels
 never decide a NaN: they return -1 on meeting one, and the caller compares that piece the
 torch way. Inf, -0.0, subnormals and ties round as torch rounds them (tested bit for bit, and
-checked again each time the kernels load: ``weight_sync.delta.fused``).
+checked again each time the kernels load: ``weight_sync.delta.kernel_loader``).
 
 Importing this module compiles the kernels (``cache=True``: later processes load them from
 numba's cache); ``Baseline`` does it on a thread of its own, and uses them once they are ready.

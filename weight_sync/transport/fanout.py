@@ -1,6 +1,6 @@
 """One push over several transports at once: the trainer's end of a mixed group.
 
-Members take the broadcast group, the host ring or the CUDA ring (see ``weight_sync.routes``);
+Members take the broadcast group, the host ring or the CUDA ring (see ``weight_sync.send.routes``);
 each broadcast goes out on every part from the same packed bytes, and is done when every part
 is. The group's broadcast is started first: Gloo and NCCL send from their own threads or
 streams, so the network hops run while this thread copies into the rings.

@@ -5,7 +5,7 @@ Two ways to build it, one way to use it:
 * ``world`` -- the textbook path for processes with no torch.distributed world of their own:
   ``init_process_group`` makes the sync world and ``new_group`` the broadcast group. The library
   then owns the process's default group and destroys it on close.
-* ``job`` -- for the ranks of one launched job (``torchrun``, ``mpirun``: ``weight_sync.launch``),
+* ``job`` -- for the ranks of one launched job (``torchrun``, ``mpirun``: ``weight_sync.torchrun``),
   which already share a default group: ``new_group`` over it, beside it, every rank of the job a
   member. The job keeps its default group; we destroy only ours.
 * ``standalone`` -- for processes that already live in a world (an FSDP trainer, a
@@ -682,7 +682,7 @@ def _job_group(
         found = dist.get_world_size() if dist.is_initialized() else "no default group"
         raise TransportError(
             f"group_mode='job' needs every member in one torch.distributed world of "
-            f"{spec.world_size} ranks (rank 0 the trainer), found {found}; use weight_sync.launch"
+            f"{spec.world_size} ranks (rank 0 the trainer), found {found}; use weight_sync.torchrun"
         )
     if dist.get_rank() != spec.rank:
         raise TransportError(

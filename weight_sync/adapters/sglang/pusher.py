@@ -52,13 +52,13 @@ from weight_sync.adapters.sglang.group import connect_nccl, open_trainer_group
 from weight_sync.config import SyncConfig
 from weight_sync.control import in_thread
 from weight_sync.deadline import Deadline
-from weight_sync.entries import Rename, StateDict, check_state_dict, wire_dtype
 from weight_sync.errors import PlanMismatchError, WeightSyncError
 from weight_sync.http import ServerError, reason, settle
 from weight_sync.mapping import Transform
 from weight_sync.metadata import BackendName, dtype_name
 from weight_sync.result import PushResult
-from weight_sync.sharded import ShardedSource
+from weight_sync.send.checks import Rename, StateDict, check_state_dict, wire_dtype
+from weight_sync.send.sharded import ShardedSource
 from weight_sync.transport.rendezvous import address_of_interface, bind_listener
 from weight_sync.transport.torch_group import TorchGroup, TorchWork
 from weight_sync.versions import (

@@ -39,12 +39,12 @@ from typing import Any, Literal
 from typing_extensions import Self
 
 from weight_sync.config import SyncConfig
-from weight_sync.entries import Rename, StateDict
 from weight_sync.errors import PlanMismatchError, WeightSyncError
 from weight_sync.http import ServerError, call, check_urls, fan_out
 from weight_sync.mapping import Transform
 from weight_sync.result import PushResult
-from weight_sync.sharded import ShardedSource
+from weight_sync.send.checks import Rename, StateDict
+from weight_sync.send.sharded import ShardedSource
 from weight_sync.versions import NO_VERSION, check_version, label_version
 
 __all__ = [
@@ -133,7 +133,7 @@ def release_server(url: str, *, holds_version: bool, timeout_s: float = _RELEASE
 
 def _client_plane(client: ServersClient, workers: int, config: SyncConfig) -> Any:
     """The trainer's control plane over vLLM clients (imported here: it needs torch)."""
-    from weight_sync.mailbox import ClientPlane
+    from weight_sync.store_plane import ClientPlane
 
     return ClientPlane(client, workers, config)
 

@@ -3,7 +3,7 @@ group, and bringing the members in.
 
 The trainer (rank 0 of every part) probes its members first (``protocol.Pusher``); from their
 answers this module decides how each one receives -- the broadcast group, the host's
-shared-memory ring, or the CUDA ring on the trainer's GPU (see ``weight_sync.routes``) -- opens
+shared-memory ring, or the CUDA ring on the trainer's GPU (see ``weight_sync.send.routes``) -- opens
 the trainer's end of every part, asks the members to join, and waits for all of them. A group
 that does not form is closed on both sides before the error is raised, naming the members it
 blames.
@@ -33,8 +33,8 @@ from weight_sync.metadata import (
     ModeName,
     RelaySpec,
 )
-from weight_sync.roster import GRACE_S, Roster
-from weight_sync.routes import Route, choose_routes
+from weight_sync.send.roster import GRACE_S, Roster
+from weight_sync.send.routes import Route, choose_routes
 from weight_sync.transport import (
     Fanout,
     TorchGroup,

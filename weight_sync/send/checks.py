@@ -68,7 +68,7 @@ def check_state_dict(
     map the trainer's names to the workers'; two tensors ending up under one name is refused,
     since one of them would silently be lost. Names whose tensor is a view of exactly the same
     bytes as an earlier one (tied weights) are sent once. ``sharded`` admits DTensors (see
-    ``weight_sync.sharded``, which checks their values itself). A delta push
+    ``weight_sync.send.sharded``, which checks their values itself). A delta push
     (``config.delta``) of GPU tensors is refused (see the message).
     """
     names, tensors = _columns(state_dict, config.max_tensors, rename, transform)
@@ -329,7 +329,7 @@ def _check_entry(name: object, tensor: object, sharded: bool = False) -> bool:
     dtensor = is_dtensor(tensor)
     if dtensor and not sharded:
         raise TypeError(
-            f"{name!r} is a DTensor; push a weight_sync.sharded.ShardedSource of the state "
+            f"{name!r} is a DTensor; push a weight_sync.send.sharded.ShardedSource of the state "
             "dict (from every trainer rank), or pass tensor.full_tensor()"
         )
     if tensor.layout != torch.strided:

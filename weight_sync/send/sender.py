@@ -1,5 +1,5 @@
 """Trainer side of the data plane: plan a push for the transport, pack its buckets, broadcast
-them. What is sent was checked before (``weight_sync.entries``); what it means -- dense weights,
+them. What is sent was checked before (``weight_sync.send.checks``); what it means -- dense weights,
 or a delta's encoded blobs -- is the caller's business: this sends a plan's buckets."""
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import torch
 
 from weight_sync.config import SyncConfig
 from weight_sync.deadline import Deadline
-from weight_sync.entries import Entries, is_dtensor, wire_dtype
 from weight_sync.metadata import SyncPlan, TensorMeta, Tied
 from weight_sync.packing import (
     Checksum,
@@ -26,6 +25,7 @@ from weight_sync.packing import (
     staging_slots,
 )
 from weight_sync.planner import direct_threshold, make_plan
+from weight_sync.send.checks import Entries, is_dtensor, wire_dtype
 from weight_sync.transport import Transport, Work
 
 # ``Entries`` is named here too: callers that plan by hand (benchmarks/pack_paths.py) import it
@@ -139,6 +139,10 @@ class Sender:
         # The last plan's staging buffers and packing, kept: a training loop pushes one plan
         # over and over, and packs it then with no work per tensor (see packing.Staging).
         self._staging: Staging | None = None
+
+    @property
+    def transport(self) -> Transport:
+        return self._transport
 
     def send(
         self,

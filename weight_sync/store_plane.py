@@ -1,0 +1,386 @@
+"""A control plane over a store: the trainer posts each step of a push, its members answer.
+
+The trainer listens (a ``TCPStore`` on a socket it bound: loopback unless ``SyncConfig`` names an
+address); every member dials it, takes a slot, and answers each step of a push under
+``step/key/slot`` with a ``WorkerReply`` -- the step's result or its typed error. What *tells* the
+members to run a step is a ``Client``, the five calls of vLLM's weight-transfer API:
+
+* vLLM's own clients (``RayVLLMWeightSyncClient``, ``HTTPVLLMWeightSyncClient``) and ours over
+  several ``vllm serve`` processes (``adapters.vllm.servers``): each call reaches every engine,
+  whose workers run ``StoreMember`` (``adapters.vllm.backend``); such a call returns nothing, and
+  with several engines loses which one failed, hence the answers through the store;
+* the ranks of one launched job (``weight_sync.torchrun``): each call is a command in the same
+  store, which every rank reads in order.
+
+``ClientPlane`` is the trainer's ``ControlPlane`` over any of them; ``StoreMember`` the member's
+end. Only JSON crosses the store, bounded in size; nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+import torch
+
+from weight_sync.config import SyncConfig
+from weight_sync.control import Fate, first_line, in_thread, is_collateral, settle, then
+from weight_sync.errors import WeightSyncError
+from weight_sync.metadata import (
+    GroupSpec,
+    MemberInfo,
+    PrepareReply,
+    PrepareRequest,
+    PushReply,
+    ReceiveReport,
+    SyncPlan,
+    WorkerReply,
+)
+from weight_sync.receiver import Check, Loader, Receiver
+from weight_sync.transport.rendezvous import address_of_interface, bind_listener, open_store
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "weight_sync/control/"
+_POLL_S = 0.005
+_COMMIT, _CANCEL = "commit", "cancel"
+MAX_REPLY_CHARS = 1 << 20
+
+
+class Client(Protocol):
+    """How the trainer tells every member to run one step (vLLM's ``VLLMWeightSyncClient``)."""
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
+
+    def start_weight_update(self) -> None: ...
+
+    def update_weights(self, update_info: dict[str, Any]) -> None: ...
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None: ...
+
+
+# -- the member's end ------------------------------------------------------------------------------
+
+
+class StoreMember:
+    """One member answering a ``ClientPlane`` through its store: each method is one step, run
+    when the member's client call (or command) arrives.
+
+    ``check`` is the member's check of a plan before any byte moves; ``loader`` makes the
+    ``Loader`` a receive and a commit hand their tensors to; ``destinations`` the tensors bytes
+    may land in directly (see ``Receiver.receive``). Each step writes its result or error for
+    the trainer and raises the error again (vLLM then ends its update session)."""
+
+    def __init__(
+        self,
+        receiver: Receiver,
+        check: Check,
+        loader: Callable[[], Loader],
+        destinations: Callable[[], Mapping[str, torch.Tensor] | None] = lambda: None,
+    ) -> None:
+        self.receiver = receiver
+        self.retarget(check, loader, destinations)
+        self._store: Any = None
+        self._slot = 0
+        self._epoch = 0
+        self.pushing: int | None = None  # the version this member prepared
+        self.prepared: PrepareReply | None = None  # its verdict on that push
+
+    def retarget(
+        self,
+        check: Check,
+        loader: Callable[[], Loader],
+        destinations: Callable[[], Mapping[str, torch.Tensor] | None] = lambda: None,
+    ) -> None:
+        """Where the next push lands (a job's rank may receive into another model each time)."""
+        self._check, self._loader, self._destinations = check, loader, destinations
+
+    def init(self, address: str, port: int, epoch: int, timeout_s: float,
+             max_metadata_bytes: int, slot: int | None = None) -> None:  # fmt: skip
+        """Dial the trainer's store, answer its probe, and join the group it then describes.
+        ``slot``: this member's place (1-based) where it is fixed (a job's rank), else the order
+        of arrival."""
+        self.shutdown()
+        from torch.distributed import PrefixStore
+
+        self._store = PrefixStore(PREFIX, open_store(address, port, 1, timeout_s, None))
+        self._epoch = epoch
+        self._slot = slot if slot is not None else int(self._store.add(f"{epoch}/slots", 1))
+        self._answer(f"info/{epoch}/{self._slot}",
+                     lambda: self.receiver.info().model_dump_json())  # fmt: skip
+
+        def join() -> None:
+            spec_json = self._read(f"spec/{epoch}/{self._slot}", max_metadata_bytes)
+            self.receiver.join_json(spec_json, max_metadata_bytes)
+
+        self._answer(f"joined/{epoch}/{self._slot}", join)
+
+    def start(self) -> None:
+        """Check the push the trainer announced (fetching its plan from the store if this member
+        does not hold it)."""
+        request_json = self._read(f"prepare/{self._epoch}", MAX_REPLY_CHARS)
+        request = PrepareRequest.model_validate_json(request_json)
+        self.pushing, self.prepared = request.version, None
+
+        def prepare() -> str:
+            reply = self.receiver.prepare(request_json, self._check)
+            if reply.need_plan:
+                limit = self.receiver.max_metadata_bytes or MAX_REPLY_CHARS
+                plan_json = self._read(f"plan/{request.plan_digest}", limit)
+                whole = request.model_copy(update={"plan": SyncPlan.model_validate_json(plan_json)})
+                reply = self.receiver.prepare(whole.model_dump_json(), self._check)
+            self.prepared = reply
+            return reply.model_dump_json()
+
+        self._answer(f"prepared/{request.version}/{self._slot}", prepare)
+
+    def receive(self, version: int) -> None:
+        self._answer(f"received/{version}/{self._slot}",
+                     lambda: self.receiver.receive(version, self._loader(), self._destinations())
+                     .model_dump_json())  # fmt: skip
+
+    def finish(self) -> bool:
+        """Commit the push, or drop it: the trainer's verdict, once every member received it.
+        Returns whether it committed. Never raises for a failed commit (vLLM would keep its
+        update session open, refusing every later one): that reaches the trainer through the
+        store, and the member reports no version."""
+        version, self.pushing = self.pushing, None
+        if version is None:
+            return False
+        if self._read(f"verdict/{version}", 16) != _COMMIT:
+            self.receiver.cancel(version)
+            return False
+        destinations = self._destinations() if self.receiver.staged else None
+        self._answer(f"committed/{version}/{self._slot}",
+                     lambda: self.receiver.commit(version, self._loader(), destinations),
+                     reraise=False)  # fmt: skip
+        return self.receiver.version == version
+
+    def shutdown(self) -> None:
+        self.receiver.leave()
+        self._store = None
+
+    def _read(self, key: str, limit: int) -> str:
+        value = self._store.get(key).decode()
+        if len(value) > limit:
+            raise WeightSyncError(f"control message {key!r} of {len(value)} bytes exceeds {limit}")
+        return value
+
+    def _answer(self, key: str, step: Callable[[], Any], reraise: bool = True) -> None:
+        """Run ``step`` and write its result or its error to ``key`` for the trainer; an error
+        is raised again here too (``reraise``)."""
+        reply, error = WorkerReply.of(step, self.receiver.status)
+        self._store.set(key, reply.model_dump_json())
+        if error is not None and reraise:
+            raise error
+
+
+# -- the trainer's end -----------------------------------------------------------------------------
+
+
+class ClientPlane:
+    """``ControlPlane`` over a ``Client`` (see the module doc). Members are the processes that
+    answer, in the order they took their slots."""
+
+    def __init__(self, client: Client, workers: int, config: SyncConfig) -> None:
+        from torch.distributed import PrefixStore
+
+        self._client = client
+        self._workers = workers
+        self._timeout_s = config.rendezvous_timeout_s
+        self._max_metadata_bytes = config.max_metadata_bytes
+        address = (
+            config.master_addr
+            if config.interface is None
+            else address_of_interface(config.interface)
+        )
+        listener = bind_listener(address)
+        self._address, self._port = address, listener.getsockname()[1]
+        self._mailbox = _Mailbox(
+            PrefixStore(PREFIX, open_store(address, self._port, 1, self._timeout_s, listener))
+        )
+        self._epoch = 0
+        self._plans: set[str] = set()  # digests whose plan is in the store
+        self._joining: Future[Any] | None = None
+        self._pushing: int | None = None  # prepared, neither committed nor cancelled
+
+    def __len__(self) -> int:
+        return self._workers
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """Where the members dial the trainer's store."""
+        return self._address, self._port
+
+    def probe(self, timeout_s: float) -> list[Future[MemberInfo]]:
+        self._epoch += 1
+        info = {"address": self._address, "port": self._port, "epoch": self._epoch,
+                "timeout_s": self._timeout_s, "max_metadata_bytes": self._max_metadata_bytes}  # fmt: skip
+        self._joining = in_thread(lambda: self._client.init_weight_transfer_engine(info))
+        return self._round("info", self._epoch, self._joining, MemberInfo)
+
+    def join(
+        self, specs: Sequence[GroupSpec], max_metadata_bytes: int, timeout_s: float
+    ) -> list[Future[None]]:
+        assert self._joining is not None, "probe first"
+        for slot, spec in enumerate(specs, start=1):
+            self._mailbox.post(f"spec/{self._epoch}/{slot}", spec.model_dump_json())
+        return self._round("joined", self._epoch, self._joining, None)
+
+    def prepare(
+        self,
+        request: PrepareRequest,
+        plan: SyncPlan,
+        members: Sequence[int],
+        send_plan: Sequence[bool],
+        timeout_s: float,
+    ) -> list[Future[PrepareReply]]:
+        # Workers fetch the plan from the store when they lack it, so none asks for it.
+        assert list(members) == list(range(self._workers)), "every worker prepares at once"
+        if plan.digest not in self._plans:
+            self._mailbox.post(f"plan/{plan.digest}", plan.wire)
+            self._plans.add(plan.digest)
+        self._mailbox.post(f"prepare/{self._epoch}", request.model_dump_json())
+        self._pushing = request.version
+        call = in_thread(self._client.start_weight_update)
+        return self._round("prepared", request.version, call, PrepareReply)
+
+    def cancel(self, version: int, members: Sequence[int], timeout_s: float) -> list[Future[None]]:
+        ending = self._take_session()  # now, not in the thread: the next push may begin before
+        return [in_thread(lambda: self._end_session(ending))] * len(members)
+
+    def push(self, request: PrepareRequest, timeout_s: float) -> list[Future[PushReply]]:
+        raise AssertionError("vLLM's workers never offer one-call pushes (MemberInfo.one_call)")
+
+    def receive(self, version: int, atomic: bool, timeout_s: float) -> list[Future[ReceiveReport]]:
+        call = in_thread(lambda: self._client.update_weights({"version": version}))
+        return self._round("received", version, call, ReceiveReport)
+
+    def commit(self, version: int, timeout_s: float) -> list[Future[None]]:
+        self._pushing = None
+        self._mailbox.post(f"verdict/{version}", _COMMIT)
+        call = in_thread(lambda: self._client.finish_weight_update(str(version)))
+        return self._round("committed", version, call, None)
+
+    def leave(self, timeout_s: float) -> list[Future[None]]:
+        """End any update session still open (vLLM refuses to release an engine inside one),
+        then release the engines from the group."""
+        shutdown = getattr(self._client, "shutdown_weight_transfer_engine", lambda: None)
+        ending = self._take_session()
+
+        def leave() -> None:
+            try:
+                self._end_session(ending)
+            except Exception as exc:  # a worker whose update already failed has no session
+                logger.debug("ending the update session: %s", exc)
+            shutdown()
+
+        return [in_thread(leave)] * self._workers
+
+    def drop(self, members: Sequence[int]) -> None:
+        logger.warning(
+            "vLLM worker(s) %s failed; vLLM's client still calls every engine, so pushes fail "
+            "until they are replaced", list(members),
+        )  # fmt: skip
+
+    def fate(self, error: BaseException) -> tuple[Fate, str]:
+        return ("collateral" if is_collateral(error) else "raised"), first_line(error)
+
+    def post(self, key: str, value: str) -> None:
+        """Write ``key`` in the control store, in order with every message of the push protocol
+        (one connection, one lock): a launched job's commands go this way."""
+        self._mailbox.post(key, value)
+
+    def close(self) -> None:
+        self._mailbox.close()
+
+    def _take_session(self) -> int | None:
+        version, self._pushing = self._pushing, None
+        return version
+
+    def _end_session(self, version: int | None) -> None:
+        """``finish_weight_update`` with a verdict to drop push ``version``, if one is open."""
+        if version is not None:
+            self._mailbox.post(f"verdict/{version}", _CANCEL)
+            self._client.finish_weight_update()
+
+    def _round(
+        self, step: str, key: int, call: Future[Any], kind: type | None
+    ) -> list[Future[Any]]:
+        """One future per worker: its answer under ``step/key/slot``, or the client call's error
+        if that call fails before the worker answered."""
+        answers = [
+            self._mailbox.expect(f"{step}/{key}/{slot}") for slot in range(1, self._workers + 1)
+        ]
+
+        def failed(done: Future[Any]) -> None:
+            if done.exception() is not None:
+                for answer in answers:
+                    settle(answer, error=done.exception())
+
+        call.add_done_callback(failed)
+        return [then(answer, lambda raw: _parse(raw, kind)) for answer in answers]
+
+
+class _Mailbox:
+    """The trainer's end of the control store: it posts messages, and gets futures for the keys
+    workers will answer under, resolved by one thread that polls for them (a store's blocking
+    ``wait`` would hold up every other use of it). One lock guards every use of the store."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self._pending: dict[str, Future[str]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def post(self, key: str, value: str) -> None:
+        with self._lock:
+            self._store.set(key, value)
+
+    def expect(self, key: str) -> Future[str]:
+        future: Future[str] = Future()
+        with self._lock:
+            self._pending[key] = future
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._poll, name="weight-sync-replies", daemon=True
+                )
+                self._thread.start()
+        return future
+
+    def close(self) -> None:
+        """Stop polling and drop the store (the trainer's listening socket goes with it)."""
+        with self._lock:
+            self._closed, self._store = True, None
+            for future in self._pending.values():
+                settle(future, error=WeightSyncError("the weight-transfer engine was shut down"))
+            self._pending.clear()
+
+    def _poll(self) -> None:
+        while True:
+            arrived = []
+            with self._lock:
+                if self._closed:
+                    return
+                for key, future in list(self._pending.items()):
+                    if future.done():  # failed with its client call
+                        del self._pending[key]
+                    elif self._store.check([key]):
+                        arrived.append((future, self._store.get(key).decode()))
+                        self._store.delete_key(key)
+                        del self._pending[key]
+            for future, value in arrived:
+                settle(future, result=value)
+            time.sleep(_POLL_S)
+
+
+def _parse(raw: str, kind: type | None) -> Any:
+    if len(raw) > MAX_REPLY_CHARS:
+        raise WeightSyncError(f"a worker's reply of {len(raw)} bytes exceeds {MAX_REPLY_CHARS}")
+    value = WorkerReply.model_validate_json(raw).unwrap()
+    return kind.model_validate_json(value) if kind is not None and value is not None else None  # type: ignore[attr-defined]
