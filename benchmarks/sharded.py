@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from weight_sync import SyncConfig, WeightSyncWorker, WeightUpdater
+from weight_sync.checksums import state_dict_digests
 from weight_sync.send.sharded import ShardedSource
 from weight_sync.transport.rendezvous import bind_listener, open_store
-from weight_sync.verify import state_dict_digests
 
 
 def build(layers: int, dim: int) -> torch.nn.Module:

@@ -35,14 +35,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="bucket size in MiB (default: SyncConfig's)",
     )
     demo.add_argument(
-        "--address", default=None,
+        "--address",
+        default=None,
         help="Ray cluster to join (e.g. 'auto'); default: start a local one",
-    )  # fmt: skip
+    )
     demo.add_argument(
-        "--device", choices=("auto", "cpu", "cuda"), default="auto",
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
         help="where the weights live: auto (the cluster's GPUs if it has any), cpu, cuda; with "
         "fewer GPUs than actors, the actors share them (default auto)",
-    )  # fmt: skip
+    )
     bench = commands.add_parser(
         "bench",
         help="measure weight_sync against raw / ray_call / per_tensor / fanout / object_store",
@@ -162,9 +165,13 @@ def main(argv: list[str] | None = None) -> int:
         from weight_sync.demo import run_demo
 
         return run_demo(
-            args.workers, args.steps, args.address, args.bucket_mb, device=args.device,
+            args.workers,
+            args.steps,
+            args.address,
+            args.bucket_mb,
+            device=args.device,
             verbose=args.verbose,
-        )  # fmt: skip
+        )
     if args.command == "bench" and (args.nodes is not None or args.node_scaling):
         return _bench_links(args)
     if args.command == "bench":
@@ -174,12 +181,19 @@ def main(argv: list[str] | None = None) -> int:
 
         workloads = args.workloads or "W1,W2,W3,W4,W5"
         run_bench(
-            workloads=[w for w in workloads.split(",") if w], workers=args.workers,
+            workloads=[w for w in workloads.split(",") if w],
+            workers=args.workers,
             repeats=args.repeats,
-            strategies=args.strategies.split(","), scaling=args.scaling, sweep=args.sweep,
-            options=args.options, out=Path(args.out), address=args.address, device=args.device,
-            same_host=[w for w in args.same_host.split(",") if w], delta=args.delta,
-        )  # fmt: skip
+            strategies=args.strategies.split(","),
+            scaling=args.scaling,
+            sweep=args.sweep,
+            options=args.options,
+            out=Path(args.out),
+            address=args.address,
+            device=args.device,
+            same_host=[w for w in args.same_host.split(",") if w],
+            delta=args.delta,
+        )
         print(f"report: {Path(args.out) / 'results.md'}")
         return 0
     if args.command == "job":
@@ -199,11 +213,16 @@ def _bench_links(args: argparse.Namespace) -> int:
     try:
         rates = [parse_rate(rate) for rate in args.rates.split(",") if rate.strip()]
         run_links(
-            nodes=args.nodes, rates=rates, workloads=(args.workloads or "W1").split(","),
-            workers_per_node=args.workers_per_node, local_workers=args.local_workers,
-            repeats=args.repeats, delay_ms=args.delay_ms, node_scaling=args.node_scaling,
+            nodes=args.nodes,
+            rates=rates,
+            workloads=(args.workloads or "W1").split(","),
+            workers_per_node=args.workers_per_node,
+            local_workers=args.local_workers,
+            repeats=args.repeats,
+            delay_ms=args.delay_ms,
+            node_scaling=args.node_scaling,
             out=Path(args.out),
-        )  # fmt: skip
+        )
     except (NetnsUnavailable, ValueError) as exc:
         print(f"weight-sync bench: {exc}", file=sys.stderr)
         return 2

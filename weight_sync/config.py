@@ -241,8 +241,9 @@ class SyncConfig(BaseModel):
     @field_validator("interface")
     @classmethod
     def _interface_name(cls, value: str | None) -> str | None:
-        if value is not None and not (0 < len(value) < 16 and "/" not in value and value.isprintable()
-                                      and " " not in value):  # fmt: skip
+        if value is not None and not (
+            0 < len(value) < 16 and "/" not in value and value.isprintable() and " " not in value
+        ):
             raise ValueError(
                 f"interface must be a network interface name such as 'eth0', got {value!r}"
             )
@@ -274,8 +275,10 @@ def _unknown_field(key: str) -> str:
     fields = list(SyncConfig.model_fields)
     close = difflib.get_close_matches(key, fields, n=3, cutoff=0.6)
     hint = f"did you mean {' or '.join(repr(name) for name in close)}? " if close else ""
-    return (f"SyncConfig has no field {key!r}: {hint}its fields are {', '.join(fields)} "
-            "(each described in docs/api.md, 'SyncConfig')")  # fmt: skip
+    return (
+        f"SyncConfig has no field {key!r}: {hint}its fields are {', '.join(fields)} "
+        "(each described in docs/api.md, 'SyncConfig')"
+    )
 
 
 def _is_wildcard(addr: str) -> bool:

@@ -10,22 +10,26 @@ protocol blames and drops. Two planes exist, one file each:
 
 * ``actors.members.RayMembers`` -- ``WeightSyncWorker`` / ``VLLMEngine`` Ray actors, one actor
   call per member per round;
-* ``adapters.vllm.backend`` -- vLLM's own weight-transfer clients (Ray handles of vLLM engines,
-  or HTTP to a vLLM server): one client call per round for every engine at once, the members'
-  answers coming back through the sync group's store.
+* ``store_plane.ClientPlane`` -- a client that reaches every member at once (vLLM's own
+  weight-transfer clients through ``adapters.vllm.backend``, several ``vllm serve`` processes
+  through ``adapters.vllm.servers``, the ranks of a torchrun job through ``torchrun``): one
+  client call per round, the members' answers coming back through the sync group's store.
+
+(SGLang servers are driven by a push of their own, ``adapters.sglang.pusher``, over their HTTP
+endpoints: SGLang runs the receiving side itself.)
 
 Only typed metadata crosses a plane; bytes travel over the ``Transport``. Nothing here knows Ray.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, InvalidStateError, wait
+from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from weight_sync.errors import SyncTimeoutError, TransportError, WeightSyncError, WorkerFailedError
+from weight_sync.futures import gather
 from weight_sync.metadata import (
     GroupSpec,
     MemberInfo,
@@ -35,7 +39,6 @@ from weight_sync.metadata import (
     ReceiveReport,
     SyncPlan,
 )
-from weight_sync.transport import teardown
 
 # How a member's failed call ended: its process is gone; it lost a collective because another
 # member failed (alive, not at fault); or it raised (alive, at fault).
@@ -115,10 +118,13 @@ class Outcomes:
     def error(self, what: str, timeout_s: float, dropped: Sequence[int] = ()) -> WeightSyncError:
         """The error to raise for these outcomes (which must not be ``ok``)."""
         blamed = {**self.raised, **self.died}
-        blamed.update({
-            index: f"no answer within {timeout_s:.1f}s (frozen?)"
-            for index in self.unreachable if index not in self.died
-        })  # fmt: skip
+        blamed.update(
+            {
+                index: f"no answer within {timeout_s:.1f}s (frozen?)"
+                for index in self.unreachable
+                if index not in self.died
+            }
+        )
         if not blamed:
             if self.collateral and not self.late:
                 return TransportError(
@@ -143,8 +149,7 @@ class Outcomes:
 def collect(plane: ControlPlane, calls: Sequence[Future[Any]], timeout_s: float) -> Outcomes:
     """Wait up to ``timeout_s`` in total for every call; never raises for a member's failure."""
     outcomes = Outcomes(results=[None] * len(calls))
-    if calls:
-        wait(calls, timeout=max(timeout_s, 0.0))
+    gather(calls, timeout_s)
     for index, call in enumerate(calls):
         if not call.done():
             outcomes.late.append(index)
@@ -166,60 +171,3 @@ def collect(plane: ControlPlane, calls: Sequence[Future[Any]], timeout_s: float)
 def is_collateral(error: BaseException) -> bool:
     """Whether a member's own error says it lost a collective to another member's failure."""
     return isinstance(error, TransportError | SyncTimeoutError)
-
-
-def first_line(error: BaseException) -> str:
-    """``Type: last non-empty line of the message``, bounded: a reason for an error message."""
-    text = str(error).strip() or type(error).__name__
-    lines = [line for line in text.splitlines() if line.strip()]
-    return f"{type(error).__name__}: {lines[-1] if lines else text}"[:500]
-
-
-def settle(future: Future[Any], *, result: Any = None, error: BaseException | None = None) -> None:
-    """Resolve ``future`` unless something else already did (two sources may race to)."""
-    try:
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-    except InvalidStateError:
-        pass
-
-
-def in_thread(
-    call: Callable[[], Any], name: str = "weight-sync-call", exit_waits: bool = False
-) -> Future[Any]:
-    """Run a blocking call on a daemon thread of its own: a stuck peer may never return, and must
-    not hold up anything else (the caller bounds its wait on the future).
-
-    ``exit_waits``: the call blocks in C++ with the GIL released (an NCCL communicator's
-    creation, an NCCL wait), so an exit waits for it, within a bound, rather than let the
-    interpreter kill it inside the call (see ``transport.teardown``)."""
-    future: Future[Any] = Future()
-
-    def run() -> None:
-        try:
-            settle(future, result=call())
-        except BaseException as exc:
-            settle(future, error=exc)
-
-    if exit_waits:
-        teardown.start(name, run)
-    else:
-        threading.Thread(target=run, name=name, daemon=True).start()
-    return future
-
-
-def then(future: Future[Any], step: Callable[[Any], Any]) -> Future[Any]:
-    """A future of ``step(result)``, resolved only once ``step`` has run; an error, of ``future``
-    or of ``step``, passes through."""
-    outer: Future[Any] = Future()
-
-    def chain(inner: Future[Any]) -> None:
-        try:
-            outer.set_result(step(inner.result()))
-        except BaseException as error:
-            outer.set_exception(error)
-
-    future.add_done_callback(chain)
-    return outer

@@ -15,9 +15,9 @@ from torch import nn
 
 from weight_sync import PushResult, SyncConfig, WeightSyncWorker, WeightUpdater, remote_worker
 from weight_sync.actors.fleet import count_verified, take_down
+from weight_sync.checksums import state_dict_digests
 from weight_sync.placement import describe_share, gpu_share, largest_node_gpus
 from weight_sync.send.routes import describe_routes
-from weight_sync.verify import state_dict_digests
 
 MiB = 1 << 20
 
@@ -124,8 +124,12 @@ def run_demo(
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # the demo talks to loopback only
         level = logging.INFO if verbose else logging.ERROR  # quiet: the demo's output only
         if address is None:
-            ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level=level,
-                     log_to_driver=verbose)  # fmt: skip
+            ray.init(
+                num_cpus=os.cpu_count(),
+                include_dashboard=False,
+                logging_level=level,
+                log_to_driver=verbose,
+            )
         else:
             ray.init(address=address, logging_level=level, log_to_driver=verbose)
     try:

@@ -81,3 +81,10 @@ class GroupFormationError(TransportError):
 
     def __reduce__(self) -> tuple:
         return type(self), (str(self), self.ranks)
+
+
+def first_line(error: BaseException) -> str:
+    """``Type: last non-empty line of the message``, bounded: a reason for an error message."""
+    text = str(error).strip() or type(error).__name__
+    lines = [line for line in text.splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[-1] if lines else text}"[:500]

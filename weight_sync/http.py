@@ -10,7 +10,6 @@ cluster-internal addresses through a proxy that cannot reach them.
 from __future__ import annotations
 
 import json
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -19,12 +18,11 @@ from concurrent.futures import Future
 from functools import partial
 from typing import Any
 
-from weight_sync.control import in_thread
 from weight_sync.errors import SyncTimeoutError, WorkerFailedError
+from weight_sync.futures import gather, in_thread
 
-__all__ = ["MAX_BODY", "ServerError", "call", "check_urls", "fan_out", "reason", "settle"]
+__all__ = ["MAX_BODY", "ServerError", "call", "check_urls", "collect_answers", "fan_out", "reason"]
 
-_POLL_S = 0.005  # how often settle looks at the calls
 MAX_BODY = 1 << 20  # the largest answer read from a server (the routes we call answer tiny JSON)
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 # Routes called without a body that are reads (``GET``); any other call without one is a POST.
@@ -56,9 +54,14 @@ class ServerError(WorkerFailedError):
 
 
 def call(
-    url: str, path: str, body: Mapping[str, Any] | None = None, *, timeout_s: float,
-    method: str | None = None, text: bool = False,
-) -> Any:  # fmt: skip
+    url: str,
+    path: str,
+    body: Mapping[str, Any] | None = None,
+    *,
+    timeout_s: float,
+    method: str | None = None,
+    text: bool = False,
+) -> Any:
     """One HTTP call to a server: ``POST`` with a JSON body (``GET`` when ``method`` says so, or
     with no body and a path under ``_GETS``); returns the decoded JSON answer (None if empty),
     or with ``text`` the answer as text. Raises ``ServerError`` for anything that is not a 2xx
@@ -93,13 +96,13 @@ def fan_out(
     urls: Sequence[str], step: Callable[[str], Any], timeout_s: float, what: str
 ) -> dict[str, Any]:
     """``step(url)`` for every server at once, each on a thread of its own; returns the answers
-    by URL (see ``settle``: the others' threads finish on their own, bounded by their requests'
-    timeouts)."""
-    return settle({url: in_thread(partial(step, url), "weight-sync-http") for url in urls},
-                  timeout_s, what)  # fmt: skip
+    by URL (see ``collect_answers``: the others' threads finish on their own, bounded by their
+    requests' timeouts)."""
+    calls = {url: in_thread(partial(step, url), "weight-sync-http") for url in urls}
+    return collect_answers(calls, timeout_s, what)
 
 
-def settle(
+def collect_answers(
     calls: Mapping[str, Future[Any]],
     timeout_s: float,
     what: str,
@@ -114,33 +117,42 @@ def settle(
     has (before ``also``'s error: a server that failed is the better lead), or that had not
     answered in time; ``SyncTimeoutError`` if only ``also`` is late. ``who`` names the servers
     in messages."""
-    end = time.monotonic() + timeout_s
-    while True:
-        failed = {name: reason(name, future.exception()) for name, future in calls.items()
-                  if future.done() and future.exception() is not None}  # fmt: skip
-        if failed:
-            detail = "; ".join(f"{name}: {why}" for name, why in failed.items())
-            raise ServerError(f"{what} failed on {len(failed)} {who}: {detail}", failed)
-        if also is not None and also.done():
-            if also.exception() is not None:
-                raise also.exception()  # type: ignore[misc]
-            if until_also:
-                return {}
-        late = [name for name, future in calls.items() if not future.done()]
-        if not late and not until_also and (also is None or also.done()):
-            return {name: future.result() for name, future in calls.items()}
-        if time.monotonic() >= end:
-            if until_also or not late:  # the caller's part is late: the servers wait on it
-                raise SyncTimeoutError(
-                    f"{what}: the trainer's part did not finish within {timeout_s:.1f}s while "
-                    f"{who} {late} waited; check the trainer's network and the servers' logs, "
-                    "or raise the timeouts in SyncConfig"
-                )
-            raise ServerError(
-                f"{what}: {who} {late} did not answer within {timeout_s:.1f}s",
-                dict.fromkeys(late, f"no answer to {what} within {timeout_s:.1f}s"),
-            )
-        time.sleep(_POLL_S)
+    futures = [*calls.values(), *([also] if also is not None else [])]
+
+    def over() -> bool:
+        if any(future.done() and future.exception() is not None for future in futures):
+            return True
+        if until_also:
+            return also is not None and also.done()
+        return all(future.done() for future in futures)
+
+    gather(futures, timeout_s, until=over)
+    failed = {
+        name: reason(name, future.exception())
+        for name, future in calls.items()
+        if future.done() and future.exception() is not None
+    }
+    if failed:
+        detail = "; ".join(f"{name}: {why}" for name, why in failed.items())
+        raise ServerError(f"{what} failed on {len(failed)} {who}: {detail}", failed)
+    if also is not None and also.done():
+        if also.exception() is not None:
+            raise also.exception()  # type: ignore[misc]
+        if until_also:
+            return {}
+    late = [name for name, future in calls.items() if not future.done()]
+    if not late and not until_also and (also is None or also.done()):
+        return {name: future.result() for name, future in calls.items()}
+    if until_also or not late:  # the caller's part is late: the servers wait on it
+        raise SyncTimeoutError(
+            f"{what}: the trainer's part did not finish within {timeout_s:.1f}s while "
+            f"{who} {late} waited; check the trainer's network and the servers' logs, "
+            "or raise the timeouts in SyncConfig"
+        )
+    raise ServerError(
+        f"{what}: {who} {late} did not answer within {timeout_s:.1f}s",
+        dict.fromkeys(late, f"no answer to {what} within {timeout_s:.1f}s"),
+    )
 
 
 def reason(name: str, error: BaseException | None) -> str:
@@ -159,8 +171,10 @@ def check_urls(urls: Sequence[str], engine: str) -> list[str]:
             f"{type(urls).__name__}"
         )
     if not urls:
-        raise ValueError(f"urls is empty: give the base URL of every {engine} server, e.g. "
-                         "['http://127.0.0.1:8000']")  # fmt: skip
+        raise ValueError(
+            f"urls is empty: give the base URL of every {engine} server, e.g. "
+            "['http://127.0.0.1:8000']"
+        )
     checked = []
     for url in urls:
         if not isinstance(url, str):
@@ -169,8 +183,10 @@ def check_urls(urls: Sequence[str], engine: str) -> list[str]:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"{url!r} is not an http(s) base URL: write it as 'http://HOST:PORT'")
         if parts.query or parts.fragment or parts.path.strip("/"):
-            raise ValueError(f"{url!r} must be a server's base URL, 'http://HOST:PORT', with "
-                             "no path or query (the routes are added here)")  # fmt: skip
+            raise ValueError(
+                f"{url!r} must be a server's base URL, 'http://HOST:PORT', with "
+                "no path or query (the routes are added here)"
+            )
         checked.append(f"{parts.scheme}://{parts.netloc}".lower())
     duplicates = sorted({url for url in checked if checked.count(url) > 1})
     if duplicates:

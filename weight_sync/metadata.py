@@ -38,13 +38,29 @@ VOTE_AGREED, VOTE_REFUSED = 0, 1
 
 # Every dtype a model can hold whose bytes round-trip through a uint8 view.
 _DTYPE_NAMES = (
-    "float64", "float32", "float16", "bfloat16",
-    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "float64",
+    "float32",
+    "float16",
+    "bfloat16",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
     "float4_e2m1fn_x2",
-    "int64", "int32", "int16", "int8",
-    "uint64", "uint32", "uint16", "uint8",
-    "bool", "complex128", "complex64", "complex32",
-)  # fmt: skip
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint64",
+    "uint32",
+    "uint16",
+    "uint8",
+    "bool",
+    "complex128",
+    "complex64",
+    "complex32",
+)
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name) for name in _DTYPE_NAMES if hasattr(torch, name)
 }
@@ -357,7 +373,7 @@ class ReceiveReport(_Wire):
     nbytes: int
     buckets: int
     seconds: float
-    checksums: tuple[int, ...] | None = None  # per bucket (packing.checksum), when asked for
+    checksums: tuple[int, ...] | None = None  # per bucket (checksums.checksum), when asked for
 
 
 class PushReply(_Wire):
@@ -415,9 +431,11 @@ class WorkerReply(_Wire):
         except Exception as exc:
             value, error = None, exc
         reply = cls(
-            value=value, error=type(error).__name__ if error else None,
-            message=str(error)[:_MAX_MESSAGE] if error else "", status=status(),
-        )  # fmt: skip
+            value=value,
+            error=type(error).__name__ if error else None,
+            message=str(error)[:_MAX_MESSAGE] if error else "",
+            status=status(),
+        )
         return reply, error
 
     def unwrap(self) -> str | None:

@@ -42,9 +42,11 @@ class PushMetrics:
             "weight_sync_push_buckets", "Buckets broadcast", tag_keys=keys
         )
         self._seconds = metrics.Histogram(
-            "weight_sync_push_seconds", "Seconds per push phase",
-            boundaries=_SECONDS_BOUNDARIES, tag_keys=("updater", "phase"),
-        )  # fmt: skip
+            "weight_sync_push_seconds",
+            "Seconds per push phase",
+            boundaries=_SECONDS_BOUNDARIES,
+            tag_keys=("updater", "phase"),
+        )
         self._gbps = metrics.Gauge("weight_sync_push_gbps", "GB/s of the last push", tag_keys=keys)
         self._version = metrics.Gauge(
             "weight_sync_version", "Last committed version", tag_keys=keys

@@ -175,9 +175,13 @@ def reserve(
     reservation is released), naming what was asked for.
     """
     layout = bundles_for(
-        workers, cluster_gpus=ray.cluster_resources().get("GPU", 0.0),
-        node_gpus=largest_node_gpus(), gpus=gpus, spread=spread, cpus_per_actor=cpus_per_actor,
-    )  # fmt: skip
+        workers,
+        cluster_gpus=ray.cluster_resources().get("GPU", 0.0),
+        node_gpus=largest_node_gpus(),
+        gpus=gpus,
+        spread=spread,
+        cpus_per_actor=cpus_per_actor,
+    )
     if not layout.gpus:
         logger.info("no GPUs in the cluster: reserving CPU bundles for %d actors", workers + 1)
     group = placement_group(list(layout.bundles), strategy=layout.strategy, name="")

@@ -1,9 +1,9 @@
 """The push protocol, the same for every control plane: plan, prepare, transfer, commit.
 
 A ``Pusher`` lives in the trainer process (rank 0 of the sync group). It reaches its members
-through a ``ControlPlane`` (``weight_sync.control``: Ray actors, or vLLM's own clients) and moves
-bytes over a ``Transport`` (the broadcast group, and a shared-memory ring for the members on its
-own host); it never sees either one's machinery. Per push and per member, the long way:
+through a ``ControlPlane`` (``weight_sync.control``: Ray actors, or a client over a store) and
+moves bytes over a ``Transport`` (the broadcast group, and a shared-memory ring for the members
+on its own host); it never sees either one's machinery. Per push and per member, the long way:
 one ``prepare`` carrying the version and the plan (or the hash of a plan the member already
 holds), one ``receive`` that runs alongside the broadcast, one ``commit``. In the steady state
 (every member holds the plan and offers it) the three are one call, ``push``: the members agree
@@ -18,7 +18,7 @@ never answered are dropped, the rest leave the group, and the next push forms a 
 
 A push reads downhill from here into ``weight_sync.send``: the state dict is checked
 (``send.checks``) and planned (``send.sender.PushPlanner``); the group is formed when there is
-none (``send.formation``, settling the members' calls through ``send.roster``); ``send.wire``
+none (``send.formation``, gathering the members' replies through ``send.roster``); ``send.wire``
 says what this push puts on the wire -- dense, or a delta against the trainer's baseline -- and
 sends it through the ``send.sender``. None of those modules imports this one.
 """
@@ -193,8 +193,10 @@ class Pusher:
             raise ValueError("this rank does not send: call serve() on its ShardedSource")
         try:
             if transform is not None:
-                raise ValueError("transform needs whole tensors and cannot run on a sharded "
-                                 "source; rename (names only) can")  # fmt: skip
+                raise ValueError(
+                    "transform needs whole tensors and cannot run on a sharded "
+                    "source; rename (names only) can"
+                )
             entries = check_state_dict(source.items(), self._config, rename, sharded=True)
             cast = self._config.cast_dtype
             if self._config.check_finite and not source.all_finite(cast):
@@ -264,7 +266,9 @@ class Pusher:
                     sent, in_place = done
                 if not request.commit_on_receipt:
                     timeout_s = deadline.left(self._config.rpc_timeout_s)
-                    self._roster.settle(self._plane.commit(version, timeout_s), "commit", timeout_s)
+                    self._roster.replies(
+                        self._plane.commit(version, timeout_s), "commit", timeout_s
+                    )
                     clock.lap("commit")
                 self._roster.bases = self._wire.bases_after(self._roster.bases, request, in_place)
             except BaseException as exc:
@@ -281,9 +285,18 @@ class Pusher:
             self._version = version
             reason = self._wire.sent(decision, request, sent.seconds, plan.payload_bytes)
             result = PushResult(
-                version, plan.payload_bytes, len(plan.buckets), clock.total(), entries.count,
-                partial, clock.phases, sent.wire.wire_bytes, request.delta, sent.wire.density, reason,
-            )  # fmt: skip
+                version,
+                plan.payload_bytes,
+                len(plan.buckets),
+                clock.total(),
+                entries.count,
+                partial,
+                clock.phases,
+                sent.wire.wire_bytes,
+                request.delta,
+                sent.wire.density,
+                reason,
+            )
             if self._observer is not None:
                 self._observer.pushed(
                     version, result.nbytes, result.buckets, clock.phases, result.gbps
@@ -291,11 +304,17 @@ class Pusher:
             logger.info(
                 "pushed version %d%s%s: %d tensors, %.1f MB (%.1f MB on the wire) in %d buckets, "
                 "%.3fs (%.2f GB/s; %s)",
-                version, " (partial)" if partial else "", " (delta)" if request.delta else "",
-                result.tensors, result.nbytes / 1e6, result.wire_bytes / 1e6, result.buckets,
-                result.seconds, result.gbps,
+                version,
+                " (partial)" if partial else "",
+                " (delta)" if request.delta else "",
+                result.tensors,
+                result.nbytes / 1e6,
+                result.wire_bytes / 1e6,
+                result.buckets,
+                result.seconds,
+                result.gbps,
                 ", ".join(f"{phase} {seconds:.3f}s" for phase, seconds in clock.phases.items()),
-            )  # fmt: skip
+            )
             return result
 
     def _plan(self, group: Transport, entries: Entries) -> SyncPlan:
@@ -338,8 +357,11 @@ class Pusher:
             logger.info("worker(s) %s do not hold the trainer's base: this push goes dense", dense)
             request = as_dense(request)
             replies = self._prepare_all(request, plan, deadline)
-        problems = {i: reply.problems or ("refused",) for i, reply in enumerate(replies)
-                    if not reply.accepted}  # fmt: skip
+        problems = {
+            i: reply.problems or ("refused",)
+            for i, reply in enumerate(replies)
+            if not reply.accepted
+        }
         if problems:
             accepted = [i for i, reply in enumerate(replies) if reply.accepted]
             self._roster.cancel(request.version, accepted, deadline)
@@ -367,7 +389,7 @@ class Pusher:
         timeout_s = deadline.left(self._config.rpc_timeout_s)
         send_plan = self._roster.lacking(plan.digest, members)
         calls = self._plane.prepare(request, plan, list(members), send_plan, timeout_s)
-        return self._roster.settle(calls, "prepare", timeout_s)
+        return self._roster.replies(calls, "prepare", timeout_s)
 
     def _push_in_one_call(
         self,
@@ -390,14 +412,19 @@ class Pusher:
             raise self._after_failure(calls, "push", deadline) or exc from exc
         if verdict != VOTE_AGREED:
             timeout_s = deadline.left(self._config.rpc_timeout_s)
-            replies = [reply.prepared for reply in self._roster.settle(calls, "push", timeout_s)]
+            replies = [reply.prepared for reply in self._roster.replies(calls, "push", timeout_s)]
             for index, reply in enumerate(replies):
                 if reply.need_plan:
                     self._roster.forgot(index, plan.digest)
             if any(reply.need_plan or reply.need_dense for reply in replies):
                 return None
-            raise PlanMismatchError({index: reply.problems or ("refused",)
-                                     for index, reply in enumerate(replies) if not reply.accepted})  # fmt: skip
+            raise PlanMismatchError(
+                {
+                    index: reply.problems or ("refused",)
+                    for index, reply in enumerate(replies)
+                    if not reply.accepted
+                }
+            )
         sent, replies = self._transfer(group, request, plan, tensors, deadline, calls)
         self._roster.learnt(plan.digest)
         return sent, [reply.prepared.in_place for reply in replies]
@@ -464,15 +491,23 @@ class Pusher:
         if self._group is not None:
             return self._group
         probe_s = deadline.left(self._config.rpc_timeout_s)
-        infos: list[MemberInfo] = self._roster.settle(self._plane.probe(probe_s), "probe", probe_s)
+        infos: list[MemberInfo] = self._roster.replies(self._plane.probe(probe_s), "probe", probe_s)
         self._probed(infos)
         try:
-            formed = form_group(self._roster, self._config, infos, push_device(tensors), deadline,
-                                ipc_refused=self._ipc_refused)  # fmt: skip
+            formed = form_group(
+                self._roster,
+                self._config,
+                infos,
+                push_device(tensors),
+                deadline,
+                ipc_refused=self._ipc_refused,
+            )
         except cuda_ipc.IpcUnavailableError as exc:
             # Remembered for this updater's life: IPC is a property of the deployment.
-            logger.warning("CUDA IPC refused (%s): workers on the trainer's GPU take the "
-                           "host ring instead", exc)  # fmt: skip
+            logger.warning(
+                "CUDA IPC refused (%s): workers on the trainer's GPU take the host ring instead",
+                exc,
+            )
             self._ipc_refused = True
             return self._ensure_group(tensors, deadline)
         self._routes = formed.routes
@@ -550,5 +585,6 @@ def _check_checksums(reports: list[ReceiveReport], sent: list[int]) -> None:
     if bad:
         raise ChecksumMismatchError(
             f"worker(s) {bad} received bytes whose checksum differs from what was sent; nothing "
-            "was committed. Check the network path and the workers' memory", bad,
-        )  # fmt: skip
+            "was committed. Check the network path and the workers' memory",
+            bad,
+        )

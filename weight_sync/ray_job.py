@@ -26,9 +26,9 @@ import torch
 
 from weight_sync import PushResult, SyncConfig, WeightSyncWorker, WeightUpdater
 from weight_sync.actors.fleet import count_verified, take_down
+from weight_sync.checksums import state_dict_digests
 from weight_sync.placement import reserve
 from weight_sync.send.routes import describe_routes
-from weight_sync.verify import state_dict_digests
 
 MB = 1_000_000
 TENSOR_BYTES = 16 * MB  # the synthetic model: fp32 tensors of at most this size
@@ -48,8 +48,11 @@ def model_shapes(size_mb: float) -> list[tuple[int, ...]]:
 
 def _node() -> dict[str, str]:
     context = ray.get_runtime_context()
-    return {"node_id": context.get_node_id(), "ip": ray.util.get_node_ip_address(),
-            "pid": str(os.getpid())}  # fmt: skip
+    return {
+        "node_id": context.get_node_id(),
+        "ip": ray.util.get_node_ip_address(),
+        "pid": str(os.getpid()),
+    }
 
 
 class _Synthetic(torch.nn.Module):
@@ -106,17 +109,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shapes = model_shapes(args.size_mb)
     worker_class: Any = ray.remote(JobWorker)  # Any: Ray's stubs do not type .options().remote()
     trainer_class: Any = ray.remote(JobTrainer)
-    workers = [worker_class.options(**placement.worker_options(i)).remote(shapes, device)
-               for i in range(args.workers)]  # fmt: skip
+    workers = [
+        worker_class.options(**placement.worker_options(i)).remote(shapes, device)
+        for i in range(args.workers)
+    ]
     trainer = trainer_class.options(**placement.trainer_options()).remote(shapes, device)
     actors = [trainer, *workers]
     try:
         nodes = ray.get([actor.node.remote() for actor in actors], timeout=args.timeout)
         config = _sync_config(args, nodes)
         ray.get(trainer.connect.remote(workers, config), timeout=args.timeout)
-        print(f"trainer on {_where(nodes[0])}; workers on {_count_by_node(nodes[1:])}; "
-              f"{placement.layout.describe()}, {placement.layout.strategy}; "
-              f"group listens on {config.get('interface') or config['master_addr']}", flush=True)  # fmt: skip
+        print(
+            f"trainer on {_where(nodes[0])}; workers on {_count_by_node(nodes[1:])}; "
+            f"{placement.layout.describe()}, {placement.layout.strategy}; "
+            f"group listens on {config.get('interface') or config['master_addr']}",
+            flush=True,
+        )
         print(f"{'version':>7} {'MB':>9} {'buckets':>7} {'seconds':>8} {'GB/s':>6}  phases (s)")
         results: list[PushResult] = []
         for step in range(args.pushes):
@@ -129,22 +137,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         verified, tensors = count_verified(trainer, workers, last, args.timeout)
         routes = ray.get(trainer.routes.remote(), timeout=args.timeout)
         report = {
-            "workers": args.workers, "pushes": args.pushes, "size_mb": args.size_mb,
-            "verified": verified, "version": last, "trainer_node": nodes[0],
-            "worker_nodes": nodes[1:], "gpus": placement.layout.gpus,
-            "gpu_share": placement.layout.gpu_share, "strategy": placement.layout.strategy,
+            "workers": args.workers,
+            "pushes": args.pushes,
+            "size_mb": args.size_mb,
+            "verified": verified,
+            "version": last,
+            "trainer_node": nodes[0],
+            "worker_nodes": nodes[1:],
+            "gpus": placement.layout.gpus,
+            "gpu_share": placement.layout.gpu_share,
+            "strategy": placement.layout.strategy,
             "median_seconds": statistics.median(r.seconds for r in results) if results else None,
             "median_gbps": statistics.median(r.gbps for r in results) if results else None,
             "seconds": [r.seconds for r in results],
             # per worker, a weight_sync.send.routes.Route: "group", "shm" (on the trainer's host),
             # "cuda_ipc" (on the trainer's GPU), "relay" (from the member of its host in the group)
             "routes": routes,
-        }  # fmt: skip
+        }
         print(f"routes (workers): {describe_routes(routes)}")
         verdict = "OK" if verified == args.workers else "FAILED"
-        print(f"verified: {verified}/{args.workers} workers hold version {last}, {tensors} "
-              f"tensors bit-exact (sha256); median {report['median_seconds'] or 0:.3f}s "
-              f"({report['median_gbps'] or 0:.2f} GB/s) -- {verdict}")  # fmt: skip
+        print(
+            f"verified: {verified}/{args.workers} workers hold version {last}, {tensors} "
+            f"tensors bit-exact (sha256); median {report['median_seconds'] or 0:.3f}s "
+            f"({report['median_gbps'] or 0:.2f} GB/s) -- {verdict}"
+        )
         print("REPORT " + json.dumps(report), flush=True)
         return report
     finally:
@@ -241,8 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
     return run_job(args)
 
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from pydantic import ValidationError
 
+from weight_sync.checksums import Checksum, read_checksums
 from weight_sync.delta.layout import DeltaLayout
 from weight_sync.delta.transfer import receive_sections
 from weight_sync.devices import CPU, gpu_uuid
@@ -39,7 +40,6 @@ from weight_sync.metadata import (
     SyncPlan,
     SyncStatus,
 )
-from weight_sync.packing import Checksum, read_checksums
 from weight_sync.receive.buckets import (
     Apply,
     Destinations,
@@ -56,8 +56,15 @@ from weight_sync.transport.cuda_ipc import CudaIpcReader
 from weight_sync.transport.shm import ShmReader, host_key
 
 __all__ = [
-    "Apply", "Check", "Destinations", "Loader", "Receiver", "accept_all", "check_plan", "expecting",
-]  # fmt: skip
+    "Apply",
+    "Check",
+    "Destinations",
+    "Loader",
+    "Receiver",
+    "accept_all",
+    "check_plan",
+    "expecting",
+]
 
 _MAX_SPEC_CHARS = 4096
 
@@ -133,11 +140,17 @@ class Receiver:
         gpu = gpu_uuid(self.device)
         return MemberInfo(
             has_default_group=dist.is_available() and dist.is_initialized(),
-            cuda=gpu is not None, gpus=(gpu,) if gpu is not None else (), version=self.version,
-            highest_version=self.highest_version, hostname=socket.gethostname(),
-            pid=os.getpid(), concurrent=concurrent, host=host_key(), delta_base=self.delta_base,
+            cuda=gpu is not None,
+            gpus=(gpu,) if gpu is not None else (),
+            version=self.version,
+            highest_version=self.highest_version,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            concurrent=concurrent,
+            host=host_key(),
+            delta_base=self.delta_base,
             one_call=one_call,
-        )  # fmt: skip
+        )
 
     @property
     def device(self) -> torch.device:
@@ -235,10 +248,20 @@ class Receiver:
                 area = staging_area(plan, self._transport.device)
             except WeightSyncError as exc:  # refused before any byte moves, everywhere
                 return _refuse(str(exc))
-        state.prepare(Push(
-            request.version, plan, request.staging, request.checksum, request.partial,
-            state.full_version, request, state.delta_base, lands, area,
-        ))  # fmt: skip
+        state.prepare(
+            Push(
+                request.version,
+                plan,
+                request.staging,
+                request.checksum,
+                request.partial,
+                state.full_version,
+                request,
+                state.delta_base,
+                lands,
+                area,
+            )
+        )
         return PrepareReply(accepted=True, in_place=lands)
 
     def push(
@@ -259,8 +282,10 @@ class Receiver:
         checked again -- on a model of thousands of tensors, that is most of a push's own work."""
         transport = self._transport
         if transport is None:
-            raise WeightSyncError("push on a worker that is in no sync group; the trainer rebuilds "
-                                  "the group at its next push")  # fmt: skip
+            raise WeightSyncError(
+                "push on a worker that is in no sync group; the trainer rebuilds "
+                "the group at its next push"
+            )
         key = self._inbound.targets(destinations)
         if checks_destinations:
             check = self._remembered(check, key)
@@ -348,11 +373,12 @@ class Receiver:
                     transport.close()
                 raise
         report = ReceiveReport(
-            version=version, nbytes=sum(plan.nbytes for plan in sent),
+            version=version,
+            nbytes=sum(plan.nbytes for plan in sent),
             buckets=sum(len(plan.buckets) for plan in sent),
             seconds=time.perf_counter() - start,
             checksums=tuple(read_checksums(sums)) if sums is not None else None,
-        )  # fmt: skip
+        )
         self._state.received(push, report)
         if push.request.commit_on_receipt:
             self.commit(version, loader, destinations)
@@ -378,8 +404,9 @@ class Receiver:
                 sent.append(plan)
                 self._state.expect(sum(len(each.buckets) for each in sent))
 
-            layouts = receive_sections(transport, push.plan, request.delta_bucket_bytes,
-                                       request.delta_sections, expect)  # fmt: skip
+            layouts = receive_sections(
+                transport, push.plan, request.delta_bucket_bytes, request.delta_sections, expect
+            )
         if push.staging == "atomic":  # nothing reaches the model before commit
             staged = self._inbound.receive_all(
                 transport, push.plan, layouts, push.area, destinations, sums, advance

@@ -29,13 +29,14 @@ from typing import IO, TypeVar
 from typing_extensions import Self
 
 from weight_sync.errors import WeightSyncError
+from weight_sync.futures import Backoff
 from weight_sync.http import ServerError, call
 
 __all__ = ["LocalServer", "ServerStartError", "check_flags", "start_together"]
 
 logger = logging.getLogger(__name__)
 
-_POLL_S = 0.5
+_POLL_S = (0.05, 0.5)  # the first and the longest pause between looks at a starting server
 _LIVE: weakref.WeakSet[LocalServer] = weakref.WeakSet()
 Server = TypeVar("Server", bound="LocalServer")
 
@@ -92,10 +93,13 @@ class LocalServer:
         try:
             try:
                 self._process = subprocess.Popen(
-                    list(command(self.port)), stdin=subprocess.DEVNULL, stdout=self._log,
-                    stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                    list(command(self.port)),
+                    stdin=subprocess.DEVNULL,
+                    stdout=self._log,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ, **(env or {})},
                     start_new_session=True,  # its own group: stop() reaches the engine's processes
-                )  # fmt: skip
+                )
             except BaseException:  # no process (a wrong interpreter, say): nothing to stop
                 self._log.close()
                 raise
@@ -173,6 +177,7 @@ class LocalServer:
             return None
 
     def _wait_ready(self, deadline: float, timeout_s: float) -> None:
+        backoff = Backoff(*_POLL_S)
         while True:
             if self._process.poll() is not None:
                 raise ServerStartError(
@@ -189,7 +194,7 @@ class LocalServer:
                     f"{self.name} was not ready within {timeout_s:.0f}s; its log "
                     f"({self.log_path}) ends:\n{self.log_tail()}"
                 )
-            time.sleep(_POLL_S)
+            backoff.sleep()
 
 
 @contextmanager

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol
@@ -28,8 +27,9 @@ from typing import Any, Protocol
 import torch
 
 from weight_sync.config import SyncConfig
-from weight_sync.control import Fate, first_line, in_thread, is_collateral, settle, then
-from weight_sync.errors import WeightSyncError
+from weight_sync.control import Fate, is_collateral
+from weight_sync.errors import WeightSyncError, first_line
+from weight_sync.futures import Backoff, in_thread, resolve, then
 from weight_sync.metadata import (
     GroupSpec,
     MemberInfo,
@@ -46,7 +46,7 @@ from weight_sync.transport.rendezvous import address_of_interface, bind_listener
 logger = logging.getLogger(__name__)
 
 PREFIX = "weight_sync/control/"
-_POLL_S = 0.005
+_POLL_S = (0.001, 0.005)  # the first and the longest pause between looks for answers
 _COMMIT, _CANCEL = "commit", "cancel"
 MAX_REPLY_CHARS = 1 << 20
 
@@ -99,8 +99,15 @@ class StoreMember:
         """Where the next push lands (a job's rank may receive into another model each time)."""
         self._check, self._loader, self._destinations = check, loader, destinations
 
-    def init(self, address: str, port: int, epoch: int, timeout_s: float,
-             max_metadata_bytes: int, slot: int | None = None) -> None:  # fmt: skip
+    def init(
+        self,
+        address: str,
+        port: int,
+        epoch: int,
+        timeout_s: float,
+        max_metadata_bytes: int,
+        slot: int | None = None,
+    ) -> None:
         """Dial the trainer's store, answer its probe, and join the group it then describes.
         ``slot``: this member's place (1-based) where it is fixed (a job's rank), else the order
         of arrival."""
@@ -110,8 +117,7 @@ class StoreMember:
         self._store = PrefixStore(PREFIX, open_store(address, port, 1, timeout_s, None))
         self._epoch = epoch
         self._slot = slot if slot is not None else int(self._store.add(f"{epoch}/slots", 1))
-        self._answer(f"info/{epoch}/{self._slot}",
-                     lambda: self.receiver.info().model_dump_json())  # fmt: skip
+        self._answer(f"info/{epoch}/{self._slot}", lambda: self.receiver.info().model_dump_json())
 
         def join() -> None:
             spec_json = self._read(f"spec/{epoch}/{self._slot}", max_metadata_bytes)
@@ -139,9 +145,12 @@ class StoreMember:
         self._answer(f"prepared/{request.version}/{self._slot}", prepare)
 
     def receive(self, version: int) -> None:
-        self._answer(f"received/{version}/{self._slot}",
-                     lambda: self.receiver.receive(version, self._loader(), self._destinations())
-                     .model_dump_json())  # fmt: skip
+        self._answer(
+            f"received/{version}/{self._slot}",
+            lambda: self.receiver.receive(
+                version, self._loader(), self._destinations()
+            ).model_dump_json(),
+        )
 
     def finish(self) -> bool:
         """Commit the push, or drop it: the trainer's verdict, once every member received it.
@@ -155,9 +164,11 @@ class StoreMember:
             self.receiver.cancel(version)
             return False
         destinations = self._destinations() if self.receiver.staged else None
-        self._answer(f"committed/{version}/{self._slot}",
-                     lambda: self.receiver.commit(version, self._loader(), destinations),
-                     reraise=False)  # fmt: skip
+        self._answer(
+            f"committed/{version}/{self._slot}",
+            lambda: self.receiver.commit(version, self._loader(), destinations),
+            reraise=False,
+        )
         return self.receiver.version == version
 
     def shutdown(self) -> None:
@@ -218,8 +229,13 @@ class ClientPlane:
 
     def probe(self, timeout_s: float) -> list[Future[MemberInfo]]:
         self._epoch += 1
-        info = {"address": self._address, "port": self._port, "epoch": self._epoch,
-                "timeout_s": self._timeout_s, "max_metadata_bytes": self._max_metadata_bytes}  # fmt: skip
+        info = {
+            "address": self._address,
+            "port": self._port,
+            "epoch": self._epoch,
+            "timeout_s": self._timeout_s,
+            "max_metadata_bytes": self._max_metadata_bytes,
+        }
         self._joining = in_thread(lambda: self._client.init_weight_transfer_engine(info))
         return self._round("info", self._epoch, self._joining, MemberInfo)
 
@@ -284,8 +300,9 @@ class ClientPlane:
     def drop(self, members: Sequence[int]) -> None:
         logger.warning(
             "vLLM worker(s) %s failed; vLLM's client still calls every engine, so pushes fail "
-            "until they are replaced", list(members),
-        )  # fmt: skip
+            "until they are replaced",
+            list(members),
+        )
 
     def fate(self, error: BaseException) -> tuple[Fate, str]:
         return ("collateral" if is_collateral(error) else "raised"), first_line(error)
@@ -320,7 +337,7 @@ class ClientPlane:
         def failed(done: Future[Any]) -> None:
             if done.exception() is not None:
                 for answer in answers:
-                    settle(answer, error=done.exception())
+                    resolve(answer, error=done.exception())
 
         call.add_done_callback(failed)
         return [then(answer, lambda raw: _parse(raw, kind)) for answer in answers]
@@ -358,10 +375,11 @@ class _Mailbox:
         with self._lock:
             self._closed, self._store = True, None
             for future in self._pending.values():
-                settle(future, error=WeightSyncError("the weight-transfer engine was shut down"))
+                resolve(future, error=WeightSyncError("the weight-transfer engine was shut down"))
             self._pending.clear()
 
     def _poll(self) -> None:
+        backoff = Backoff(*_POLL_S)
         while True:
             arrived = []
             with self._lock:
@@ -375,8 +393,10 @@ class _Mailbox:
                         self._store.delete_key(key)
                         del self._pending[key]
             for future, value in arrived:
-                settle(future, result=value)
-            time.sleep(_POLL_S)
+                resolve(future, result=value)
+            if arrived:  # the next answer is likely near: look again soon
+                backoff = Backoff(*_POLL_S)
+            backoff.sleep()
 
 
 def _parse(raw: str, kind: type | None) -> Any:

@@ -33,7 +33,6 @@ import json
 import logging
 import os
 import threading
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -43,10 +42,10 @@ import torch.distributed as dist
 from typing_extensions import Self
 
 from weight_sync.config import SyncConfig
-from weight_sync.control import first_line
 from weight_sync.deadline import Deadline
 from weight_sync.devices import CPU, module_device
-from weight_sync.errors import PlanMismatchError, TransportError, WeightSyncError
+from weight_sync.errors import PlanMismatchError, TransportError, WeightSyncError, first_line
+from weight_sync.futures import Backoff
 from weight_sync.protocol import Pusher
 from weight_sync.receiver import Loader, Receiver, expecting
 from weight_sync.result import PushResult
@@ -88,8 +87,12 @@ def launch_env(environ: Mapping[str, str]) -> LaunchEnv | None:
         if rank is None and size is None:
             continue
         try:
-            parsed = LaunchEnv(int(rank or ""), int(size or ""),
-                               int(environ.get(f"{prefix}LOCAL_RANK", "0")), launcher)  # fmt: skip
+            parsed = LaunchEnv(
+                int(rank or ""),
+                int(size or ""),
+                int(environ.get(f"{prefix}LOCAL_RANK", "0")),
+                launcher,
+            )
         except ValueError:
             raise ValueError(
                 f"{launcher}'s variables {prefix or ''}RANK={rank!r} and "
@@ -145,8 +148,9 @@ class JobSync:
             if self.rank != 0:
                 store = open_store(address, port, 1, self.config.rendezvous_timeout_s, None)
                 self._store = dist.PrefixStore(PREFIX, store)
-                self._member = StoreMember(Receiver(lambda: self._device),
-                                           expecting(lambda: None), lambda: Loader(_refuse))  # fmt: skip
+                self._member = StoreMember(
+                    Receiver(lambda: self._device), expecting(lambda: None), lambda: Loader(_refuse)
+                )
         except BaseException:
             self.close()
             raise
@@ -272,9 +276,11 @@ class JobSync:
             try:
                 committed = self._step(op, arg) or committed
             except Exception as exc:  # answered to rank 0 already; its verdict follows
-                failure = exc if isinstance(exc, WeightSyncError) else TransportError(
-                    f"rank {self.rank}: {op} failed: {first_line(exc)}"
-                )  # fmt: skip
+                failure = (
+                    exc
+                    if isinstance(exc, WeightSyncError)
+                    else TransportError(f"rank {self.rank}: {op} failed: {first_line(exc)}")
+                )
 
     def _step(self, op: str, arg: dict[str, Any]) -> int | None:
         """Run one step of rank 0's push; returns the version when it committed here."""
@@ -317,7 +323,7 @@ class JobSync:
         self, deadline: Deadline, failure: WeightSyncError | None
     ) -> tuple[str, dict[str, Any]]:
         """The next step rank 0 asks for, waiting within ``deadline``."""
-        key, pause = f"{_COMMAND}{self._next}", _POLL_S[0]
+        key, backoff = f"{_COMMAND}{self._next}", Backoff(*_POLL_S)
         while True:
             try:
                 if self._store.check([key]):
@@ -330,8 +336,7 @@ class JobSync:
                     f"rank 0's store stopped answering ({first_line(exc)}); rank 0 died or left "
                     "-- check it"
                 ) from exc
-            time.sleep(min(pause, deadline.left(pause)))
-            pause = min(pause * 2, _POLL_S[1])
+            backoff.sleep(at_most_s=deadline.remaining())
         self._next += 1
         if len(raw) > MAX_REPLY_CHARS:
             raise WeightSyncError(f"a command of {len(raw)} bytes exceeds {MAX_REPLY_CHARS}")
@@ -357,8 +362,13 @@ class _Commands:
             self._next += 1
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.post("init", {k: init_info[k] for k in
-                           ("address", "port", "epoch", "timeout_s", "max_metadata_bytes")})  # fmt: skip
+        self.post(
+            "init",
+            {
+                k: init_info[k]
+                for k in ("address", "port", "epoch", "timeout_s", "max_metadata_bytes")
+            },
+        )
 
     def start_weight_update(self) -> None:
         self.post("start", {})
@@ -391,9 +401,12 @@ def _ensure_world(config: SyncConfig, init_method: str | None) -> bool:
             "(mpirun -x MASTER_ADDR=... -x MASTER_PORT=...) or pass init_method='file:///shared/path'"
         )
     dist.init_process_group(
-        "gloo", init_method=init_method or "env://", rank=env.rank, world_size=env.world_size,
+        "gloo",
+        init_method=init_method or "env://",
+        rank=env.rank,
+        world_size=env.world_size,
         timeout=datetime.timedelta(seconds=config.rendezvous_timeout_s),
-    )  # fmt: skip
+    )
     return True
 
 

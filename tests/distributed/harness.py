@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
+from weight_sync.checksums import state_dict_digests
 from weight_sync.metadata import GroupSpec, PrepareRequest, SyncPlan, TensorMeta
 from weight_sync.receiver import Receiver, expecting
 from weight_sync.send.sender import Sender
 from weight_sync.transport import TorchGroup, bind_listener, shm
-from weight_sync.verify import state_dict_digests
 
 Target = Callable[..., Any]
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

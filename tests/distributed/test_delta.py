@@ -10,6 +10,7 @@ import torch
 
 from tests.distributed.harness import RankContext, run_ranks
 from weight_sync import SyncConfig
+from weight_sync.checksums import state_dict_digests
 from weight_sync.delta.baseline import Baseline
 from weight_sync.metadata import PrepareRequest, SyncPlan
 from weight_sync.receiver import Receiver, expecting
@@ -17,7 +18,6 @@ from weight_sync.send import wire as transfer
 from weight_sync.send.checks import Entries
 from weight_sync.send.sender import PushPlanner
 from weight_sync.transport import shm
-from weight_sync.verify import state_dict_digests
 
 pytestmark = [
     pytest.mark.timeout(180),

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from tests.distributed.harness import RankContext, receive_plan, run_ranks, send_plan
 from tests.zoo import zoo
 from weight_sync import SyncConfig
+from weight_sync.checksums import state_dict_digests
 from weight_sync.errors import TransportError, WeightSyncError
 from weight_sync.metadata import PrepareRequest, TensorMeta
 from weight_sync.planner import make_plan
@@ -22,7 +23,6 @@ from weight_sync.send.checks import Entries
 from weight_sync.send.sender import PushPlanner, Sender
 from weight_sync.transport import TorchGroup
 from weight_sync.transport.rendezvous import open_store
-from weight_sync.verify import state_dict_digests
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -16,6 +16,7 @@ import torch
 from tests.distributed.harness import RankContext, receive_plan, run_ranks
 from tests.distributed.test_shm import dev_shm
 from tests.zoo import zoo
+from weight_sync.checksums import state_dict_digests
 from weight_sync.devices import CPU
 from weight_sync.errors import WeightSyncError
 from weight_sync.metadata import GroupSpec, RelaySpec, TensorMeta
@@ -23,7 +24,6 @@ from weight_sync.planner import make_plan
 from weight_sync.receiver import _join
 from weight_sync.send.sender import Sender
 from weight_sync.transport import TorchGroup, Transport, shm
-from weight_sync.verify import state_dict_digests
 
 pytestmark = [
     pytest.mark.timeout(180),

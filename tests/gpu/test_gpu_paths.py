@@ -15,6 +15,7 @@ import torch
 
 from tests.distributed.harness import RankContext, run_ranks
 from weight_sync import SyncConfig
+from weight_sync.checksums import checksum, device_checksum, state_dict_digests
 from weight_sync.metadata import PrepareRequest, SyncPlan, TensorMeta
 from weight_sync.packing import (
     Packer,
@@ -22,8 +23,6 @@ from weight_sync.packing import (
     Unpacker,
     bucket_buffers,
     byte_view,
-    checksum,
-    device_checksum,
     gaps,
     read_values,
     staging_slots,
@@ -33,7 +32,6 @@ from weight_sync.receiver import Receiver, accept_all
 from weight_sync.send.checks import check_state_dict, device_finite_flags, is_finite
 from weight_sync.send.sender import PushPlanner, Sender
 from weight_sync.transport import TorchGroup
-from weight_sync.verify import state_dict_digests
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 

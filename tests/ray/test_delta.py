@@ -15,8 +15,8 @@ import torch
 from tests.ray.actors import _Tampered
 from weight_sync import PushResult, SyncConfig, WeightUpdater
 from weight_sync.adapters.hf import HFWorker, load_model
+from weight_sync.checksums import state_dict_digests
 from weight_sync.errors import WeightSyncError
-from weight_sync.verify import state_dict_digests
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("ray_cluster")]
 TIMEOUT = 120

@@ -3,6 +3,13 @@ import torch
 
 from tests.zoo import zoo
 from weight_sync import SyncConfig
+from weight_sync.checksums import (
+    checksum,
+    checksum_of,
+    device_checksum,
+    read_checksums,
+    tensor_digest,
+)
 from weight_sync.metadata import BucketMeta, Segment, SyncPlan, TensorMeta
 from weight_sync.packing import (
     Packer,
@@ -10,17 +17,12 @@ from weight_sync.packing import (
     Unpacker,
     bucket_buffers,
     byte_view,
-    checksum,
-    checksum_of,
-    device_checksum,
     gaps,
-    read_checksums,
     staging_slots,
 )
 from weight_sync.planner import make_plan
 from weight_sync.send.checks import Entries, check_state_dict
 from weight_sync.send.sender import PushPlanner, Sender
-from weight_sync.verify import tensor_digest
 
 
 def round_trip(

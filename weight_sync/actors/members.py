@@ -15,7 +15,9 @@ from ray.actor import ActorHandle
 from ray.exceptions import RayActorError, RayTaskError
 
 from weight_sync.actors.worker import SYNC_GROUP
-from weight_sync.control import Fate, first_line, is_collateral, then
+from weight_sync.control import Fate, is_collateral
+from weight_sync.errors import first_line
+from weight_sync.futures import then
 from weight_sync.metadata import (
     GroupSpec,
     MemberInfo,
@@ -54,15 +56,20 @@ class RayMembers:
 
             return noted
 
-        return [then(h._weight_sync_info.remote(timeout_s=timeout_s).future(), note(i))
-                for i, h in enumerate(self._handles)]  # fmt: skip
+        return [
+            then(h._weight_sync_info.remote(timeout_s=timeout_s).future(), note(i))
+            for i, h in enumerate(self._handles)
+        ]
 
     def join(
         self, specs: Sequence[GroupSpec], max_metadata_bytes: int, timeout_s: float
     ) -> list[Future[None]]:
-        return [h._weight_sync_join.remote(spec.model_dump_json(), max_metadata_bytes,
-                                           timeout_s=timeout_s).future()
-                for h, spec in zip(self._handles, specs, strict=True)]  # fmt: skip
+        return [
+            h._weight_sync_join.remote(
+                spec.model_dump_json(), max_metadata_bytes, timeout_s=timeout_s
+            ).future()
+            for h, spec in zip(self._handles, specs, strict=True)
+        ]
 
     def prepare(
         self,
@@ -77,9 +84,12 @@ class RayMembers:
         with_plan = (
             request.model_copy(update={"plan": plan}).model_dump_json() if any(send_plan) else ""
         )
-        return [self._handles[i]._weight_sync_prepare.remote(with_plan if whole else by_hash,
-                                                             timeout_s=timeout_s).future()
-                for i, whole in zip(members, send_plan, strict=True)]  # fmt: skip
+        return [
+            self._handles[i]
+            ._weight_sync_prepare.remote(with_plan if whole else by_hash, timeout_s=timeout_s)
+            .future()
+            for i, whole in zip(members, send_plan, strict=True)
+        ]
 
     def push(self, request: PrepareRequest, timeout_s: float) -> list[Future[PushReply]]:
         message = request.model_dump_json()
@@ -88,8 +98,10 @@ class RayMembers:
         ]
 
     def cancel(self, version: int, members: Sequence[int], timeout_s: float) -> list[Future[None]]:
-        return [self._handles[i]._weight_sync_cancel.remote(version, timeout_s=timeout_s).future()
-                for i in members]  # fmt: skip
+        return [
+            self._handles[i]._weight_sync_cancel.remote(version, timeout_s=timeout_s).future()
+            for i in members
+        ]
 
     def receive(self, version: int, atomic: bool, timeout_s: float) -> list[Future[ReceiveReport]]:
         calls = []
@@ -101,8 +113,10 @@ class RayMembers:
         return calls
 
     def commit(self, version: int, timeout_s: float) -> list[Future[None]]:
-        return [h._weight_sync_commit.remote(version, timeout_s=timeout_s).future()
-                for h in self._handles]  # fmt: skip
+        return [
+            h._weight_sync_commit.remote(version, timeout_s=timeout_s).future()
+            for h in self._handles
+        ]
 
     def leave(self, timeout_s: float) -> list[Future[None]]:
         return [h._weight_sync_leave.remote(timeout_s=timeout_s).future() for h in self._handles]

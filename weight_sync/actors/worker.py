@@ -15,6 +15,7 @@ from typing import Any
 import ray
 import torch
 
+from weight_sync.checksums import state_dict_digests
 from weight_sync.devices import CPU, module_device
 from weight_sync.metadata import (
     MemberInfo,
@@ -25,7 +26,6 @@ from weight_sync.metadata import (
     TensorMeta,
 )
 from weight_sync.receiver import Check, Receiver, expecting
-from weight_sync.verify import state_dict_digests
 
 SYNC_GROUP = "weight_sync"  # the protocol's calls; one at a time
 STATUS_GROUP = "weight_sync_status"  # health: answers while a push runs
@@ -230,10 +230,17 @@ def remote_worker(cls: type | None = None, /, **ray_options: Any) -> Any:
         methods = {
             name: _in_group(getattr(cls, name), group) for name, group in _METHOD_GROUPS.items()
         }
-        tagged = type(cls.__name__, (cls,), {
-            **methods, "_weight_sync_concurrent": True, "__module__": cls.__module__,
-            "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
-        })  # fmt: skip
+        tagged = type(
+            cls.__name__,
+            (cls,),
+            {
+                **methods,
+                "_weight_sync_concurrent": True,
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+                "__doc__": cls.__doc__,
+            },
+        )
         options = {**ray_options, "concurrency_groups": {**groups, **CONCURRENCY_GROUPS}}
         return ray.remote(**options)(tagged)
 

@@ -69,8 +69,11 @@ RemoteHFWorker = remote_worker(num_cpus=0)(HFWorker)
 ``RemoteHFWorker.options(num_gpus=1)``."""
 
 
-def load_model(model: str | dict[str, Any] | Any, model_class: str = "AutoModelForCausalLM",
-               **from_pretrained: Any) -> torch.nn.Module:  # fmt: skip
+def load_model(
+    model: str | dict[str, Any] | Any,
+    model_class: str = "AutoModelForCausalLM",
+    **from_pretrained: Any,
+) -> torch.nn.Module:
     """A ``transformers`` model from a name or path, a config, or a dict of config fields."""
     try:
         transformers = importlib.import_module("transformers")
@@ -80,8 +83,10 @@ def load_model(model: str | dict[str, Any] | Any, model_class: str = "AutoModelF
         ) from exc
     auto = getattr(transformers, model_class, None)
     if auto is None:
-        raise ValueError(f"transformers has no {model_class!r}; name an auto class such as "
-                         "'AutoModelForCausalLM'")  # fmt: skip
+        raise ValueError(
+            f"transformers has no {model_class!r}; name an auto class such as "
+            "'AutoModelForCausalLM'"
+        )
     if isinstance(model, str):
         return auto.from_pretrained(model, **from_pretrained)
     if from_pretrained:

@@ -35,9 +35,9 @@ import torch.distributed as dist
 
 from weight_sync import SyncConfig, WeightSyncWorker, WeightUpdater
 from weight_sync.bench.workloads import Workload
+from weight_sync.checksums import state_dict_digests
 from weight_sync.metadata import TRAINER_RANK, TensorMeta
 from weight_sync.transport import TorchGroup
-from weight_sync.verify import state_dict_digests
 
 STRATEGIES = ("weight_sync", "raw", "per_tensor", "fanout", "object_store", "memcpy", "ray_call")
 TRAINING = ("after_step", "all_changed")  # pushes in a training loop: need ``setup(trained=True)``
@@ -335,8 +335,10 @@ class BenchTrainer:
         os.posix_fallocate(self.memfd, 0, nbytes)
         self.shared_map = mmap.mmap(self.memfd, nbytes)
         self.shared = torch.frombuffer(self.shared_map, dtype=torch.uint8)
-        ray.get([w.memcpy_prepare.remote(os.getpid(), self.memfd, nbytes) for w in self.workers],
-                timeout=600)  # fmt: skip
+        ray.get(
+            [w.memcpy_prepare.remote(os.getpid(), self.memfd, nbytes) for w in self.workers],
+            timeout=600,
+        )
 
     def _memcpy(self) -> None:
         offset = 0

@@ -255,12 +255,16 @@ class Bench:
         results = []
         for strategy in case.strategies:
             row = Measurement(
-                case.workload.name, case.workload.title,
+                case.workload.name,
+                case.workload.title,
                 case.label if strategy == "weight_sync" and case.label else strategy,
-                case.workers, config.bucket_bytes,
-                direct_threshold(config.direct_min_bytes, self.device, config.bucket_bytes), nbytes,
-                suite=case.suite, device=self.described,
-            )  # fmt: skip
+                case.workers,
+                config.bucket_bytes,
+                direct_threshold(config.direct_min_bytes, self.device, config.bucket_bytes),
+                nbytes,
+                suite=case.suite,
+                device=self.described,
+            )
             try:
                 self._runs(case, strategy, row, repeats, progress)
             except (ray.exceptions.RayError, WeightSyncError) as exc:

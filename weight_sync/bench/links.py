@@ -147,8 +147,11 @@ class Pool:
     def members(self, layout: Layout) -> list[int]:
         """Indices into the pool's flat worker list (node 0's first) of ``layout``'s workers."""
         starts = [sum(self.sizes[:node]) for node in range(len(self.sizes))]
-        return [starts[node] + slot for node, count in enumerate(layout.per_node())
-                for slot in range(count)]  # fmt: skip
+        return [
+            starts[node] + slot
+            for node, count in enumerate(layout.per_node())
+            for slot in range(count)
+        ]
 
 
 def drive(spec: DriveSpec, address: str) -> list[LinkRow]:
@@ -179,12 +182,18 @@ def drive(spec: DriveSpec, address: str) -> list[LinkRow]:
                 fields, strategy = MODES[mode]
                 config = SyncConfig(interface=NODE_LINK, **fields)
                 row = LinkRow(
-                    suite=suite, workload=workload.name, title=workload.title,
-                    rate_bits=spec.rate_bits, delay_ms=spec.delay_ms, nodes=layout.nodes,
+                    suite=suite,
+                    workload=workload.name,
+                    title=workload.title,
+                    rate_bits=spec.rate_bits,
+                    delay_ms=spec.delay_ms,
+                    nodes=layout.nodes,
                     workers_per_node=layout.workers_per_node,
-                    local_workers=layout.local_workers, workers=layout.workers, mode=mode,
+                    local_workers=layout.local_workers,
+                    workers=layout.workers,
+                    mode=mode,
                     payload_bytes=payload,
-                )  # fmt: skip
+                )
                 label = f"{workload.name} {mode}, {layout.nodes} nodes x {layout.workers_per_node}"
                 _log("%s: setting up (verified warm-up push)", label)
                 ray.get(
@@ -205,10 +214,16 @@ def drive(spec: DriveSpec, address: str) -> list[LinkRow]:
                         row.sent_bytes.append(sent)
                         row.deltas += as_delta
                         row.phases.append(phases)
-                    _log("%s: push %d/%d %.3f s (%s), wire %.1f MB, sent %.1f MB", label,
-                         attempt + 1 - untimed, spec.repeats, seconds,
-                         ", ".join(f"{name} {s:.3f}" for name, s in phases.items()),
-                         wire / 1e6, sent / 1e6)  # fmt: skip
+                    _log(
+                        "%s: push %d/%d %.3f s (%s), wire %.1f MB, sent %.1f MB",
+                        label,
+                        attempt + 1 - untimed,
+                        spec.repeats,
+                        seconds,
+                        ", ".join(f"{name} {s:.3f}" for name, s in phases.items()),
+                        wire / 1e6,
+                        sent / 1e6,
+                    )
                 if strategy != "raw":
                     row.verified = ray.get(trainer.verify.remote(), timeout=TIMEOUT_S)
                     if not row.verified:
@@ -230,8 +245,17 @@ def run_on_cluster(cluster: ShapedCluster, spec: DriveSpec) -> list[LinkRow]:
     with tempfile.TemporaryDirectory(prefix="ws_links_") as temp:
         spec_path, out_path = Path(temp) / "spec.json", Path(temp) / "rows.json"
         spec_path.write_text(spec.to_json())
-        args = [sys.executable, "-m", "weight_sync.bench.links", "--address",
-                cluster.plan.address, "--spec", str(spec_path), "--out", str(out_path)]  # fmt: skip
+        args = [
+            sys.executable,
+            "-m",
+            "weight_sync.bench.links",
+            "--address",
+            cluster.plan.address,
+            "--spec",
+            str(spec_path),
+            "--out",
+            str(out_path),
+        ]
         done = subprocess.run(
             cluster.command(0, args), env=cluster.env(), timeout=TIMEOUT_S, check=False
         )

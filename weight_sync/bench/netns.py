@@ -56,9 +56,17 @@ MIN_BURST = 64 << 10  # a token bucket needs at least a few full packets (and GS
 QUEUE_LATENCY_MS = 50  # how long a packet may wait in the token bucket before it is dropped
 
 _UNITS = {
-    "bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12,
-    "bps": 8, "kbps": 8 * 10**3, "mbps": 8 * 10**6, "gbps": 8 * 10**9, "tbps": 8 * 10**12,
-}  # fmt: skip
+    "bit": 1,
+    "kbit": 10**3,
+    "mbit": 10**6,
+    "gbit": 10**9,
+    "tbit": 10**12,
+    "bps": 8,
+    "kbps": 8 * 10**3,
+    "mbps": 8 * 10**6,
+    "gbps": 8 * 10**9,
+    "tbps": 8 * 10**12,
+}
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]+)\s*$")
 
 
@@ -111,8 +119,15 @@ def shape_commands(
     if delay_ms < 0:
         raise ValueError(f"delay_ms must be >= 0 (got {delay_ms}); 0 adds no delay")
     prefix = ["ip", "netns", "exec", netns] if netns else []
-    tbf = ["tbf", "rate", f"{rate_bits}bit", "burst", str(burst_bytes(rate_bits)),
-           "latency", f"{QUEUE_LATENCY_MS}ms"]  # fmt: skip
+    tbf = [
+        "tbf",
+        "rate",
+        f"{rate_bits}bit",
+        "burst",
+        str(burst_bytes(rate_bits)),
+        "latency",
+        f"{QUEUE_LATENCY_MS}ms",
+    ]
     if delay_ms <= 0:
         return [[*prefix, "tc", "qdisc", "add", "dev", device, "root", *tbf]]
     netem = ["netem", "delay", f"{delay_ms:g}ms", "limit", str(netem_limit(rate_bits, delay_ms))]
@@ -189,24 +204,40 @@ class ClusterPlan:
     def ray_start_command(self, node: NodeSpec, num_cpus: int, temp_dir: str) -> list[str]:
         """``ray start`` for ``node``, run inside its namespace: the head on node 0."""
         resources = json.dumps({node.resource: 1000})
-        common = [f"--node-ip-address={node.ip}", f"--num-cpus={num_cpus}",
-                  f"--resources={resources}", "--disable-usage-stats"]  # fmt: skip
+        common = [
+            f"--node-ip-address={node.ip}",
+            f"--num-cpus={num_cpus}",
+            f"--resources={resources}",
+            "--disable-usage-stats",
+        ]
         if self.metrics_port is not None:
             common.append(f"--metrics-export-port={self.metrics_port}")
         if node.index:
             return ["ray", "start", f"--address={self.address}", *common]
         dashboard = ["--include-dashboard=false"]
         if self.dashboard_port is not None:
-            dashboard = ["--include-dashboard=true", f"--dashboard-host={node.ip}",
-                         f"--dashboard-port={self.dashboard_port}"]  # fmt: skip
-        return ["ray", "start", "--head", f"--port={GCS_PORT}", *dashboard,
-                f"--temp-dir={temp_dir}", *common]  # fmt: skip
+            dashboard = [
+                "--include-dashboard=true",
+                f"--dashboard-host={node.ip}",
+                f"--dashboard-port={self.dashboard_port}",
+            ]
+        return [
+            "ray",
+            "start",
+            "--head",
+            f"--port={GCS_PORT}",
+            *dashboard,
+            f"--temp-dir={temp_dir}",
+            *common,
+        ]
 
     def teardown_commands(self) -> list[list[str]]:
         """What deletes the network (the veths go with their namespaces); each may fail."""
-        return [*(["ip", "netns", "del", n.netns] for n in self.nodes),
-                *(["ip", "link", "del", n.host_link] for n in self.nodes),
-                ["ip", "link", "del", self.bridge]]  # fmt: skip
+        return [
+            *(["ip", "netns", "del", n.netns] for n in self.nodes),
+            *(["ip", "link", "del", n.host_link] for n in self.nodes),
+            ["ip", "link", "del", self.bridge],
+        ]
 
 
 def plan_cluster(
@@ -276,9 +307,13 @@ class ShapedCluster:
     token: str = field(init=False)  # the cluster's own: never ~/.ray/auth_token
 
     def __post_init__(self) -> None:
-        self.plan = plan_cluster(self.nodes, self.rate_bits, self.delay_ms,
-                                 dashboard_port=self.dashboard_port,
-                                 metrics_port=self.metrics_port)  # fmt: skip
+        self.plan = plan_cluster(
+            self.nodes,
+            self.rate_bits,
+            self.delay_ms,
+            dashboard_port=self.dashboard_port,
+            metrics_port=self.metrics_port,
+        )
         self.token = secrets.token_hex(32)
         self._temp = ""
 
@@ -286,9 +321,13 @@ class ShapedCluster:
         """The environment of everything run inside the nodes: this interpreter's scripts first
         on PATH (``ray``), and the cluster's token (Ray 2.60 enforces token auth)."""
         bin_dir = str(Path(sys.executable).parent)
-        return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
-                "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token,
-                "RAY_USAGE_STATS_ENABLED": "0"}  # fmt: skip
+        return {
+            **os.environ,
+            "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN": self.token,
+            "RAY_USAGE_STATS_ENABLED": "0",
+        }
 
     def command(self, node: int, args: Sequence[str]) -> list[str]:
         """``args`` as run inside node ``node``'s namespace."""
@@ -297,8 +336,14 @@ class ShapedCluster:
     def run(
         self, node: int, args: Sequence[str], timeout: float = 120, check: bool = True
     ) -> subprocess.CompletedProcess[str]:
-        done = subprocess.run(self.command(node, args), env=self.env(), timeout=timeout,
-                              capture_output=True, text=True, check=False)  # fmt: skip
+        done = subprocess.run(
+            self.command(node, args),
+            env=self.env(),
+            timeout=timeout,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if check and done.returncode:
             raise RuntimeError(
                 f"{' '.join(args)} failed in {self.plan.nodes[node].netns} "

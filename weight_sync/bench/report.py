@@ -100,14 +100,28 @@ def targets(rows: Sequence[Measurement]) -> list[tuple[str, str, bool]]:
             continue
         if wire_bound is not None:
             share = statistics.median(delta.wire_bytes) / statistics.median(dense.wire_bytes)
-            checks.append((f"W1 bf16, {strategy}: delta bytes on the wire at most {wire_bound:.0%} of dense",
-                           f"{share:.1%}", share <= wire_bound))  # fmt: skip
+            checks.append(
+                (
+                    f"W1 bf16, {strategy}: delta bytes on the wire at most {wire_bound:.0%} of dense",
+                    f"{share:.1%}",
+                    share <= wire_bound,
+                )
+            )
         value = delta.median / dense.median
-        checks.append((f"W1 bf16, {strategy}: delta push at most {time_bound}x the dense push",
-                       f"{value:.2f}x", value <= time_bound))  # fmt: skip
+        checks.append(
+            (
+                f"W1 bf16, {strategy}: delta push at most {time_bound}x the dense push",
+                f"{value:.2f}x",
+                value <= time_bound,
+            )
+        )
     for row in rows:
-        if row.strategy.startswith("weight_sync") and row.suite in ("workloads", "same host") \
-                and row.seconds and row.strategy != "weight_sync (all packed)":  # fmt: skip
+        if (
+            row.strategy.startswith("weight_sync")
+            and row.suite in ("workloads", "same host")
+            and row.seconds
+            and row.strategy != "weight_sync (all packed)"
+        ):
             bound = 3 * row.bucket_bytes
             worst = max(max(row.trainer_extra), max(row.worker_extra))
             checks.append(
@@ -440,15 +454,6 @@ def _save(fig: object, path: Path) -> Path:
     return path
 
 
-def load_rows(path: Path) -> list[Measurement]:
-    """Measurements back from a results.json (to merge runs into one report)."""
-    fields = set(Measurement.__dataclass_fields__)
-    return [
-        Measurement(**{k: v for k, v in row.items() if k in fields})
-        for row in json.loads(path.read_text())
-    ]
-
-
 def write_report(rows: Sequence[Measurement], out: Path) -> Path:
     """results.json, results.md and the plots under ``out``."""
     return _write(
@@ -456,8 +461,9 @@ def write_report(rows: Sequence[Measurement], out: Path) -> Path:
     )
 
 
-def _write(out: Path, stem: str, data: list[dict[str, Any]], text: str,
-           plots: Callable[[], object]) -> Path:  # fmt: skip
+def _write(
+    out: Path, stem: str, data: list[dict[str, Any]], text: str, plots: Callable[[], object]
+) -> Path:
     """``stem``.json, ``stem``.md and the plots under ``out``; the report's path."""
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(data, indent=1))
@@ -514,8 +520,12 @@ class LinkRow:
         return self.wire * 8 / self.rate_bits
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "median": self.median, "crossings": self.crossings,
-                "bound": self.bound}  # fmt: skip
+        return {
+            **asdict(self),
+            "median": self.median,
+            "crossings": self.crossings,
+            "bound": self.bound,
+        }
 
 
 def _rate(bits: int) -> str:
@@ -621,14 +631,20 @@ def plot_links(rows: Sequence[LinkRow], out: Path) -> list[Path]:
                 ax.plot([p[0] / 1e9 for p in points], [p[1] for p in points], "-o", label=mode)
             dense = sorted((r.rate_bits, r.bound) for r in group if r.mode == "dense")
             if dense:
-                ax.plot([p[0] / 1e9 for p in dense], [p[1] for p in dense], ":", color="gray",
-                        label="one crossing (dense)")  # fmt: skip
+                ax.plot(
+                    [p[0] / 1e9 for p in dense],
+                    [p[1] for p in dense],
+                    ":",
+                    color="gray",
+                    label="one crossing (dense)",
+                )
             ax.set_xscale("log")
             ax.set_yscale("log")
             ax.set_xlabel("link rate, Gbit/s")
             ax.set_ylabel("seconds per push (median)")
-            ax.set_title(f"{workload}: {group[0].nodes} nodes, {group[0].workers} workers",
-                         fontsize=9)  # fmt: skip
+            ax.set_title(
+                f"{workload}: {group[0].nodes} nodes, {group[0].workers} workers", fontsize=9
+            )
             ax.legend(fontsize=7)
         fig.tight_layout()
         written.append(_save(fig, out / "links.png"))
@@ -643,8 +659,12 @@ def plot_links(rows: Sequence[LinkRow], out: Path) -> list[Path]:
                     if r.mode == mode and r.workers_per_node == count
                 )
                 if points:
-                    ax.plot([p[0] for p in points], [p[1] for p in points], style,
-                            label=f"{mode}, {count} per node")  # fmt: skip
+                    ax.plot(
+                        [p[0] for p in points],
+                        [p[1] for p in points],
+                        style,
+                        label=f"{mode}, {count} per node",
+                    )
         ax.set_xticks(sorted({r.nodes for r in scaling}))
         ax.set_xlabel("nodes (trainer's included)")
         ax.set_ylabel("seconds per push (median)")
@@ -657,5 +677,10 @@ def plot_links(rows: Sequence[LinkRow], out: Path) -> list[Path]:
 
 def write_links_report(rows: Sequence[LinkRow], out: Path) -> Path:
     """links.json (every push's figures), links.md (tables) and the plots under ``out``."""
-    return _write(out, "links", [r.as_dict() for r in rows], links_markdown(rows),
-                  lambda: plot_links(rows, out))  # fmt: skip
+    return _write(
+        out,
+        "links",
+        [r.as_dict() for r in rows],
+        links_markdown(rows),
+        lambda: plot_links(rows, out),
+    )

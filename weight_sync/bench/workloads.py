@@ -47,13 +47,19 @@ def gpt2_small() -> Workload:
     specs: list[Spec] = [("wte", torch.float32, (50257, d)), ("wpe", torch.float32, (1024, d))]
     for i in range(12):
         for name, shape in [
-            ("ln_1_weight", (d,)), ("ln_1_bias", (d,)),
-            ("attn_c_attn_weight", (d, 3 * d)), ("attn_c_attn_bias", (3 * d,)),
-            ("attn_c_proj_weight", (d, d)), ("attn_c_proj_bias", (d,)),
-            ("ln_2_weight", (d,)), ("ln_2_bias", (d,)),
-            ("mlp_c_fc_weight", (d, f)), ("mlp_c_fc_bias", (f,)),
-            ("mlp_c_proj_weight", (f, d)), ("mlp_c_proj_bias", (d,)),
-        ]:  # fmt: skip
+            ("ln_1_weight", (d,)),
+            ("ln_1_bias", (d,)),
+            ("attn_c_attn_weight", (d, 3 * d)),
+            ("attn_c_attn_bias", (3 * d,)),
+            ("attn_c_proj_weight", (d, d)),
+            ("attn_c_proj_bias", (d,)),
+            ("ln_2_weight", (d,)),
+            ("ln_2_bias", (d,)),
+            ("mlp_c_fc_weight", (d, f)),
+            ("mlp_c_fc_bias", (f,)),
+            ("mlp_c_proj_weight", (f, d)),
+            ("mlp_c_proj_bias", (d,)),
+        ]:
             specs.append((f"h{i}_{name}", torch.float32, shape))
     specs += [("ln_f_weight", torch.float32, (d,)), ("ln_f_bias", torch.float32, (d,))]
     return Workload("W1", "GPT-2 small, fp32 (148 tensors)", tuple(specs))
@@ -84,13 +90,21 @@ def mixed() -> Workload:
     vocab, d, ff, layers = 32000, 1024, 2816, 8
     specs: list[Spec] = [("embed_tokens", torch.bfloat16, (vocab, d))]
     for i in range(layers):
-        for name, shape in [("q_proj", (d, d)), ("k_proj", (d, d)), ("v_proj", (d, d)),
-                            ("o_proj", (d, d)), ("gate_proj", (ff, d)), ("up_proj", (ff, d)),
-                            ("down_proj", (d, ff))]:  # fmt: skip
+        for name, shape in [
+            ("q_proj", (d, d)),
+            ("k_proj", (d, d)),
+            ("v_proj", (d, d)),
+            ("o_proj", (d, d)),
+            ("gate_proj", (ff, d)),
+            ("up_proj", (ff, d)),
+            ("down_proj", (d, ff)),
+        ]:
             specs.append((f"layers{i}_{name}", torch.bfloat16, shape))
-        specs += [(f"layers{i}_input_norm", torch.float32, (d,)),
-                  (f"layers{i}_post_norm", torch.float32, (d,)),
-                  (f"layers{i}_rotary_inv_freq", torch.float32, (64,))]  # fmt: skip
+        specs += [
+            (f"layers{i}_input_norm", torch.float32, (d,)),
+            (f"layers{i}_post_norm", torch.float32, (d,)),
+            (f"layers{i}_rotary_inv_freq", torch.float32, (64,)),
+        ]
     specs += [
         ("norm", torch.float32, (d,)),
         ("lm_head", torch.bfloat16, (vocab, d)),

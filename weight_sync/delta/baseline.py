@@ -32,6 +32,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
+from weight_sync.checksums import checksum
 from weight_sync.delta.codec import (
     differ,
     encode_sparse_rows,
@@ -58,7 +59,6 @@ from weight_sync.delta.layout import (
 from weight_sync.delta.lineage import base_name, next_base
 from weight_sync.errors import WeightSyncError
 from weight_sync.metadata import SyncPlan, TensorMeta
-from weight_sync.packing import checksum
 from weight_sync.planner import align_up
 
 logger = logging.getLogger(__name__)
@@ -267,9 +267,12 @@ class Baseline:
             data, index, values = sparse_blob(blob.changed, meta.itemsize)
             rows = scratch.rows(blob.changed)
             found = kernels.extract_bf16(
-                _bits(flat, blob.first, stop), held.view(np.uint16), index,
-                values.view(np.uint16), rows,
-            )  # fmt: skip
+                _bits(flat, blob.first, stop),
+                held.view(np.uint16),
+                index,
+                values.view(np.uint16),
+                rows,
+            )
         if found < 0:
             new = scratch.begin(flat, meta, blob.first, stop)
             scratch.fill(0, blob.elements)
@@ -456,8 +459,9 @@ class _Scan:
                         continue
                 assert self._current is not None
                 stop = min(start + PIECE, numel)
-                piece = _Piece(self._handed, index, meta, numel, *self._current, start, stop,
-                               self._at[index])  # fmt: skip
+                piece = _Piece(
+                    self._handed, index, meta, numel, *self._current, start, stop, self._at[index]
+                )
                 self._handed += 1
                 self._tensor, self._start = (index + 1, 0) if stop == numel else (index, stop)
                 return piece
@@ -493,9 +497,12 @@ class _Scan:
                 assert hi <= found.written
                 blob, index, blob_values = sparse_blob(hi - lo, size, room)
                 found.kernel.emit_bf16(
-                    found.rows[lo:hi], found.values[lo:hi], held.view(np.uint16), index,
+                    found.rows[lo:hi],
+                    found.values[lo:hi],
+                    held.view(np.uint16),
+                    index,
                     blob_values.view(np.uint16),
-                )  # fmt: skip
+                )
             else:
                 assert found.new is not None
                 lo, hi = start * SPAN, min(stop * SPAN, elements)
@@ -631,9 +638,13 @@ class _Found:
             assert room >= stop - start and self.values.size == self.rows.size
             written = self.kernel.scan_bf16(
                 _bits(piece.flat, piece.start + start, piece.start + stop),
-                self._held[start:stop].view(np.uint16), self.values[self.written :],
-                self.rows[self.written :], counts, SPAN, start,
-            )  # fmt: skip
+                self._held[start:stop].view(np.uint16),
+                self.values[self.written :],
+                self.rows[self.written :],
+                counts,
+                SPAN,
+                start,
+            )
             if written >= 0:
                 self.counts += counts.tolist()
                 self.written += written
@@ -681,9 +692,13 @@ class _Sources(Sequence[torch.Tensor]):
     compared. ``close`` stops that (the caller's, whatever happened)."""
 
     def __init__(
-        self, baseline: Baseline, layout: DeltaLayout, plan: SyncPlan,
-        tensors: Sequence[torch.Tensor], sums: list[int] | None,
-    ) -> None:  # fmt: skip
+        self,
+        baseline: Baseline,
+        layout: DeltaLayout,
+        plan: SyncPlan,
+        tensors: Sequence[torch.Tensor],
+        sums: list[int] | None,
+    ) -> None:
         self._baseline, self._layout, self._plan, self._tensors = baseline, layout, plan, tensors
         self._sums = sums
         # The first and last bucket each blob is packed into.
@@ -696,9 +711,11 @@ class _Sources(Sequence[torch.Tensor]):
         self._made: dict[int, torch.Tensor] = {}  # blobs made, kept until past their last bucket
         # The blobs with work to do (not encoded by the scan), in the order the packer reads.
         self._order = [
-            index for index, blob in sorted(layout.blobs.items())
-            if blob.dense or (plan.tensors[blob.tensor].name, blob.first_span) not in baseline._encoded
-        ]  # fmt: skip
+            index
+            for index, blob in sorted(layout.blobs.items())
+            if blob.dense
+            or (plan.tensors[blob.tensor].name, blob.first_span) not in baseline._encoded
+        ]
         self._next = 0  # the next of ``_order`` to encode ahead
         self._ahead: dict[int, Future[tuple[torch.Tensor, int | None]]] = {}
         self._ahead_bytes = 0

@@ -57,8 +57,11 @@ class DeltaChoice:
         if self._mode == "always":
             return Choice(True, "delta='always'", keep_baseline=True)
         if not far:
-            return Choice(False, "every member reads the trainer's host memory: dense is as "
-                          "fast", keep_baseline=False)  # fmt: skip
+            return Choice(
+                False,
+                "every member reads the trainer's host memory: dense is as fast",
+                keep_baseline=False,
+            )
         dense, delta = self._cost.get(False), self._cost.get(True)
         if dense is None:
             return Choice(False, "timing a dense push", keep_baseline=True)
@@ -66,11 +69,17 @@ class DeltaChoice:
             return Choice(True, "timing a delta push", keep_baseline=True)
         faster = delta < dense
         if self._streak >= self._retry:
-            return Choice(not faster, f"timing a {'dense' if faster else 'delta'} push again "
-                          f"after {self._retry}", keep_baseline=True)  # fmt: skip
+            return Choice(
+                not faster,
+                f"timing a {'dense' if faster else 'delta'} push again after {self._retry}",
+                keep_baseline=True,
+            )
         ratio = max(dense, delta) / max(min(dense, delta), 1e-18)
-        return Choice(faster, f"{'delta' if faster else 'dense'} was {ratio:.1f}x faster when "
-                      "last timed", keep_baseline=True)  # fmt: skip
+        return Choice(
+            faster,
+            f"{'delta' if faster else 'dense'} was {ratio:.1f}x faster when last timed",
+            keep_baseline=True,
+        )
 
     def record(self, choice: Choice, seconds: float, payload_bytes: int) -> None:
         """What a push that went as ``choice`` cost: its transfer's ``seconds`` for

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from weight_sync.checksums import checksum
 from weight_sync.delta.layout import (
     INDEX_BYTES,
     SPAN,
@@ -17,7 +18,6 @@ from weight_sync.delta.layout import (
     Blob,
     sparse_bytes,
 )
-from weight_sync.packing import checksum
 from weight_sync.planner import align_up
 
 # The integer of each itemsize, in torch and in NumPy (16-byte elements: pairs of the 8-byte one).
@@ -116,6 +116,6 @@ def patch(target: torch.Tensor, blob: Blob, data: torch.Tensor, itemsize: int) -
 
 
 def region_checksum(target: torch.Tensor, blob: Blob, itemsize: int) -> int:
-    """The checksum (``packing.checksum``, as for buckets) of the bytes ``blob`` covers in
+    """The checksum (``checksums.checksum``, as for buckets) of the bytes ``blob`` covers in
     ``target`` (a uint8 view of the whole tensor)."""
     return checksum(target[blob.first * itemsize : (blob.first + blob.elements) * itemsize])

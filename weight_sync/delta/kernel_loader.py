@@ -27,9 +27,21 @@ LOAD_TIMEOUT_S = 120.0  # how long ``wanted=True`` waits for the kernels to load
 # fp32 bits that round every way: +-0, +-inf, the largest finite (up to inf), ties to even
 # (down and up), either side of a tie, subnormals and ties among them.
 _EDGES = [
-    0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0x3F808000, 0xBF808000,
-    0x3F818000, 0x3F807FFF, 0x3F808001, 0x00000001, 0x007FFFFF, 0x00008000, 0x00018000,
-]  # fmt: skip
+    0x00000000,
+    0x80000000,
+    0x7F800000,
+    0xFF800000,
+    0x7F7FFFFF,
+    0x3F808000,
+    0xBF808000,
+    0x3F818000,
+    0x3F807FFF,
+    0x3F808001,
+    0x00000001,
+    0x007FFFFF,
+    0x00008000,
+    0x00018000,
+]
 
 
 class FusedKernels:

@@ -49,7 +49,9 @@ def _lowest_bit(typingctx: object, word: types.Integer) -> tuple[Signature, Call
     defined at zero: one ``tzcnt``)."""
     signature = types.uint64(types.uint64)
 
-    def codegen(context: object, builder: ir.IRBuilder, sig: Signature, args: list[ir.Value]) -> ir.Value:  # fmt: skip
+    def codegen(
+        context: object, builder: ir.IRBuilder, sig: Signature, args: list[ir.Value]
+    ) -> ir.Value:
         return builder.cttz(args[0], ir.Constant(ir.IntType(1), 0))
 
     return signature, codegen
@@ -60,7 +62,9 @@ def _popcount(typingctx: object, word: types.Integer) -> tuple[Signature, Callab
     """How many bits of a uint64 are set (``ctpop``: one instruction)."""
     signature = types.uint64(types.uint64)
 
-    def codegen(context: object, builder: ir.IRBuilder, sig: Signature, args: list[ir.Value]) -> ir.Value:  # fmt: skip
+    def codegen(
+        context: object, builder: ir.IRBuilder, sig: Signature, args: list[ir.Value]
+    ) -> ir.Value:
         return builder.ctpop(args[0])
 
     return signature, codegen
@@ -136,9 +140,14 @@ def _find(
     "int64(uint32[::1], uint16[::1], uint16[::1], int32[::1], int64[::1], int64, int64)", **_OPTIONS
 )
 def scan_bf16(
-    x: np.ndarray, base: np.ndarray, values: np.ndarray, rows: np.ndarray, counts: np.ndarray,
-    span: int, offset: int,
-) -> int:  # fmt: skip
+    x: np.ndarray,
+    base: np.ndarray,
+    values: np.ndarray,
+    rows: np.ndarray,
+    counts: np.ndarray,
+    span: int,
+    offset: int,
+) -> int:
     """The changes of ``x`` (fp32 bits) against ``base`` (bf16 bits) once rounded to bf16: how
     many in each ``span`` elements into ``counts``; in order, their bits into ``values`` and
     their positions plus ``offset`` into ``rows`` (as long as ``x``: room for every change).

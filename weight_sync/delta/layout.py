@@ -187,8 +187,11 @@ def sections(plan: SyncPlan, count: int) -> list[Section]:
     out = []
     for first, stop in itertools.pairwise(cuts):
         metas = plan.tensors[first:stop]
-        ties = [tie.model_copy(update={"tensor": tie.tensor - first})
-                for tie in plan.tied if first <= tie.tensor < stop]  # fmt: skip
+        ties = [
+            tie.model_copy(update={"tensor": tie.tensor - first})
+            for tie in plan.tied
+            if first <= tie.tensor < stop
+        ]
         room = align_up(max([meta.nbytes for meta in metas] + [1]), plan.alignment)
         flags = [index in direct for index in range(first, stop)]
         out.append(Section(make_plan(metas, room, plan.alignment, flags, ties), first))

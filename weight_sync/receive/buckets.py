@@ -18,19 +18,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from weight_sync.checksums import Checksum, checksum_of, read_checksums
 from weight_sync.delta.layout import DeltaLayout
 from weight_sync.delta.transfer import Patcher, staged_checksums
 from weight_sync.errors import WeightSyncError
 from weight_sync.metadata import TRAINER_RANK, SyncPlan
 from weight_sync.packing import (
-    Checksum,
     NamedTensors,
     Unpacker,
     bucket_buffers,
     can_land_in,
-    checksum_of,
     pinned_chunks,
-    read_checksums,
     staging_slots,
 )
 from weight_sync.planner import align_up
@@ -105,9 +103,11 @@ class Targets:
         tensors = list(targets.values())
         names, addresses = tuple(targets), tuple(map(torch.Tensor.data_ptr, tensors))
         if (
-            last is not None and last.names == names and last.addresses == addresses
+            last is not None
+            and last.names == names
+            and last.addresses == addresses
             and all(map(operator.is_, tensors, last.tensors))
-        ):  # fmt: skip
+        ):
             return last
         return cls(
             names, addresses, tuple(map(_DTYPE, tensors)), tuple(map(_SHAPE, tensors)), tensors
@@ -202,8 +202,15 @@ class Inbound:
                 landing, apply, finish = _appliers(
                     part.plan, part.layout, destinations, loader.load
                 )
-                _apply_staged(part.sent, part.views, staged.device, apply, landing,
-                              self._streams, loader.keeps)  # fmt: skip
+                _apply_staged(
+                    part.sent,
+                    part.views,
+                    staged.device,
+                    apply,
+                    landing,
+                    self._streams,
+                    loader.keeps,
+                )
                 finish()
 
     def _unpacker(

@@ -90,12 +90,17 @@ class ReceiveState:
         pushing = self._prepared or self._receiving or self._received
         done, total = self._progress
         return SyncStatus(
-            version=self.version, full_version=self.full_version, dirty=self.dirty,
+            version=self.version,
+            full_version=self.full_version,
+            dirty=self.dirty,
             phase=self._phase,
             pushing=pushing.version if pushing is not None else None,
-            buckets_done=done, buckets_total=total, in_group=in_group,
-            last=self._last, last_error=self._last_error,
-        )  # fmt: skip
+            buckets_done=done,
+            buckets_total=total,
+            in_group=in_group,
+            last=self._last,
+            last_error=self._last_error,
+        )
 
     def unprepare(self) -> None:
         """A new prepare begins: whatever it answers, the push prepared before is gone."""
@@ -181,8 +186,9 @@ class ReceiveState:
         request = push.request
         self.delta_base = (
             next_base(push.held, request.built_on, request.new_base, not push.partial)
-            if push.in_place else None
-        )  # fmt: skip
+            if push.in_place
+            else None
+        )
         self._last_error = None
 
     def fail(self, exc: BaseException) -> None:

@@ -95,8 +95,10 @@ def _columns(
     """The names and the tensors, mapped, as two lists: no tuple per entry, which on thousands
     of tensors would wake the garbage collector every push (it cost more than the checks)."""
     if isinstance(state_dict, torch.nn.Module | torch.Tensor):
-        raise TypeError(f"push a state dict (name -> tensor), not a {type(state_dict).__name__}: "
-                        "model.state_dict()")  # fmt: skip
+        raise TypeError(
+            f"push a state dict (name -> tensor), not a {type(state_dict).__name__}: "
+            "model.state_dict()"
+        )
     if isinstance(state_dict, Mapping) and rename is None and transform is None:
         names, tensors = list(state_dict), list(state_dict.values())
     else:
@@ -108,8 +110,10 @@ def _columns(
         pairs = list(itertools.islice(items, limit + 1))
         for entry in pairs:
             if not (isinstance(entry, tuple) and len(entry) == 2):
-                raise TypeError(f"expected (name, tensor) pairs, got {type(entry).__name__}; "
-                                "push a state dict, e.g. model.state_dict()")  # fmt: skip
+                raise TypeError(
+                    f"expected (name, tensor) pairs, got {type(entry).__name__}; "
+                    "push a state dict, e.g. model.state_dict()"
+                )
         names, tensors = [name for name, _ in pairs], [tensor for _, tensor in pairs]
     if len(names) > limit:
         raise ValueError(
@@ -131,11 +135,13 @@ def _plain_entries(names: list, tensors: list) -> Entries | None:
         return None
     lengths = list(map(len, names))
     if (
-        min(lengths) < 1 or max(lengths) > MAX_NAME_CHARS or len(set(names)) < len(names)
+        min(lengths) < 1
+        or max(lengths) > MAX_NAME_CHARS
+        or len(set(names)) < len(names)
         or set(map(_LAYOUT, tensors)) != {torch.strided}
         or not set(map(_DTYPE, tensors)) <= _SENDABLE
         or not (all(map(_IS_CPU, tensors)) or all(t.is_cpu or t.is_cuda for t in tensors))
-    ):  # fmt: skip
+    ):
         return None
     addresses = set(map(torch.Tensor.data_ptr, tensors))  # dense tensors on a real device only
     if len(addresses) < len(tensors):
@@ -209,8 +215,10 @@ def _check_finite(
     if bad:
         shown = ", ".join(repr(name) for name in bad[:5])
         more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
-        raise ValueError(f"NaN or Inf{_beyond(cast_dtype)} in {shown}{more}; nothing was sent "
-                         "(check_finite=True in SyncConfig)")  # fmt: skip
+        raise ValueError(
+            f"NaN or Inf{_beyond(cast_dtype)} in {shown}{more}; nothing was sent "
+            "(check_finite=True in SyncConfig)"
+        )
 
 
 def finite_flags(tensors: Sequence[torch.Tensor], cast_dtype: str | None) -> list[bool]:
@@ -268,8 +276,10 @@ def device_finite_flags(
 
 def nonfinite_error(cast_dtype: str | None) -> ValueError:
     """The error for non-finite values found on other ranks of a sharded trainer."""
-    return ValueError(f"NaN or Inf{_beyond(cast_dtype)} in the trainer's shards; nothing was "
-                      "sent (check_finite=True in SyncConfig)")  # fmt: skip
+    return ValueError(
+        f"NaN or Inf{_beyond(cast_dtype)} in the trainer's shards; nothing was "
+        "sent (check_finite=True in SyncConfig)"
+    )
 
 
 def _beyond(cast_dtype: str | None) -> str:
@@ -310,8 +320,10 @@ def _all_finite(tensor: torch.Tensor, wire: torch.dtype | None = None) -> bool:
 def _what_to_pass(value: object) -> str:
     """What to push instead of a state dict holding ``value`` where a tensor belongs."""
     if isinstance(value, Mapping):  # a whole checkpoint: {"model": ..., "optimizer": ...}
-        return ("a whole checkpoint or a nested dict? push the model's own state dict "
-                "(model.state_dict(), or checkpoint['model']): name -> tensor, flat")  # fmt: skip
+        return (
+            "a whole checkpoint or a nested dict? push the model's own state dict "
+            "(model.state_dict(), or checkpoint['model']): name -> tensor, flat"
+        )
     if isinstance(value, torch.nn.Module):
         return "push model.state_dict(), not the module"
     return "push name -> tensor pairs, e.g. model.state_dict() (other values: torch.as_tensor)"
@@ -324,8 +336,10 @@ def _check_entry(name: object, tensor: object, sharded: bool = False) -> bool:
     if not name or len(name) > MAX_NAME_CHARS:
         raise ValueError(f"tensor name must have 1..{MAX_NAME_CHARS} characters: {name[:80]!r}")
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name!r}: expected a torch.Tensor, got {type(tensor).__name__}; "
-                        + _what_to_pass(tensor))  # fmt: skip
+        raise TypeError(
+            f"{name!r}: expected a torch.Tensor, got {type(tensor).__name__}; "
+            + _what_to_pass(tensor)
+        )
     dtensor = is_dtensor(tensor)
     if dtensor and not sharded:
         raise TypeError(

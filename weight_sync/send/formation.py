@@ -84,9 +84,14 @@ def form_group(
     relay = config.relay and config.group_mode != "job"
     here = shm.host_key()
     routes = choose_routes(
-        backend=config.backend, same_host=config.same_host, trainer_gpu=gpu_uuid(device),
-        trainer_host=here, infos=infos, ipc_refused=ipc_refused, relay=relay,
-    )  # fmt: skip
+        backend=config.backend,
+        same_host=config.same_host,
+        trainer_gpu=gpu_uuid(device),
+        trainer_host=here,
+        infos=infos,
+        ipc_refused=ipc_refused,
+        relay=relay,
+    )
     backend = routes.backend
     # NCCL sends from the weights' GPU; Gloo (and the rings beside it) from host buffers.
     send_device = device if backend == "nccl" else CPU
@@ -96,9 +101,10 @@ def form_group(
     remote = sum(info.ranks for info, kind in zip(infos, kinds, strict=True) if kind == "group")
     try:
         address = (
-            config.master_addr if config.interface is None
+            config.master_addr
+            if config.interface is None
             else address_of_interface(config.interface)
-        )  # fmt: skip
+        )
         listener = bind_listener(address) if remote else None
     except BaseException:
         _close_all(list(writers.values()), None)
@@ -114,14 +120,22 @@ def form_group(
 
     # The members that relay the push on their host (see transport.relay): their followers, and
     # the id of the ring each opens.
-    followers = {leader: [i for i, of in routes.leaders.items() if of == leader]
-                 for leader in set(routes.leaders.values())}  # fmt: skip
+    followers = {
+        leader: [i for i, of in routes.leaders.items() if of == leader]
+        for leader in set(routes.leaders.values())
+    }
     relays = {leader: secrets.token_hex(8) for leader in followers}
 
     def group_spec(rank: int, relay: RelaySpec | None = None) -> GroupSpec:
         assert listener is not None
-        return GroupSpec(address=address, port=listener.getsockname()[1],
-                         world_size=remote + 1, rank=rank, relay=relay, **common)  # fmt: skip
+        return GroupSpec(
+            address=address,
+            port=listener.getsockname()[1],
+            world_size=remote + 1,
+            rank=rank,
+            relay=relay,
+            **common,
+        )
 
     def spec(member: int, rank: int, kind: Route) -> GroupSpec:
         """Member ``member``'s spec: rank ``rank`` of the group, of the ring ``kind``, or of
@@ -129,26 +143,44 @@ def form_group(
         if kind == "relay":
             leader = routes.leaders[member]
             ring_id = relays[leader]
-            return GroupSpec(**{**common, "group_id": ring_id}, address=shm.socket_name(ring_id),
-                             port=0, transport=kind, rank=rank,
-                             world_size=len(followers[leader]) + 1)  # fmt: skip
+            return GroupSpec(
+                **{**common, "group_id": ring_id},
+                address=shm.socket_name(ring_id),
+                port=0,
+                transport=kind,
+                rank=rank,
+                world_size=len(followers[leader]) + 1,
+            )
         if kind != "group":
             ring = writers[kind]
-            return GroupSpec(address=ring.name, port=0, transport=kind,
-                             world_size=ring.world_size, rank=rank, **common)  # fmt: skip
+            return GroupSpec(
+                address=ring.name,
+                port=0,
+                transport=kind,
+                world_size=ring.world_size,
+                rank=rank,
+                **common,
+            )
         if member not in relays:
             return group_spec(rank)
-        return group_spec(rank, RelaySpec(
-            group_id=relays[member], readers=len(followers[member]),
-            slot_bytes=shm.slot_bytes_for(config.bucket_bytes, config.alignment),
-        ))  # fmt: skip
+        return group_spec(
+            rank,
+            RelaySpec(
+                group_id=relays[member],
+                readers=len(followers[member]),
+                slot_bytes=shm.slot_bytes_for(config.bucket_bytes, config.alignment),
+            ),
+        )
 
     # A relay's followers count their ranks in its ring: their part is that leader's.
-    part_of = [("relay", routes.leaders[i]) if kind == "relay" else kind
-               for i, kind in enumerate(kinds)]  # fmt: skip
+    part_of = [
+        ("relay", routes.leaders[i]) if kind == "relay" else kind for i, kind in enumerate(kinds)
+    ]
     firsts = first_ranks([info.ranks for info in infos], part_of)
-    specs = [spec(member, rank, kind)
-             for member, (rank, kind) in enumerate(zip(firsts, kinds, strict=True))]  # fmt: skip
+    specs = [
+        spec(member, rank, kind)
+        for member, (rank, kind) in enumerate(zip(firsts, kinds, strict=True))
+    ]
     join_s = deadline.left(config.rpc_timeout_s)
     joining = roster.plane.join(specs, config.max_metadata_bytes, join_s)
     parts: list[Transport] = []
@@ -174,15 +206,18 @@ def form_group(
     parts.extend(writers.values())  # the group first: Fanout starts its broadcast first
     group = parts[0] if len(parts) == 1 else Fanout(parts, send_device)
     try:
-        roster.settle(joining, "join", join_s)
+        roster.replies(joining, "join", join_s)
     except BaseException:
         group.close()
         roster.leave(deadline)
         raise
     if writers or relays:
         counts = {kind: kinds.count(kind) for kind in ("group", "shm", "cuda_ipc", "relay")}
-        logger.info("routes of the %d members: %s", len(kinds),
-                    ", ".join(f"{kind} {n}" for kind, n in counts.items() if n))  # fmt: skip
+        logger.info(
+            "routes of the %d members: %s",
+            len(kinds),
+            ", ".join(f"{kind} {n}" for kind, n in counts.items() if n),
+        )
     far = any(info.host is None or info.host != here for info in infos)
     return Formed(group, list(kinds), far)
 
@@ -246,8 +281,11 @@ def _open_rings(
             continue
         for index in members:
             kinds[index] = fallback
-    stranded = [i for i, (want, got) in enumerate(zip(wanted, kinds, strict=True))
-                if want != "group" and got == "group"]  # fmt: skip
+    stranded = [
+        i
+        for i, (want, got) in enumerate(zip(wanted, kinds, strict=True))
+        if want != "group" and got == "group"
+    ]
     if device.type == "cuda" and stranded:
         _close_all(list(writers.values()), None)
         raise TransportError(
@@ -319,5 +357,6 @@ def _formation_error(
     if not blamed:
         return failure or exc
     dropped = failure.dropped if isinstance(failure, WorkerFailedError) else []
-    return WorkerFailedError(f"the sync group could not form, because of worker(s) {blamed}: {exc}",
-                             blamed, dropped)  # fmt: skip
+    return WorkerFailedError(
+        f"the sync group could not form, because of worker(s) {blamed}: {exc}", blamed, dropped
+    )

@@ -64,9 +64,9 @@ class Roster:
         """Member ``index`` asked for the plan ``digest``: it no longer holds it."""
         self.known[index] = [d for d in self.known[index] if d != digest]
 
-    # -- settling calls ------------------------------------------------------------------------
+    # -- gathering answers -----------------------------------------------------------------------
 
-    def settle(self, calls: Sequence[Future[Any]], what: str, timeout_s: float) -> list:
+    def replies(self, calls: Sequence[Future[Any]], what: str, timeout_s: float) -> list:
         """Every member's answer, or (dropping the dead and frozen) the error naming who failed."""
         outcomes = collect(self.plane, calls, timeout_s)
         if not outcomes.ok:

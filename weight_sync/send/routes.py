@@ -135,16 +135,21 @@ def _nccl_problem(
     for index, info in enumerate(infos):
         if colocated[index]:
             if not local[index]:
-                return (f"worker {index} shares the trainer's GPU but not its host namespace, so "
-                        "neither an NCCL group nor a ring can reach it")  # fmt: skip
+                return (
+                    f"worker {index} shares the trainer's GPU but not its host namespace, so "
+                    "neither an NCCL group nor a ring can reach it"
+                )
             continue  # it takes a ring, not the group
         if len(info.gpus) != info.ranks:
             return f"worker {index} does not receive on a GPU"
         for gpu in info.gpus:
             if gpu in owners:
                 other = owners[gpu]
-                who = (f"worker {index} has two ranks on GPU {gpu}" if other == index
-                       else f"workers {other} and {index} share GPU {gpu}")  # fmt: skip
+                who = (
+                    f"worker {index} has two ranks on GPU {gpu}"
+                    if other == index
+                    else f"workers {other} and {index} share GPU {gpu}"
+                )
                 return f"{who}, and NCCL refuses two ranks on one device"
             owners[gpu] = index
     return None

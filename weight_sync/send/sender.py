@@ -12,18 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
+from weight_sync.checksums import Checksum, checksum_of, read_checksums
 from weight_sync.config import SyncConfig
 from weight_sync.deadline import Deadline
 from weight_sync.metadata import SyncPlan, TensorMeta, Tied
-from weight_sync.packing import (
-    Checksum,
-    Packer,
-    Staging,
-    byte_view,
-    checksum_of,
-    read_checksums,
-    staging_slots,
-)
+from weight_sync.packing import Packer, Staging, byte_view, staging_slots
 from weight_sync.planner import direct_threshold, make_plan
 from weight_sync.send.checks import Entries, is_dtensor, wire_dtype
 from weight_sync.transport import Transport, Work
@@ -64,10 +57,13 @@ class PushPlanner:
         direct = self._direct(tensors, dtypes, wire)
         last = self._last
         if (
-            last is not None and last.names == names and last.dtypes == dtypes
-            and last.direct == direct and last.tied == tied
+            last is not None
+            and last.names == names
+            and last.dtypes == dtypes
+            and last.direct == direct
+            and last.tied == tied
             and all(map(operator.eq, map(_SHAPE, tensors), last.shapes))
-        ):  # fmt: skip
+        ):
             return last.plan
         metas = [
             TensorMeta.of(name, tensor, dtype)
@@ -152,7 +148,7 @@ class Sender:
         with_checksums: bool = False,
         on_packed: Callable[[int, torch.Tensor], None] | None = None,
     ) -> list[int] | None:
-        """Broadcast every bucket; returns each bucket's checksum (``packing.checksum``) if
+        """Broadcast every bucket; returns each bucket's checksum (``checksums.checksum``) if
         ``with_checksums``.
 
         Each collective is bounded by the group's timeout and by what is left of ``deadline``.

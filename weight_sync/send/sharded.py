@@ -72,8 +72,10 @@ class ShardedSource:
                 f"a ShardedSource needs a state dict (Mapping), got {type(state_dict).__name__}"
             )
         if not dist.is_initialized():
-            raise ValueError("a ShardedSource needs the trainers' torch.distributed group; "
-                             "call init_process_group first")  # fmt: skip
+            raise ValueError(
+                "a ShardedSource needs the trainers' torch.distributed group; "
+                "call init_process_group first"
+            )
         self._group = group
         self._src = src
         self._rank = dist.get_rank(group)
@@ -136,9 +138,11 @@ class ShardedSource:
         if not self._finished:
             self._finished = True
             self._send_command(_DONE if version is not None else _ABORT, version or 0)
-            logger.debug("sharded push %s; at most %d bytes of full tensors held at once",
-                         "failed" if version is None else f"of version {version} done",
-                         self.peak_gathered_bytes)  # fmt: skip
+            logger.debug(
+                "sharded push %s; at most %d bytes of full tensors held at once",
+                "failed" if version is None else f"of version {version} done",
+                self.peak_gathered_bytes,
+            )
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """The full tensor of one of this source's entries, gathered with every rank if it is a

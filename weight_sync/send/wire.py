@@ -113,9 +113,17 @@ class Wire:
         if baseline is None or request.new_base is None:
             return Sent(sender.send(plan, tensors, deadline, checksum), plan.nbytes)
         baseline.begin()
-        sent = send(sender.transport, plan, tensors, baseline, delta=request.delta,
-                    bucket_bytes=self._config.bucket_bytes, sections_asked=request.delta_sections,
-                    deadline=deadline, with_checksums=checksum)  # fmt: skip
+        sent = send(
+            sender.transport,
+            plan,
+            tensors,
+            baseline,
+            delta=request.delta,
+            bucket_bytes=self._config.bucket_bytes,
+            sections_asked=request.delta_sections,
+            deadline=deadline,
+            with_checksums=checksum,
+        )
         baseline.finish(plan, request.version, request.partial)
         return sent
 
@@ -207,8 +215,14 @@ def send(
                 ).wait()
                 wire_bytes += header.numel()
             own = tensors[part.first : part.stop]
-            out = outgoing(part.plan, own, baseline, counts, bucket_bytes=bucket_bytes,
-                           with_checksums=with_checksums)  # fmt: skip
+            out = outgoing(
+                part.plan,
+                own,
+                baseline,
+                counts,
+                bucket_bytes=bucket_bytes,
+                with_checksums=with_checksums,
+            )
             part_sums = _send(transport, out, deadline, with_checksums)
             wire_bytes += out.plan.nbytes
             if sums is not None and part_sums is not None:
@@ -243,9 +257,12 @@ class _Scans:
     sections on both cores were no faster than one (scan and packing fought for the cores)."""
 
     def __init__(
-        self, baseline: Baseline, plan: SyncPlan, tensors: Sequence[torch.Tensor],
+        self,
+        baseline: Baseline,
+        plan: SyncPlan,
+        tensors: Sequence[torch.Tensor],
         parts: Sequence[Section],
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weight-sync-scan-ahead")
         threads = [baseline.threads] + [max(1, baseline.threads - 1)] * (len(parts) - 1)
         try:

@@ -16,6 +16,14 @@ from weight_sync.transport.rendezvous import address_of_interface, bind_listener
 from weight_sync.transport.torch_group import TorchGroup
 
 __all__ = [
-    "Fanout", "Relay", "TorchGroup", "Transport", "Work", "address_of_interface", "bind_listener",
-    "cuda_ipc", "ring", "shm",
-]  # fmt: skip
+    "Fanout",
+    "Relay",
+    "TorchGroup",
+    "Transport",
+    "Work",
+    "address_of_interface",
+    "bind_listener",
+    "cuda_ipc",
+    "ring",
+    "shm",
+]

@@ -107,8 +107,15 @@ class IpcOffer:
 
     def pack(self) -> bytes:
         fields = [self.gpu.encode(), self.handle, *self.events]
-        body = _HEAD.pack(_MAGIC, _VERSION, self.slot_bytes, self.device, self.size_bytes,
-                          self.offset_bytes, len(fields))  # fmt: skip
+        body = _HEAD.pack(
+            _MAGIC,
+            _VERSION,
+            self.slot_bytes,
+            self.device,
+            self.size_bytes,
+            self.offset_bytes,
+            len(fields),
+        )
         body += b"".join(_FIELD.pack(len(field)) + field for field in fields)
         return _LENGTH.pack(len(body)) + body
 
@@ -142,8 +149,15 @@ class IpcOffer:
                 f"a {size_bytes}-byte storage cannot hold {SLOTS} slots of {slot_bytes}"
             )
         gpu, handle, *events = fields
-        return cls(gpu.decode(errors="replace"), slot_bytes, device, handle, size_bytes,
-                   offset_bytes, tuple(events))  # fmt: skip
+        return cls(
+            gpu.decode(errors="replace"),
+            slot_bytes,
+            device,
+            handle,
+            size_bytes,
+            offset_bytes,
+            tuple(events),
+        )
 
 
 def _malformed(why: str) -> TransportError:
@@ -172,8 +186,14 @@ class CudaIpcWriter(RingWriter):
     kind = _KIND
     unavailable = IpcUnavailableError
 
-    def __init__(self, group_id: str, readers: int, slot_bytes: int, collective_timeout_s: float,
-                 device: torch.device | str) -> None:  # fmt: skip
+    def __init__(
+        self,
+        group_id: str,
+        readers: int,
+        slot_bytes: int,
+        collective_timeout_s: float,
+        device: torch.device | str,
+    ) -> None:
         """Allocates and shares the ring on ``device`` (the trainer's GPU, where the buffers
         handed to ``broadcast`` live) and listens; ``accept`` then takes the readers in.
 
@@ -230,8 +250,7 @@ class CudaIpcWriter(RingWriter):
         torch.UntypedStorage._release_ipc_counter_cuda(counter, counter_offset)
         gpu = gpu_uuid(self._device)
         assert gpu is not None  # a CUDA device
-        return IpcOffer(gpu, slot_bytes, device, bytes(handle), size_bytes,
-                        offset_bytes, events)  # fmt: skip
+        return IpcOffer(gpu, slot_bytes, device, bytes(handle), size_bytes, offset_bytes, events)
 
     @property
     def device(self) -> torch.device:
@@ -284,8 +303,15 @@ class CudaIpcReader(RingReader):
     kind = _KIND
     unavailable = IpcUnavailableError
 
-    def __init__(self, spec: GroupSpec, link: Link, ring: torch.Tensor, slot_bytes: int,
-                 events: list[torch.cuda.Event], device: torch.device) -> None:  # fmt: skip
+    def __init__(
+        self,
+        spec: GroupSpec,
+        link: Link,
+        ring: torch.Tensor,
+        slot_bytes: int,
+        events: list[torch.cuda.Event],
+        device: torch.device,
+    ) -> None:
         super().__init__(spec, link, slot_bytes, device)
         self._ring: torch.Tensor | None = ring
         self._slots = list(ring.split(slot_bytes))
@@ -329,10 +355,13 @@ class CudaIpcReader(RingReader):
 
     def _drain(self, slot: int, out: torch.Tensor, deadline: float) -> None:
         self._copies.copy(
-            out, self._slots[slot][: out.numel()], deadline,
+            out,
+            self._slots[slot][: out.numel()],
+            deadline,
             f"the copy of chunk {self._read} out of the trainer's CUDA slot (if it never ends, "
-            "the trainer died or its GPU is stuck)", after=self._events[slot],
-        )  # fmt: skip
+            "the trainer died or its GPU is stuck)",
+            after=self._events[slot],
+        )
 
     def _unmap(self) -> None:
         # The storage's deleter (StorageSharing.cpp THPStorage_newSharedCuda) syncs this
@@ -364,9 +393,15 @@ def _open(offer: IpcOffer, device: torch.device) -> tuple[torch.Tensor, list[tor
         # its deleter's decrement finds no file, which it tolerates ("resource deletion is best
         # effort basis") -- and the sharing event, not needed (see IpcOffer).
         storage = torch.UntypedStorage._new_shared_cuda(
-            device.index, offer.handle, offer.size_bytes, offer.offset_bytes, b"", 0,
-            bytes(64), False,
-        )  # fmt: skip
+            device.index,
+            offer.handle,
+            offer.size_bytes,
+            offer.offset_bytes,
+            b"",
+            0,
+            bytes(64),
+            False,
+        )
         size = offer.slot_bytes * SLOTS
         # torch/_utils.py _rebuild_tensor: a tensor over a storage that is not its own.
         ring = torch.empty((0,), dtype=torch.uint8, device=device).set_(storage, 0, (size,), (1,))

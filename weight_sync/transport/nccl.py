@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from weight_sync.devices import gpu_uuid
 from weight_sync.errors import GroupFormationError
+from weight_sync.futures import Backoff
 from weight_sync.metadata import GroupSpec
 from weight_sync.transport import teardown
 
@@ -62,8 +63,6 @@ MUST_AGREE = ("NCCL_PROTO", "NCCL_ALGO")
 # The one piece of module state: os.environ is process-wide, so every window in which we set a
 # variable that torch reads (here, and GLOO_SOCKET_IFNAME in torch_group) is taken under it.
 _ENV_LOCK = threading.RLock()
-
-_POLL_S = 0.05  # how often the formation waits look at the store
 
 
 @contextlib.contextmanager
@@ -222,8 +221,12 @@ def judge(reports: Mapping[int, Report], world_size: int) -> Verdict:
     MUST_AGREE settings differ from rank 0's (or, without rank 0, from the lowest rank's)."""
     missing = [rank for rank in range(world_size) if rank not in reports]
     if missing:
-        return Verdict(False, f"ranks {missing} did not check in to the sync group in time; "
-                       "check that those workers are alive and can reach the trainer", tuple(missing))  # fmt: skip
+        return Verdict(
+            False,
+            f"ranks {missing} did not check in to the sync group in time; "
+            "check that those workers are alive and can reach the trainer",
+            tuple(missing),
+        )
     first_on: dict[str, int] = {}
     shared: list[str] = []
     blamed: list[int] = []
@@ -233,8 +236,13 @@ def judge(reports: Mapping[int, Report], world_size: int) -> Verdict:
             shared.append(f"rank {rank} is on the GPU of rank {owner} ({reports[rank].gpu})")
             blamed.append(rank)
     if shared:
-        return Verdict(False, "NCCL cannot put two ranks on one GPU: " + "; ".join(shared)
-                       + ". Colocated members need another route (CUDA IPC, host ring)", tuple(blamed))  # fmt: skip
+        return Verdict(
+            False,
+            "NCCL cannot put two ranks on one GPU: "
+            + "; ".join(shared)
+            + ". Colocated members need another route (CUDA IPC, host ring)",
+            tuple(blamed),
+        )
     reference = reports[min(reports)]
     skewed: list[str] = []
     for rank in sorted(reports):
@@ -245,15 +253,21 @@ def judge(reports: Mapping[int, Report], world_size: int) -> Verdict:
             )
             blamed.append(rank)
             continue
-        differ = [f"{name}={report.env.get(name)!r} (not {reference.env.get(name)!r})"
-                  for name in MUST_AGREE if report.env.get(name) != reference.env.get(name)]  # fmt: skip
+        differ = [
+            f"{name}={report.env.get(name)!r} (not {reference.env.get(name)!r})"
+            for name in MUST_AGREE
+            if report.env.get(name) != reference.env.get(name)
+        ]
         if differ:
             skewed.append(f"rank {rank} has " + ", ".join(differ))
             blamed.append(rank)
     if skewed:
-        return Verdict(False, "the sync group's NCCL settings must match on every rank (NCCL "
-                       "reads them once per process; a mismatched peer can hang): "
-                       + "; ".join(skewed), tuple(blamed))  # fmt: skip
+        return Verdict(
+            False,
+            "the sync group's NCCL settings must match on every rank (NCCL "
+            "reads them once per process; a mismatched peer can hang): " + "; ".join(skewed),
+            tuple(blamed),
+        )
     return Verdict(True)
 
 
@@ -285,8 +299,12 @@ def _await_verdict(store: dist.Store, key: str, deadline: float, what: str) -> V
         store.wait([key], datetime.timedelta(seconds=left))
         return Verdict.from_json(store.get(key))
     except RuntimeError as exc:  # timeout, or the trainer's store went away
-        return Verdict(False, f"the trainer (rank 0) gave no {what} verdict in time ({exc}); "
-                       "check that the trainer is alive", (0,))  # fmt: skip
+        return Verdict(
+            False,
+            f"the trainer (rank 0) gave no {what} verdict in time ({exc}); "
+            "check that the trainer is alive",
+            (0,),
+        )
 
 
 # -- the communicator: eager, checked, bounded ---------------------------------------------------
@@ -338,12 +356,20 @@ def judge_init(outcomes: Mapping[int, str], world_size: int, deadline_s: float) 
     silent = [r for r in range(world_size) if r not in outcomes]
     late = sorted(r for r, text in outcomes.items() if text.startswith(_LATE))
     if silent:
-        return Verdict(False, f"ranks {silent} never reported on their NCCL communicator "
-                       f"within {deadline_s}s; they probably died after checking in", tuple(silent))  # fmt: skip
+        return Verdict(
+            False,
+            f"ranks {silent} never reported on their NCCL communicator "
+            f"within {deadline_s}s; they probably died after checking in",
+            tuple(silent),
+        )
     if late:
-        return Verdict(False, f"ranks {late} had no NCCL communicator within {deadline_s}s "
-                       "although every rank reported; check the network NCCL uses "
-                       "(NCCL_SOCKET_IFNAME, NCCL_DEBUG=INFO)", tuple(late))  # fmt: skip
+        return Verdict(
+            False,
+            f"ranks {late} had no NCCL communicator within {deadline_s}s "
+            "although every rank reported; check the network NCCL uses "
+            "(NCCL_SOCKET_IFNAME, NCCL_DEBUG=INFO)",
+            tuple(late),
+        )
     return Verdict(True)
 
 
@@ -360,13 +386,12 @@ def _connect_bounded(backend: object, device: torch.device, world_size: int, end
                 backend.eager_connect_single_device(device)  # type: ignore[attr-defined]
                 probe = torch.ones(1, dtype=torch.int32, device=device)
                 work = backend.allreduce([probe], dist.AllreduceOptions())  # type: ignore[attr-defined]
-                pause = 1e-4
+                backoff = Backoff(1e-4, 0.01)
                 while not work.is_completed():  # WorkNCCL::isCompleted: an event query
                     if time.monotonic() >= end:
                         result.append(f"{_LATE} the warm-up all-reduce did not finish")
                         return
-                    time.sleep(pause)
-                    pause = min(2 * pause, 0.01)
+                    backoff.sleep()
                 work.wait()  # completed: a stream wait, and the error if it failed
                 got = int(probe.item())
             if got != world_size:

@@ -90,8 +90,12 @@ class Relay:
         formed, within the same rendezvous bound."""
         assert spec.relay is not None and spec.transport == "group"
         started = time.monotonic()
-        ring = ShmWriter(spec.relay.group_id, spec.relay.readers, spec.relay.slot_bytes,
-                         spec.collective_timeout_s)  # fmt: skip
+        ring = ShmWriter(
+            spec.relay.group_id,
+            spec.relay.readers,
+            spec.relay.slot_bytes,
+            spec.collective_timeout_s,
+        )
         try:
             group = TorchGroup.join(spec)
         except BaseException:

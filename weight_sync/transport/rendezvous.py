@@ -46,9 +46,14 @@ def open_store(
     try:
         if listener is not None:
             return TCPStore(
-                address, port, world_size, is_master=True, timeout=timeout,
-                wait_for_workers=False, master_listen_fd=listener.detach(),
-            )  # fmt: skip
+                address,
+                port,
+                world_size,
+                is_master=True,
+                timeout=timeout,
+                wait_for_workers=False,
+                master_listen_fd=listener.detach(),
+            )
         return TCPStore(address, port, world_size, is_master=False, timeout=timeout)
     except (RuntimeError, TimeoutError) as exc:
         kind = SyncTimeoutError if "timeout" in str(exc).lower() else TransportError

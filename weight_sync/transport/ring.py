@@ -33,6 +33,7 @@ from typing import ClassVar
 import torch
 
 from weight_sync.errors import SyncTimeoutError, TransportError, WeightSyncError
+from weight_sync.futures import Backoff
 from weight_sync.metadata import GroupSpec
 from weight_sync.planner import align_up
 
@@ -95,8 +96,13 @@ class RingSent:
     the writer checks that itself before reusing one.
     """
 
-    def __init__(self, writer: RingWriter, through: int, deadline: float,
-                 event: torch.cuda.Event | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        writer: RingWriter,
+        through: int,
+        deadline: float,
+        event: torch.cuda.Event | None = None,
+    ) -> None:
         self._writer, self._through, self._deadline = writer, through, deadline
         self._event = event
 
@@ -126,8 +132,9 @@ class Link:
     trainer, or the member relaying the push on its host: ``writer`` names it); None, a reader
     that has not said who it is yet. ``kind`` names the ring in messages."""
 
-    def __init__(self, conn: socket.socket, peer: int | None, kind: str,
-                 writer: str = "the trainer") -> None:  # fmt: skip
+    def __init__(
+        self, conn: socket.socket, peer: int | None, kind: str, writer: str = "the trainer"
+    ) -> None:
         self.conn, self.peer, self.kind, self.writer = conn, peer, kind, writer
 
     def who(self) -> str:
@@ -203,8 +210,9 @@ class RingWriter(ABC):
     kind: ClassVar[str]  # the ring's name in messages
     unavailable: ClassVar[type[RingUnavailableError]]
 
-    def __init__(self, name: str, readers: int, slot_bytes: int, collective_timeout_s: float,
-                 group_id: str) -> None:  # fmt: skip
+    def __init__(
+        self, name: str, readers: int, slot_bytes: int, collective_timeout_s: float, group_id: str
+    ) -> None:
         """Listens at the abstract socket ``name``; ``accept`` then takes the readers in.
         Raises ``unavailable`` if it cannot listen."""
         if readers < 1:
@@ -309,8 +317,13 @@ class RingWriter(ABC):
                 sorted(refusals),
             )
         self._links = [by_rank[rank] for rank in range(1, self._readers + 1)]
-        logger.info("%s ring of %d x %d bytes to %d readers", self.kind, SLOTS, self._slot_bytes,
-                    self._readers)  # fmt: skip
+        logger.info(
+            "%s ring of %d x %d bytes to %d readers",
+            self.kind,
+            SLOTS,
+            self._slot_bytes,
+            self._readers,
+        )
 
     def _greet(self, conn: socket.socket, deadline: float) -> Link | None:
         """A connecting reader's link, once it has proved it was sent our group id and has been
@@ -374,8 +387,9 @@ class RingWriter(ABC):
         for link in self._links:
             (word,) = DONE.unpack(link.recv(DONE.size, deadline))
             if not word & VOTE:
-                raise TransportError(f"{link.who()} sent chunk {word} where a vote was due; it "
-                                     "disagrees on the plan")  # fmt: skip
+                raise TransportError(
+                    f"{link.who()} sent chunk {word} where a vote was due; it disagrees on the plan"
+                )
             code = max(code, word & ~VOTE)
         return code
 
@@ -470,8 +484,13 @@ class RingReader(ABC):
     @classmethod
     def _joined(cls, spec: GroupSpec, link: Link) -> None:
         link.send(pack_joined(None))
-        logger.info("joined %s ring %s as reader %d/%d", cls.kind, spec.address, spec.rank,
-                    spec.world_size - 1)  # fmt: skip
+        logger.info(
+            "joined %s ring %s as reader %d/%d",
+            cls.kind,
+            spec.address,
+            spec.rank,
+            spec.world_size - 1,
+        )
 
     @abstractmethod
     def _drain(self, slot: int, out: torch.Tensor, deadline: float) -> None:
@@ -531,8 +550,10 @@ class RingReader(ABC):
         link.send(DONE.pack(VOTE | code))
         word, _ = READY.unpack(link.recv(READY.size, deadline))
         if not word & VOTE:
-            raise TransportError(f"{self.kind} ring out of step: got chunk {word} where the "
-                                 "outcome of a vote was due")  # fmt: skip
+            raise TransportError(
+                f"{self.kind} ring out of step: got chunk {word} where the "
+                "outcome of a vote was due"
+            )
         return word & ~VOTE
 
     def close(self) -> None:
@@ -558,8 +579,14 @@ class DeviceCopies:
         self._stream = torch.cuda.Stream(device)
         self._done = torch.cuda.Event()
 
-    def copy(self, out: torch.Tensor, source: torch.Tensor, deadline: float, what: str,
-             after: torch.cuda.Event | None = None) -> None:  # fmt: skip
+    def copy(
+        self,
+        out: torch.Tensor,
+        source: torch.Tensor,
+        deadline: float,
+        what: str,
+        after: torch.cuda.Event | None = None,
+    ) -> None:
         """``out.copy_(source)`` on the private stream, behind ``after`` if given (an event
         recorded by the trainer); returns once the copy has finished, by ``deadline``."""
         stream = self._stream
@@ -591,9 +618,8 @@ def finish(event: torch.cuda.Event, deadline: float, what: str) -> None:
     """Wait for ``event`` by ``deadline`` without a blocking CUDA call that no timeout bounds:
     a query, then polls that back off from 50 us to 1 ms (a slot's copy takes well under a
     millisecond on device memory, a few on PCIe). ``what`` says what the event stands for."""
-    pause = 5e-5
+    backoff = Backoff(5e-5, 1e-3)
     while not event.query():
         if time.monotonic() >= deadline:
             raise SyncTimeoutError(f"{what} did not finish within the collective's timeout")
-        time.sleep(pause)
-        pause = min(pause * 2, 1e-3)
+        backoff.sleep()

@@ -52,8 +52,16 @@ from weight_sync.transport.ring import (
     slot_bytes_for,
 )
 
-__all__ = ["SLOTS", "ShmReader", "ShmUnavailableError", "ShmWriter", "available", "host_key",
-           "slot_bytes_for", "socket_name"]  # fmt: skip
+__all__ = [
+    "SLOTS",
+    "ShmReader",
+    "ShmUnavailableError",
+    "ShmWriter",
+    "available",
+    "host_key",
+    "slot_bytes_for",
+    "socket_name",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -118,8 +126,14 @@ class _Ring:
         if pin:
             self._pin(flat.data_ptr(), flat.numel())
 
-    def copy(self, index: int, tensor: torch.Tensor, into: bool, copies: DeviceCopies | None,
-             deadline: float) -> DeviceCopies | None:  # fmt: skip
+    def copy(
+        self,
+        index: int,
+        tensor: torch.Tensor,
+        into: bool,
+        copies: DeviceCopies | None,
+        deadline: float,
+    ) -> DeviceCopies | None:
         """Copy ``tensor`` into slot ``index`` (``into``), or the slot's first bytes out into
         ``tensor``; done when it returns, by ``deadline`` for a GPU copy. Returns the device
         copies used (``copies``, or new ones for ``tensor``'s device)."""
@@ -146,8 +160,9 @@ class _Ring:
             logger.warning(
                 "cannot pin the %d-byte shared-memory ring for CUDA (cudaHostRegister error %d): "
                 "its copies to and from the GPU go through pageable staging, more slowly",
-                size, code,
-            )  # fmt: skip
+                size,
+                code,
+            )
             return
         self._pinned = address
 
@@ -162,8 +177,9 @@ class _Ring:
         if self._pinned is not None:  # before unmapping: the driver holds the pages until then
             code = int(torch.cuda.cudart().cudaHostUnregister(self._pinned))
             if code != 0:
-                logger.warning("cudaHostUnregister of the shared-memory ring failed (error %d)",
-                               code)  # fmt: skip
+                logger.warning(
+                    "cudaHostUnregister of the shared-memory ring failed (error %d)", code
+                )
             self._pinned = None
         try:
             self.map.close()
@@ -178,8 +194,14 @@ class ShmWriter(RingWriter):
     kind = _KIND
     unavailable = ShmUnavailableError
 
-    def __init__(self, group_id: str, readers: int, slot_bytes: int, collective_timeout_s: float,
-                 device: torch.device | str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        group_id: str,
+        readers: int,
+        slot_bytes: int,
+        collective_timeout_s: float,
+        device: torch.device | str | None = None,
+    ) -> None:
         """Claims the ring's memory and listens; ``accept`` then takes the readers in.
 
         ``device`` is where the buffers handed to ``broadcast`` live (default: the CPU). On a

@@ -1,6 +1,6 @@
 """The dedicated sync group, built from torch.distributed parts.
 
-Two ways to build it, one way to use it:
+Three ways to build it, one way to use it:
 
 * ``world`` -- the textbook path for processes with no torch.distributed world of their own:
   ``init_process_group`` makes the sync world and ``new_group`` the broadcast group. The library
@@ -289,9 +289,15 @@ class TorchGroup:
                 raise _rendezvous_error(exc, spec) from exc
         logger.info(
             "joined sync group %s as rank %d/%d (%s, %s, %s) via %s:%d",
-            spec.group_id, spec.rank, spec.world_size, spec.backend, spec.mode, device,
-            spec.address, spec.port,
-        )  # fmt: skip
+            spec.group_id,
+            spec.rank,
+            spec.world_size,
+            spec.backend,
+            spec.mode,
+            device,
+            spec.address,
+            spec.port,
+        )
         return group
 
     @property
@@ -694,8 +700,12 @@ def _job_group(
     counts = [int(ours.get(f"count/{rank}")) for rank in range(spec.world_size)]
     with nccl.env_window({}):  # the lock: no abort's world cleanup meanwhile
         if world.group_count != max(counts):
-            logger.warning("group_mode='job': new_group counts differ across ranks %s (an earlier "
-                           "formation failed part-way); taking %d", counts, max(counts))  # fmt: skip
+            logger.warning(
+                "group_mode='job': new_group counts differ across ranks %s (an earlier "
+                "formation failed part-way); taking %d",
+                counts,
+                max(counts),
+            )
             world.group_count = max(counts)
         group = dist.new_group(list(range(spec.world_size)), timeout=rendezvous, backend="gloo")
     assert isinstance(group, dist.ProcessGroup)

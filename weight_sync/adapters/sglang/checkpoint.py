@@ -31,8 +31,9 @@ class Checkpoint:
     tied: bool
 
     def to_json(self) -> str:
-        return json.dumps({"tensors": {n: [d, list(s)] for n, (d, s) in self.tensors.items()},
-                           "tied": self.tied})  # fmt: skip
+        return json.dumps(
+            {"tensors": {n: [d, list(s)] for n, (d, s) in self.tensors.items()}, "tied": self.tied}
+        )
 
     @classmethod
     def from_json(cls, text: str) -> Checkpoint:
@@ -83,9 +84,20 @@ def _header(file: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     }
 
 
-_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-           "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-           "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}  # fmt: skip
+_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}
 
 
 def check_push(
@@ -101,13 +113,17 @@ def check_push(
             continue  # SGLang ties it to the embedding, which the push carries
         held = checkpoint.tensors.get(name)
         if held is None:
-            problems.append(f"{name}: no such tensor in the engine's checkpoint (map the "
-                            "trainer's names with rename= or transform=)")  # fmt: skip
+            problems.append(
+                f"{name}: no such tensor in the engine's checkpoint (map the "
+                "trainer's names with rename= or transform=)"
+            )
         elif tuple(shape) != held[1]:
             problems.append(f"{name}: pushed {list(shape)}, the engine holds {list(held[1])}")
         elif held[0] != dtype and held[0] not in _FLOATS:
-            problems.append(f"{name}: pushed {dtype}, the engine holds {held[0]} (quantized "
-                            "or integer): push it in the engine's own dtype")  # fmt: skip
+            problems.append(
+                f"{name}: pushed {dtype}, the engine holds {held[0]} (quantized "
+                "or integer): push it in the engine's own dtype"
+            )
         else:
             keep.append(index)
     return keep, problems

@@ -21,8 +21,8 @@ from typing import Any, Protocol
 from weight_sync.adapters.sglang.checkpoint import Checkpoint, read_checkpoint
 from weight_sync.http import ServerError, call
 
-# The routes the push uses, and whether each is a read (GET). The Ray actor serves the same.
-ROUTES: dict[str, bool] = {
+# The HTTP endpoints the push uses, and whether each is a read (GET). The Ray actor serves the same.
+ENDPOINTS: dict[str, bool] = {
     "server_info": True,
     "model_info": True,
     "pause_generation": False,
@@ -63,11 +63,12 @@ class HTTPEngine:
         return self.url
 
     def call(self, route: str, body: dict[str, Any] | None, timeout_s: float) -> Any:
-        assert route in ROUTES, route
+        assert route in ENDPOINTS, route
         if route == "flush_cache":  # answers text, with 400 when requests still hold the cache
             return call(self.url, route, None, timeout_s=timeout_s, method="POST", text=True)
-        answer = call(self.url, route, body, timeout_s=timeout_s,
-                      method="GET" if ROUTES[route] else "POST")  # fmt: skip
+        answer = call(
+            self.url, route, body, timeout_s=timeout_s, method="GET" if ENDPOINTS[route] else "POST"
+        )
         return checked(self.url, route, answer)
 
     def checkpoint(self, timeout_s: float) -> Checkpoint:
@@ -87,6 +88,7 @@ def checked(name: str, route: str, answer: Any) -> Any:
     """``answer`` unless SGLang said ``success: false``: then ``ServerError`` with its message."""
     if isinstance(answer, dict) and answer.get("success") is False:
         message = str(answer.get("message", ""))[:500]
-        raise ServerError(f"SGLang engine {name}: {route} failed: {message}",
-                          {name: f"{route}: {message}"})  # fmt: skip
+        raise ServerError(
+            f"SGLang engine {name}: {route} failed: {message}", {name: f"{route}: {message}"}
+        )
     return answer

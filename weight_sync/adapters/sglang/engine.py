@@ -1,7 +1,7 @@
 """SGLang engines as Ray actors: ``SGLangEngine`` owns an offline ``sglang.Engine``, and
 ``SGLangUpdater`` pushes to a list of them from the trainer.
 
-The actor serves the routes the push uses (``client.ROUTES``) from the engine's methods --
+The actor serves the endpoints the push uses (``client.ENDPOINTS``) from the engine's methods --
 ``init_weights_update_group``, ``begin_weight_update``, ``update_weights_from_distributed``,
 ``end_weight_update``, ``destroy_weights_update_group``, ``flush_cache`` -- and, for
 ``update_weight_version``, which the offline engine does not expose, from its tokenizer manager,
@@ -33,7 +33,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from weight_sync.adapters.sglang.checkpoint import Checkpoint, read_checkpoint
-from weight_sync.adapters.sglang.client import ROUTES, checked
+from weight_sync.adapters.sglang.client import ENDPOINTS, checked
 from weight_sync.adapters.sglang.pusher import PauseMode, SGLangPusher
 from weight_sync.config import SyncConfig
 from weight_sync.http import ServerError
@@ -43,11 +43,16 @@ __all__ = ["ActorEngine", "RemoteSGLangEngine", "SGLangEngine", "SGLangUpdater",
 
 logger = logging.getLogger(__name__)
 
-# What the engine's own methods take; the rest of ``ROUTES`` is answered below.
-_METHODS = frozenset({
-    "init_weights_update_group", "destroy_weights_update_group", "begin_weight_update",
-    "update_weights_from_distributed", "end_weight_update",
-})  # fmt: skip
+# What the engine's own methods take; the rest of ``ENDPOINTS`` is answered below.
+_METHODS = frozenset(
+    {
+        "init_weights_update_group",
+        "destroy_weights_update_group",
+        "begin_weight_update",
+        "update_weights_from_distributed",
+        "end_weight_update",
+    }
+)
 
 
 class SGLangEngine:
@@ -65,7 +70,7 @@ class SGLangEngine:
 
     def sglang_call(self, route: str, body: dict[str, Any] | None) -> Any:
         """One route of the push (see the module doc), as SGLang's HTTP server answers it."""
-        if route not in ROUTES:
+        if route not in ENDPOINTS:
             raise ValueError(f"not a route of the push: {route!r}")
         with self._lock:
             return self._serve(route, body or {})
@@ -105,8 +110,10 @@ class SGLangEngine:
             return engine.get_model_info()
         if route == "flush_cache":
             done = engine.flush_cache()
-            return {"success": bool(getattr(done, "success", done)),
-                    "message": str(getattr(done, "message", ""))}  # fmt: skip
+            return {
+                "success": bool(getattr(done, "success", done)),
+                "message": str(getattr(done, "message", "")),
+            }
         if route == "update_weight_version":
             from sglang.srt.managers.io_struct import UpdateWeightVersionReqInput
 
@@ -155,8 +162,11 @@ class ActorEngine:
         return self._name
 
     def call(self, route: str, body: dict[str, Any] | None, timeout_s: float) -> Any:
-        return checked(self._name, route,
-                       self._get(self.actor.sglang_call.remote(route, body), timeout_s, route))  # fmt: skip
+        return checked(
+            self._name,
+            route,
+            self._get(self.actor.sglang_call.remote(route, body), timeout_s, route),
+        )
 
     def checkpoint(self, timeout_s: float) -> Checkpoint:
         raw = self._get(self.actor.checkpoint_json.remote(), timeout_s, "checkpoint")

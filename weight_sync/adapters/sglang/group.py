@@ -56,10 +56,16 @@ def open_trainer_group(
     broadcast), or raises within ``rendezvous_timeout_s``."""
     port = listener.getsockname()[1]
     spec = GroupSpec(
-        group_id=secrets.token_hex(8), address=address, port=port, world_size=world_size,
-        rank=0, backend=backend, mode="standalone", rendezvous_timeout_s=rendezvous_timeout_s,
+        group_id=secrets.token_hex(8),
+        address=address,
+        port=port,
+        world_size=world_size,
+        rank=0,
+        backend=backend,
+        mode="standalone",
+        rendezvous_timeout_s=rendezvous_timeout_s,
         collective_timeout_s=collective_timeout_s,
-    )  # fmt: skip
+    )
     store = open_store(address, port, world_size, rendezvous_timeout_s, listener)
     theirs = sglang_store(store, group_name, backend)
     ours = PrefixStore(f"weight_sync/{spec.group_id}/", store)  # our abort key, read by no one

@@ -47,12 +47,27 @@ class SGLangServer(LocalServer):
 
         def command(bound: int) -> list[str]:
             return [
-                python or sys.executable, "-m", "sglang.launch_server", "--model-path", model,
-                *args, "--host", host, "--port", str(bound),
-            ]  # fmt: skip
+                python or sys.executable,
+                "-m",
+                "sglang.launch_server",
+                "--model-path",
+                model,
+                *args,
+                "--host",
+                host,
+                "--port",
+                str(bound),
+            ]
 
-        super().__init__(command, name=f"sglang server {model}", env=env, host=host, port=port,
-                         log_path=log_path, ready_timeout_s=ready_timeout_s)  # fmt: skip
+        super().__init__(
+            command,
+            name=f"sglang server {model}",
+            env=env,
+            host=host,
+            port=port,
+            log_path=log_path,
+            ready_timeout_s=ready_timeout_s,
+        )
 
 
 @contextmanager
@@ -72,8 +87,9 @@ def local_servers(
     def start(index: int) -> SGLangServer:
         flags = args(index) if callable(args) else args
         log = f"{log_dir}/sglang_server_{index}.log" if log_dir else None
-        return SGLangServer(model, python=python, args=flags, env=env, log_path=log,
-                            ready_timeout_s=ready_timeout_s)  # fmt: skip
+        return SGLangServer(
+            model, python=python, args=flags, env=env, log_path=log, ready_timeout_s=ready_timeout_s
+        )
 
     with start_together(count, start) as started:
         yield started

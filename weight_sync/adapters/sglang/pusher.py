@@ -50,10 +50,10 @@ from weight_sync.adapters.sglang.checkpoint import Checkpoint, check_push
 from weight_sync.adapters.sglang.client import Engine
 from weight_sync.adapters.sglang.group import connect_nccl, open_trainer_group
 from weight_sync.config import SyncConfig
-from weight_sync.control import in_thread
 from weight_sync.deadline import Deadline
 from weight_sync.errors import PlanMismatchError, WeightSyncError
-from weight_sync.http import ServerError, reason, settle
+from weight_sync.futures import in_thread
+from weight_sync.http import ServerError, collect_answers, reason
 from weight_sync.mapping import Transform
 from weight_sync.metadata import BackendName, dtype_name
 from weight_sync.result import PushResult
@@ -104,8 +104,10 @@ class SGLangPusher:
             )
         self.config = config or SyncConfig()
         if self.config.delta:
-            raise ValueError("SGLang engines load what they receive and keep no baseline: "
-                             "delta pushes need weight_sync's own receivers; set delta=False")  # fmt: skip
+            raise ValueError(
+                "SGLang engines load what they receive and keep no baseline: "
+                "delta pushes need weight_sync's own receivers; set delta=False"
+            )
         if not engines:
             raise ValueError("no engines: give at least one SGLang engine to push to")
         names = [engine.name for engine in engines]
@@ -160,14 +162,18 @@ class SGLangPusher:
         started = time.monotonic()
         check_version(version)
         if isinstance(state_dict, ShardedSource):
-            raise TypeError("SGLang engines take whole tensors: gather a ShardedSource's "
-                            "tensors (full_tensor()) and push them as a state dict")  # fmt: skip
+            raise TypeError(
+                "SGLang engines take whole tensors: gather a ShardedSource's "
+                "tensors (full_tensor()) and push them as a state dict"
+            )
         entries = check_state_dict(state_dict, self.config, rename, transform)
         with self._lock:
             if self._closed:
                 raise WeightSyncError("this SGLang pusher is closed; create a new one")
-            named = [*zip(entries.names, range(len(entries.names))),
-                     *((tied.name, tied.tensor) for tied in entries.tied)]  # fmt: skip
+            named = [
+                *zip(entries.names, range(len(entries.names))),
+                *((tied.name, tied.tensor) for tied in entries.tied),
+            ]
             if not named:
                 return PushResult(self._version or 0, 0, 0, 0.0)
             bound = self.config.push_timeout_s
@@ -178,10 +184,12 @@ class SGLangPusher:
             sources = [entries.tensors[index] for _, index in sent]
             cast = self.config.cast_dtype
             buckets = plan_buckets(
-                [(name, wire_dtype(t.dtype, cast), tuple(t.shape))
-                 for (name, _), t in zip(sent, sources, strict=True)],
+                [
+                    (name, wire_dtype(t.dtype, cast), tuple(t.shape))
+                    for (name, _), t in zip(sent, sources, strict=True)
+                ],
                 self.config.bucket_bytes,
-            )  # fmt: skip
+            )
             names = {name for name, _ in sent}
             return self._push(buckets, sources, names, deadline, started, version)
 
@@ -206,11 +214,14 @@ class SGLangPusher:
     ) -> list[tuple[str, int]]:
         """What to send, checked against every engine's checkpoint; raises PlanMismatchError."""
         if self._checkpoints is None:  # one by one: a trainer-side error stays what it is
-            self._checkpoints = [e.checkpoint(deadline.left(self.config.rpc_timeout_s))
-                                 for e in self.engines]  # fmt: skip
+            self._checkpoints = [
+                e.checkpoint(deadline.left(self.config.rpc_timeout_s)) for e in self.engines
+            ]
         cast = self.config.cast_dtype
-        pushed = [(name, tuple(tensors[index].shape), dtype_name(wire_dtype(tensors[index].dtype,
-                   cast))) for name, index in named]  # fmt: skip
+        pushed = [
+            (name, tuple(tensors[index].shape), dtype_name(wire_dtype(tensors[index].dtype, cast)))
+            for name, index in named
+        ]
         problems: dict[int, list[str]] = {}
         keep: set[int] | None = None
         for slot, checkpoint in enumerate(self._checkpoints):
@@ -273,20 +284,30 @@ class SGLangPusher:
             raise blamed from exc
         self._version, self._must_cover = version, set()
         try:
-            self._fan("continue_generation", {"torch_empty_cache": False},
-                      Deadline(_QUICK_S, "resume"))  # fmt: skip
+            self._fan(
+                "continue_generation", {"torch_empty_cache": False}, Deadline(_QUICK_S, "resume")
+            )
         except ServerError as exc:
-            raise ServerError(f"version {version} was committed on every engine, but resuming "
-                              f"generation failed: {exc}; call continue_generation on them",
-                              exc.servers) from exc  # fmt: skip
+            raise ServerError(
+                f"version {version} was committed on every engine, but resuming "
+                f"generation failed: {exc}; call continue_generation on them",
+                exc.servers,
+            ) from exc
         seconds = time.monotonic() - started
         phases["total"] = seconds
         nbytes = sum(bucket.nbytes for bucket in buckets)
-        logger.info("pushed version %d to %d SGLang engine(s): %d tensors, %.1f MB in %d "
-                    "buckets, %.3fs", version, len(self.engines), len(sources), nbytes / 1e6,
-                    len(buckets), seconds)  # fmt: skip
-        return PushResult(version, nbytes, len(buckets), seconds, len(sources), False, phases,
-                          nbytes)  # fmt: skip
+        logger.info(
+            "pushed version %d to %d SGLang engine(s): %d tensors, %.1f MB in %d buckets, %.3fs",
+            version,
+            len(self.engines),
+            len(sources),
+            nbytes / 1e6,
+            len(buckets),
+            seconds,
+        )
+        return PushResult(
+            version, nbytes, len(buckets), seconds, len(sources), False, phases, nbytes
+        )
 
     def _transfer(
         self,
@@ -304,12 +325,20 @@ class SGLangPusher:
             data = pack(bucket, sources, buffers[index % 2])
             if in_flight is not None:
                 self._finish(*in_flight, deadline)
-            body = {**bucket.request(), "group_name": self._group_name,
-                    "load_format": "flattened_bucket", "flush_cache": False}  # fmt: skip
+            body = {
+                **bucket.request(),
+                "group_name": self._group_name,
+                "load_format": "flattened_bucket",
+                "flush_cache": False,
+            }
             timeout_s = deadline.left(self.config.collective_timeout_s)
-            calls = {engine.name: in_thread(partial(engine.call, "update_weights_from_distributed",
-                                                    body, timeout_s), "weight-sync-sglang")
-                     for engine in self.engines}  # fmt: skip
+            calls = {
+                engine.name: in_thread(
+                    partial(engine.call, "update_weights_from_distributed", body, timeout_s),
+                    "weight-sync-sglang",
+                )
+                for engine in self.engines
+            }
             if not self._connected:  # NCCL: the engines create their communicator in this call
                 self._connect(group, calls, deadline)
             in_flight = group.broadcast(data, src=0, timeout_s=timeout_s), calls
@@ -321,8 +350,13 @@ class SGLangPusher:
         broadcast still waits (for it, perhaps)."""
         # bounded by the collective's timeout
         sending = in_thread(work.wait, "weight-sync-broadcast", exit_waits=True)
-        settle(calls, deadline.left(self.config.collective_timeout_s) + 1.0,
-               "update_weights_from_distributed", who=_WHO, also=sending)  # fmt: skip
+        collect_answers(
+            calls,
+            deadline.left(self.config.collective_timeout_s) + 1.0,
+            "update_weights_from_distributed",
+            who=_WHO,
+            also=sending,
+        )
 
     def _connect(
         self, group: TorchGroup, calls: dict[str, Future[Any]], deadline: Deadline
@@ -334,8 +368,14 @@ class SGLangPusher:
         connecting = in_thread(
             lambda: connect_nccl(group), "weight-sync-nccl-init", exit_waits=True
         )
-        settle(calls, deadline.left(self.config.rendezvous_timeout_s),
-               "creating the NCCL communicator", who=_WHO, also=connecting, until_also=True)  # fmt: skip
+        collect_answers(
+            calls,
+            deadline.left(self.config.rendezvous_timeout_s),
+            "creating the NCCL communicator",
+            who=_WHO,
+            also=connecting,
+            until_also=True,
+        )
         self._connected = True
 
     def _ensure_group(self, sources: list[torch.Tensor], deadline: Deadline) -> TorchGroup:
@@ -347,8 +387,10 @@ class SGLangPusher:
         ranks = []
         for engine in self.engines:
             info = answers[engine.name] or {}
-            for field, what in (("dp_size", "data-parallel replicas"),
-                                ("pp_size", "pipeline stages")):  # fmt: skip
+            for field, what in (
+                ("dp_size", "data-parallel replicas"),
+                ("pp_size", "pipeline stages"),
+            ):
                 if int(info.get(field, 1) or 1) != 1:
                     raise ValueError(
                         f"SGLang engine {engine.name} runs {what} ({field} > 1), whose ranks "
@@ -377,19 +419,32 @@ class SGLangPusher:
         calls: dict[str, Future[Any]] = {}
         offset = 1
         for engine, size in zip(self.engines, ranks, strict=True):
-            body = {"master_address": address, "master_port": listener.getsockname()[1],
-                    "rank_offset": offset, "world_size": 1 + sum(ranks), "group_name": name,
-                    "backend": backend}  # fmt: skip
+            body = {
+                "master_address": address,
+                "master_port": listener.getsockname()[1],
+                "rank_offset": offset,
+                "world_size": 1 + sum(ranks),
+                "group_name": name,
+                "backend": backend,
+            }
             calls[engine.name] = in_thread(
                 partial(engine.call, "init_weights_update_group", body, timeout_s)
             )
             offset += size
-        ours = in_thread(lambda: open_trainer_group(
-            listener, address, 1 + sum(ranks), name, backend, device, timeout_s,
-            config.collective_timeout_s,
-        ))  # fmt: skip
+        ours = in_thread(
+            lambda: open_trainer_group(
+                listener,
+                address,
+                1 + sum(ranks),
+                name,
+                backend,
+                device,
+                timeout_s,
+                config.collective_timeout_s,
+            )
+        )
         try:
-            settle(calls, timeout_s + 1.0, "init_weights_update_group", who=_WHO)
+            collect_answers(calls, timeout_s + 1.0, "init_weights_update_group", who=_WHO)
             group = ours.result(timeout=max(deadline.remaining(), 0.1))
         except BaseException:
             ours.add_done_callback(lambda done: done.exception() or done.result().abort())
@@ -397,20 +452,26 @@ class SGLangPusher:
             raise
         self._group, self._group_name, self._backend = group, name, backend
         self._connected = backend == "gloo"  # Gloo connected in the constructor; NCCL lazily
-        logger.info("SGLang group %s formed: the trainer and %d engine rank(s), %s",
-                    name, sum(ranks), backend)  # fmt: skip
+        logger.info(
+            "SGLang group %s formed: the trainer and %d engine rank(s), %s",
+            name,
+            sum(ranks),
+            backend,
+        )
         return group
 
     def _backend_for(self, sources: list[torch.Tensor]) -> tuple[BackendName, torch.device | None]:
         on_gpu = any(tensor.is_cuda for tensor in sources)
-        backend = self.config.backend if self.config.backend != "auto" else (
-            "nccl" if on_gpu else "gloo"
-        )  # fmt: skip
+        backend = (
+            self.config.backend if self.config.backend != "auto" else ("nccl" if on_gpu else "gloo")
+        )
         if backend == "nccl":
             device = next((t.device for t in sources if t.is_cuda), None)
             if device is None:
-                raise ValueError("backend='nccl' sends from a CUDA device, but every tensor "
-                                 "of this push is on the CPU; use backend='gloo' or 'auto'")  # fmt: skip
+                raise ValueError(
+                    "backend='nccl' sends from a CUDA device, but every tensor "
+                    "of this push is on the CPU; use backend='gloo' or 'auto'"
+                )
             return "nccl", device
         return "gloo", None
 
@@ -437,12 +498,18 @@ class SGLangPusher:
         wedged = nccl and moved is not None
         unreachable: dict[str, str] = {}
         futures = {
-            engine.name: in_thread(partial(
-                release, engine, group_name, past=moved, resume=paused and not wedged,
-                timeout_s=budget / 4,
-            ))
+            engine.name: in_thread(
+                partial(
+                    release,
+                    engine,
+                    group_name,
+                    past=moved,
+                    resume=paused and not wedged,
+                    timeout_s=budget / 4,
+                )
+            )
             for engine in self.engines
-        }  # fmt: skip
+        }
         end = time.monotonic() + budget
         for name, future in futures.items():
             try:
@@ -474,22 +541,27 @@ class SGLangPusher:
         """Close our end of the group and have every engine leave it (quietly, bounded)."""
         if self._group is not None:
             self._drop_group(abort=False)
-            self._quietly("destroy_weights_update_group", {"group_name": self._group_name},
-                          _QUICK_S)  # fmt: skip
+            self._quietly(
+                "destroy_weights_update_group", {"group_name": self._group_name}, _QUICK_S
+            )
 
     # -- calls to every engine -------------------------------------------------------------------
 
     def _fan(self, route: str, body: dict[str, Any] | None, deadline: Deadline) -> dict[str, Any]:
         """``route`` on every engine at once, bounded by ``rpc_timeout_s`` and the deadline."""
         timeout_s = deadline.left(self.config.rpc_timeout_s)
-        calls = {engine.name: in_thread(partial(engine.call, route, body, timeout_s),
-                                        "weight-sync-sglang")
-                 for engine in self.engines}  # fmt: skip
-        return settle(calls, timeout_s + 1.0, route, who=_WHO)
+        calls = {
+            engine.name: in_thread(
+                partial(engine.call, route, body, timeout_s), "weight-sync-sglang"
+            )
+            for engine in self.engines
+        }
+        return collect_answers(calls, timeout_s + 1.0, route, who=_WHO)
 
     def _label(self, label: str, deadline: Deadline) -> None:
-        self._fan("update_weight_version", {"new_version": label, "abort_all_requests": False},
-                  deadline)  # fmt: skip
+        self._fan(
+            "update_weight_version", {"new_version": label, "abort_all_requests": False}, deadline
+        )
 
     def _quietly(self, route: str, body: dict[str, Any], timeout_s: float) -> None:
         """``route`` on every engine, bounded; failures (expected: nothing to end) only logged."""
@@ -523,8 +595,11 @@ def release(
         except ServerError as exc:
             logger.debug("releasing %s, %s: %s", engine.name, route, exc)
     if past is not None:
-        engine.call("update_weight_version",
-                    {"new_version": unlabelled(past), "abort_all_requests": False}, timeout_s)  # fmt: skip
+        engine.call(
+            "update_weight_version",
+            {"new_version": unlabelled(past), "abort_all_requests": False},
+            timeout_s,
+        )
     if resume:
         engine.call("continue_generation", {"torch_empty_cache": False}, timeout_s)
 

@@ -64,8 +64,9 @@ class SGLangServers(SGLangPusher):
                 f"{config.master_addr} (loopback): set SyncConfig(master_addr=) to an address of "
                 "this host they reach, or interface="
             )
-        super().__init__([HTTPEngine(url, checkpoint) for url in self.urls], config,
-                         pause_mode=pause_mode)  # fmt: skip
+        super().__init__(
+            [HTTPEngine(url, checkpoint) for url in self.urls], config, pause_mode=pause_mode
+        )
 
 
 def release_servers(urls: Sequence[str], timeout_s: float = 30.0) -> None:

@@ -62,7 +62,7 @@ from vllm.distributed.weight_transfer.factory import (
 from weight_sync.adapters.vllm.reload import ReloadTarget
 from weight_sync.adapters.vllm.servers import release_server
 from weight_sync.config import SyncConfig
-from weight_sync.control import first_line
+from weight_sync.errors import first_line
 from weight_sync.protocol import Pusher
 from weight_sync.receiver import Loader, Receiver
 from weight_sync.result import PushResult
@@ -121,8 +121,9 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         target = ReloadTarget(lambda: self.model, vllm_config)
         # vLLM's device for this worker, never a thread's; vLLM keeps a layer's tensors until the
         # layer is complete, so they must not be views into buffers a later bucket overwrites.
-        self._member = StoreMember(Receiver(device), target.check,
-                                   lambda: Loader(target.load, target.reload, keeps=True))  # fmt: skip
+        self._member = StoreMember(
+            Receiver(device), target.check, lambda: Loader(target.load, target.reload, keeps=True)
+        )
         self._watchdog: _Watchdog | None = None
 
     def init_transfer_engine(self, init_info: WeightSyncInitInfo) -> None:
@@ -130,10 +131,19 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         then describes. Given its server's URL, watch the trainer from now until shutdown."""
         self._stop_watchdog()
         if init_info.server_url:  # from before the join: a trainer may die while it waits
-            self._watchdog = _Watchdog(init_info.address, init_info.port, init_info.server_url,
-                                       lambda: self._member.receiver.version is not None)  # fmt: skip
-        self._member.init(init_info.address, init_info.port, init_info.epoch,
-                          init_info.timeout_s, init_info.max_metadata_bytes)  # fmt: skip
+            self._watchdog = _Watchdog(
+                init_info.address,
+                init_info.port,
+                init_info.server_url,
+                lambda: self._member.receiver.version is not None,
+            )
+        self._member.init(
+            init_info.address,
+            init_info.port,
+            init_info.epoch,
+            init_info.timeout_s,
+            init_info.max_metadata_bytes,
+        )
 
     def start_weight_update(self) -> None:
         self._member.start()
@@ -181,21 +191,35 @@ class _Watchdog:
     worker holds a committed version, to end the update session the trainer left open (see
     ``finish_weight_update``), and to resume if paused (``servers.release_server``)."""
 
-    def __init__(self, address: str, port: int, url: str, holds_version: Callable[[], bool],
-                 interval_s: float = 1.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        address: str,
+        port: int,
+        url: str,
+        holds_version: Callable[[], bool],
+        interval_s: float = 1.0,
+    ) -> None:
         self._stopped = threading.Event()
         self.fired = threading.Event()  # the trainer was found dead
         self._thread = threading.Thread(
-            target=self._watch, args=(address, port, url, holds_version, interval_s),
-            name="weight-sync-watchdog", daemon=True,
-        )  # fmt: skip
+            target=self._watch,
+            args=(address, port, url, holds_version, interval_s),
+            name="weight-sync-watchdog",
+            daemon=True,
+        )
         self._thread.start()
 
     def stop(self) -> None:
         self._stopped.set()
 
-    def _watch(self, address: str, port: int, url: str, holds_version: Callable[[], bool],
-               interval_s: float) -> None:  # fmt: skip
+    def _watch(
+        self,
+        address: str,
+        port: int,
+        url: str,
+        holds_version: Callable[[], bool],
+        interval_s: float,
+    ) -> None:
         try:
             store = open_store(address, port, 1, max(5 * interval_s, 5.0), None)
             while not self._stopped.wait(interval_s):
@@ -204,8 +228,13 @@ class _Watchdog:
             if self._stopped.is_set():
                 return
             self.fired.set()
-            logger.warning("the trainer's store at %s:%s stopped answering (%s): releasing %s",
-                           address, port, first_line(exc), url)  # fmt: skip
+            logger.warning(
+                "the trainer's store at %s:%s stopped answering (%s): releasing %s",
+                address,
+                port,
+                first_line(exc),
+                url,
+            )
             release_server(url, holds_version=holds_version())
 
 
@@ -258,9 +287,15 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
 
     init_info_cls = WeightSyncTrainerInitInfo
 
-    def __init__(self, *, client: VLLMWeightSyncClient, source: WeightSource | None = None,
-                 is_sender: bool = True, config: SyncConfig | None = None,
-                 workers: int = 1) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None = None,
+        is_sender: bool = True,
+        config: SyncConfig | None = None,
+        workers: int = 1,
+    ) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.plane = ClientPlane(client, workers, config or SyncConfig()) if is_sender else None
         self.pusher = Pusher(self.plane, config) if self.plane is not None else None
@@ -275,8 +310,13 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
     ) -> WeightSyncTrainerEngine:
         """Ready to push; the group forms with the first push (when the weights' device, and so
         the backend, is known)."""
-        return cls(client=client, source=source, is_sender=init_info.is_sender,
-                   config=init_info.config, workers=init_info.world_size - 1)  # fmt: skip
+        return cls(
+            client=client,
+            source=source,
+            is_sender=init_info.is_sender,
+            config=init_info.config,
+            workers=init_info.world_size - 1,
+        )
 
     # vLLM's base returns None; ours also hands the sending rank its PushResult (a caller that
     # ignores it loses nothing), and takes the weights here as well as at init.

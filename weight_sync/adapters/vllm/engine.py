@@ -78,9 +78,10 @@ class VLLMEngine:
             raise ValueError(f"pause_mode must be 'abort', 'wait' or 'keep', not {pause_mode!r}")
         self.engine = engine
         self._driver: _Driver = (
-            _AsyncDriver(engine, pause_mode) if inspect.iscoroutinefunction(engine.collective_rpc)
+            _AsyncDriver(engine, pause_mode)
+            if inspect.iscoroutinefunction(engine.collective_rpc)
             else _SyncDriver(engine)
-        )  # fmt: skip
+        )
         self._version: int | None = None  # what every worker committed; None if they differ
         self._label = "default"  # vLLM's own, until the first push
         self._paused = False
@@ -127,15 +128,20 @@ class VLLMEngine:
         ]
         versions = {info.version for info in infos}
         hosts = {info.host for info in infos}
-        return infos[0].model_copy(update={
-            "has_default_group": any(info.has_default_group for info in infos),
-            "cuda": all(info.cuda for info in infos),
-            "gpus": tuple(gpu for info in infos for gpu in info.gpus),
-            "version": versions.pop() if len(versions) == 1 else None,
-            "highest_version": max(info.highest_version for info in infos),
-            "concurrent": False, "ranks": len(infos),
-            "host": hosts.pop() if len(hosts) == 1 else None,  # all its workers share a ring, or none
-        })  # fmt: skip
+        return infos[0].model_copy(
+            update={
+                "has_default_group": any(info.has_default_group for info in infos),
+                "cuda": all(info.cuda for info in infos),
+                "gpus": tuple(gpu for info in infos for gpu in info.gpus),
+                "version": versions.pop() if len(versions) == 1 else None,
+                "highest_version": max(info.highest_version for info in infos),
+                "concurrent": False,
+                "ranks": len(infos),
+                "host": hosts.pop()
+                if len(hosts) == 1
+                else None,  # all its workers share a ring, or none
+            }
+        )
 
     async def _weight_sync_join(
         self, spec_json: str, max_metadata_bytes: int, timeout_s: float | None = None
@@ -147,8 +153,10 @@ class VLLMEngine:
     ) -> PrepareReply:
         """Every worker checks the push; once all accept, generation pauses (here, before the
         broadcast: draining requests must not stall it)."""
-        replies = [PrepareReply.model_validate_json(r)
-                   for r in await self._call("weight_sync_prepare", timeout_s, request_json)]  # fmt: skip
+        replies = [
+            PrepareReply.model_validate_json(r)
+            for r in await self._call("weight_sync_prepare", timeout_s, request_json)
+        ]
         reply = PrepareReply(
             accepted=all(r.accepted for r in replies),
             need_plan=any(r.need_plan for r in replies),
@@ -170,8 +178,10 @@ class VLLMEngine:
     ) -> ReceiveReport:
         self._version = None  # whatever the staging, no version is claimed while receiving
         try:
-            reports = [ReceiveReport.model_validate_json(r)
-                       for r in await self._call("weight_sync_receive", timeout_s, version)]  # fmt: skip
+            reports = [
+                ReceiveReport.model_validate_json(r)
+                for r in await self._call("weight_sync_receive", timeout_s, version)
+            ]
         except BaseException:
             await self._settle()  # streaming: the weights may be part-new; the caches must go
             raise
@@ -378,9 +388,10 @@ def _version_of(outputs: list[Any]) -> int | None:
     """The one committed version every output's tokens were labelled with by vLLM, else None."""
     labels = {
         span.version
-        for output in outputs for completion in output.outputs
+        for output in outputs
+        for completion in output.outputs
         for span in (completion.weight_versions or ())
-    }  # fmt: skip
+    }
     if len(labels) != 1:
         return None
     label = labels.pop()

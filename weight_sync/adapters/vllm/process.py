@@ -58,14 +58,29 @@ class ServerProcess(LocalServer):
 
         def command(bound: int) -> list[str]:
             return [
-                sys.executable, "-m", _MODULE, "--model", model, "--weight-transfer-config",
-                _BACKEND, "--host", host, "--port", str(bound), *args,
-            ]  # fmt: skip
+                sys.executable,
+                "-m",
+                _MODULE,
+                "--model",
+                model,
+                "--weight-transfer-config",
+                _BACKEND,
+                "--host",
+                host,
+                "--port",
+                str(bound),
+                *args,
+            ]
 
         super().__init__(
-            command, name=f"vllm serve {model}", env={"VLLM_SERVER_DEV_MODE": "1", **(env or {})},
-            host=host, port=port, log_path=log_path, ready_timeout_s=ready_timeout_s,
-        )  # fmt: skip
+            command,
+            name=f"vllm serve {model}",
+            env={"VLLM_SERVER_DEV_MODE": "1", **(env or {})},
+            host=host,
+            port=port,
+            log_path=log_path,
+            ready_timeout_s=ready_timeout_s,
+        )
 
 
 @contextmanager
@@ -85,8 +100,13 @@ def local_servers(
     def start(index: int) -> ServerProcess:
         flags = args(index) if callable(args) else args
         log = f"{log_dir}/vllm_server_{index}.log" if log_dir else None
-        return ServerProcess(model, args=flags, env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"},
-                             log_path=log, ready_timeout_s=ready_timeout_s)  # fmt: skip
+        return ServerProcess(
+            model,
+            args=flags,
+            env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+            log_path=log,
+            ready_timeout_s=ready_timeout_s,
+        )
 
     with start_together(count, start) as started:
         yield started

@@ -135,8 +135,9 @@ def dry_run(model: torch.nn.Module, metas: Sequence[TensorMeta]) -> DryRun:
             # each module alone, so a module that is sent nothing keeps what it derived from its
             # old weights even where it shares a parameter with one that was reloaded (on CPU,
             # a tied LM head keeps its own packed copy of the embedding).
-            for table, form in zip((module._parameters, module._buffers), _reload_form(module),
-                                   strict=True):  # fmt: skip
+            for table, form in zip(
+                (module._parameters, module._buffers), _reload_form(module), strict=True
+            ):
                 table.clear()
                 for name, tensor in form.items():
                     table[name] = twin = _twin(tensor, module)
@@ -146,15 +147,19 @@ def dry_run(model: torch.nn.Module, metas: Sequence[TensorMeta]) -> DryRun:
                         size += _load_numel(twin)
             result.filled[module_name][1] = size - _vocab_padding(module)
         result.parameters = {name for name, _ in model.named_parameters()}
-        pushed = ((meta.name, torch.empty(meta.shape, dtype=meta.torch_dtype, device="meta"))
-                  for meta in metas)  # fmt: skip
+        pushed = (
+            (meta.name, torch.empty(meta.shape, dtype=meta.torch_dtype, device="meta"))
+            for meta in metas
+        )
         try:
             result.loaded = set(model.load_weights(_tracking(pushed, current)) or ())  # type: ignore[operator]
         except Exception as exc:
             detail = str(exc).splitlines()[0][:300] if str(exc) else ""
             what = f"{current[0]!r}: " if current[0] else ""
-            result.error = (f"{what}the engine's load_weights refused it ({type(exc).__name__}"
-                            f"{': ' + detail if detail else ''}); check its name and shape")  # fmt: skip
+            result.error = (
+                f"{what}the engine's load_weights refused it ({type(exc).__name__}"
+                f"{': ' + detail if detail else ''}); check its name and shape"
+            )
     finally:
         for module, params, buffers in saved:
             module._parameters.clear()
@@ -179,9 +184,12 @@ def problems(run: DryRun, partial: bool) -> list[str]:
             )
     if not partial:
         missing = sorted(run.parameters - run.loaded)
-        found.extend(f"missing tensor: the engine's {name!r} gets nothing from this push (push "
-                     "every weight -- tied ones too: a state dict names them, and they travel "
-                     "once -- or pass partial=True)" for name in missing)  # fmt: skip
+        found.extend(
+            f"missing tensor: the engine's {name!r} gets nothing from this push (push "
+            "every weight -- tied ones too: a state dict names them, and they travel "
+            "once -- or pass partial=True)"
+            for name in missing
+        )
     return found
 
 
@@ -203,10 +211,12 @@ def _reload_form(
     if info is None or not any(info.restore_metadata):
         return live
     return tuple(  # type: ignore[return-value]
-        {**{n: t for n, t in now.items() if n in SKIP_TENSORS},
-         **{n: t for n, t in recorded.items() if n not in SKIP_TENSORS}}
+        {
+            **{n: t for n, t in now.items() if n in SKIP_TENSORS},
+            **{n: t for n, t in recorded.items() if n not in SKIP_TENSORS},
+        }
         for now, recorded in zip(live, info.restore_metadata, strict=True)
-    )  # fmt: skip
+    )
 
 
 def _twin(tensor: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
@@ -214,8 +224,9 @@ def _twin(tensor: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
     ``weight_loader``), bound to ``module`` as vLLM binds its restored tensors."""
     from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
 
-    twin = torch.empty_strided(tuple(tensor.size()), tuple(tensor.stride()), dtype=tensor.dtype,
-                               device="meta")  # fmt: skip
+    twin = torch.empty_strided(
+        tuple(tensor.size()), tuple(tensor.stride()), dtype=tensor.dtype, device="meta"
+    )
     twin.__class__ = tensor.__class__
     twin.__dict__ = dict(tensor.__dict__)
     return restore_layer_refs(twin, module)

@@ -77,8 +77,10 @@ class ServersClient:
         self.failures: dict[str, str] = {}
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._each("init_weight_transfer_engine",
-                   lambda url: {"init_info": {**init_info, "server_url": url}})  # fmt: skip
+        self._each(
+            "init_weight_transfer_engine",
+            lambda url: {"init_info": {**init_info, "server_url": url}},
+        )
 
     def start_weight_update(self) -> None:
         self._each("start_weight_update", lambda url: None)
@@ -115,16 +117,16 @@ def release_server(url: str, *, holds_version: bool, timeout_s: float = _RELEASE
     def release() -> None:
         try:
             if not holds_version:
-                call(url, "update_weight_version", {"new_version": NO_VERSION},
-                     timeout_s=timeout_s)  # fmt: skip
+                call(url, "update_weight_version", {"new_version": NO_VERSION}, timeout_s=timeout_s)
             try:
                 call(url, "finish_weight_update", None, timeout_s=timeout_s, method="POST")
             except ServerError as exc:
                 logger.debug("no update session to end on %s: %s", url, exc)
             if (call(url, "is_paused", timeout_s=timeout_s) or {}).get("is_paused"):
                 call(url, "resume", timeout_s=timeout_s)
-            logger.warning("the trainer died: released server %s (holds a version: %s)",
-                           url, holds_version)  # fmt: skip
+            logger.warning(
+                "the trainer died: released server %s (holds a version: %s)", url, holds_version
+            )
         except Exception as exc:
             logger.warning("the trainer died, and releasing server %s failed: %s", url, exc)
 
@@ -219,8 +221,10 @@ class VLLMServers:
                 if self._pusher is not None and any(
                     label != str(self._version) for label in self._labels(rpc_s).values()
                 ):
-                    logger.warning("a server does not hold version %s (restarted?): forming "
-                                   "the group again", self._version)  # fmt: skip
+                    logger.warning(
+                        "a server does not hold version %s (restarted?): forming the group again",
+                        self._version,
+                    )
                     self._discard()
                 if self._pusher is None:
                     self._build(rpc_s)
@@ -263,8 +267,12 @@ class VLLMServers:
     def _pause(self, timeout_s: float) -> list[str]:
         mode = self.pause_mode
         try:
-            fan_out(self.urls, lambda url: call(url, f"pause?mode={mode}", timeout_s=timeout_s),
-                    timeout_s + 1.0, "pause")  # fmt: skip
+            fan_out(
+                self.urls,
+                lambda url: call(url, f"pause?mode={mode}", timeout_s=timeout_s),
+                timeout_s + 1.0,
+                "pause",
+            )
         except ServerError as exc:
             # A dead server: the members the group holds for it are gone, so form it again.
             self._client.failures.update(exc.servers)
@@ -273,8 +281,12 @@ class VLLMServers:
         return self.urls
 
     def _labels(self, timeout_s: float) -> dict[str, str]:
-        answers = fan_out(self.urls, lambda url: call(url, "weight_info", timeout_s=timeout_s),
-                          timeout_s + 1.0, "weight_info")  # fmt: skip
+        answers = fan_out(
+            self.urls,
+            lambda url: call(url, "weight_info", timeout_s=timeout_s),
+            timeout_s + 1.0,
+            "weight_info",
+        )
         return {url: str((answer or {}).get("weight_version")) for url, answer in answers.items()}
 
     def _build(self, timeout_s: float) -> None:
@@ -284,8 +296,9 @@ class VLLMServers:
         sizes = fan_out(
             self.urls,
             lambda url: call(url, "get_world_size?include_dp=true", timeout_s=timeout_s),
-            timeout_s + 1.0, "get_world_size",
-        )  # fmt: skip
+            timeout_s + 1.0,
+            "get_world_size",
+        )
         workers = sum(int((sizes[url] or {}).get("world_size", 0)) for url in self.urls)
         if workers < len(self.urls):
             raise WeightSyncError(f"the servers report {workers} workers in all: {sizes}")
@@ -299,19 +312,25 @@ class VLLMServers:
         version."""
         answers = fan_out(
             self.urls,
-            lambda url: call(url, "reset_prefix_cache?reset_running_requests=true",
-                             timeout_s=timeout_s),
-            timeout_s + 1.0, "reset_prefix_cache",
-        )  # fmt: skip
-        failed = {url: "reset_prefix_cache answered success=false"
-                  for url, answer in answers.items() if not (answer or {}).get("success")}  # fmt: skip
+            lambda url: call(
+                url, "reset_prefix_cache?reset_running_requests=true", timeout_s=timeout_s
+            ),
+            timeout_s + 1.0,
+            "reset_prefix_cache",
+        )
+        failed = {
+            url: "reset_prefix_cache answered success=false"
+            for url, answer in answers.items()
+            if not (answer or {}).get("success")
+        }
         if failed:
             raise ServerError(f"the prefix cache could not be reset on {sorted(failed)}", failed)
 
     def _resume(self, urls: Sequence[str], *, quiet: bool) -> None:
         try:
-            fan_out(urls, lambda url: call(url, "resume", timeout_s=_QUICK_S),
-                    _QUICK_S + 1.0, "resume")  # fmt: skip
+            fan_out(
+                urls, lambda url: call(url, "resume", timeout_s=_QUICK_S), _QUICK_S + 1.0, "resume"
+            )
         except ServerError as exc:
             if not quiet:
                 raise
