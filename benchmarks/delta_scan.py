@@ -26,7 +26,6 @@ import argparse
 import math
 import os
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -35,6 +34,7 @@ import numpy as np
 import torch
 
 from weight_sync import SyncConfig
+from weight_sync.bench import timing as bench_timing
 from weight_sync.bench.workloads import WORKLOADS
 from weight_sync.delta.baseline import Baseline
 from weight_sync.delta.layout import delta_layout
@@ -48,14 +48,7 @@ def timed(
     fn: Callable[[], object], repeats: int, before: Callable[[], object] | None = None
 ) -> list[float]:
     """Seconds of ``fn`` over ``repeats`` runs after one warm-up (``before`` runs untimed first)."""
-    runs = []
-    for _ in range(repeats + 1):
-        if before is not None:
-            before()
-        start = time.perf_counter()
-        fn()
-        runs.append(time.perf_counter() - start)
-    return runs[1:]
+    return bench_timing.timed(fn, repeats, before=before)
 
 
 def fill(baseline: Baseline, plan: SyncPlan, tensors: Sequence[torch.Tensor]) -> None:
@@ -164,9 +157,11 @@ def main() -> None:
     reads = {n: timed(partial(read_once, arrays, n), args.repeats) for n in sorted({1, threads})}
 
     scan_s = statistics.median(scans)
-    print(f"{workload.title}: {elements / 1e6:.1f}M elements, fp32 -> bf16, lr {args.lr:g}, "
-          f"{os.cpu_count()} CPUs, scan on {threads} thread(s), "
-          f"{'NumPy' if args.numpy else 'fused kernels'}")  # fmt: skip
+    print(
+        f"{workload.title}: {elements / 1e6:.1f}M elements, fp32 -> bf16, lr {args.lr:g}, "
+        f"{os.cpu_count()} CPUs, scan on {threads} thread(s), "
+        f"{'NumPy' if args.numpy else 'fused kernels'}"
+    )
     print(f"  density: {sum(counts) / elements:.2%} of the bf16 values changed")
     print(f"  scan:               median {scan_s * 1e3:7.1f} ms  (runs: {runs(scans)})")
     print(f"  scan, then pack:    median {statistics.median(packs) * 1e3:7.1f} ms  "

@@ -27,13 +27,13 @@ import secrets
 import socket
 import statistics
 import sys
-import time
 import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from weight_sync.bench import timing as bench_timing
 from weight_sync.metadata import GroupSpec, PrepareRequest, SyncPlan, TensorMeta
 from weight_sync.planner import make_plan
 from weight_sync.receiver import Receiver, accept_all
@@ -80,19 +80,23 @@ def spec(
         address = "127.0.0.1"
     else:
         address = (cuda_ipc.socket_name if transport == "cuda_ipc" else shm.socket_name)(group_id)
-    return GroupSpec(group_id=group_id, address=address, port=port, transport=transport,
-                     world_size=world, rank=rank, backend=backend, mode="standalone",
-                     rendezvous_timeout_s=120, collective_timeout_s=120)  # fmt: skip
+    return GroupSpec(
+        group_id=group_id,
+        address=address,
+        port=port,
+        transport=transport,
+        world_size=world,
+        rank=rank,
+        backend=backend,
+        mode="standalone",
+        rendezvous_timeout_s=120,
+        collective_timeout_s=120,
+    )
 
 
 def median_time(step: Any, repeats: int) -> float:
-    step()  # warm-up: communicators, staging buffers, IPC handles
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    # One warm-up: communicators, staging buffers, IPC handles.
+    return statistics.median(bench_timing.timed(step, repeats))
 
 
 # -- ranks ---------------------------------------------------------------------------------------
@@ -116,8 +120,11 @@ def trainer(
     else:
         port = 0
         slot = shm.slot_bytes_for(BUCKET, 4096)
-        part = (cuda_ipc.CudaIpcWriter(group_id, 1, slot, 120, device) if transport == "cuda_ipc"
-                else shm.ShmWriter(group_id, 1, slot, 120, device=device))  # fmt: skip
+        part = (
+            cuda_ipc.CudaIpcWriter(group_id, 1, slot, 120, device)
+            if transport == "cuda_ipc"
+            else shm.ShmWriter(group_id, 1, slot, 120, device=device)
+        )
     for _ in range(world - 1):
         port_queue.put((group_id, port))
     if listener is not None:
@@ -128,8 +135,12 @@ def trainer(
     else:
         part.accept(120)
     sender = Sender(part)
-    result: dict[str, Any] = {"bytes": plan.nbytes, "tensors": len(plan.tensors),
-                              "buckets": len(plan.buckets), "ranks": world}  # fmt: skip
+    result: dict[str, Any] = {
+        "bytes": plan.nbytes,
+        "tensors": len(plan.tensors),
+        "buckets": len(plan.buckets),
+        "ranks": world,
+    }
 
     def push() -> None:
         sender.send(plan, list(tensors.values()))
@@ -218,9 +229,22 @@ def _entry(
 def run_case(args: argparse.Namespace, transport: str, world: int) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     ports, results = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_entry, args=("trainer" if rank == 0 else "worker", args, transport,
-                                              ports, results, world, rank), daemon=True)
-             for rank in range(world)]  # fmt: skip
+    procs = [
+        ctx.Process(
+            target=_entry,
+            args=(
+                "trainer" if rank == 0 else "worker",
+                args,
+                transport,
+                ports,
+                results,
+                world,
+                rank,
+            ),
+            daemon=True,
+        )
+        for rank in range(world)
+    ]
     for proc in procs:
         proc.start()
     try:
@@ -245,8 +269,10 @@ def run_case(args: argparse.Namespace, transport: str, world: int) -> dict[str, 
 
 
 def report(results: dict[str, dict[str, Any]]) -> str:
-    lines = ["| case | ranks | bytes | weight_sync | baseline | ratio | weight_sync GB/s | baseline GB/s |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| case | ranks | bytes | weight_sync | baseline | ratio | weight_sync GB/s | baseline GB/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for case, r in results.items():
         if "error" in r:
             lines.append(f"| {case} | | | failed: {r['error'].splitlines()[-1][:80]} | | | | |")
@@ -293,8 +319,9 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu.json").write_text(json.dumps({"device": device, "results": results}, indent=2))
     table = report(results)
-    (args.out / "gpu.md").write_text(f"# GPU benchmark\n\n{device}; median of {args.repeats} "
-                                     f"pushes.\n\n{table}")  # fmt: skip
+    (args.out / "gpu.md").write_text(
+        f"# GPU benchmark\n\n{device}; median of {args.repeats} pushes.\n\n{table}"
+    )
     print(table)
     return 0 if all("error" not in r for r in results.values()) else 1
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
 from weight_sync import SyncConfig
+from weight_sync.bench import timing as bench_timing
 from weight_sync.bench.workloads import WORKLOADS
 from weight_sync.packing import Packer, Unpacker, bucket_buffers, staging_slots
 from weight_sync.send.checks import Entries
@@ -28,16 +28,7 @@ from weight_sync.send.sender import PushPlanner
 
 
 def timed(fn: Callable[[], None], repeats: int, device: torch.device) -> float:
-    runs = []
-    for _ in range(repeats + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        runs.append(time.perf_counter() - start)
-    return statistics.median(runs[1:])
+    return statistics.median(bench_timing.timed(fn, repeats, device=device))
 
 
 def main() -> None:

@@ -24,7 +24,6 @@ import argparse
 import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -32,34 +31,51 @@ import torch
 from weight_sync import SyncConfig
 from weight_sync.adapters.hf import load_model
 from weight_sync.adapters.sglang import SGLangServer, SGLangServers
+from weight_sync.bench import timing as bench_timing
 from weight_sync.http import call
 
 MODEL = {  # ~26M parameters, 105 MB in float32
-    "model_type": "qwen2", "vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1408,
-    "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2,
-    "max_position_embeddings": 512, "tie_word_embeddings": True,
-}  # fmt: skip
-ARGS = ["--device", "cpu", "--dtype", "float32", "--skip-tokenizer-init",
-        "--mem-fraction-static", "0.5", "--max-total-tokens", "1024", "--sleep-on-idle",
-        "--random-seed", "0"]  # fmt: skip
+    "model_type": "qwen2",
+    "vocab_size": 8192,
+    "hidden_size": 512,
+    "intermediate_size": 1408,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": True,
+}
+ARGS = [
+    "--device",
+    "cpu",
+    "--dtype",
+    "float32",
+    "--skip-tokenizer-init",
+    "--mem-fraction-static",
+    "0.5",
+    "--max-total-tokens",
+    "1024",
+    "--sleep-on-idle",
+    "--random-seed",
+    "0",
+]
 
 
 def timed(push, repeats: int) -> list[float]:
-    seconds = []
-    for _ in range(repeats):
-        started = time.perf_counter()
+    def step() -> None:
         result = push()
-        seconds.append(time.perf_counter() - started)
         if result is not None:
             print("  phases:", {k: round(v, 3) for k, v in result.phases.items()}, flush=True)
-    return seconds
+
+    return bench_timing.timed(step, repeats, warmup=0)  # the caller's first push was untimed
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     default = Path(__file__).resolve().parents[1] / ".venv-sglang" / "bin" / "python"
-    parser.add_argument("--sglang-python", default=os.environ.get("WEIGHT_SYNC_SGLANG_PYTHON",
-                                                                  str(default)))  # fmt: skip
+    parser.add_argument(
+        "--sglang-python", default=os.environ.get("WEIGHT_SYNC_SGLANG_PYTHON", str(default))
+    )
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -69,26 +85,33 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="sglang_bench_") as folder:
         start_dir, disk_dir = Path(folder, "start"), Path(folder, "disk")
         model.save_pretrained(start_dir)
-        with SGLangServer(str(start_dir), python=args.sglang_python, args=ARGS,
-                          env={"SGLANG_USE_CPU_ENGINE": "1"}) as server:  # fmt: skip
+        with SGLangServer(
+            str(start_dir), python=args.sglang_python, args=ARGS, env={"SGLANG_USE_CPU_ENGINE": "1"}
+        ) as server:
             url = server.url
             results: dict[str, list[float]] = {}
-            for name, bucket in (("weight_sync", 64 << 20), ("weight_sync 1 MiB", 1 << 20),
-                                 ("per_tensor", 64)):  # fmt: skip
+            for name, bucket in (
+                ("weight_sync", 64 << 20),
+                ("weight_sync 1 MiB", 1 << 20),
+                ("per_tensor", 64),
+            ):
                 with SGLangServers([url], SyncConfig(bucket_bytes=bucket)) as servers:
                     servers.push(state)  # forms the group: not timed
                     results[name] = timed(lambda s=servers: s.push(state), args.repeats)
 
             def from_disk() -> None:
                 model.save_pretrained(disk_dir)
-                answer = call(url, "update_weights_from_disk", {"model_path": str(disk_dir)},
-                              timeout_s=600)  # fmt: skip
+                answer = call(
+                    url, "update_weights_from_disk", {"model_path": str(disk_dir)}, timeout_s=600
+                )
                 assert answer["success"], answer
 
             results["from_disk"] = timed(from_disk, args.repeats)
     base = statistics.median(results["weight_sync"])
-    print(f"one SGLang server (CPU), {len(state)} tensors, {nbytes / 1e6:.0f} MB float32, "
-          f"medians of {args.repeats}")  # fmt: skip
+    print(
+        f"one SGLang server (CPU), {len(state)} tensors, {nbytes / 1e6:.0f} MB float32, "
+        f"medians of {args.repeats}"
+    )
     print(f"{'strategy':<20}{'seconds':>9}{'GB/s':>8}{'x weight_sync':>15}")
     for name, seconds in results.items():
         median = statistics.median(seconds)

@@ -57,8 +57,13 @@ class Rank:
             from torch.distributed.fsdp import fully_shard
 
             store = open_store("127.0.0.1", port, self.world, 60, self.listener)
-            dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world,
-                                    timeout=datetime.timedelta(seconds=120))  # fmt: skip
+            dist.init_process_group(
+                "gloo",
+                store=store,
+                rank=self.rank,
+                world_size=self.world,
+                timeout=datetime.timedelta(seconds=120),
+            )
             fully_shard(self.model, mesh=init_device_mesh("cpu", (self.world,)))
         if workers:
             self.updater = WeightUpdater(workers, SyncConfig(bucket_bytes=16 << 20))
@@ -97,8 +102,12 @@ def main() -> None:
         world = 2 if kind == "sharded" else 1
         ranks = [Rank.remote(r, world, args.layers, args.dim) for r in range(world)]
         port = ray.get(ranks[0].port.remote())
-        ray.get([rank.setup.remote(port, workers if r == 0 else None, kind == "sharded")
-                 for r, rank in enumerate(ranks)])  # fmt: skip
+        ray.get(
+            [
+                rank.setup.remote(port, workers if r == 0 else None, kind == "sharded")
+                for r, rank in enumerate(ranks)
+            ]
+        )
         for repeat in range(args.repeats + 1):  # the first forms the group: not timed
             if kind == "plain":
                 seconds = ray.get(ranks[0].push_plain.remote())

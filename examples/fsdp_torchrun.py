@@ -59,10 +59,16 @@ from weight_sync.adapters.hf import load_model
 from weight_sync.send.sharded import push_sharded
 
 CONFIG = {  # a ~100k-parameter Qwen2, tied embeddings; heads of 32 dims (vLLM's CPU minimum)
-    "model_type": "qwen2", "vocab_size": 16, "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-    "max_position_embeddings": 32, "tie_word_embeddings": True,
-}  # fmt: skip
+    "model_type": "qwen2",
+    "vocab_size": 16,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 32,
+    "tie_word_embeddings": True,
+}
 DIGITS, SEPARATOR = 10, 10  # token ids 0-9 are digits, 10 separates the prompt from the answer
 LENGTH = 4  # digits to sort
 CHECK_PROMPTS = 8
@@ -80,29 +86,47 @@ def batch(size: int, generator: torch.Generator) -> torch.Tensor:
 def loss_on_answers(model: torch.nn.Module, sequences: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy on the answer tokens only (the prompt is random digits)."""
     logits = model(sequences[:, :-1]).logits[:, LENGTH:]
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                             sequences[:, LENGTH + 1 :].reshape(-1))  # fmt: skip
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), sequences[:, LENGTH + 1 :].reshape(-1)
+    )
 
 
 def server_args(seed: int) -> list[str]:
     """``vllm serve`` flags for this tiny float32 model: token ids in and out (no tokenizer),
     eager, a small KV cache, and vLLM's own sampling defaults."""
-    return ["--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager",
-            "--kv-cache-memory-bytes", str(16 << 20), "--max-model-len",
-            str(CONFIG["max_position_embeddings"]), "--generation-config", "vllm",
-            "--seed", str(seed)]  # fmt: skip
+    return [
+        "--skip-tokenizer-init",
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--kv-cache-memory-bytes",
+        str(16 << 20),
+        "--max-model-len",
+        str(CONFIG["max_position_embeddings"]),
+        "--generation-config",
+        "vllm",
+        "--seed",
+        str(seed),
+    ]
 
 
-def check_completions(urls: Sequence[str], model: torch.nn.Module, generator: torch.Generator,
-                      tokens: int = LENGTH) -> list[str]:  # fmt: skip
+def check_completions(
+    urls: Sequence[str], model: torch.nn.Module, generator: torch.Generator, tokens: int = LENGTH
+) -> list[str]:
     """Greedy completions from each server (OpenAI completions API, token-id prompts), checked
     against ``model`` teacher-forced on the tokens the server chose. Returns the mismatches
     found (empty: they match)."""
     from weight_sync.adapters.vllm.servers import call  # stdlib HTTP, no proxies
 
     prompts = batch(CHECK_PROMPTS, generator)[:, : LENGTH + 1].tolist()
-    body = {"prompt": prompts, "max_tokens": tokens, "temperature": 0.0, "logprobs": 1,
-            "return_token_ids": True, "return_tokens_as_token_ids": True}  # fmt: skip
+    body = {
+        "prompt": prompts,
+        "max_tokens": tokens,
+        "temperature": 0.0,
+        "logprobs": 1,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+    }
     problems = []
     model.eval()
     for url in urls:
@@ -122,8 +146,10 @@ def check_completions(urls: Sequence[str], model: torch.nn.Module, generator: to
                 if token != greedy and best - second > MAX_LOGPROB_GAP:  # not a tie
                     problems.append(f"{where}: served {token}, the trainer's greedy is {greedy}")
                 if abs(mine - served[position]) > MAX_LOGPROB_GAP:
-                    problems.append(f"{where}: log-probability {served[position]:.6f} served, "
-                                    f"{mine:.6f} by the trainer")  # fmt: skip
+                    problems.append(
+                        f"{where}: log-probability {served[position]:.6f} served, "
+                        f"{mine:.6f} by the trainer"
+                    )
     return problems
 
 
@@ -132,16 +158,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--servers", help="comma-separated base URLs of running vLLM servers")
     where.add_argument("--serve", type=int, metavar="N", help="start N local vLLM servers")
-    where.add_argument("--save-model", metavar="DIR",
-                       help="only save the architecture to DIR (for servers to load)")  # fmt: skip
+    where.add_argument(
+        "--save-model",
+        metavar="DIR",
+        help="only save the architecture to DIR (for servers to load)",
+    )
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=32, help="sequences per rank per step")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--server-logs", default=None, help="--serve: a folder for their logs")
-    parser.add_argument("--timeout-s", type=float, default=900,
-                        help="bound on every collective of the trainers' group (rank 1 waits in "
-                             "one while rank 0 starts the servers)")  # fmt: skip
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=900,
+        help="bound on every collective of the trainers' group (rank 1 waits in "
+        "one while rank 0 starts the servers)",
+    )
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be at least 1 (a push per step)")
@@ -214,8 +247,13 @@ def serving(args: argparse.Namespace, rank: int, model_dir: str) -> Iterator[lis
     elif args.serve:
         from weight_sync.adapters.vllm.process import local_servers
 
-        with local_servers(model_dir, args.serve, args=server_args, log_dir=args.server_logs,
-                           ready_timeout_s=SERVER_READY_S) as started:  # fmt: skip
+        with local_servers(
+            model_dir,
+            args.serve,
+            args=server_args,
+            log_dir=args.server_logs,
+            ready_timeout_s=SERVER_READY_S,
+        ) as started:
             urls = [server.url for server in started]
             print(f"{len(urls)} local vLLM server(s) ready: {', '.join(urls)}", flush=True)
             yield urls
@@ -232,21 +270,35 @@ def _servers(urls: list[str], rank: int) -> Any:
     return VLLMServers(urls, SyncConfig())
 
 
-def report(args: argparse.Namespace, urls: list[str], servers: Any, full: dict[str, torch.Tensor],
-           pushes: list[float], started: float) -> bool:  # fmt: skip
+def report(
+    args: argparse.Namespace,
+    urls: list[str],
+    servers: Any,
+    full: dict[str, torch.Tensor],
+    pushes: list[float],
+    started: float,
+) -> bool:
     """Rank 0: check every server holds the last version and completes as the trainer would."""
     reference = load_model(CONFIG)
     reference.load_state_dict(full)
     versions = servers.versions()
-    problems = [f"{url} reports version {v}, not {servers.version}"
-                for url, v in zip(urls, versions, strict=True) if v != servers.version]  # fmt: skip
+    problems = [
+        f"{url} reports version {v}, not {servers.version}"
+        for url, v in zip(urls, versions, strict=True)
+        if v != servers.version
+    ]
     problems += check_completions(urls, reference, torch.Generator().manual_seed(args.seed + 99))
     for problem in problems[:10]:
         print(problem, file=sys.stderr)
-    print(f"{args.steps} steps in {time.perf_counter() - started:.0f}s; median push "
-          f"{statistics.median(pushes) * 1e3:.0f} ms; servers at versions {versions}")  # fmt: skip
-    print(f"pushed {len(pushes)} versions to {len(urls)} servers; completions match the trainer: "
-          f"{not problems}", flush=True)  # fmt: skip
+    print(
+        f"{args.steps} steps in {time.perf_counter() - started:.0f}s; median push "
+        f"{statistics.median(pushes) * 1e3:.0f} ms; servers at versions {versions}"
+    )
+    print(
+        f"pushed {len(pushes)} versions to {len(urls)} servers; completions match the trainer: "
+        f"{not problems}",
+        flush=True,
+    )
     return not problems
 
 

@@ -77,10 +77,16 @@ ANSWER_TOKENS = 2
 
 POLICY = {  # a ~70k-parameter Qwen2; tied embeddings, as small Qwen models have. Heads of 32
     # dimensions: vLLM's CPU attention takes no smaller.
-    "model_type": "qwen2", "vocab_size": 12, "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-    "max_position_embeddings": 16, "tie_word_embeddings": True,
-}  # fmt: skip
+    "model_type": "qwen2",
+    "vocab_size": 12,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 16,
+    "tie_word_embeddings": True,
+}
 
 SERVER_READY_S = 600  # several vLLM or SGLang servers starting at once on 2 busy cores
 HTTP_TIMEOUT_S = 120  # one rollout request: a handful of tokens, but the cores are shared
@@ -176,8 +182,9 @@ class History:
     step_s: list[float] = field(default_factory=list)  # wall time of each step, rollouts to push
 
 
-def train(args: argparse.Namespace, learner: Learner, sample: Sampler,
-          generator: torch.Generator) -> History:  # fmt: skip
+def train(
+    args: argparse.Namespace, learner: Learner, sample: Sampler, generator: torch.Generator
+) -> History:
     """The loop every mode runs: push, then per step roll out, score, keep the fresh groups,
     take a step and push again."""
     history = History()
@@ -237,30 +244,48 @@ def rollouts(workers: list, prompts: torch.Tensor, group: int) -> list[Generatio
     """Each Hugging Face worker samples ``group`` answers for its share of the prompts."""
     repeated = prompts.repeat_interleave(group, dim=0)
     shares = repeated.chunk(len(workers))
-    return ray.get([
-        worker.generate.remote(
-            share, do_sample=True, top_k=0, temperature=1.0, max_new_tokens=ANSWER_TOKENS,
-            min_new_tokens=ANSWER_TOKENS, pad_token_id=PAD, eos_token_id=None,
-        )
-        for worker, share in zip(workers, shares, strict=False)
-    ])  # fmt: skip
+    return ray.get(
+        [
+            worker.generate.remote(
+                share,
+                do_sample=True,
+                top_k=0,
+                temperature=1.0,
+                max_new_tokens=ANSWER_TOKENS,
+                min_new_tokens=ANSWER_TOKENS,
+                pad_token_id=PAD,
+                eos_token_id=None,
+            )
+            for worker, share in zip(workers, shares, strict=False)
+        ]
+    )
 
 
 def vllm_rollouts(engines: list, prompts: torch.Tensor, group: int) -> list[Generation]:
     """The same with vLLM engines: ``n=group`` samples per prompt, tagged with the version vLLM
     labelled every one of their tokens with."""
-    params = {"n": group, "temperature": 1.0, "max_tokens": ANSWER_TOKENS,
-              "min_tokens": ANSWER_TOKENS, "ignore_eos": True, "detokenize": False}  # fmt: skip
+    params = {
+        "n": group,
+        "temperature": 1.0,
+        "max_tokens": ANSWER_TOKENS,
+        "min_tokens": ANSWER_TOKENS,
+        "ignore_eos": True,
+        "detokenize": False,
+    }
     shares = prompts.chunk(len(engines))
-    answered = ray.get([
-        engine.generate.remote([{"prompt_token_ids": p.tolist()} for p in share], params)
-        for engine, share in zip(engines, shares, strict=False)
-    ])  # fmt: skip
+    answered = ray.get(
+        [
+            engine.generate.remote([{"prompt_token_ids": p.tolist()} for p in share], params)
+            for engine, share in zip(engines, shares, strict=False)
+        ]
+    )
     generations = []
     for share, (outputs, version) in zip(shares, answered, strict=True):
-        sequences = [prompt.tolist() + list(sample.token_ids)
-                     for prompt, output in zip(share, outputs, strict=True)
-                     for sample in output.outputs]  # fmt: skip
+        sequences = [
+            prompt.tolist() + list(sample.token_ids)
+            for prompt, output in zip(share, outputs, strict=True)
+            for sample in output.outputs
+        ]
         generations.append(Generation(torch.tensor(sequences), version))
     return generations
 
@@ -271,14 +296,20 @@ def start_vllm_engines(count: int, directory: str, seed: int) -> list:
 
     save_policy(directory)
     options: dict[str, Any] = {
-        "model": directory, "dtype": "float32", "skip_tokenizer_init": True, "enforce_eager": True,
-        "kv_cache_memory_bytes": 16 << 20, "max_model_len": POLICY["max_position_embeddings"],
+        "model": directory,
+        "dtype": "float32",
+        "skip_tokenizer_init": True,
+        "enforce_eager": True,
+        "kv_cache_memory_bytes": 16 << 20,
+        "max_model_len": POLICY["max_position_embeddings"],
         "generation_config": "vllm",
-    }  # fmt: skip
+    }
     # Several engines on one CPU node: vLLM would pin each one's threads to the same core.
     unbound = {"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}}
-    return [RemoteVLLMEngine.options(num_cpus=0, runtime_env=unbound).remote(**options, seed=seed + i)
-            for i in range(count)]  # fmt: skip
+    return [
+        RemoteVLLMEngine.options(num_cpus=0, runtime_env=unbound).remote(**options, seed=seed + i)
+        for i in range(count)
+    ]
 
 
 def run_ray(args: argparse.Namespace, generator: torch.Generator) -> History:
@@ -351,13 +382,20 @@ Answers = tuple[list[list[int]], set[int | None]]
 
 def vllm_group(url: str, prompt: list[int], group: int) -> Answers:
     """``group`` samples of ``prompt`` from vLLM's token-in-token-out endpoint (``n=group``)."""
-    sampling = {"n": group, "temperature": 1.0, "max_tokens": ANSWER_TOKENS,
-                "min_tokens": ANSWER_TOKENS, "ignore_eos": True, "detokenize": False}  # fmt: skip
+    sampling = {
+        "n": group,
+        "temperature": 1.0,
+        "max_tokens": ANSWER_TOKENS,
+        "min_tokens": ANSWER_TOKENS,
+        "ignore_eos": True,
+        "detokenize": False,
+    }
     body = {"token_ids": prompt, "sampling_params": sampling}
     choices = call(url, "inference/v1/generate", body, timeout_s=HTTP_TIMEOUT_S)["choices"]
-    return ([c["token_ids"] for c in choices],
-            {span_version(c.get("weight_versions"), len(c["token_ids"]))
-             for c in choices})  # fmt: skip
+    return (
+        [c["token_ids"] for c in choices],
+        {span_version(c.get("weight_versions"), len(c["token_ids"])) for c in choices},
+    )
 
 
 def sglang_group(url: str, prompt: list[int], group: int) -> Answers:
@@ -368,13 +406,21 @@ def sglang_group(url: str, prompt: list[int], group: int) -> Answers:
     sampling = {"temperature": 1.0, "max_new_tokens": ANSWER_TOKENS, "ignore_eos": True}
     body = {"input_ids": [prompt] * group, "sampling_params": sampling}
     outputs = call(url, "generate", body, timeout_s=HTTP_TIMEOUT_S)
-    return ([o["output_ids"] for o in outputs],
-            {span_version(o["meta_info"].get("weight_versions"), len(o["output_ids"]))
-             for o in outputs})  # fmt: skip
+    return (
+        [o["output_ids"] for o in outputs],
+        {
+            span_version(o["meta_info"].get("weight_versions"), len(o["output_ids"]))
+            for o in outputs
+        },
+    )
 
 
-def served_rollouts(urls: Sequence[str], prompts: torch.Tensor, group: int,
-                    ask: Callable[[str, list[int], int], Answers]) -> list[Generation]:  # fmt: skip
+def served_rollouts(
+    urls: Sequence[str],
+    prompts: torch.Tensor,
+    group: int,
+    ask: Callable[[str, list[int], int], Answers],
+) -> list[Generation]:
     """``group`` samples per prompt from servers: one request per prompt (``ask``), the prompts
     dealt to the servers round robin and all in flight at once (each server batches what it
     has). Each prompt's group comes back as one ``Generation`` whose version is the one every
@@ -396,19 +442,41 @@ def server_args(seed: int) -> list[str]:
     are token ids), eager, a small KV cache, vLLM's own sampling defaults (the model dir's
     generation config would override ours), and the token-in-token-out endpoint whose responses
     carry the weight version of every token."""
-    return ["--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager",
-            "--kv-cache-memory-bytes", str(16 << 20),
-            "--max-model-len", str(POLICY["max_position_embeddings"]),
-            "--generation-config", "vllm", "--seed", str(seed), "--enable-scale-out"]  # fmt: skip
+    return [
+        "--skip-tokenizer-init",
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--kv-cache-memory-bytes",
+        str(16 << 20),
+        "--max-model-len",
+        str(POLICY["max_position_embeddings"]),
+        "--generation-config",
+        "vllm",
+        "--seed",
+        str(seed),
+        "--enable-scale-out",
+    ]
 
 
 def sglang_args(seed: int) -> list[str]:
     """``sglang.launch_server`` options for the same on CPU (with ``SGLANG_USE_CPU_ENGINE=1``):
     no tokenizer, a capped KV cache (on CPU SGLang sizes it from the machine's memory), and an
     idle scheduler that sleeps (else it spins: two servers on 2 cores roll out 4x slower)."""
-    return ["--device", "cpu", "--dtype", "float32", "--skip-tokenizer-init",
-            "--mem-fraction-static", "0.5", "--max-total-tokens", "2048", "--sleep-on-idle",
-            "--random-seed", str(seed)]  # fmt: skip
+    return [
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--skip-tokenizer-init",
+        "--mem-fraction-static",
+        "0.5",
+        "--max-total-tokens",
+        "2048",
+        "--sleep-on-idle",
+        "--random-seed",
+        str(seed),
+    ]
 
 
 def default_sglang_python() -> str:
@@ -432,29 +500,40 @@ def run_served(args: argparse.Namespace, generator: torch.Generator) -> History:
             from weight_sync.adapters.sglang import SGLangServers
             from weight_sync.adapters.sglang import local_servers as sglang_servers
 
-            started = sglang_servers(directory, args.workers, python=args.sglang_python,
-                                     args=lambda i: sglang_args(args.seed + i),
-                                     env={"SGLANG_USE_CPU_ENGINE": "1"}, **ready)  # fmt: skip
+            started = sglang_servers(
+                directory,
+                args.workers,
+                python=args.sglang_python,
+                args=lambda i: sglang_args(args.seed + i),
+                env={"SGLANG_USE_CPU_ENGINE": "1"},
+                **ready,
+            )
             reach, ask = SGLangServers, sglang_group
         else:
             from weight_sync.adapters.vllm import VLLMServers
             from weight_sync.adapters.vllm.process import local_servers
 
-            started = local_servers(directory, args.workers,
-                                    args=lambda i: server_args(args.seed + i), **ready)  # fmt: skip
+            started = local_servers(
+                directory, args.workers, args=lambda i: server_args(args.seed + i), **ready
+            )
             reach, ask = VLLMServers, vllm_group
         with started as servers:
             urls = [server.url for server in servers]
             with reach(urls, SyncConfig(delta="always" if args.delta else False)) as fleet:
                 learner = ServedLearner(fleet, args.lr, args.seed)
-                return train(args, learner, lambda p, g: served_rollouts(urls, p, g, ask),
-                             generator)  # fmt: skip
+                return train(
+                    args, learner, lambda p, g: served_rollouts(urls, p, g, ask), generator
+                )
 
 
 # -- the report -------------------------------------------------------------------------------
 
-ROLLOUTS = {"hf": "Hugging Face workers", "vllm": "vLLM engines",
-            "vllm-serve": "vLLM servers (HTTP)", "sglang": "SGLang servers (HTTP)"}  # fmt: skip
+ROLLOUTS = {
+    "hf": "Hugging Face workers",
+    "vllm": "vLLM engines",
+    "vllm-serve": "vLLM servers (HTTP)",
+    "sglang": "SGLang servers (HTTP)",
+}
 
 
 def plot(history: History, path: str, engine: str = "hf") -> None:
@@ -466,8 +545,9 @@ def plot(history: History, path: str, engine: str = "hf") -> None:
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     top.plot(history.reward, color="tab:green")
     top.set_ylabel("mean reward")
-    top.set_title(f"GRPO, sorting two digits, Qwen2 policy, {ROLLOUTS[engine]}; a push per step",
-                  fontsize=10)  # fmt: skip
+    top.set_title(
+        f"GRPO, sorting two digits, Qwen2 policy, {ROLLOUTS[engine]}; a push per step", fontsize=10
+    )
     bottom.plot(history.push_ms[1:], color="tab:blue")
     bottom.set_ylabel("push time (ms)")
     bottom.set_xlabel("optimizer step")
@@ -482,9 +562,13 @@ def main(argv: list[str] | None = None) -> History:
     parser.add_argument(
         "--workers", type=int, default=2, help="inference workers, engines or servers"
     )
-    parser.add_argument("--engine", choices=list(ROLLOUTS), default="hf",
-                        help="roll out with Hugging Face workers or vLLM engines (Ray actors), "
-                             "or vLLM or SGLang servers over HTTP (vllm-serve, sglang: no Ray)")  # fmt: skip
+    parser.add_argument(
+        "--engine",
+        choices=list(ROLLOUTS),
+        default="hf",
+        help="roll out with Hugging Face workers or vLLM engines (Ray actors), "
+        "or vLLM or SGLang servers over HTTP (vllm-serve, sglang: no Ray)",
+    )
     parser.add_argument("--prompts", type=int, default=32, help="prompts per step")
     parser.add_argument("--group", type=int, default=8, help="samples per prompt")
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -537,15 +621,19 @@ def main(argv: list[str] | None = None) -> History:
                 ray.shutdown()
     plot(history, args.plot, args.engine)
     window = min(args.window, max(1, len(history.reward) // 2))
-    print(f"{len(history.reward)} steps in {time.perf_counter() - start:.0f}s "
-          f"({statistics.median(history.step_s or [0]):.2f} s per step, median); median push "
-          f"{statistics.median(history.push_ms):.1f} ms; stale rollouts discarded: "
-          f"{history.stale}; plot: {args.plot}")  # fmt: skip
+    print(
+        f"{len(history.reward)} steps in {time.perf_counter() - start:.0f}s "
+        f"({statistics.median(history.step_s or [0]):.2f} s per step, median); median push "
+        f"{statistics.median(history.push_ms):.1f} ms; stale rollouts discarded: "
+        f"{history.stale}; plot: {args.plot}"
+    )
     densities = [d for d in history.density if d is not None]
     if densities:
-        print(f"delta pushes: {len(densities)}; median {statistics.median(densities):.2%} of elements "
-              f"changed; median {statistics.median(history.wire_bytes[1:]) / 1e3:.1f} KB on the wire "
-              f"(dense: {history.wire_bytes[0] / 1e3:.1f} KB)")  # fmt: skip
+        print(
+            f"delta pushes: {len(densities)}; median {statistics.median(densities):.2%} of elements "
+            f"changed; median {statistics.median(history.wire_bytes[1:]) / 1e3:.1f} KB on the wire "
+            f"(dense: {history.wire_bytes[0] / 1e3:.1f} KB)"
+        )
     first = statistics.fmean(history.reward[:window])
     last = statistics.fmean(history.reward[-window:])
     print(f"reward: first={first:.3f} last={last:.3f}")

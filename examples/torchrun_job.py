@@ -26,9 +26,11 @@ from weight_sync.checksums import state_dict_digests
 def build_model() -> torch.nn.Module:
     torch.manual_seed(0)  # every rank starts alike; only rank 0 trains
     return torch.nn.Sequential(
-        torch.nn.Embedding(1000, 128), torch.nn.Linear(128, 512), torch.nn.GELU(),
+        torch.nn.Embedding(1000, 128),
+        torch.nn.Linear(128, 512),
+        torch.nn.GELU(),
         torch.nn.Linear(512, 1000),
-    )  # fmt: skip
+    )
 
 
 def fingerprint(model: torch.nn.Module) -> torch.Tensor:
@@ -58,8 +60,11 @@ def main() -> None:
             version = sync.update(model)
             if sync.rank == 0 and sync.last_result is not None:
                 result = sync.last_result
-                print(f"pushed version {version}: {result.nbytes / 1e6:.1f} MB in "
-                      f"{result.buckets} bucket(s), {result.seconds:.3f}s", flush=True)  # fmt: skip
+                print(
+                    f"pushed version {version}: {result.nbytes / 1e6:.1f} MB in "
+                    f"{result.buckets} bucket(s), {result.seconds:.3f}s",
+                    flush=True,
+                )
         mine = fingerprint(model)
         everyone = [torch.empty_like(mine) for _ in range(sync.world_size)]
         dist.all_gather(everyone, mine)  # over the job's own default group

@@ -28,8 +28,11 @@ def run(command: list[str], cwd: Path, timeout_s: float = 400) -> str:
 
 
 def run_both(command: list[str], cwd: Path, timeout_s: float = 400) -> tuple[str, str]:
+    # As a user's shell runs it: no PYTHONPATH (the session's Ray fixture points it at this
+    # repository, which would shadow the installed package).
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout_s,
-                          check=False, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})  # fmt: skip
+                          check=False, env={**env, "RAY_USAGE_STATS_ENABLED": "0"})  # fmt: skip
     assert done.returncode == 0, (command, done.stdout[-3000:], done.stderr[-5000:])
     return done.stdout, done.stderr
 

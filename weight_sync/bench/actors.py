@@ -26,7 +26,6 @@ from __future__ import annotations
 import gc
 import mmap
 import os
-import time
 from collections.abc import Callable, Sequence
 
 import ray
@@ -34,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from weight_sync import SyncConfig, WeightSyncWorker, WeightUpdater
+from weight_sync.bench.timing import seconds_of
 from weight_sync.bench.workloads import Workload
 from weight_sync.checksums import state_dict_digests
 from weight_sync.metadata import TRAINER_RANK, TensorMeta
@@ -281,11 +281,7 @@ class BenchTrainer:
         if prepare is not None:
             prepare()
         self.memory.reset()
-        start = time.perf_counter()
-        run()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        seconds = time.perf_counter() - start
+        seconds = seconds_of(run, self.device)
         peak = self.memory.peak_extra_bytes()
         release = getattr(self, f"_{strategy}_release", None)
         if release is not None:
