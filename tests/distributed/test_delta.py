@@ -81,7 +81,7 @@ def delta_rank(ctx: RankContext, sections: int) -> dict:
                 if version > 1:
                     step(tensors, seed=version)
                 baseline.begin()
-                sent = transfer.send(ring, plan, entries.tensors, baseline, delta=version > 1,
+                sent = transfer.send_with_baseline(ring, plan, entries.tensors, baseline, delta=version > 1,
                                      bucket_bytes=BUCKET, sections_asked=sections,
                                      with_checksums=True)  # fmt: skip
                 baseline.finish(plan, version, partial=False)

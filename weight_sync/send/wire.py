@@ -113,7 +113,7 @@ class Wire:
         if baseline is None or request.new_base is None:
             return Sent(sender.send(plan, tensors, deadline, checksum), plan.nbytes)
         baseline.begin()
-        sent = send(
+        sent = send_with_baseline(
             sender.transport,
             plan,
             tensors,
@@ -172,7 +172,7 @@ class Sent:
     scan_s: float = 0.0  # of a delta: how long the send waited for the trainer's scan
 
 
-def send(
+def send_with_baseline(
     transport: Transport,
     plan: SyncPlan,
     tensors: Sequence[torch.Tensor],
