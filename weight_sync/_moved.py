@@ -27,6 +27,9 @@ def forward(old: str, new: str) -> Callable[[str], Any]:
     """A module ``__getattr__`` (PEP 562) for the stub at ``old``."""
 
     def __getattr__(name: str) -> Any:
+        if name == "__all__":  # ``from old import *``: the new module's names, each warning
+            module = importlib.import_module(new)
+            return getattr(module, "__all__", [n for n in vars(module) if not n.startswith("_")])
         if name.startswith("__"):  # import machinery, introspection: no warning, no forwarding
             raise AttributeError(name)
         warn_moved(old, new)

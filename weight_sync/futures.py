@@ -84,7 +84,9 @@ def gather(
         left = end - time.monotonic()
         if left <= 0 or not pending:
             return done()
-        _, pending = wait(pending, timeout=left, return_when=FIRST_COMPLETED)
+        # wait() refuses timeouts past the platform's limit; a bound that long is "no bound".
+        timeout = min(left, threading.TIMEOUT_MAX)
+        _, pending = wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
     return True
 
 

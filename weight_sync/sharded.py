@@ -1,5 +1,5 @@
 """Moved to ``weight_sync.send.sharded``: this path keeps working, with a DeprecationWarning, until 0.2."""
 
-from weight_sync._moved import forward
+from weight_sync._moved import forward as _forward
 
-__getattr__ = forward("weight_sync.sharded", "weight_sync.send.sharded")
+__getattr__ = _forward("weight_sync.sharded", "weight_sync.send.sharded")

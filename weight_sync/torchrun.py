@@ -336,7 +336,7 @@ class JobSync:
                     f"rank 0's store stopped answering ({first_line(exc)}); rank 0 died or left "
                     "-- check it"
                 ) from exc
-            backoff.sleep(at_most_s=deadline.remaining())
+            backoff.sleep(at_most_s=deadline.left(float("inf")))  # raises once it is spent
         self._next += 1
         if len(raw) > MAX_REPLY_CHARS:
             raise WeightSyncError(f"a command of {len(raw)} bytes exceeds {MAX_REPLY_CHARS}")

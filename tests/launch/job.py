@@ -45,6 +45,9 @@ def run(scenario: str, out: Path, init_method: str | None = None) -> None:
     )
     rank = sync.rank
     record: dict[str, Any] = {"rank": rank, "world": sync.world_size, "versions": [], "errors": []}
+    if scenario == "silent_trainer":  # rank 0 alive, its store up, but it never pushes
+        _wait_silently(sync, model, record, out)
+        return
     if scenario == "refuse" and rank == 2:
         model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
     if scenario == "refuse":  # first, a state dict rank 0 itself refuses before sending
@@ -97,6 +100,26 @@ def run(scenario: str, out: Path, init_method: str | None = None) -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(record))
     if not big:
         sync.close()
+
+
+SILENT_WAIT_S = 3  # how long the other ranks wait for a push that never begins
+
+
+def _wait_silently(sync: JobSync, model: torch.nn.Module, record: dict, out: Path) -> None:
+    """Rank 0 stays silent until every other rank has written its record (bounded); the others
+    each wait SILENT_WAIT_S for its push and must give up with an error in that bound."""
+    if sync.rank == 0:
+        end = time.monotonic() + 60
+        while time.monotonic() < end and len(list(out.glob("rank*.json"))) < sync.world_size - 1:
+            time.sleep(0.1)
+    else:
+        started = time.monotonic()
+        try:
+            record["versions"].append(sync.update(model, timeout_s=SILENT_WAIT_S))
+        except WeightSyncError as exc:
+            record["errors"].append({"type": type(exc).__name__, "message": str(exc),
+                                     "seconds": time.monotonic() - started})  # fmt: skip
+    (out / f"rank{sync.rank}.json").write_text(json.dumps(record))
 
 
 def _die(weights: object) -> None:

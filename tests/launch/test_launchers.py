@@ -139,6 +139,19 @@ def test_mp_spawn_steps(tmp_path: Path) -> None:
     _assert_steps(_reports(tmp_path, range(4)))
 
 
+def test_mp_spawn_ranks_give_up_on_a_silent_trainer_within_their_bound(tmp_path: Path) -> None:
+    """Rank 0 alive, its store answering, but no push: each other rank's wait ends in its
+    ``timeout_s`` with a SyncTimeoutError (a regression once made this wait spin forever)."""
+    context = _spawn("silent_trainer", tmp_path, world_size=3)
+    _join_all(context, LAUNCH_S)
+    assert [p.exitcode for p in context.processes] == [0, 0, 0]
+    for report in _reports(tmp_path, (1, 2)):
+        (error,) = report["errors"]
+        assert error["type"] == "SyncTimeoutError", error
+        assert job.SILENT_WAIT_S - 0.5 < error["seconds"] < job.SILENT_WAIT_S + 5, error
+        assert report["versions"] == []
+
+
 def test_mp_spawn_a_receiver_killed_mid_push(tmp_path: Path) -> None:
     context = _spawn("kill_receiver", tmp_path)
     _join_all(context, LAUNCH_S)

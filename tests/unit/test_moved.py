@@ -17,6 +17,7 @@ MOVED = [
     ("weight_sync.launch", "weight_sync.torchrun", "JobSync"),
     ("weight_sync.job", "weight_sync.ray_job", "main"),
     ("weight_sync.verify", "weight_sync.checksums", "state_dict_digests"),
+    ("weight_sync.entries", "weight_sync.send.checks", "check_state_dict"),
 ]
 
 
@@ -34,6 +35,16 @@ def test_an_old_path_has_nothing_the_new_one_lacks() -> None:
     stub = importlib.import_module("weight_sync.sharded")
     with pytest.warns(DeprecationWarning), pytest.raises(AttributeError):
         stub.no_such_thing  # noqa: B018
+
+
+def test_a_star_import_of_an_old_path_brings_the_new_names() -> None:
+    names: dict[str, object] = {}
+    with pytest.warns(DeprecationWarning, match="weight_sync.launch moved to weight_sync.torchrun"):
+        exec("from weight_sync.launch import *", names)
+    from weight_sync.torchrun import JobSync
+
+    assert names["JobSync"] is JobSync
+    assert "_forward" not in names and "forward" not in names
 
 
 def test_the_old_job_command_still_runs() -> None:

@@ -71,6 +71,7 @@ from weight_sync.errors import (
     TransportError,
     WeightSyncError,
 )
+from weight_sync.futures import Backoff
 from weight_sync.metadata import GroupSpec
 from weight_sync.transport import nccl, teardown
 from weight_sync.transport.rendezvous import local_address_towards, open_store
@@ -435,7 +436,7 @@ class TorchGroup:
 
     def _settle(self, handle: TorchWork, work: dist.Work) -> None:
         """Wait for ``work`` (``handle``'s) as the module docstring says; raise typed errors."""
-        pause = 1e-4
+        backoff = Backoff(1e-4, _NCCL_MAX_PAUSE_S)
         next_look = time.monotonic() + _LOOK_EVERY_S
         lost_at: list[float] = []  # when the store stopped answering, if it did
         with self._waiting():
@@ -459,8 +460,7 @@ class TorchGroup:
                             "collective_timeout_s or check the workers"
                         )
                     if self.is_nccl:
-                        time.sleep(pause)
-                        pause = min(2 * pause, _NCCL_MAX_PAUSE_S)
+                        backoff.sleep()
                 handle.done_at = time.monotonic()
                 # Completed: NCCL (blocking-wait mode) orders the current stream after it and
                 # raises its error, if any (WorkNCCL::wait); Gloo returns or raises at once.
