@@ -261,10 +261,10 @@ def rollouts(workers: list, prompts: torch.Tensor, group: int) -> list[Generatio
     )
 
 
-def vllm_rollouts(engines: list, prompts: torch.Tensor, group: int) -> list[Generation]:
-    """The same with vLLM engines: ``n=group`` samples per prompt, tagged with the version vLLM
-    labelled every one of their tokens with."""
-    params = {
+def vllm_sampling(group: int) -> dict[str, Any]:
+    """vLLM's sampling parameters for ``group`` samples of a fixed length, token ids in and out
+    (the same for the engines in-process and for ``vllm serve``)."""
+    return {
         "n": group,
         "temperature": 1.0,
         "max_tokens": ANSWER_TOKENS,
@@ -272,6 +272,12 @@ def vllm_rollouts(engines: list, prompts: torch.Tensor, group: int) -> list[Gene
         "ignore_eos": True,
         "detokenize": False,
     }
+
+
+def vllm_rollouts(engines: list, prompts: torch.Tensor, group: int) -> list[Generation]:
+    """The same with vLLM engines: ``n=group`` samples per prompt, tagged with the version vLLM
+    labelled every one of their tokens with."""
+    params = vllm_sampling(group)
     shares = prompts.chunk(len(engines))
     answered = ray.get(
         [
@@ -382,14 +388,7 @@ Answers = tuple[list[list[int]], set[int | None]]
 
 def vllm_group(url: str, prompt: list[int], group: int) -> Answers:
     """``group`` samples of ``prompt`` from vLLM's token-in-token-out endpoint (``n=group``)."""
-    sampling = {
-        "n": group,
-        "temperature": 1.0,
-        "max_tokens": ANSWER_TOKENS,
-        "min_tokens": ANSWER_TOKENS,
-        "ignore_eos": True,
-        "detokenize": False,
-    }
+    sampling = vllm_sampling(group)
     body = {"token_ids": prompt, "sampling_params": sampling}
     choices = call(url, "inference/v1/generate", body, timeout_s=HTTP_TIMEOUT_S)["choices"]
     return (
