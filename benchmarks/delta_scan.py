@@ -104,7 +104,7 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     for tensor in state.values():
         tensor.normal_(0.0, 0.02, generator=generator)
-    config = SyncConfig(cast_dtype="bfloat16", direct_min_bytes=None)
+    config = SyncConfig(cast_dtype="bfloat16", direct_min_bytes=None).sized_for("cpu")
     plan = PushPlanner(config, torch.device("cpu")).plan(Entries(list(state), list(state.values())))
     tensors = list(state.values())
 
@@ -138,7 +138,7 @@ def main() -> None:
         the layout (the blobs the scan did not keep are found again there, ahead of the packer
         on the scan's threads, as in a push)."""
         scan()
-        layout = delta_layout(plan, counts, config.bucket_bytes)
+        layout = delta_layout(plan, counts, config.sized_bucket_bytes)
         sources = baseline.sources(layout, plan, tensors, None)
         try:
             packer = Packer(layout.plan, sources)

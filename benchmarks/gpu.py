@@ -7,9 +7,12 @@ start of a push until every rank has said it holds the bytes (an all-reduce or a
   Llama-shaped state dict in bf16 pushed by ``Sender``/``Receiver`` over one NCCL group, against
   one raw NCCL broadcast of a flat buffer of the same bytes over the very same communicator.
   Bus bandwidth for a broadcast equals the algorithm bandwidth (bytes / time), as in nccl-tests.
-* ``colocated`` (one GPU is enough): a second process on the trainer's GPU receives the same
-  push over the CUDA ring (``cuda_ipc``) and over the host ring (``shm``, device to host to
-  device), against one device-to-device copy of the same bytes inside one process (the floor).
+* ``colocated`` (one GPU is enough): 1 and 7 processes on the trainer's GPU receive the same
+  push over the CUDA ring (``cuda_ipc``), and 1 over the host ring (``shm``, device to host to
+  device), against one device-to-device copy of the same bytes per reader inside one process
+  (the floor). Buckets as ``SyncConfig()`` sizes them on the trainer's GPU (``bucket_bytes``
+  "auto"), unless ``--bucket-mb`` says; ``--sweep 64,128,512`` adds the 7-reader push at each
+  of those sizes, to compare the default with the best.
 
     python benchmarks/gpu.py --gib 2 --repeats 5 --out benchmarks/results/gpu
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import queue
 import secrets
@@ -28,40 +32,43 @@ import socket
 import statistics
 import sys
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import gpu_peers  # beside this script (benchmarks/ is on sys.path when it runs)
 import torch
+from gpu_peers import llama_shapes as model_shapes
 
 from weight_sync.bench import timing as bench_timing
+from weight_sync.config import SyncConfig
+from weight_sync.devices import free_bytes
 from weight_sync.metadata import GroupSpec, PrepareRequest, SyncPlan, TensorMeta
-from weight_sync.planner import make_plan
+from weight_sync.planner import direct_threshold, make_plan
 from weight_sync.receiver import Receiver, accept_all
 from weight_sync.send.sender import Sender
 from weight_sync.transport import TorchGroup, bind_listener, cuda_ipc, shm
 
-BUCKET = 256 << 20
 ALIGN = 256
 
 
-def model_shapes(gib: float, hidden: int = 4096) -> list[tuple[str, tuple[int, ...]]]:
-    """A Llama-shaped state dict of about ``gib`` GiB in bf16 (at least one layer): per layer
-    four square attention matrices, three MLP matrices and two norms."""
-    mlp = hidden * 11008 // 4096
-    per_layer = (4 * hidden * hidden + 3 * hidden * mlp + 2 * hidden) * 2
-    layers = max(1, int(gib * (1 << 30) / per_layer))
-    shapes: list[tuple[str, tuple[int, ...]]] = []
-    for layer in range(layers):
-        prefix = f"layers.{layer}."
-        shapes += [(prefix + f"attn.{p}.weight", (hidden, hidden)) for p in "qkvo"]
-        shapes += [(prefix + f"mlp.{p}.weight", (mlp, hidden)) for p in ("gate", "up")]
-        shapes += [(prefix + "mlp.down.weight", (hidden, mlp))]
-        shapes += [(prefix + f"{p}.weight", (hidden,)) for p in ("input_norm", "post_norm")]
-    return shapes
+def bucket_bytes(args: argparse.Namespace, device: torch.device, bucket_mb: int | None) -> int:
+    """The bucket size of a case: ``bucket_mb`` if given, else what ``SyncConfig()`` picks for
+    a trainer on ``device`` (its default, "auto")."""
+    if bucket_mb is not None:
+        return bucket_mb << 20
+    return SyncConfig().sized_for(device.type, free_bytes(device)).sized_bucket_bytes
+
+
+def plan_of(metas: list[TensorMeta], bucket: int, device_type: str) -> SyncPlan:
+    """The plan the library makes (``direct_min_bytes="auto"``) for these buckets."""
+    threshold = direct_threshold("auto", device_type, bucket)
+    direct = [threshold is not None and meta.nbytes >= threshold for meta in metas]
+    return make_plan(metas, bucket, ALIGN, direct)
 
 
 def build(
-    gib: float, hidden: int, device: torch.device
+    gib: float, hidden: int, device: torch.device, bucket: int
 ) -> tuple[SyncPlan, dict[str, torch.Tensor]]:
     generator = torch.Generator(device=device).manual_seed(1)
     tensors = {
@@ -69,8 +76,7 @@ def build(
         for name, shape in model_shapes(gib, hidden)
     }
     metas = [TensorMeta.of(name, tensor) for name, tensor in tensors.items()]
-    direct = [tensor.nbytes >= BUCKET for tensor in tensors.values()]
-    return make_plan(metas, BUCKET, ALIGN, direct), tensors
+    return plan_of(metas, bucket, device.type), tensors
 
 
 def spec(
@@ -99,6 +105,30 @@ def median_time(step: Any, repeats: int) -> float:
     return statistics.median(bench_timing.timed(step, repeats))
 
 
+@dataclass(frozen=True)
+class Case:
+    name: str
+    transport: str  # "group", "cuda_ipc" or "shm"
+    world: int  # the trainer and its readers
+    bucket_mb: int | None = None  # None: the default config's ("auto")
+
+
+def cases_for(args: argparse.Namespace, gpus: int) -> list[Case]:
+    mb = args.bucket_mb
+    if args.cpu:
+        return [Case("gloo 1 -> 2", "group", 3, mb), Case("host ring 1 -> 1", "shm", 2, mb)]
+    cases = [
+        Case("colocated cuda_ipc 1 -> 1", "cuda_ipc", 2, mb),
+        Case("colocated cuda_ipc 1 -> 7", "cuda_ipc", 8, mb),
+        Case("colocated shm (host ring) 1 -> 1", "shm", 2, mb),
+    ]
+    cases += [Case(f"colocated cuda_ipc 1 -> 7, {size} MiB", "cuda_ipc", 8, size)
+              for size in args.sweep]  # fmt: skip
+    if gpus >= 2:
+        cases.insert(0, Case(f"nccl 1 -> {gpus - 1}", "group", gpus, mb))
+    return cases
+
+
 # -- ranks ---------------------------------------------------------------------------------------
 
 
@@ -106,11 +136,11 @@ def _backend(args: argparse.Namespace) -> str:
     return "gloo" if args.cpu else "nccl"
 
 
-def trainer(
-    args: argparse.Namespace, transport: str, port_queue: Any, world: int
-) -> dict[str, Any]:
+def trainer(args: argparse.Namespace, case: Case, port_queue: Any, world: int) -> dict[str, Any]:
+    transport = case.transport
     device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
-    plan, tensors = build(args.gib, args.hidden, device)
+    bucket = bucket_bytes(args, device, case.bucket_mb)
+    plan, tensors = build(args.gib, args.hidden, device, bucket)
     group_id = secrets.token_hex(8)
     listener: socket.socket | None = None
     if transport == "group":
@@ -119,14 +149,14 @@ def trainer(
         part: Any = None
     else:
         port = 0
-        slot = shm.slot_bytes_for(BUCKET, 4096)
+        slot = shm.slot_bytes_for(bucket, 4096)
         part = (
-            cuda_ipc.CudaIpcWriter(group_id, 1, slot, 120, device)
+            cuda_ipc.CudaIpcWriter(group_id, world - 1, slot, 120, device)
             if transport == "cuda_ipc"
-            else shm.ShmWriter(group_id, 1, slot, 120, device=device)
+            else shm.ShmWriter(group_id, world - 1, slot, 120, device=device)
         )
     for _ in range(world - 1):
-        port_queue.put((group_id, port))
+        port_queue.put((group_id, port, bucket))
     if listener is not None:
         on = None if args.cpu else device
         part = TorchGroup.join(
@@ -139,6 +169,7 @@ def trainer(
         "bytes": plan.nbytes,
         "tensors": len(plan.tensors),
         "buckets": len(plan.buckets),
+        "bucket_mib": bucket >> 20,
         "ranks": world,
     }
 
@@ -158,8 +189,9 @@ def trainer(
     else:
         copy = torch.empty_like(flat)
 
-        def floor() -> None:
-            copy.copy_(flat)
+        def floor() -> None:  # each reader writes its own copy of the bytes once
+            for _ in range(world - 1):
+                copy.copy_(flat)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
 
@@ -168,22 +200,20 @@ def trainer(
     return result
 
 
-def worker(
-    args: argparse.Namespace, transport: str, port_queue: Any, world: int, rank: int
-) -> None:
+def worker(args: argparse.Namespace, case: Case, port_queue: Any, world: int, rank: int) -> None:
+    transport = case.transport
     device = torch.device("cuda", rank if transport == "group" else 0)
     if args.cpu:
         device = torch.device("cpu")
     else:
         torch.cuda.set_device(device)  # for libraries that read it; weight_sync is told the device
-    group_id, port = port_queue.get(timeout=120)
+    group_id, port, bucket = port_queue.get(timeout=120)
     receiver = Receiver(device)
     receiver.join(spec(group_id, rank, world, transport, port, _backend(args)), 1 << 26)
     # The same plan as the trainer's, derived here (the shapes alone; no weights are needed).
     shapes = model_shapes(args.gib, args.hidden)
     metas = [TensorMeta(name=n, dtype="bfloat16", shape=s) for n, s in shapes]
-    direct = [m.nbytes >= BUCKET for m in metas]
-    plan = make_plan(metas, BUCKET, ALIGN, direct)
+    plan = plan_of(metas, bucket, "cpu" if args.cpu else "cuda")
     version = 0
 
     def push() -> None:
@@ -210,7 +240,7 @@ def worker(
 def _entry(
     role: str,
     args: argparse.Namespace,
-    transport: str,
+    case: Case,
     ports: Any,
     results: Any,
     world: int,
@@ -218,15 +248,16 @@ def _entry(
 ) -> None:
     try:
         if role == "trainer":
-            results.put((rank, True, trainer(args, transport, ports, world)))
+            results.put((rank, True, trainer(args, case, ports, world)))
         else:
-            worker(args, transport, ports, world, rank)
+            worker(args, case, ports, world, rank)
             results.put((rank, True, None))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_case(args: argparse.Namespace, transport: str, world: int) -> dict[str, Any]:
+def run_case(args: argparse.Namespace, case: Case) -> dict[str, Any]:
+    transport, world = case.transport, case.world
     ctx = mp.get_context("spawn")
     ports, results = ctx.Queue(), ctx.Queue()
     procs = [
@@ -235,7 +266,7 @@ def run_case(args: argparse.Namespace, transport: str, world: int) -> dict[str, 
             args=(
                 "trainer" if rank == 0 else "worker",
                 args,
-                transport,
+                case,
                 ports,
                 results,
                 world,
@@ -268,19 +299,55 @@ def run_case(args: argparse.Namespace, transport: str, world: int) -> dict[str, 
                 proc.kill()
 
 
+def peers(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The peers' colocated strategies (``gpu_peers``), into their readers' own weights, beside
+    one device-to-device copy per reader, with the same model and buckets as our cases. Run
+    from this (main) process: ``run_peers`` spawns its readers."""
+    device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
+    shapes = model_shapes(args.gib, args.hidden)
+    # vLLM's packed buffer must hold the largest tensor (it refuses one that does not): a user
+    # would size it so. The other strategies take the same chunks.
+    largest = max(math.prod(shape) for _, shape in shapes) * 2  # bf16
+    bucket = max(bucket_bytes(args, device, args.bucket_mb), largest)
+    rows: dict[str, dict[str, Any]] = {}
+    for readers in (1,) if args.cpu else (1, 7):
+        found = gpu_peers.run_peers(
+            shapes, torch.bfloat16, readers, args.repeats, args.timeout, bucket, device=device
+        )
+        floor = None
+        for strategy, result in found.items():
+            name = f"peer {strategy} 1 -> {readers}"
+            if "error" in result or not result["bit_exact"]:
+                rows[name] = {"error": result.get("error", "not bit-exact")}
+                continue
+            if floor is None:
+                floor = gpu_peers.floor_s(result["bytes"], readers, args.repeats, device=device)
+            rows[name] = {
+                "bytes": result["bytes"],
+                "ranks": readers + 1,
+                "bucket_mib": bucket >> 20,
+                "push_s": result["median_s"],
+                "d2d_copy_s": floor,
+            }
+            print(name, json.dumps(rows[name]), flush=True)
+    return rows
+
+
 def report(results: dict[str, dict[str, Any]]) -> str:
     lines = [
-        "| case | ranks | bytes | weight_sync | baseline | ratio | weight_sync GB/s | baseline GB/s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| case | ranks | bytes | buckets | push | baseline | ratio | push GB/s | baseline GB/s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for case, r in results.items():
         if "error" in r:
-            lines.append(f"| {case} | | | failed: {r['error'].splitlines()[-1][:80]} | | | | |")
+            lines.append(f"| {case} | | | | failed: {r['error'].splitlines()[-1][:80]} | | | | |")
             continue
         base_key = "raw_broadcast_s" if "raw_broadcast_s" in r else "d2d_copy_s"
-        ours, base = r["weight_sync_s"], r[base_key]
+        ours = r["weight_sync_s"] if "weight_sync_s" in r else r["push_s"]
+        base = r[base_key]
         lines.append(
-            f"| {case} | {r['ranks']} | {r['bytes'] / 1e9:.2f} GB | {ours * 1e3:.1f} ms | "
+            f"| {case} | {r['ranks']} | {r['bytes'] / 1e9:.2f} GB | {r['bucket_mib']} MiB | "
+            f"{ours * 1e3:.1f} ms | "
             f"{base_key.removesuffix('_s')} {base * 1e3:.1f} ms | {ours / base:.2f}x | "
             f"{r['bytes'] / ours / 1e9:.1f} | {r['bytes'] / base / 1e9:.1f} |"
         )
@@ -295,27 +362,35 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=540.0)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu"))
     parser.add_argument("--cpu", action="store_true", help="smoke-test the harness on the CPU")
+    parser.add_argument(
+        "--bucket-mb", type=int, default=None, help="bucket size (default: SyncConfig's auto)"
+    )
+    parser.add_argument(
+        "--sweep",
+        type=lambda text: [int(size) for size in text.split(",") if size],
+        default=[],
+        help="bucket sizes in MiB to push to 7 colocated readers at, beside the default",
+    )
     args = parser.parse_args()
     if args.cpu:
-        cases = [("gloo 1 -> 2", "group", 3), ("host ring 1 -> 1", "shm", 2)]
+        cases = cases_for(args, 0)
         device = f"CPU (smoke test), torch {torch.__version__}"
     elif not torch.cuda.is_available():
         print("no CUDA device: nothing to measure (--cpu smoke-tests the harness)", file=sys.stderr)
         return 1
     else:
         gpus = torch.cuda.device_count()
-        cases = [("colocated cuda_ipc", "cuda_ipc", 2), ("colocated shm (host ring)", "shm", 2)]
-        if gpus >= 2:
-            cases.insert(0, (f"nccl 1 -> {gpus - 1}", "group", gpus))
+        cases = cases_for(args, gpus)
         nccl = ".".join(map(str, torch.cuda.nccl.version()))
         device = f"{gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}, NCCL {nccl}"
     results: dict[str, dict[str, Any]] = {}
-    for name, transport, world in cases:
+    for case in cases:
         try:
-            results[name] = run_case(args, transport, world)
+            results[case.name] = run_case(args, case)
         except RuntimeError as exc:
-            results[name] = {"error": str(exc)}
-        print(name, json.dumps(results[name]), flush=True)
+            results[case.name] = {"error": str(exc)}
+        print(case.name, json.dumps(results[case.name]), flush=True)
+    results |= peers(args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu.json").write_text(json.dumps({"device": device, "results": results}, indent=2))
     table = report(results)

@@ -157,8 +157,7 @@ def _run(
     try:
         where = "" if device == "cpu" else f" on {describe_share(workers + 1, share)}"
         print(
-            f"trainer -> {workers} workers{where}, {config.bucket_bytes // MiB} MiB buckets, "
-            f"{steps} steps"
+            f"trainer -> {workers} workers{where}, {_buckets(config, device)} buckets, {steps} steps"
         )
         print(f"{'version':>7} {'loss':>7} {'MB':>8} {'buckets':>7} {'seconds':>8} {'GB/s':>6}")
         result = None
@@ -182,3 +181,8 @@ def _run(
         return 0 if good == workers else 1
     finally:
         take_down(trainer, handles)
+
+
+def _buckets(config: SyncConfig, device: str) -> str:
+    """The bucket size the trainer will take ("auto" on a GPU: at most, see auto_bucket_bytes)."""
+    return f"{config.sized_for(device).sized_bucket_bytes // MiB} MiB"

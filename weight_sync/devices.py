@@ -50,3 +50,12 @@ def gpu_uuid(device: torch.device) -> str | None:
     if device.type != "cuda":
         return None
     return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Memory free on ``device``'s GPU now (the whole device's, other processes included:
+    ``cudaMemGetInfo``), or None for the CPU or where CUDA is not available."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free)

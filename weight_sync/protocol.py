@@ -38,7 +38,7 @@ import torch
 from weight_sync.config import SyncConfig
 from weight_sync.control import ControlPlane, collect
 from weight_sync.deadline import Deadline
-from weight_sync.devices import push_device
+from weight_sync.devices import free_bytes, push_device
 from weight_sync.errors import ChecksumMismatchError, PlanMismatchError, WeightSyncError
 from weight_sync.mapping import Transform
 from weight_sync.metadata import (
@@ -103,6 +103,8 @@ class Pusher:
             raise TypeError(f"config must be a SyncConfig, got {type(config).__name__}")
         self._plane = plane
         self._config = config or SyncConfig()
+        # With every "auto" size settled for the current group's device (see _ensure_group).
+        self._sized = self._config.sized_for("cpu")
         # The members, what plans each holds and which base each is: see weight_sync.send.roster.
         self._roster = Roster(plane, self._config.rpc_timeout_s)
         self._observer = observer
@@ -319,7 +321,7 @@ class Pusher:
 
     def _plan(self, group: Transport, entries: Entries) -> SyncPlan:
         if self._planner is None:
-            self._planner = PushPlanner(self._config, group.device)
+            self._planner = PushPlanner(self._sized, group.device)
         plan = self._planner.plan(entries)
         if len(plan.wire) > self._config.max_metadata_bytes:
             raise ValueError(
@@ -341,7 +343,7 @@ class Pusher:
             checksum=config.checksum,
             partial=partial,
             commit_on_receipt=on_receipt,
-            **decision.request_fields(config.bucket_bytes),
+            **decision.request_fields(self._sized.sized_bucket_bytes),
         )
 
     def _prepare(
@@ -455,7 +457,9 @@ class Pusher:
         try:
             if self._sender is None:
                 self._sender = Sender(group)
-            sent = self._wire.send(self._sender, request, plan, tensors, deadline)
+            sent = self._wire.send(
+                self._sender, request, plan, tensors, deadline, self._sized.sized_bucket_bytes
+            )
             if request.commit_on_receipt:  # completes once every member has received
                 group.vote(VOTE_AGREED, deadline.left(self._config.collective_timeout_s))
         except WeightSyncError as exc:
@@ -493,12 +497,16 @@ class Pusher:
         probe_s = deadline.left(self._config.rpc_timeout_s)
         infos: list[MemberInfo] = self._roster.replies(self._plane.probe(probe_s), "probe", probe_s)
         self._probed(infos)
+        device = push_device(tensors)
+        # Sizes are settled once per group: a plan (and the members' buffers) stays put while
+        # the group does, however the free memory moves.
+        self._sized = self._config.sized_for(device.type, free_bytes(device))
         try:
             formed = form_group(
                 self._roster,
-                self._config,
+                self._sized,
                 infos,
-                push_device(tensors),
+                device,
                 deadline,
                 ipc_refused=self._ipc_refused,
             )

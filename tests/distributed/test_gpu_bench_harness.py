@@ -13,6 +13,8 @@ import pytest
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(240)
+# benchmarks/gpu_peers.py's: the peers' colocated strategies, run beside ours
+STRATEGIES = ("per_tensor_ipc", "packed_reused_buffer", "flat_bucket_per_dtype")
 
 
 def test_the_gpu_bench_harness_runs_and_reports_every_case(tmp_path: Path) -> None:
@@ -23,11 +25,15 @@ def test_the_gpu_bench_harness_runs_and_reports_every_case(tmp_path: Path) -> No
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     results = json.loads((tmp_path / "gpu.json").read_text())["results"]
-    assert set(results) == {"gloo 1 -> 2", "host ring 1 -> 1"}
-    for figures in results.values():
-        assert figures["weight_sync_s"] > 0 and figures["bytes"] > 0
+    peers = {f"peer {strategy} 1 -> 1" for strategy in STRATEGIES}
+    assert set(results) == {"gloo 1 -> 2", "host ring 1 -> 1"} | peers
+    for name, figures in results.items():
+        assert "error" not in figures, (name, figures)  # a peer's row says bit-exact too
+        time_s = figures["push_s"] if name in peers else figures["weight_sync_s"]
+        assert time_s > 0 and figures["bytes"] > 0
     assert results["gloo 1 -> 2"]["raw_broadcast_s"] > 0
-    assert results["host ring 1 -> 1"]["d2d_copy_s"] > 0
+    for name in {"host ring 1 -> 1"} | peers:
+        assert results[name]["d2d_copy_s"] > 0
     assert "| gloo 1 -> 2 | 3 |" in (tmp_path / "gpu.md").read_text()
 
 

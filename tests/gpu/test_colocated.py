@@ -177,3 +177,41 @@ def test_a_reader_that_cannot_open_the_handle_is_named_at_accept() -> None:
     ((ranks, reason),) = run_ranks(same_process_rank, 1, timeout_s=90)
     assert ranks == [1]
     assert "cudaIpcOpenMemHandle" in reason
+
+
+SPIN_CYCLES = 2_000_000_000  # about a second on a GPU at 1.5-2 GHz
+
+
+def spun_rank(ctx: RankContext) -> tuple[float, float, str] | str:
+    """The trainer holds its copies into the ring behind a spin of about a second and sends
+    ``SLOTS - 1`` chunks (READY goes out at once: no host sync). The reader's ``broadcast``
+    returns while its copies still wait on the GPU; its ``wait`` returns after the spin."""
+    end = open_end(ctx, "cuda_ipc")
+    size = (ring.SLOTS - 1) * ring.slot_bytes_for(BUCKET)
+    try:
+        if ctx.rank == 0:
+            buffer = payload(0).repeat(size // SIZES[0] + 1)[:size].to(GPU)
+            torch.cuda.synchronize()
+            torch.cuda._sleep(SPIN_CYCLES)
+            end.broadcast(buffer, 0).wait()
+            torch.cuda.synchronize()
+            return digest(buffer)
+        buffer = torch.zeros(size, dtype=torch.uint8, device=GPU)
+        torch.cuda.synchronize()
+        start = time.monotonic()
+        work = end.broadcast(buffer, 0)
+        returned = time.monotonic() - start
+        work.wait()
+        waited = time.monotonic() - start
+        return returned, waited, digest(buffer)
+    finally:
+        end.close()
+
+
+def test_a_reader_queues_its_copies_and_waits_once_per_bucket() -> None:
+    """No host wait per chunk on the reader: chunks whose slot is not needed back are said
+    DONE as they are found finished, and the one wait is the bucket's, before it is used."""
+    sent, (returned, waited, received) = run_ranks(spun_rank, 2, timeout_s=120)
+    assert received == sent
+    assert waited > 0.3, (returned, waited)  # the spin ran: the copies did wait on it
+    assert returned < waited / 3, (returned, waited)

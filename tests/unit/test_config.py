@@ -2,6 +2,7 @@ import pydantic
 import pytest
 
 from weight_sync import SyncConfig
+from weight_sync.config import MiB, auto_bucket_bytes
 
 
 def test_defaults_are_valid_and_frozen() -> None:
@@ -34,7 +35,7 @@ def test_defaults_are_valid_and_frozen() -> None:
         ({"bucket_size": 1 << 20}, "did you mean 'bucket_bytes'.*docs/api.md"),
         ({"timeout_s": 60}, "did you mean .*'push_timeout_s'"),
         ({"frobnicate": True}, "no field 'frobnicate': its fields are bucket_bytes, "),
-        ({"bucket_bytes": -1}, "at least alignment .* the default is 32 MiB"),
+        ({"bucket_bytes": -1}, "at least alignment .* or 'auto'"),
     ],
 )
 def test_bad_values_fail_at_construction(kwargs: dict, message: str) -> None:
@@ -98,3 +99,33 @@ def test_direct_min_bytes_takes_auto_a_size_or_none(value: object, kept: object)
 def test_direct_min_bytes_refuses_the_rest(value: object) -> None:
     with pytest.raises(pydantic.ValidationError):
         SyncConfig(direct_min_bytes=value)
+
+
+GiB = 1 << 30
+
+
+@pytest.mark.parametrize(
+    ("device_type", "free", "expected"),
+    [
+        ("cpu", None, 32 * MiB),  # the host: Gloo and the rings gain nothing from more
+        ("cpu", 80 * GiB, 32 * MiB),  # free memory of a GPU says nothing about the host
+        ("cuda", None, 256 * MiB),  # not known here: as if plenty
+        ("cuda", 78 * GiB, 256 * MiB),  # an idle H100: the cap
+        ("cuda", 8 * GiB, 256 * MiB),  # a thirty-second is 256 MiB exactly
+        ("cuda", 6 * GiB, 128 * MiB),  # 192 MiB, rounded down to a power of two
+        ("cuda", 2 * GiB, 64 * MiB),
+        ("cuda", 600 * MiB, 16 * MiB),  # a crowded GPU: the floor
+        ("cuda", 0, 16 * MiB),
+    ],
+)
+def test_auto_buckets_fit_the_device(device_type: str, free: int | None, expected: int) -> None:
+    assert auto_bucket_bytes(device_type, free) == expected
+    sized = SyncConfig().sized_for(device_type, free)
+    assert sized.sized_bucket_bytes == expected
+    assert sized.bucket_bytes == expected
+
+
+def test_a_bucket_size_given_is_kept_on_every_device() -> None:
+    config = SyncConfig(bucket_bytes=3 * MiB)
+    assert config.sized_for("cuda", 80 * GiB) is config
+    assert config.sized_for("cpu").sized_bucket_bytes == 3 * MiB

@@ -322,23 +322,23 @@ def test_a_blob_split_over_buckets_is_encoded_once(threads: int) -> None:
         "a": torch.randn(RUN_SPANS * SPAN, generator=gen),
         "b": torch.randn(1000, generator=gen),
     }
-    config = SyncConfig(direct_min_bytes=None)
+    config = SyncConfig(direct_min_bytes=None).sized_for("cpu")
     entries = check_state_dict(tensors, config)
     plan = PushPlanner(config, CPU).plan(entries)
     destinations = {name: torch.zeros_like(tensor) for name, tensor in tensors.items()}
     baseline = Baseline(threads=threads, fused=False)  # it keeps the first blob while scanning
-    transfer(baseline, plan, entries.tensors, destinations, config.bucket_bytes, delta=False)
+    transfer(baseline, plan, entries.tensors, destinations, config.sized_bucket_bytes, delta=False)
     before = {name: tensor.clone() for name, tensor in tensors.items()}
     tensors["a"].view(-1)[torch.randperm(RUN_SPANS * SPAN, generator=gen)[:300_000]] += 1
     tensors["b"][3] += 1
     counts = [int((before[meta.name] != tensors[meta.name]).view(-1)[at : at + SPAN].sum())
               for meta in plan.tensors for at in range(0, math.prod(meta.shape), SPAN)]  # fmt: skip
-    layout = delta_layout(plan, counts, config.bucket_bytes)
+    layout = delta_layout(plan, counts, config.sized_bucket_bytes)
     buckets = [
         [layout.plan.tensors[seg.tensor].name for seg in b.segments] for b in layout.plan.buckets
     ]
     assert len(buckets) == 2 and buckets[0] == buckets[1][:1] and len(buckets[1]) == 2, buckets
-    transfer(baseline, plan, entries.tensors, destinations, config.bucket_bytes)
+    transfer(baseline, plan, entries.tensors, destinations, config.sized_bucket_bytes)
     for name, tensor in tensors.items():
         assert torch.equal(destinations[name], tensor), name
 

@@ -5,12 +5,17 @@ errors that name ranks, and which devices each end and a ``Fanout`` take."""
 from __future__ import annotations
 
 import pickle
+import secrets
+import socket
 import struct
+import threading
+from collections import deque
 
 import pytest
 import torch
 
-from weight_sync.errors import TransportError
+from weight_sync.errors import SyncTimeoutError, TransportError
+from weight_sync.metadata import GroupSpec
 from weight_sync.transport import Fanout, cuda_ipc, ring, shm
 
 SLOTS = ring.SLOTS
@@ -153,3 +158,201 @@ def test_a_fanout_sends_from_where_every_part_can_read() -> None:
         host_ring.close()
     with pytest.raises(ValueError, match="CPU or CUDA buffers"):
         shm.ShmWriter("ce" * 8, 1, 4096, 5, device="meta")
+
+
+class _Event:
+    """Stands in for a CUDA event behind a queued copy: finished after ``polls`` queries."""
+
+    def __init__(self, polls: int) -> None:
+        self.polls = polls
+
+    def query(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+
+class _QueuingReader(ring.RingReader):
+    """A reader whose copies out are queued (as a GPU reader's are), each finishing after the
+    number of queries ``finishing`` gives it; the bytes are copied at once."""
+
+    kind = "test"
+    unavailable = ring.RingUnavailableError
+
+    def __init__(self, link: ring.Link, slot_bytes: int, finishing: list[int]) -> None:
+        spec = GroupSpec(group_id="ab" * 8, address="test", port=0, transport="shm",
+                         world_size=2, rank=1, backend="gloo", mode="world",
+                         rendezvous_timeout_s=5, collective_timeout_s=5)  # fmt: skip
+        super().__init__(spec, link, slot_bytes, torch.device("cpu"))
+        self.slots = torch.zeros(SLOTS, slot_bytes, dtype=torch.uint8)
+        self.finishing = finishing
+        self.abandoned = 0
+        self.stranded = False
+
+    def _drain(self, slot: int, out: torch.Tensor, deadline: float) -> object:
+        out.copy_(self.slots[slot][: out.numel()])
+        return _Event(self.finishing.pop(0))
+
+    def _abandon(self, out: torch.Tensor) -> None:
+        self.abandoned += 1
+
+    def _unmap(self) -> None:
+        pass
+
+    def _strand(self) -> None:
+        self.stranded = True
+
+
+def _writer_end(slot_bytes: int, finishing: list[int]) -> tuple[socket.socket, _QueuingReader]:
+    ours, theirs = socket.socketpair()
+    ours.settimeout(5)
+    reader = _QueuingReader(ring.Link(theirs, 0, "test"), slot_bytes, finishing)
+    return ours, reader
+
+
+def _readies(conn: socket.socket, first: int, sizes: list[int]) -> None:
+    conn.sendall(b"".join(ring.READY.pack(first + i, n) for i, n in enumerate(sizes)))
+
+
+def _dones(conn: socket.socket) -> list[int]:
+    """Every DONE the reader has sent so far (votes marked by ``ring.VOTE``)."""
+    conn.setblocking(False)
+    data = b""
+    try:
+        while part := conn.recv(4096):
+            data += part
+    except BlockingIOError:
+        pass
+    conn.settimeout(5)
+    return [word for (word,) in ring.DONE.iter_unpack(data)]
+
+
+@pytest.mark.timeout(30)
+def test_a_reader_says_done_as_it_finds_copies_finished_and_waits_only_for_a_slot() -> None:
+    """Copies still running when a broadcast returns are said DONE later, in order: at the next
+    broadcast as found finished, or at ``wait`` (the receive's end). The reader waits for a copy
+    only when the writer needs that chunk's slot back -- before the chunk ``SLOTS`` on."""
+    conn, reader = _writer_end(4, [5] * (SLOTS + 2))
+    try:
+        _readies(conn, 0, [4, 4, 4])
+        first = reader.broadcast(torch.empty(12, dtype=torch.uint8), src=0)
+        assert isinstance(first, ring.Copying)
+        assert _dones(conn) == []  # three copies in flight, none waited for
+        _readies(conn, 3, [4, 4, 4])
+        second = reader.broadcast(torch.empty(12, dtype=torch.uint8), src=0)
+        # Chunks SLOTS and SLOTS + 1 reuse the slots of chunks 0 and 1: those were waited for.
+        assert _dones(conn)[:2] == [0, 1]
+        first.wait()
+        second.wait()
+        assert _dones(conn) == [2, 3, 4, 5]
+        assert reader._pending == deque()
+    finally:
+        reader.close()
+        conn.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_reader_votes_only_after_every_chunk_is_done() -> None:
+    conn, reader = _writer_end(4, [3, 3])
+    try:
+        _readies(conn, 0, [4, 4])
+        reader.broadcast(torch.empty(8, dtype=torch.uint8), src=0)
+        conn.sendall(ring.READY.pack(ring.VOTE | 0, 0))  # the outcome, ahead of time
+        assert reader.vote(0) == 0
+        assert _dones(conn) == [0, 1, ring.VOTE | 0]
+    finally:
+        reader.close()
+        conn.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_copy_that_never_finishes_times_out_and_keeps_its_memory() -> None:
+    """A copy stuck behind a frozen writer: the wait ends at the deadline, naming the chunk,
+    and every copy still queued keeps its memory from the allocator (``_abandon``)."""
+    conn, reader = _writer_end(4, [10**9, 10**9])
+    try:
+        _readies(conn, 0, [4, 4])
+        work = reader.broadcast(torch.empty(8, dtype=torch.uint8), src=0, timeout_s=0.2)
+        with pytest.raises(SyncTimeoutError, match="chunk 0 out of the trainer's test slot"):
+            work.wait()
+        assert reader.abandoned == 2
+        assert _dones(conn) == []
+        reader.close()  # the copies are still queued: the ring stays mapped
+        assert reader.stranded
+    finally:
+        reader.close()
+        conn.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_reader_closed_mid_push_unmaps_once_its_queued_copies_have_finished() -> None:
+    conn, reader = _writer_end(4, [3, 3])
+    try:
+        _readies(conn, 0, [4, 4])
+        reader.broadcast(torch.empty(8, dtype=torch.uint8), src=0)  # never waited for
+        reader.close()
+        assert not reader.stranded and reader.abandoned == 0
+    finally:
+        conn.close()
+
+
+class _HostWriter(ring.RingWriter):
+    """A ring writer whose slots are the reader's own (one process): the real writer's
+    protocol -- READY, waiting for DONE before reusing a slot, votes -- over a socket pair."""
+
+    kind = "test"
+    unavailable = ring.RingUnavailableError
+
+    def __init__(self, slots: torch.Tensor, link: ring.Link) -> None:
+        name = "weight_sync-test-" + secrets.token_hex(8)
+        super().__init__(name, 1, slots.shape[1], 10, "ab" * 8)
+        self.slots = slots
+        self._links = [link]  # what accept would have found
+
+    def _offer(self, link: ring.Link) -> None:
+        raise AssertionError("no handshake here")
+
+    def _fill(self, slot: int, chunk: torch.Tensor, deadline: float) -> None:
+        self.slots[slot][: chunk.numel()].copy_(chunk)
+
+    def _release(self) -> None:
+        pass
+
+
+@pytest.mark.timeout(60)
+def test_a_queuing_reader_keeps_a_real_writer_going_over_many_laps() -> None:
+    """The writer waits for DONE of a slot's previous chunk before it refills the slot: a
+    reader that held that DONE back while it waited for the next READY would stall both ends
+    until the timeout. Broadcasts of several laps round the ring, the reader keeping two in
+    flight as a receive does; every byte arrives, and the vote follows."""
+    ours, theirs = socket.socketpair()
+    reader = _QueuingReader(ring.Link(theirs, 0, "test"), 4, [2] * 64)
+    writer = _HostWriter(reader.slots, ring.Link(ours, 1, "test"))
+    generator = torch.Generator().manual_seed(3)
+    sent = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator)
+            for n in (16, 12, 20, 4, 33)]  # fmt: skip
+    failures: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            for work in [writer.broadcast(tensor, 0) for tensor in sent]:
+                work.wait()
+            writer.vote(0)
+        except BaseException as exc:
+            failures.append(exc)
+
+    thread = threading.Thread(target=write, daemon=True)
+    thread.start()
+    try:
+        got = [torch.empty_like(tensor) for tensor in sent]
+        works = [reader.broadcast(got[0], 0)]
+        for index in range(1, len(got)):
+            works.append(reader.broadcast(got[index], 0))
+            works[index - 1].after()
+        works[-1].wait()
+        assert reader.vote(0) == 0
+        thread.join(10)
+        assert not failures and not thread.is_alive(), failures
+        assert all(torch.equal(a, b) for a, b in zip(sent, got, strict=True))
+    finally:
+        writer.close()
+        reader.close()

@@ -250,7 +250,7 @@ class Bench:
     def measure(self, case: Case, repeats: int, progress: Progress) -> list[Measurement]:
         """Every strategy of ``case``. A strategy that fails (a baseline running the machine out
         of memory, say) is recorded with its error, the actors are replaced, and the rest go on."""
-        config = case.sync_config()
+        config = case.sync_config().sized_for(self.device)
         nbytes = self._setup(case)
         results = []
         for strategy in case.strategies:
@@ -259,8 +259,8 @@ class Bench:
                 case.workload.title,
                 case.label if strategy == "weight_sync" and case.label else strategy,
                 case.workers,
-                config.bucket_bytes,
-                direct_threshold(config.direct_min_bytes, self.device, config.bucket_bytes),
+                config.sized_bucket_bytes,
+                direct_threshold(config.direct_min_bytes, self.device, config.sized_bucket_bytes),
                 nbytes,
                 suite=case.suite,
                 device=self.described,

@@ -168,7 +168,7 @@ def form_group(
             RelaySpec(
                 group_id=relays[member],
                 readers=len(followers[member]),
-                slot_bytes=shm.slot_bytes_for(config.bucket_bytes, config.alignment),
+                slot_bytes=shm.slot_bytes_for(config.sized_bucket_bytes, config.alignment),
             ),
         )
 
@@ -305,7 +305,7 @@ def _open_ring(
 ) -> Ring | None:
     """The ring ``kind`` for ``readers`` ranks, sending from ``device``; None where it cannot
     be had (no room, no IPC: those members fall back, see ``_open_rings``)."""
-    slot_bytes = shm.slot_bytes_for(config.bucket_bytes, config.alignment)
+    slot_bytes = shm.slot_bytes_for(config.sized_bucket_bytes, config.alignment)
     timeout_s = config.collective_timeout_s
     try:
         if kind == "cuda_ipc":

@@ -15,6 +15,7 @@ import torch
 from weight_sync.checksums import Checksum, checksum_of, read_checksums
 from weight_sync.config import SyncConfig
 from weight_sync.deadline import Deadline
+from weight_sync.devices import free_bytes
 from weight_sync.metadata import SyncPlan, TensorMeta, Tied
 from weight_sync.packing import Packer, Staging, byte_view, staging_slots
 from weight_sync.planner import direct_threshold, make_plan
@@ -42,7 +43,7 @@ class PushPlanner:
     """
 
     def __init__(self, config: SyncConfig, device: torch.device) -> None:
-        self._config = config
+        self._config = config.sized_for(device.type, free_bytes(device))  # as given, if sized
         self._device = device
         self._last: _Planned | None = None
 
@@ -70,7 +71,7 @@ class PushPlanner:
             for name, tensor, dtype in zip(names, tensors, wire, strict=True)
         ]
         config = self._config
-        plan = make_plan(metas, config.bucket_bytes, config.alignment, direct, tied)
+        plan = make_plan(metas, config.sized_bucket_bytes, config.alignment, direct, tied)
         shapes = [meta.shape for meta in metas]
         self._last = _Planned(list(names), dtypes, shapes, direct, list(tied), plan)
         return plan
@@ -82,7 +83,7 @@ class PushPlanner:
         size, for a DTensor too), contiguous, on the transport's device and not cast."""
         config = self._config
         threshold = direct_threshold(
-            config.direct_min_bytes, self._device.type, config.bucket_bytes
+            config.direct_min_bytes, self._device.type, config.sized_bucket_bytes
         )
         direct = [False] * len(tensors)
         if threshold is None:

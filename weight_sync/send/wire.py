@@ -106,9 +106,11 @@ class Wire:
         plan: SyncPlan,
         tensors: Sequence[torch.Tensor],
         deadline: Deadline,
+        bucket_bytes: int,
     ) -> Sent:
         """Broadcast push ``request`` through ``sender``: the plan's own buckets, or -- where
-        the trainer keeps a baseline -- dense or a delta against it, bringing it up to date."""
+        the trainer keeps a baseline -- dense or a delta against it, bringing it up to date.
+        ``bucket_bytes``: the group's (``SyncConfig.sized_for`` its device)."""
         checksum, baseline = self._config.checksum, self._baseline
         if baseline is None or request.new_base is None:
             return Sent(sender.send(plan, tensors, deadline, checksum), plan.nbytes)
@@ -119,7 +121,7 @@ class Wire:
             tensors,
             baseline,
             delta=request.delta,
-            bucket_bytes=self._config.bucket_bytes,
+            bucket_bytes=bucket_bytes,
             sections_asked=request.delta_sections,
             deadline=deadline,
             with_checksums=checksum,

@@ -74,6 +74,12 @@ _FIELD = struct.Struct("!H")  # one byte string's size, ahead of it
 _MAX_OFFER = 1 << 16
 
 
+# Rings a closing reader could not unmap: a copy out of them was still queued behind a trainer
+# that died or froze, and may run some day. Kept for the process's life, on purpose: an
+# unmapped source would make that copy fault in the engine's CUDA context.
+_STRANDED: list[object] = []
+
+
 class IpcUnavailableError(RingUnavailableError):
     """CUDA IPC cannot serve these members (``ranks``; empty when the trainer's side failed):
     send them over the host ring."""
@@ -353,19 +359,27 @@ class CudaIpcReader(RingReader):
             raise
         return cls(spec, link, ring, offer.slot_bytes, events, device)
 
-    def _drain(self, slot: int, out: torch.Tensor, deadline: float) -> None:
-        self._copies.copy(
-            out,
-            self._slots[slot][: out.numel()],
-            deadline,
-            f"the copy of chunk {self._read} out of the trainer's CUDA slot (if it never ends, "
-            "the trainer died or its GPU is stuck)",
-            after=self._events[slot],
-        )
+    def _drain(self, slot: int, out: torch.Tensor, deadline: float) -> torch.cuda.Event:
+        # Queued behind the trainer's copy into the slot; said DONE once found finished.
+        return self._copies.queue(out, self._slots[slot][: out.numel()], slot, self._events[slot])
+
+    def _abandon(self, out: torch.Tensor) -> None:
+        self._copies.abandon(out)
 
     def _unmap(self) -> None:
-        # The storage's deleter (StorageSharing.cpp THPStorage_newSharedCuda) syncs this
-        # device's current stream and closes the IPC mapping once no view is left.
+        # The storage's deleter (StorageSharing.cpp THPStorage_newSharedCuda) closes the IPC
+        # mapping once no view is left, then syncs this device's current stream -- not the
+        # private one the copies out ran on: ``close`` saw every one of them finish first.
+        self._ring, self._slots, self._events = None, [], []
+
+    def _strand(self) -> None:
+        logger.warning(
+            "closing a CUDA ring reader with copies out of the trainer's slots still queued "
+            "(the trainer died or its GPU is stuck): its %.0f MiB mapping is kept until this "
+            "process exits",
+            SLOTS * self._slot_bytes / 2**20,
+        )
+        _STRANDED.append((self._ring, self._events, self._copies))
         self._ring, self._slots, self._events = None, [], []
 
 

@@ -12,8 +12,10 @@ a chunk gets into a slot and out of it. Everything else lives here, once:
   raises the ring's ``RingUnavailableError`` naming every such rank;
 * **flow control**: ``READY(seq, nbytes)`` from the writer once chunk ``seq`` is in its slot (for
   the CUDA ring: once the copy is *queued* and the slot's event recorded after it),
-  ``DONE(seq)`` from each reader once it has copied the chunk out; a slot is reused only when
-  every reader is done with it;
+  ``DONE(seq)`` from each reader once its copy of the chunk out has finished; a slot is reused
+  only when every reader is done with it. A reader on a GPU queues its copies and says DONE as
+  it finds them finished, waiting for one only when the writer needs its slot back (at most
+  ``SLOTS`` copies in flight) and before the bucket is used: no host wait per chunk;
 * **votes**: a vote travels in place of a DONE, its outcome in place of a READY, marked by the
   sequence number's top bit;
 * **liveness and bounds**: a dead peer is an EOF at once, a frozen one the collective timeout.
@@ -28,6 +30,7 @@ import socket
 import struct
 import time
 from abc import ABC, abstractmethod
+from collections import deque
 from typing import ClassVar
 
 import torch
@@ -48,6 +51,7 @@ JOINED_OK, JOINED_REFUSED = 0, 1
 # A vote travels in place of a DONE (reader to trainer) and its outcome in place of a READY
 # (trainer to readers), marked by the sequence number's top bit.
 VOTE = 1 << 63
+_SETTLE_S = 2.0  # how long a closing reader waits for copies still queued out of the ring
 _GREET_S = 5.0  # an honest reader says hello as it connects; a silent caller must not hold the door
 
 
@@ -125,6 +129,30 @@ class Received:
 
     def after(self) -> None:
         return None
+
+
+class Copying:
+    """A reader's broadcast whose copies out of the ring may still be queued on its GPU (their
+    private stream waits on the writer's slot events): done once every one has finished, and
+    each is said DONE.
+
+    ``after`` is ``wait`` -- a host wait, by ``deadline`` -- not a stream wait, and that is on
+    purpose: a stream that waits on another process's event can never be released (an IPC
+    event has no abort, unlike NCCL), so if the trainer died with its copy into a slot queued,
+    the receive stream -- and every later push on this GPU, which queues behind it -- would
+    wait forever. Waiting on the host keeps that dependency on the private stream, which a new
+    group replaces. It costs one host wait per bucket, while the next bucket's copies are
+    already queued behind it.
+    """
+
+    def __init__(self, reader: RingReader, through: int, deadline: float) -> None:
+        self._reader, self._through, self._deadline = reader, through, deadline
+
+    def wait(self) -> None:
+        self._reader.report(self._through, self._deadline)
+
+    def after(self) -> None:
+        self.wait()
 
 
 class Link:
@@ -431,7 +459,10 @@ class RingReader(ABC):
         self._link: Link | None = link
         self._slot_bytes = slot_bytes
         self._device = device
-        self._read = 0  # chunks copied out since joining
+        self._read = 0  # chunks copied out (or queued to be) since joining
+        # Chunks whose copy out is queued but not yet said DONE, oldest first: (sequence
+        # number, the event behind its copy (None: finished already), where it lands).
+        self._pending: deque[tuple[int, torch.cuda.Event | None, torch.Tensor]] = deque()
 
     @classmethod
     def _connect(cls, spec: GroupSpec) -> Link:
@@ -493,8 +524,13 @@ class RingReader(ABC):
         )
 
     @abstractmethod
-    def _drain(self, slot: int, out: torch.Tensor, deadline: float) -> None:
-        """Copy slot ``slot`` into ``out``; done (not merely queued) when it returns."""
+    def _drain(self, slot: int, out: torch.Tensor, deadline: float) -> torch.cuda.Event | None:
+        """Copy slot ``slot`` into ``out``: done when it returns (None), or queued on the
+        device behind the writer's copy into the slot, with the event recorded after it."""
+
+    def _abandon(self, out: torch.Tensor) -> None:
+        """A queued copy into ``out`` did not finish in time but may still run: keep its
+        memory from being reused meanwhile (see ``DeviceCopies.abandon``)."""
 
     @abstractmethod
     def _unmap(self) -> None:
@@ -518,12 +554,17 @@ class RingReader(ABC):
             raise TransportError(f"this {self.kind} reader has left")
         return self._link
 
-    def broadcast(self, tensor: torch.Tensor, src: int, timeout_s: float | None = None) -> Received:
+    def broadcast(
+        self, tensor: torch.Tensor, src: int, timeout_s: float | None = None
+    ) -> Received | Copying:
         """Receive into ``tensor``, chunk by chunk; returns when all of it has arrived."""
         link = self._live()
         deadline = deadline_for(self._spec.collective_timeout_s, timeout_s)
         flat = tensor.view(-1)
         for offset, count in chunks(tensor.numel(), self._slot_bytes):
+            # The writer puts chunk _read into the slot of chunk _read - SLOTS: that one must
+            # be out (and said so) before this reader waits for it.
+            self.report(self._read - SLOTS, deadline)
             seq, sent = READY.unpack(link.recv(READY.size, deadline))
             if (seq, sent) != (self._read, count):
                 raise TransportError(
@@ -531,10 +572,36 @@ class RingReader(ABC):
                     f"chunk {self._read} of {count}; the trainer and this worker disagree on the "
                     "plan"
                 )
-            self._drain(seq % SLOTS, flat[offset : offset + count], deadline)
-            link.send(DONE.pack(seq))
+            out = flat[offset : offset + count]
+            self._pending.append((seq, self._drain(seq % SLOTS, out, deadline), out))
             self._read += 1
-        return Received()
+        self.report(-1, deadline)  # those already finished, without waiting
+        if not self._pending:
+            return Received()
+        return Copying(self, self._read - 1, deadline)
+
+    def report(self, through: int, deadline: float) -> None:
+        """Say DONE for each chunk copied out, in order: every one up to ``through`` -- waiting
+        for its copy to finish, by ``deadline`` -- and any later one already finished."""
+        link = self._live()
+        while self._pending:
+            seq, event, _ = self._pending[0]
+            if event is not None and not event.query():
+                if seq > through:
+                    return
+                try:
+                    finish(
+                        event,
+                        deadline,
+                        f"the copy of chunk {seq} out of {link.writer}'s {self.kind} slot (if it "
+                        f"never ends, {link.writer} died or its GPU is stuck)",
+                    )
+                except SyncTimeoutError:
+                    for _, _, queued in self._pending:
+                        self._abandon(queued)
+                    raise
+            self._pending.popleft()
+            link.send(DONE.pack(seq))
 
     tally_is_final = False
 
@@ -547,6 +614,7 @@ class RingReader(ABC):
     def vote(self, code: int, timeout_s: float | None = None) -> int:
         link = self._live()
         deadline = deadline_for(self._spec.collective_timeout_s, timeout_s)
+        self.report(self._read - 1, deadline)  # the writer counts every chunk out first
         link.send(DONE.pack(VOTE | code))
         word, _ = READY.unpack(link.recv(READY.size, deadline))
         if not word & VOTE:
@@ -557,27 +625,61 @@ class RingReader(ABC):
         return word & ~VOTE
 
     def close(self) -> None:
+        """Hang up and unmap the ring -- but a copy still queued out of it (a push that failed
+        mid-way) must not read a mapping that is gone: it is waited for, briefly, and if it is
+        still queued then (the writer died or froze with its copy into the slot queued), the
+        mapping is kept for the process's life instead (``_strand``). Safe from another thread
+        than the one receiving (the pending copies are taken over first)."""
         link, self._link = self._link, None
         if link is not None:
             link.close()
+        pending, self._pending = self._pending, deque()
+        queued = [(event, out) for _, event, out in pending if event is not None]
+        settle_by = time.monotonic() + _SETTLE_S
+        try:
+            for event, _ in queued:
+                finish(event, settle_by, "a copy out of the ring queued when it was closed")
+        except SyncTimeoutError:
+            for _, out in queued:
+                self._abandon(out)
+            self._strand()
+            return
         self._unmap()
+
+    def _strand(self) -> None:
+        """Keep the ring mapped for the process's life: a copy out of it may still run."""
+        raise AssertionError(f"a {self.kind} reader with copies queued must say how to strand")
 
 
 class DeviceCopies:
-    """Copies between ring slots and buffers on one CUDA device, each finished before the
-    protocol says so (a READY for the host ring's writer, a DONE for any reader).
+    """Copies between ring slots and buffers on one CUDA device, on a private stream that
+    first waits for the caller's current stream (the buffers may have just been allocated or
+    written there), so the stream an engine serves on never waits on the trainer.
 
-    The copies run on a private stream that first waits for the caller's current stream (the
-    buffers may have just been allocated or written there), so the stream an engine serves on
-    never waits on the trainer; a copy is known finished by polling its event against the
-    collective's deadline, since the work it waits on may belong to another process (the
-    trainer's copy into a CUDA slot) that can die or freeze.
+    ``copy`` returns once its copy has finished (the host ring's writer says READY only then);
+    ``queue`` returns at once with an event behind the copy, one per slot (a ring's reader has
+    at most ``SLOTS`` copies in flight, one per slot; see ``RingReader.report``). A copy is known
+    finished by polling its event against the collective's deadline, never by a blocking CUDA
+    call: the work it waits on may belong to another process (the trainer's copy into a CUDA
+    slot) that can die or freeze.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._stream = torch.cuda.Stream(device)
         self._done = torch.cuda.Event()
+        self._queued = [torch.cuda.Event() for _ in range(SLOTS)]
+
+    def queue(
+        self,
+        out: torch.Tensor,
+        source: torch.Tensor,
+        slot: int,
+        after: torch.cuda.Event | None = None,
+    ) -> torch.cuda.Event:
+        """Queue ``out.copy_(source)`` behind ``after`` if given (an event recorded by the
+        trainer); returns slot ``slot``'s event, recorded behind the copy."""
+        return self._queue(out, source, self._queued[slot], after)
 
     def copy(
         self,
@@ -587,24 +689,38 @@ class DeviceCopies:
         what: str,
         after: torch.cuda.Event | None = None,
     ) -> None:
-        """``out.copy_(source)`` on the private stream, behind ``after`` if given (an event
-        recorded by the trainer); returns once the copy has finished, by ``deadline``."""
+        """``out.copy_(source)`` behind ``after`` if given; returns once the copy has finished,
+        by ``deadline``."""
+        done = self._queue(out, source, self._done, after)
+        try:
+            finish(done, deadline, what)
+        except SyncTimeoutError:
+            for tensor in (out, source):
+                self.abandon(tensor)
+            raise
+
+    def abandon(self, tensor: torch.Tensor) -> None:
+        """A copy into or out of ``tensor`` may still run some day: the caching allocator must
+        not hand its memory to anyone before it has (record_stream; a no-op for memory it does
+        not own)."""
+        if tensor.is_cuda:
+            tensor.record_stream(self._stream)
+
+    def _queue(
+        self,
+        out: torch.Tensor,
+        source: torch.Tensor,
+        done: torch.cuda.Event,
+        after: torch.cuda.Event | None,
+    ) -> torch.cuda.Event:
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             if after is not None:
                 stream.wait_event(after)
             out.copy_(source, non_blocking=True)
-            self._done.record(stream)
-        try:
-            finish(self._done, deadline, what)
-        except SyncTimeoutError:
-            # The copy may still run some day: the caching allocator must not hand its memory
-            # to anyone before it has (record_stream; a no-op for memory it does not own).
-            for tensor in (out, source):
-                if tensor.is_cuda:
-                    tensor.record_stream(stream)
-            raise
+            done.record(stream)
+        return done
 
 
 def copies_on(copies: DeviceCopies | None, device: torch.device) -> DeviceCopies:
