@@ -614,10 +614,15 @@ def run_peers(
             "it from the main process (or any process started with daemon=False)"
         )
     where = _device(device)
-    weights = [torch.empty(shape, dtype=dtype, device=where) for _, shape in shapes]
-    total = sum(weight.nbytes for weight in weights)
+    total = sum(math.prod(shape) for _, shape in shapes) * torch.empty((), dtype=dtype).itemsize
     results: dict[str, dict[str, Any]] = {}
     for strategy in strategies:
+        # Weights of its own per strategy: each export of a live storage (per_tensor_ipc's
+        # reduce_tensor, readers x tensors a push) wraps it in torch's CudaIPCSentData with an
+        # interprocess event until the storage is freed, and past 1000 such events torch
+        # exports without one (a stream sync per export instead): what vLLM reaches after
+        # enough steps, but it must not carry over into the strategies run after it.
+        weights = [torch.empty(shape, dtype=dtype, device=where) for _, shape in shapes]
         try:
             results[strategy] = _run_strategy(
                 strategy, shapes, weights, readers, repeats, timeout_s, bucket_bytes, seed
@@ -634,6 +639,7 @@ def run_peers(
                 "mirrors": MIRRORS[strategy],
             }
         finally:
+            del weights
             if where.type == "cuda":
                 torch.cuda.synchronize(where)
                 torch.cuda.ipc_collect()  # blocks whose readers released them late

@@ -31,20 +31,31 @@ def align_up(offset: int, alignment: int) -> int:
     return -(-offset // alignment) * alignment
 
 
-def direct_threshold(setting: int | str | None, device_type: str, bucket_bytes: int) -> int | None:
+def direct_threshold(
+    setting: int | str | None, device_type: str, bucket_bytes: int, collective: bool = True
+) -> int | None:
     """The smallest tensor sent from its own storage (None: none is) for buffers on a device of
     ``device_type``, given ``SyncConfig.direct_min_bytes`` (an explicit value wins).
+    ``collective``: whether any member takes the push through a collective (the group, or a
+    relay fed by it) rather than only through the rings (shared memory, CUDA IPC).
 
     'auto' on the host is 1 MiB: a host copy costs about what the bytes cost on the wire, so
-    skipping it pays from small sizes. On a GPU packing is a device copy at memory speed (a
-    32 MiB bucket in some 20 us on an H100) while every collective costs a launch and its
-    latency (tens of us on NVLink): a tensor smaller than a bucket would add a collective to
-    save less than it costs. From ``bucket_bytes`` up it would fill a bucket of its own anyway,
-    so sending it alone adds no collective and saves the copy.
+    skipping it pays from small sizes. On a GPU with a collective, packing is a device copy at
+    memory speed (a 32 MiB bucket in some 20 us on an H100) while every collective costs a
+    launch and its latency (tens of us on NVLink): a tensor smaller than a bucket would add a
+    collective to save less than it costs. From ``bucket_bytes`` up it would fill a bucket of
+    its own anyway, so sending it alone adds no collective and saves the copy. On a GPU with
+    rings only (the colocated deployment) 1 MiB again: there a packed byte is copied four times
+    (packed, into a slot, out of it, unpacked) and a direct one twice (into a slot, out of it
+    straight into the worker's tensor), while a tensor sent alone costs the ring's messages of
+    a chunk or two, some tens of us (``benchmarks/ring_chunks.py``) -- what a fifth of a MiB
+    costs to copy on an H100.
     """
     if setting != "auto":
         return None if setting is None else int(setting)
-    return bucket_bytes if device_type == "cuda" else HOST_DIRECT_MIN_BYTES
+    if device_type == "cuda" and collective:
+        return bucket_bytes
+    return HOST_DIRECT_MIN_BYTES
 
 
 def make_plan(

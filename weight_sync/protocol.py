@@ -321,7 +321,9 @@ class Pusher:
 
     def _plan(self, group: Transport, entries: Entries) -> SyncPlan:
         if self._planner is None:
-            self._planner = PushPlanner(self._sized, group.device)
+            # Members only on the rings (the colocated deployment) take smaller tensors alone.
+            collective = any(route in ("group", "relay") for route in self._routes)
+            self._planner = PushPlanner(self._sized, group.device, collective)
         plan = self._planner.plan(entries)
         if len(plan.wire) > self._config.max_metadata_bytes:
             raise ValueError(

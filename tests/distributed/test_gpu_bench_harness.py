@@ -31,6 +31,7 @@ def test_the_gpu_bench_harness_runs_and_reports_every_case(tmp_path: Path) -> No
         assert "error" not in figures, (name, figures)  # a peer's row says bit-exact too
         time_s = figures["push_s"] if name in peers else figures["weight_sync_s"]
         assert time_s > 0 and figures["bytes"] > 0
+        assert name in peers or figures["bit_exact"]  # landed in the readers' own weights
     assert results["gloo 1 -> 2"]["raw_broadcast_s"] > 0
     for name in {"host ring 1 -> 1"} | peers:
         assert results[name]["d2d_copy_s"] > 0

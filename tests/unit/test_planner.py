@@ -139,6 +139,23 @@ def test_direct_threshold_follows_where_the_buffers_live(
 
 
 @pytest.mark.parametrize(
+    ("setting", "device_type", "collective", "threshold"),
+    [
+        ("auto", "cuda", True, 256 << 20),  # an NCCL member: only what fills a bucket
+        ("auto", "cuda", False, 1 << 20),  # rings only (colocated): copies cost more than messages
+        ("auto", "cpu", False, 1 << 20),
+        ("auto", "cpu", True, 1 << 20),
+        (5000, "cuda", False, 5000),  # an explicit value wins
+        (None, "cuda", False, None),
+    ],
+)
+def test_a_gpu_push_over_rings_only_sends_megabyte_tensors_alone(
+    setting: int | str | None, device_type: str, collective: bool, threshold: int | None
+) -> None:
+    assert direct_threshold(setting, device_type, 256 << 20, collective) == threshold
+
+
+@pytest.mark.parametrize(
     ("sizes", "alignment", "chunks"),
     [
         ([], 64, []),

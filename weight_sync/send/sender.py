@@ -42,9 +42,12 @@ class PushPlanner:
     the rest are packed (and cast while packing).
     """
 
-    def __init__(self, config: SyncConfig, device: torch.device) -> None:
+    def __init__(self, config: SyncConfig, device: torch.device, collective: bool = True) -> None:
+        """``collective``: whether a member takes the push through a collective rather than
+        only through the rings (see ``direct_threshold``)."""
         self._config = config.sized_for(device.type, free_bytes(device))  # as given, if sized
         self._device = device
+        self._collective = collective
         self._last: _Planned | None = None
 
     def plan(self, entries: Entries) -> SyncPlan:
@@ -83,7 +86,7 @@ class PushPlanner:
         size, for a DTensor too), contiguous, on the transport's device and not cast."""
         config = self._config
         threshold = direct_threshold(
-            config.direct_min_bytes, self._device.type, config.sized_bucket_bytes
+            config.direct_min_bytes, self._device.type, config.sized_bucket_bytes, self._collective
         )
         direct = [False] * len(tensors)
         if threshold is None:
