@@ -68,6 +68,22 @@ def then(future: Future[Any], step: Callable[[Any], Any]) -> Future[Any]:
     return outer
 
 
+def joined(future: Future[Any], also: Future[Any]) -> Future[Any]:
+    """``future``'s outcome, delivered only once ``also`` is done too: ``also``'s error where
+    ``future`` succeeded (a step that is over only when two things are)."""
+    outer: Future[Any] = Future()
+
+    def settle(_: Future[Any]) -> None:
+        if not (future.done() and also.done()):
+            return
+        error = future.exception() or also.exception()
+        resolve(outer, result=None if error else future.result(), error=error)
+
+    future.add_done_callback(settle)
+    also.add_done_callback(settle)
+    return outer
+
+
 def gather(
     calls: Collection[Future[Any]],
     timeout_s: float,

@@ -29,7 +29,7 @@ import torch
 from weight_sync.config import SyncConfig
 from weight_sync.control import Fate, is_collateral
 from weight_sync.errors import WeightSyncError, first_line
-from weight_sync.futures import Backoff, in_thread, resolve, then
+from weight_sync.futures import Backoff, in_thread, joined, resolve, then
 from weight_sync.metadata import (
     GroupSpec,
     MemberInfo,
@@ -280,7 +280,10 @@ class ClientPlane:
         self._pushing = None
         self._mailbox.post(f"verdict/{version}", _COMMIT)
         call = in_thread(lambda: self._client.finish_weight_update(str(version)))
-        return self._round("committed", version, call, None)
+        # The client labels the engines' outputs with the version only after the members have
+        # committed (vLLM's finish_weight_update, then update_weight_version): the commit is
+        # over when that call returns too, or a caller generating at once reads the old label.
+        return [joined(answer, call) for answer in self._round("committed", version, call, None)]
 
     def leave(self, timeout_s: float) -> list[Future[None]]:
         """End any update session still open (vLLM refuses to release an engine inside one),

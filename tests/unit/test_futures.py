@@ -1,0 +1,102 @@
+"""The futures every control plane shares (``weight_sync.futures``), and the store plane's
+commit, which is over only when the client's own call is (vLLM labels its outputs there)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+
+from weight_sync import SyncConfig
+from weight_sync.futures import joined, resolve
+from weight_sync.metadata import SyncStatus, WorkerReply
+from weight_sync.store_plane import ClientPlane
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "expected"),
+    [
+        ("value", "other", "value"),  # the first's result; the second's is dropped
+        ("value", Boom("second"), "second"),  # the second failed: its error
+        (Boom("first"), "other", "first"),
+        (Boom("first"), Boom("second"), "first"),  # the first's error wins
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("order", ["first done first", "second done first"])
+def test_a_joined_future_waits_for_both_and_keeps_the_first_outcome(
+    first: object, second: object, expected: str, order: str
+) -> None:
+    a: Future[Any] = Future()
+    b: Future[Any] = Future()
+    both = joined(a, b)
+    done = [(a, first), (b, second)]
+    if order == "second done first":
+        done.reverse()
+    for future, outcome in done[:1]:
+        _settle(future, outcome)
+    assert not both.done()  # one of the two is not done yet
+    for future, outcome in done[1:]:
+        _settle(future, outcome)
+    assert both.done()
+    if isinstance(first, Exception) or isinstance(second, Exception):
+        with pytest.raises(Boom, match=expected):
+            both.result()
+    else:
+        assert both.result() == expected
+
+
+def _settle(future: Future[Any], outcome: object) -> None:
+    if isinstance(outcome, BaseException):
+        resolve(future, error=outcome)
+    else:
+        resolve(future, result=outcome)
+
+
+class _LabellingClient:
+    """vLLM's client as the trainer sees it: ``finish_weight_update`` returns only once the
+    engines' outputs carry the version (its ``update_weight_version`` call), held back here."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.labelled: str | None = None
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        pass
+
+    def start_weight_update(self) -> None:
+        pass
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        pass
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.release.wait(10)
+        self.labelled = weight_version
+
+
+@pytest.mark.timeout(60)
+def test_a_commit_is_over_only_once_the_client_has_labelled_the_version() -> None:
+    """The member's answer comes first (it commits inside vLLM's finish_weight_update); the
+    push must not return before the client's call has set the label, or a caller generating
+    at once reads the old one (seen in CI: 'default' where '1' was due)."""
+    client = _LabellingClient()
+    plane = ClientPlane(client, 1, SyncConfig())
+    try:
+        (committed,) = plane.commit(1, timeout_s=10)
+        reply = WorkerReply(status=SyncStatus(version=1, dirty=False, phase="idle"))
+        plane.post("committed/1/1", reply.model_dump_json())  # as StoreMember answers
+        time.sleep(0.3)  # the store plane polls every 1-5 ms: the answer has been read
+        assert not committed.done()
+        client.release.set()
+        assert committed.result(timeout=10) is None
+        assert client.labelled == "1"
+    finally:
+        client.release.set()
+        plane.close()
