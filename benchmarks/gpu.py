@@ -42,7 +42,7 @@ from gpu_peers import llama_shapes as model_shapes
 
 from weight_sync.bench import timing as bench_timing
 from weight_sync.config import SyncConfig
-from weight_sync.devices import free_bytes
+from weight_sync.devices import sized_for
 from weight_sync.metadata import GroupSpec, PrepareRequest, SyncPlan, TensorMeta
 from weight_sync.planner import direct_threshold, make_plan
 from weight_sync.receiver import Receiver, accept_all
@@ -58,7 +58,7 @@ def bucket_bytes(args: argparse.Namespace, device: torch.device, bucket_mb: int 
     a trainer on ``device`` (its default, "auto")."""
     if bucket_mb is not None:
         return bucket_mb << 20
-    return SyncConfig().sized_for(device.type, free_bytes(device)).sized_bucket_bytes
+    return sized_for(SyncConfig(), device).sized_bucket_bytes
 
 
 def plan_of(metas: list[TensorMeta], bucket: int, device_type: str, collective: bool) -> SyncPlan:

@@ -14,6 +14,8 @@ from collections.abc import Iterable
 
 import torch
 
+from weight_sync.config import SyncConfig
+
 CPU = torch.device("cpu")
 
 
@@ -59,3 +61,11 @@ def free_bytes(device: torch.device) -> int | None:
         return None
     free, _ = torch.cuda.mem_get_info(device)
     return int(free)
+
+
+def sized_for(config: SyncConfig, device: torch.device) -> SyncConfig:
+    """``config`` with its "auto" sizes settled for a trainer whose tensors live on ``device``
+    (see ``SyncConfig.sized_for``); the GPU's free memory is read only when one is auto."""
+    if config.bucket_bytes != "auto":
+        return config
+    return config.sized_for(device.type, free_bytes(device))

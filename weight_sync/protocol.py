@@ -38,7 +38,7 @@ import torch
 from weight_sync.config import SyncConfig
 from weight_sync.control import ControlPlane, collect
 from weight_sync.deadline import Deadline
-from weight_sync.devices import free_bytes, push_device
+from weight_sync.devices import push_device, sized_for
 from weight_sync.errors import ChecksumMismatchError, PlanMismatchError, WeightSyncError
 from weight_sync.mapping import Transform
 from weight_sync.metadata import (
@@ -502,7 +502,7 @@ class Pusher:
         device = push_device(tensors)
         # Sizes are settled once per group: a plan (and the members' buffers) stays put while
         # the group does, however the free memory moves.
-        self._sized = self._config.sized_for(device.type, free_bytes(device))
+        self._sized = sized_for(self._config, device)
         try:
             formed = form_group(
                 self._roster,

@@ -15,7 +15,7 @@ import torch
 from weight_sync.checksums import Checksum, checksum_of, read_checksums
 from weight_sync.config import SyncConfig
 from weight_sync.deadline import Deadline
-from weight_sync.devices import free_bytes
+from weight_sync.devices import sized_for
 from weight_sync.metadata import SyncPlan, TensorMeta, Tied
 from weight_sync.packing import Packer, Staging, byte_view, staging_slots
 from weight_sync.planner import direct_threshold, make_plan
@@ -45,7 +45,7 @@ class PushPlanner:
     def __init__(self, config: SyncConfig, device: torch.device, collective: bool = True) -> None:
         """``collective``: whether a member takes the push through a collective rather than
         only through the rings (see ``direct_threshold``)."""
-        self._config = config.sized_for(device.type, free_bytes(device))  # as given, if sized
+        self._config = sized_for(config, device)  # as given, if already sized
         self._device = device
         self._collective = collective
         self._last: _Planned | None = None

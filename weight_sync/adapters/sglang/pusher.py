@@ -51,7 +51,7 @@ from weight_sync.adapters.sglang.client import Engine
 from weight_sync.adapters.sglang.group import connect_nccl, open_trainer_group
 from weight_sync.config import SyncConfig
 from weight_sync.deadline import Deadline
-from weight_sync.devices import free_bytes, push_device
+from weight_sync.devices import push_device, sized_for
 from weight_sync.errors import PlanMismatchError, WeightSyncError
 from weight_sync.futures import in_thread
 from weight_sync.http import ServerError, collect_answers, reason
@@ -184,14 +184,13 @@ class SGLangPusher:
                 return PushResult(self._version or 0, 0, 0, 0.0)
             sources = [entries.tensors[index] for _, index in sent]
             cast = self.config.cast_dtype
-            device = push_device(sources)
-            sized = self.config.sized_for(device.type, free_bytes(device))
+            sized = sized_for(self.config, push_device(sources))
             buckets = plan_buckets(
                 [
                     (name, wire_dtype(t.dtype, cast), tuple(t.shape))
                     for (name, _), t in zip(sent, sources, strict=True)
                 ],
-                int(sized.bucket_bytes),
+                sized.sized_bucket_bytes,
             )
             names = {name for name, _ in sent}
             return self._push(buckets, sources, names, deadline, started, version)
