@@ -12,6 +12,7 @@ from weight_sync.config import SyncConfig
 from weight_sync.errors import (
     ChecksumMismatchError,
     PlanMismatchError,
+    SenderFailedError,
     SyncTimeoutError,
     TransportError,
     WeightSyncError,
@@ -47,6 +48,7 @@ __all__ = [
     "JobSync",
     "PlanMismatchError",
     "PushResult",
+    "SenderFailedError",
     "SyncConfig",
     "SyncStatus",
     "SyncTimeoutError",

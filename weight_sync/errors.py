@@ -83,6 +83,22 @@ class GroupFormationError(TransportError):
         return type(self), (str(self), self.ranks)
 
 
+class SenderFailedError(WeightSyncError):
+    """Trainer ranks of a push from many senders (``JobSync(senders=...)``) failed to send their
+    share, or died: no member claims the push's version (the lanes that did land leave them
+    holding blocks of two versions, reported as no version, until a push repairs them).
+
+    ``senders`` are the trainer ranks to blame.
+    """
+
+    def __init__(self, message: str, senders: Sequence[int] = ()) -> None:
+        self.senders = list(senders)
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple:
+        return type(self), (str(self), self.senders)
+
+
 def first_line(error: BaseException) -> str:
     """``Type: last non-empty line of the message``, bounded: a reason for an error message."""
     text = str(error).strip() or type(error).__name__

@@ -79,6 +79,20 @@ class _Wire(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class Hashed(_Wire):
+    """A message sent whole once and named by its hash after (a plan, a layout)."""
+
+    @cached_property
+    def wire(self) -> str:
+        """The message as it travels (JSON); computed once."""
+        return self.model_dump_json()
+
+    @cached_property
+    def digest(self) -> str:
+        """Content hash; lets a sender refer to a message the receiver already holds."""
+        return hashlib.sha256(self.wire.encode()).hexdigest()
+
+
 class TensorMeta(_Wire):
     """One named tensor as the receiver will see it (always contiguous)."""
 
@@ -153,7 +167,7 @@ class Tied(_Wire):
     tensor: int = Field(ge=0, description="index into SyncPlan.tensors")
 
 
-class SyncPlan(_Wire):
+class SyncPlan(Hashed):
     """Where every byte of every tensor travels. Derived by ``planner.make_plan``."""
 
     alignment: int = Field(ge=1)
@@ -229,16 +243,6 @@ class SyncPlan(_Wire):
     @property
     def packed_buckets(self) -> int:
         return sum(not b.direct for b in self.buckets)
-
-    @cached_property
-    def wire(self) -> str:
-        """The plan as it travels (JSON); computed once per plan."""
-        return self.model_dump_json()
-
-    @cached_property
-    def digest(self) -> str:
-        """Content hash; lets a sender refer to a plan the receiver already holds."""
-        return hashlib.sha256(self.wire.encode()).hexdigest()
 
 
 # ---- control-plane messages -------------------------------------------------------------------

@@ -133,12 +133,16 @@ class StoreMember:
         self.pushing, self.prepared = request.version, None
 
         def prepare() -> str:
-            reply = self.receiver.prepare(request_json, self._check)
+            # With its destinations, a member whose weights take every byte in place offers to
+            # take deltas (PrepareReply.in_place): without them, a job never pushed one.
+            reply = self.receiver.prepare(request_json, self._check, self._destinations)
             if reply.need_plan:
                 limit = self.receiver.max_metadata_bytes or MAX_REPLY_CHARS
                 plan_json = self._read(f"plan/{request.plan_digest}", limit)
                 whole = request.model_copy(update={"plan": SyncPlan.model_validate_json(plan_json)})
-                reply = self.receiver.prepare(whole.model_dump_json(), self._check)
+                reply = self.receiver.prepare(
+                    whole.model_dump_json(), self._check, self._destinations
+                )
             self.prepared = reply
             return reply.model_dump_json()
 

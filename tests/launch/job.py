@@ -93,10 +93,10 @@ def run(scenario: str, out: Path, init_method: str | None = None) -> None:
             record["stale"] = f"{type(exc).__name__}: {exc}"
     record["held"] = sync.version
     record["digests"] = state_dict_digests(model.state_dict())
-    if rank == 0 and sync._pusher is not None and sync._pusher.group is not None:
+    if rank == 0 and sync._out is not None and sync._out.pusher.group is not None:
         # Which kind of group carried the bytes (the test checks it is the job's new_group).
-        record["mode"] = sync._pusher.group._spec.mode  # type: ignore[attr-defined]
-        record["routes"] = sync._pusher.routes
+        record["mode"] = sync._out.pusher.group._spec.mode  # type: ignore[attr-defined]
+        record["routes"] = sync._out.pusher.routes
     (out / f"rank{rank}.json").write_text(json.dumps(record))
     if not big:
         sync.close()

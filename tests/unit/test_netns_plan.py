@@ -150,11 +150,24 @@ def test_an_unshaped_cluster_with_a_dashboard_and_metrics() -> None:
     assert "--include-dashboard=false" in shaped and not any("metrics" in a for a in shaped)
 
 
+def test_a_node_of_its_own_rate_is_shaped_at_it_both_ways() -> None:
+    """The many-senders bench's node of workers, wider than each trainer node's link."""
+    plan = plan_cluster(3, None, tag="00aa00", node_rates=(10**9, 10**9, 2 * 10**9))
+    rates = [
+        (c[c.index("dev") + 1], c[c.index("rate") + 1]) for c in plan.network_commands() if "tbf" in c
+    ]
+    expected = []
+    for k, rate in enumerate(("1000000000bit", "1000000000bit", "2000000000bit")):
+        expected += [("eth0", rate), (f"ws00aa00v{k}", rate)]  # its egress, then its ingress
+    assert rates == expected
+
+
 @pytest.mark.parametrize(
     ("nodes", "rate", "kwargs", "error"),
-    [(0, 10**9, {}, "nodes must be 1..4"), (5, 10**9, {}, "nodes must be 1..4"),
+    [(0, 10**9, {}, "nodes must be 1..8"), (9, 10**9, {}, "nodes must be 1..8"),
      (2, 10**9, {"delay_ms": -1}, "delay_ms"), (2, 10**9, {"tag": "XYZ"}, "tag must be"),
-     (2, None, {"delay_ms": 5}, "delay_ms needs a rate")],
+     (2, None, {"delay_ms": 5}, "delay_ms needs a rate"),
+     (3, 10**9, {"node_rates": (10**9,) * 2}, "2 rates for 3 nodes")],
 )  # fmt: skip
 def test_plan_refuses(nodes: int, rate: int | None, kwargs: dict, error: str) -> None:
     with pytest.raises(ValueError, match=error):

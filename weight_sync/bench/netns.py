@@ -49,7 +49,7 @@ from typing_extensions import Self
 
 logger = logging.getLogger(__name__)
 
-MAX_NODES = 4
+MAX_NODES = 8  # K trainer nodes and a node of workers, K up to 4 (bench/senders.py)
 GCS_PORT = 6379
 NODE_LINK = "eth0"  # the link's name inside every node's namespace
 MIN_BURST = 64 << 10  # a token bucket needs at least a few full packets (and GSO segments)
@@ -167,6 +167,10 @@ class ClusterPlan:
     delay_ms: float = 0.0
     dashboard_port: int | None = None  # the head's dashboard (job submission), on its address
     metrics_port: int | None = None  # every node's Prometheus export
+    node_rates: tuple[int, ...] = ()  # a rate per node, overriding rate_bits (a wider node)
+
+    def rate_of(self, node: NodeSpec) -> int | None:
+        return self.node_rates[node.index] if self.node_rates else self.rate_bits
 
     @property
     def head(self) -> NodeSpec:
@@ -196,9 +200,10 @@ class ClusterPlan:
                 ["ip", "link", "set", node.host_link, "master", self.bridge],
                 ["ip", "link", "set", node.host_link, "up"],
             ]
-            if self.rate_bits is not None:
-                commands += shape_commands(NODE_LINK, self.rate_bits, self.delay_ms, node.netns)
-                commands += shape_commands(node.host_link, self.rate_bits)  # node's ingress
+            rate = self.rate_of(node)
+            if rate is not None:
+                commands += shape_commands(NODE_LINK, rate, self.delay_ms, node.netns)
+                commands += shape_commands(node.host_link, rate)  # node's ingress
         return commands
 
     def ray_start_command(self, node: NodeSpec, num_cpus: int, temp_dir: str) -> list[str]:
@@ -247,9 +252,13 @@ def plan_cluster(
     tag: str | None = None,
     dashboard_port: int | None = None,
     metrics_port: int | None = None,
+    node_rates: Sequence[int] = (),
 ) -> ClusterPlan:
     """Name every namespace, link and address of an ``nodes``-node cluster. ``tag`` (6 hex
-    digits, random by default) keeps concurrent clusters apart and picks the subnet."""
+    digits, random by default) keeps concurrent clusters apart and picks the subnet.
+    ``node_rates``: each node's own rate instead of ``rate_bits`` (one per node)."""
+    if node_rates and len(node_rates) != nodes:
+        raise ValueError(f"node_rates names {len(node_rates)} rates for {nodes} nodes")
     if not 1 <= nodes <= MAX_NODES:
         raise ValueError(f"nodes must be 1..{MAX_NODES} (got {nodes}); pass --nodes 2 for two")
     if delay_ms < 0:
@@ -263,7 +272,16 @@ def plan_cluster(
     specs = tuple(
         NodeSpec(k, f"ws{tag}n{k}", f"{subnet}.{k + 1}", f"ws{tag}v{k}") for k in range(nodes)
     )
-    return ClusterPlan(tag, specs, f"ws{tag}br", rate_bits, delay_ms, dashboard_port, metrics_port)
+    return ClusterPlan(
+        tag,
+        specs,
+        f"ws{tag}br",
+        rate_bits,
+        delay_ms,
+        dashboard_port,
+        metrics_port,
+        tuple(node_rates),
+    )
 
 
 def check_usable() -> None:
@@ -292,7 +310,7 @@ def check_usable() -> None:
 
 @dataclass
 class ShapedCluster:
-    """Context manager: the shaped network and a Ray node in every namespace.
+    """Context manager: the shaped network and (with ``ray``) a Ray node in every namespace.
 
     ``with ShapedCluster(2, parse_rate("1gbit")) as cluster: cluster.run(0, [...])``
     """
@@ -303,6 +321,8 @@ class ShapedCluster:
     num_cpus: int = 1
     dashboard_port: int | None = None
     metrics_port: int | None = None
+    node_rates: tuple[int, ...] = ()  # see plan_cluster
+    ray: bool = True  # False: the network alone, for jobs launched without Ray
     plan: ClusterPlan = field(init=False)
     token: str = field(init=False)  # the cluster's own: never ~/.ray/auth_token
 
@@ -313,6 +333,7 @@ class ShapedCluster:
             self.delay_ms,
             dashboard_port=self.dashboard_port,
             metrics_port=self.metrics_port,
+            node_rates=self.node_rates,
         )
         self.token = secrets.token_hex(32)
         self._temp = ""
@@ -358,7 +379,7 @@ class ShapedCluster:
             with _interrupts_deferred():
                 for args in self.plan.network_commands():
                     _sh(args)
-            for node in self.plan.nodes:
+            for node in self.plan.nodes if self.ray else ():
                 started = time.perf_counter()
                 self.run(node.index, self.plan.ray_start_command(node, self.num_cpus, self._temp))
                 logger.info("ray node %s up in %.1f s", node.netns, time.perf_counter() - started)

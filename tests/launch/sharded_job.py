@@ -1,0 +1,194 @@
+"""One rank of a job whose sharded trainer pushes from every rank: ``JobSync(senders=K)``.
+
+Ranks ``0..K-1`` train one model under FSDP2 (``fully_shard`` over a mesh of those ranks, on
+CPU/Gloo) and each pushes its own shards; the other ranks receive whole tensors, the last of
+them through ``load_weights`` (put together from every lane's blocks) instead of in place. Run
+by ``mp.spawn`` (``spawned``) or ``torchrun`` (``python tests/launch/sharded_job.py SCENARIO
+SENDERS OUT``); each rank writes what it saw to ``OUT/rank<r>.json``.
+
+Scenarios:
+
+* ``steps`` -- three optimizer steps, a push after each; the senders record the full model's
+  digests (gathered, for the check only), the receivers theirs;
+* ``refuse`` -- first the senders push a state dict one of them refuses itself, then a receiver
+  with a layer of another shape refuses the layout: both before any byte moves, everywhere;
+  then the right model and two pushes land;
+* ``kill_sender`` -- sender 1 dies in the middle of the second push (once a receiver has put
+  a first tensor together, every lane had begun): no receiving rank may claim version 2, and
+  rank 0's error names rank 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+
+from weight_sync import SyncConfig, WeightSyncError
+from weight_sync.checksums import state_dict_digests
+from weight_sync.torchrun import JobSync
+
+TIMEOUT_S = 30.0  # push_timeout_s: the bound every failure must be seen within
+
+
+def make_model(big: bool = False, wide_last: int = 7) -> torch.nn.Module:
+    """Uneven shapes (30 and 50 rows over 2 or 3 ranks), a buffer FSDP2 leaves whole, and for
+    ``big`` 24 layers of 4 MB: a push of many buckets on every lane."""
+    torch.manual_seed(1)  # every rank starts alike; only the senders' steps change the weights
+    if big:
+        model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(24)])
+    else:
+        model = torch.nn.Sequential(
+            torch.nn.Linear(30, 50), torch.nn.ReLU(), torch.nn.Linear(50, wide_last)
+        )
+    model.register_buffer("scale", torch.arange(5.0))
+    return model
+
+
+def full_digests(model: torch.nn.Module) -> dict[str, str]:
+    """The digests of the senders' whole model (every sender gathers, as a collective)."""
+    with torch.no_grad():
+        full = {
+            name: (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).cpu()
+            for name, tensor in model.state_dict().items()
+        }
+    return state_dict_digests(full)
+
+
+def run(scenario: str, senders: int, out: Path, device: str = "cpu") -> None:
+    """``device``: where the senders train ("cuda": sender r on GPU r, FSDP2 over NCCL; the
+    receiving ranks stay on the host)."""
+    big = scenario == "kill_sender"
+    config = SyncConfig(push_timeout_s=TIMEOUT_S, bucket_bytes=1 << 20)
+    sync = JobSync(config, senders=senders)
+    rank, world = sync.rank, sync.world_size
+    loads = rank == world - 1  # this receiver takes whole tensors through load_weights
+    # Every rank makes the mesh (new_group is collective over the job); the senders use it.
+    mesh = DeviceMesh(device, list(range(senders)))
+    model = make_model(big)
+    record: dict[str, Any] = {"rank": rank, "versions": [], "errors": [], "digests": []}
+    where = (
+        torch.device(device, rank) if device == "cuda" and sync.is_sender else torch.device("cpu")
+    )
+    if sync.is_sender:
+        if where.type == "cuda":
+            torch.cuda.set_device(where)
+        model.to(where)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    if scenario == "refuse":
+        _refusals(sync, model, record)
+    landed = out / "landed"
+    loaded: dict[str, torch.Tensor] = {}
+    for step in range(2 if big else 3):
+        if sync.is_sender:
+            inputs = torch.randn(
+                4, 1024 if big else 30, generator=torch.Generator().manual_seed(step)
+            )
+            loss = model(inputs.to(where)).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        if big and step == 1 and rank == 1:
+            _die_once(landed)
+        started = time.monotonic()
+        try:
+            if loads:  # in the second push of kill_sender, says when a first tensor is whole
+                marker = landed if big and step == 1 else None
+                version = sync.receive(load_weights=_load_and_say(loaded, marker))
+            else:
+                version = sync.update(model)
+            record["versions"].append(version)
+        except WeightSyncError as exc:
+            record["errors"].append({"step": step, "type": type(exc).__name__, "message": str(exc),
+                                     "seconds": time.monotonic() - started,
+                                     "senders": getattr(exc, "senders", None)})  # fmt: skip
+            record["versions"].append(None)
+            if big:  # a rank is gone: the job is over (a launcher would restart it)
+                break
+        if not big:
+            if sync.is_sender:
+                record["digests"].append(full_digests(model))
+            else:
+                record["digests"].append(
+                    state_dict_digests(loaded if loads else model.state_dict())
+                )
+        if big and not sync.is_sender:
+            record.setdefault("at", {})[str(version)] = state_dict_digests(
+                loaded if loads else model.state_dict()
+            )
+    record["held"] = sync.version
+    if big and not sync.is_sender:
+        record["now"] = state_dict_digests(loaded if loads else model.state_dict())
+    (out / f"rank{rank}.json").write_text(json.dumps(record))
+    if not big:
+        sync.close()
+
+
+def _refusals(sync: JobSync, model: torch.nn.Module, record: dict[str, Any]) -> None:
+    """Two pushes refused before any byte moves: by a sender, then by a receiver."""
+    for case in ("sender", "receiver"):
+        try:
+            if sync.is_sender:
+                state = model.state_dict()
+                if case == "sender" and sync.rank == 1:
+                    state = {**state, "scale": "not a tensor"}
+                sync.push(state)
+            elif case == "receiver" and sync.rank == sync.senders:
+                sync.receive(make_model(wide_last=8))  # a last layer of another shape
+            else:
+                sync.receive(model)
+        except (TypeError, ValueError, WeightSyncError) as exc:
+            record.setdefault("refused", []).append(f"{type(exc).__name__}: {exc}")
+    record["after_refusals"] = sync.version
+
+
+def _die_once(landed: Path) -> None:
+    """Kill this process (no cleanup: the kernel closes its sockets) once ``landed`` exists."""
+
+    def watch() -> None:
+        while not landed.exists():
+            time.sleep(0.001)
+        os._exit(9)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _load_and_say(loaded: dict[str, torch.Tensor], landed: Path | None) -> Any:
+    def load(weights: Any) -> None:
+        for name, tensor in weights:
+            loaded[name] = tensor.clone()
+        if landed is not None:
+            landed.touch()
+
+    return load
+
+
+def spawned(
+    index: int,
+    world_size: int,
+    scenario: str,
+    senders: int,
+    out: str,
+    store: str,
+    device: str = "cpu",
+) -> None:
+    """``mp.spawn``'s entry: the textbook makes the default group itself (with GPUs, Gloo for
+    the host's tensors and NCCL for the senders' mesh)."""
+    backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=index,
+                            world_size=world_size)  # fmt: skip
+    run(scenario, senders, Path(out), device)
+
+
+if __name__ == "__main__":
+    run(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]))

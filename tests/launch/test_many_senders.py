@@ -1,0 +1,106 @@
+"""A sharded trainer pushing from every rank: ``JobSync(senders=K)`` over real ``mp.spawn`` and
+``torchrun`` launches of ``sharded_job.py`` (FSDP2 over Gloo on the senders), each rank
+reporting what it saw."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.multiprocessing as mp
+
+from tests.conftest import REPO
+from tests.launch import sharded_job
+from tests.launch.test_launchers import BIN, LAUNCH_S, _env, _join_all
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _reports(out: Path, ranks: range | tuple[int, ...]) -> list[dict[str, Any]]:
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in ranks]
+
+
+def _spawn(
+    scenario: str, out: Path, senders: int, world_size: int, device: str = "cpu"
+) -> mp.ProcessContext:
+    return mp.start_processes(
+        sharded_job.spawned,
+        args=(world_size, scenario, senders, str(out), str(out / "store"), device),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
+
+
+def _assert_steps(reports: list[dict[str, Any]]) -> None:
+    """Three pushes landed on every rank; after each, every receiving rank (the one putting
+    whole tensors together for load_weights included) holds exactly the senders' full model."""
+    senders = reports[0]
+    assert len(senders["digests"]) == 3
+    assert len(set(map(json.dumps, senders["digests"]))) == 3  # each step changed the weights
+    for report in reports:
+        assert report["errors"] == [] and report["versions"] == [1, 2, 3], report
+        assert report["held"] == 3 and report["digests"] == senders["digests"]
+
+
+def test_two_senders_to_two_receivers(tmp_path: Path) -> None:
+    context = _spawn("steps", tmp_path, senders=2, world_size=4)
+    _join_all(context, LAUNCH_S)
+    assert [p.exitcode for p in context.processes] == [0] * 4
+    _assert_steps(_reports(tmp_path, range(4)))
+
+
+def test_the_fsdp_example_under_torchrun_three_senders() -> None:
+    """``examples/fsdp_many_senders.py`` as a user runs it: FSDP2 over three ranks, Adam steps,
+    every rank pushing its shards; the serving ranks hold the trainer's gathered model."""
+    done = subprocess.run(
+        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "5",
+         "examples/fsdp_many_senders.py", "--senders", "3"],
+        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=LAUNCH_S, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    pushed = re.findall(r"pushed version (\d+) from 3 ranks: ([\d.]+) MB", done.stdout)
+    assert [version for version, _ in pushed] == ["1", "2", "3"], done.stdout
+    assert "2 serving ranks hold version 3, bit for bit: True" in done.stdout, done.stdout
+
+
+def test_refusals_before_any_byte_then_pushes_land(tmp_path: Path) -> None:
+    """A sender refusing its own shards, then a receiver refusing the layout: each raises on
+    every rank before any byte moves (no rank holds a version), and the next pushes land."""
+    context = _spawn("refuse", tmp_path, senders=2, world_size=4)
+    _join_all(context, LAUNCH_S)
+    assert [p.exitcode for p in context.processes] == [0] * 4
+    reports = _reports(tmp_path, range(4))
+    first, second = zip(*(report["refused"] for report in reports), strict=True)
+    assert first[1].startswith("TypeError: 'scale'")  # the sender that refused says why
+    assert first[0].startswith("ValueError: trainer rank(s) [1] refused")
+    assert all(text.startswith("WeightSyncError: the senders called") for text in first[2:])
+    assert "'2.weight': sent float32[7, 50], model has float32[8, 50]" in second[2]
+    assert all(text.startswith("PlanMismatchError") for text in second[:2])
+    assert second[3].startswith("WeightSyncError: ranks [2] refused")
+    assert all(report["after_refusals"] is None for report in reports)
+    _assert_steps(reports)
+
+
+def test_a_sender_killed_mid_push(tmp_path: Path) -> None:
+    """Sender 1 dies once a receiver has put a first tensor together: rank 0 names it within
+    the push's bound, and no receiving rank claims the version (the other lane landed)."""
+    context = _spawn("kill_sender", tmp_path, senders=2, world_size=4)
+    _join_all(context, LAUNCH_S)
+    assert [p.exitcode for p in context.processes] == [0, 9, 0, 0]
+    assert (tmp_path / "landed").exists()
+    trainer, *receivers = _reports(tmp_path, (0, 2, 3))
+    (error,) = trainer["errors"]
+    assert error["type"] == "SenderFailedError" and error["senders"] == [1], error
+    assert error["seconds"] < sharded_job.TIMEOUT_S + 5
+    assert trainer["versions"] == [1, None] and trainer["held"] == 1
+    for report in receivers:
+        (lost,) = report["errors"]
+        assert lost["type"] == "SenderFailedError" and lost["senders"] == [1], lost
+        assert lost["seconds"] < sharded_job.TIMEOUT_S + 5
+        assert report["versions"] == [1, None] and report["held"] is None
+        assert report["now"] != report["at"]["1"]  # lane 0's blocks of version 2 landed

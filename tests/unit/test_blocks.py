@@ -1,0 +1,181 @@
+"""The blocks of a push from many senders (pure): which block each mesh coordinate holds, who
+sends each, and a layout that must tile every tensor; then a member's assembly of them."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from pydantic import ValidationError
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Shard as TorchShard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+from weight_sync.blocks import (
+    REPLICATE,
+    Block,
+    BlockLayout,
+    Shard,
+    Spread,
+    assign,
+    block_of,
+    view_of,
+)
+from weight_sync.metadata import TensorMeta
+from weight_sync.receive.assembly import Assembly, agreed
+
+
+def meta(name: str, *shape: int, dtype: str = "float32") -> TensorMeta:
+    return TensorMeta(name=name, dtype=dtype, shape=shape)
+
+
+def _torch(placements: tuple) -> list:
+    return [Replicate() if p is REPLICATE else TorchShard(p.dim) for p in placements]
+
+
+@pytest.mark.parametrize(
+    ("shape", "mesh", "placements"),
+    [
+        ((10, 7), (3,), (Shard(0),)),  # uneven: 4, 4, 2
+        ((2, 5), (4,), (Shard(0),)),  # more ranks than rows: the last ones empty
+        ((0, 5), (2,), (Shard(0),)),  # no rows at all
+        ((10, 7), (3,), (Shard(1),)),
+        ((10, 7), (2,), (REPLICATE,)),
+        ((10, 7), (2, 2), (Shard(0), Shard(0))),  # one dim split twice, in mesh order
+        ((9, 7), (2, 3), (Shard(0), Shard(1))),  # FSDP x TP
+        ((9, 7), (2, 3), (REPLICATE, Shard(1))),  # HSDP-like: replicated across the first dim
+        ((11,), (3, 2), (Shard(0), REPLICATE)),
+        ((), (2,), (REPLICATE,)),  # a scalar
+    ],
+)
+def test_block_of_agrees_with_dtensor(shape, mesh, placements) -> None:
+    """Every coordinate's block is the one DTensor itself computes for it."""
+    for coordinate in itertools.product(*(range(n) for n in mesh)):
+        size, offset = _compute_local_shape_and_global_offset(
+            shape, mesh, list(coordinate), _torch(placements)
+        )
+        got_offset, got_size = block_of(shape, mesh, placements, coordinate)
+        assert got_size == tuple(size)
+        if all(size):  # torch's offset of an empty block is its own business
+            assert got_offset == tuple(offset)
+
+
+@pytest.mark.parametrize(
+    ("tensors", "spreads", "senders", "expected"),
+    [
+        # FSDP over 2: each sender its own rows; no block twice
+        ([meta("w", 10, 4)], [Spread((2,), (Shard(0),), (0, 1))], 2,
+         [(0, 0, (0, 0), (5, 4)), (0, 1, (5, 0), (5, 4))]),
+        # whole tensors go to the least-loaded sender, in turn
+        ([meta("a", 8), meta("b", 8), meta("c", 4)], [Spread.everywhere(2)] * 3, 2,
+         [(0, 0, (0,), (8,)), (1, 1, (0,), (8,)), (2, 0, (0,), (4,))]),
+        # replicated across the first mesh dim: one copy of each column block is sent
+        ([meta("w", 4, 6)], [Spread((2, 3), (REPLICATE, Shard(1)), (0, 1, 2, 3, 4, 5))], 6,
+         [(0, 0, (0, 0), (4, 2)), (0, 1, (0, 2), (4, 2)), (0, 2, (0, 4), (4, 2))]),
+        # a mesh of other senders than 0..n-1, in its own order
+        ([meta("w", 4)], [Spread((2,), (Shard(0),), (3, 1))], 4,
+         [(0, 3, (0,), (2,)), (0, 1, (2,), (2,))]),
+        # the empty shard of an uneven split is no block; a tensor with no elements has none
+        ([meta("w", 1, 3), meta("e", 0)], [Spread((2,), (Shard(0),), (0, 1)), Spread.everywhere(2)],
+         2, [(0, 0, (0, 0), (1, 3))]),
+    ],
+)  # fmt: skip
+def test_assign_table(tensors, spreads, senders, expected) -> None:
+    layout = assign(tensors, spreads, senders)
+    assert [(b.tensor, b.sender, b.offset, b.size) for b in layout.blocks] == expected
+
+
+def test_assign_balances_the_lanes() -> None:
+    """Many replicated tensors of varied sizes: no lane carries much more than another."""
+    sizes = [1 << (i % 7) for i in range(200)]
+    layout = assign(
+        [meta(f"t{i}", n) for i, n in enumerate(sizes)], [Spread.everywhere(4)] * 200, 4
+    )
+    loads = layout.bytes_per_sender()
+    assert max(loads) - min(loads) <= 4 * max(sizes)
+
+
+@pytest.mark.parametrize(
+    ("blocks", "problem"),
+    [
+        ([((0, 0), (2, 3)), ((2, 0), (2, 3))], None),  # two halves: tiles it
+        ([((0, 0), (2, 3))], "do not tile"),  # half missing
+        ([((0, 0), (3, 3)), ((2, 0), (2, 3))], "out"),  # past the end
+        ([((0, 0), (3, 3)), ((2, 0), (1, 3))], "do not tile"),  # overlapping, right count
+        ([((0, 0), (2, 3)), ((2, 0), (0, 3)), ((2, 0), (2, 3))], "empty"),
+        ([((0,), (4,))], "other rank"),
+    ],
+)
+def test_a_layout_must_tile_every_tensor(blocks, problem) -> None:
+    def build() -> BlockLayout:
+        return BlockLayout(
+            senders=2,
+            tensors=(meta("w", 4, 3),),
+            blocks=tuple(
+                Block(tensor=0, sender=i % 2, offset=o, size=s) for i, (o, s) in enumerate(blocks)
+            ),
+        )
+
+    if problem is None:
+        assert build().digest
+    else:
+        with pytest.raises(ValidationError, match=problem):
+            build()
+
+
+def test_view_of_is_the_block_in_place() -> None:
+    full = torch.arange(24.0).reshape(4, 6)
+    view = view_of(full, Block(tensor=0, sender=0, offset=(2, 0), size=(2, 6)))
+    assert view.is_contiguous() and view.data_ptr() == full[2:].data_ptr()
+    column = view_of(full, Block(tensor=0, sender=0, offset=(0, 3), size=(4, 3)))
+    column.fill_(-1)
+    assert not column.is_contiguous() and (full[:, 3:] == -1).all() and (full[:, :3] >= 0).all()
+
+
+def _layout() -> BlockLayout:
+    spreads = [Spread((2,), (Shard(1),), (0, 1)), Spread((2,), (Shard(0),), (0, 1))]
+    return assign([meta("cols", 3, 4), meta("rows", 4)], spreads, 2)
+
+
+def test_assembly_into_a_model_lands_each_lane_in_place_or_copies() -> None:
+    model = {"cols": torch.zeros(3, 4), "rows": torch.zeros(4)}
+    assembly = Assembly(_layout(), model)
+    assert assembly.problems() == []
+    for sender in (0, 1):
+        views = assembly.destinations(sender)
+        assert views is not None and views["rows"].is_contiguous()
+        assert not views["cols"].is_contiguous()  # a column block: copied into, by the loader
+        assembly.loader(sender)([("cols", torch.full((3, 2), sender + 1.0))])
+        views["rows"].copy_(torch.full((2,), sender + 1.0))
+    assert model["cols"].tolist() == [[1, 1, 2, 2]] * 3 and model["rows"].tolist() == [1, 1, 2, 2]
+    plan_check = assembly.check(1)
+    assert plan_check  # the lane's plan is checked against its blocks' shapes, not the model's
+
+
+def test_assembly_refuses_a_model_the_layout_does_not_fit() -> None:
+    model = {"cols": torch.zeros(3, 5), "extra": torch.zeros(1)}
+    problems = Assembly(_layout(), model).problems()
+    assert any("'cols': sent float32[3, 4], model has float32[3, 5]" in p for p in problems)
+    assert "unknown tensor 'rows'" in problems and "missing tensor 'extra'" in problems
+
+
+def test_assembly_hands_a_loader_whole_tensors_once_every_lane_gave_its_block() -> None:
+    loaded: list[tuple[str, torch.Tensor]] = []
+    assembly = Assembly(_layout(), None, lambda weights: loaded.extend(weights))
+    assert assembly.destinations(0) is None
+    assembly.loader(0)([("cols", torch.ones(3, 2)), ("rows", torch.ones(2))])
+    assert loaded == []  # half of each: nothing whole yet
+    assembly.loader(1)([("rows", torch.full((2,), 2.0))])
+    assert [name for name, _ in loaded] == ["rows"] and loaded[0][1].tolist() == [1, 1, 2, 2]
+    assembly.forget()  # a failed push: the half-made "cols" is dropped
+    assembly.loader(1)([("cols", torch.full((3, 2), 2.0))])
+    assert [name for name, _ in loaded] == ["rows"]
+
+
+@pytest.mark.parametrize(
+    ("versions", "held"),
+    [([3, 3, 3], 3), ([3, None, 3], None), ([3, 2], None), ([None, None], None), ([], None)],
+)
+def test_a_member_holds_a_version_only_when_every_lane_does(versions, held) -> None:
+    assert agreed(versions) == held

@@ -1,0 +1,122 @@
+"""A member's side of a push from many senders: each lane's blocks, written where they belong.
+
+Each lane (one sender's share of a push, received by a ``Receiver`` of its own) is an ordinary
+push of the blocks that sender holds, named by their tensors' names and shaped as the blocks.
+``Assembly`` turns the member's target -- its model's tensors, or a ``load_weights`` -- into what
+each lane's Receiver needs: the check of the lane's plan against the lane's blocks, where each
+block lands (a view of the model's tensor: written in place where the view is contiguous, copied
+into where it is not), and, for a member that only loads, full tensors put together from every
+lane's blocks and handed on once complete.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import torch
+
+from weight_sync.blocks import Block, BlockLayout, view_of
+from weight_sync.metadata import SyncPlan, TensorMeta
+from weight_sync.receive.checks import Check, check_plan
+
+Load = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
+
+
+class Assembly:
+    """The lanes of one layout into one target: ``destinations`` (the model's tensors by name,
+    written in place) or, without them, ``load`` (handed each tensor whole, once all its blocks
+    have come, from whichever lane's thread completed it: calls are serialised)."""
+
+    def __init__(
+        self,
+        layout: BlockLayout,
+        destinations: Mapping[str, torch.Tensor] | None,
+        load: Load | None = None,
+    ) -> None:
+        assert (destinations is None) != (load is None), "a model's tensors, or a load_weights"
+        self.layout = layout
+        self._destinations = destinations
+        self._load = load
+        self._lock = threading.Lock()
+        self._parts: dict[str, tuple[torch.Tensor, int]] = {}  # tensor being put together, left
+
+    def problems(self) -> list[str]:
+        """What in the layout the target cannot take (names, dtypes, global shapes): checked
+        for the whole push, before any lane's bytes move. A loader takes any names."""
+        if self._destinations is None:
+            return []
+        # The layout's tensors as a plan's (no buckets: only their metadata is compared).
+        plan = SyncPlan.model_construct(alignment=1, tensors=self.layout.tensors, buckets=())
+        return check_plan(plan, self._destinations)
+
+    def check(self, sender: int) -> Check:
+        """A lane's plan must carry exactly the blocks the layout gives its sender."""
+        blocks = {
+            meta.name: meta.model_copy(update={"shape": block.size})
+            for block, meta in self._blocks(sender)
+        }
+        return lambda plan, partial: check_plan(plan, blocks, partial)
+
+    def destinations(self, sender: int) -> dict[str, torch.Tensor] | None:
+        """Each block of the lane as a view of the model's tensor (None for a loader)."""
+        if self._destinations is None:
+            return None
+        return {
+            meta.name: view_of(self._destinations[meta.name], block)
+            for block, meta in self._blocks(sender)
+        }
+
+    def loader(self, sender: int) -> Load:
+        """What takes the blocks that could not land in place: copied into their views of the
+        model, or put together into whole tensors for ``load``."""
+        blocks = {meta.name: block for block, meta in self._blocks(sender)}
+        views = self.destinations(sender)
+        if views is not None:
+
+            def into_views(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+                with torch.no_grad():
+                    for name, tensor in weights:
+                        views[name].copy_(tensor)
+
+            return into_views
+        return lambda weights: self._put_together(weights, blocks)
+
+    def forget(self) -> None:
+        """After a failed push: drop the tensors left half put together."""
+        with self._lock:
+            self._parts.clear()
+
+    def _put_together(
+        self, weights: Iterable[tuple[str, torch.Tensor]], blocks: Mapping[str, Block]
+    ) -> None:
+        assert self._load is not None
+        metas = {meta.name: meta for meta in self.layout.tensors}
+        complete = []
+        with self._lock:
+            for name, tensor in weights:
+                meta, block = metas[name], blocks[name]
+                whole, left = self._parts.get(name) or (
+                    torch.empty(meta.shape, dtype=meta.torch_dtype, device=tensor.device),
+                    math.prod(meta.shape),
+                )
+                view_of(whole, block).copy_(tensor)
+                left -= block.numel
+                if left:
+                    self._parts[name] = (whole, left)
+                else:
+                    self._parts.pop(name, None)
+                    complete.append((name, whole))
+            if complete:
+                self._load(complete)
+
+    def _blocks(self, sender: int) -> list[tuple[Block, TensorMeta]]:
+        return [(b, self.layout.tensors[b.tensor]) for b in self.layout.sent_by(sender)]
+
+
+def agreed(versions: Sequence[int | None]) -> int | None:
+    """The version a member holds across its lanes: theirs when every lane committed the same
+    one, else none (a push that landed on some lanes only is not held)."""
+    first = versions[0] if versions else None
+    return first if all(v == first for v in versions) else None
