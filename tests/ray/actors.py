@@ -356,6 +356,26 @@ class ShardedTrainer:
     def push_sharded(self) -> Any:
         return push_sharded(self.model.state_dict(), self.updater)
 
+    def lanes_setup(self, workers: list, **config: Any) -> None:
+        """Every rank: a LaneUpdater over the same workers (a collective)."""
+        from weight_sync.actors.lanes import LaneUpdater
+
+        self.lanes = LaneUpdater(workers, SyncConfig(**config))
+
+    def lanes_push(self, version: int | None = None, die: bool = False) -> Any:
+        """Every rank pushes its own shards; (the result, or the error's type and message).
+        ``die``: this rank's process ends (no cleanup) once the senders agreed, before its lane
+        moves a byte."""
+        if die:
+            self.lanes._out.push = lambda *args, **kwargs: os._exit(9)
+        try:
+            return self.lanes.push(self.model.state_dict(), version=version)
+        except Exception as exc:
+            return type(exc).__name__, str(exc)
+
+    def lanes_close(self) -> None:
+        self.lanes.close()
+
     def full_digests(self) -> dict[str, str]:
         """Every rank must call this at once (it gathers)."""
         return state_dict_digests({n: t.full_tensor() for n, t in self.model.state_dict().items()})

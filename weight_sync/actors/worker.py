@@ -14,9 +14,12 @@ from typing import Any
 
 import ray
 import torch
+from pydantic import ValidationError
 
+from weight_sync.blocks import BlockLayout
 from weight_sync.checksums import state_dict_digests
 from weight_sync.devices import CPU, module_device
+from weight_sync.lanes import Lanes
 from weight_sync.metadata import (
     MemberInfo,
     PrepareReply,
@@ -25,6 +28,7 @@ from weight_sync.metadata import (
     SyncStatus,
     TensorMeta,
 )
+from weight_sync.receive.assembly import Assembly
 from weight_sync.receiver import Check, Receiver, expecting
 
 SYNC_GROUP = "weight_sync"  # the protocol's calls; one at a time
@@ -43,6 +47,7 @@ _METHOD_GROUPS = {
     "_weight_sync_prepare": SYNC_GROUP,
     "_weight_sync_cancel": SYNC_GROUP,
     "_weight_sync_leave": SYNC_GROUP,
+    "_weight_sync_lanes_check": SYNC_GROUP,
 }
 
 
@@ -74,12 +79,18 @@ class WeightSyncWorker:
         first one and while the weights are partly updated or a push failed part-way. After a
         partial push (``push(..., partial=True)``) this is its version, and
         ``sync_status().full_version`` the last push that covered every tensor."""
-        return self._weight_sync_state().version
+        return self.sync_status().version
 
     def sync_status(self) -> SyncStatus:
         """Version, dirty flag, the push in flight (phase, buckets done) and the last push's
-        stats. Answers during a push when the actor was made with ``remote_worker``."""
-        return self._weight_sync_state().status()
+        stats. Answers during a push when the actor was made with ``remote_worker``. After a
+        push from many senders (``LaneUpdater``), the version is the one every lane committed."""
+        status = self._weight_sync_state().status()
+        lanes = self.__dict__.get("_weight_sync_lanes")
+        if lanes is not None and self.__dict__.get("_weight_sync_by_lanes"):
+            held = lanes.held
+            return status.model_copy(update={"version": held, "dirty": held is None})
+        return status
 
     # -- helpers users may call or override ------------------------------------------------------
 
@@ -142,6 +153,7 @@ class WeightSyncWorker:
         return self._weight_sync_state().prepare(request_json, check, lambda: destinations)
 
     def _weight_sync_push(self, request_json: str, timeout_s: float | None = None) -> PushReply:
+        self._weight_sync_by_lanes = False
         check, destinations, own = self._weight_sync_targets()
         return self._weight_sync_state().push(
             request_json, check, self.load_weights, destinations, own
@@ -151,6 +163,7 @@ class WeightSyncWorker:
         self._weight_sync_state().cancel(version)
 
     def _weight_sync_receive(self, version: int, timeout_s: float | None = None) -> ReceiveReport:
+        self._weight_sync_by_lanes = False
         state = self._weight_sync_state()
         return state.receive(version, self.load_weights, self.weight_sync_destinations())
 
@@ -161,6 +174,53 @@ class WeightSyncWorker:
 
     def _weight_sync_leave(self, timeout_s: float | None = None) -> None:
         self._weight_sync_state().leave()
+
+    # -- a push from many senders (weight_sync.actors.lanes: LaneUpdater) ----------------------
+
+    def _weight_sync_lanes_check(
+        self,
+        layout_json: str | None,
+        digest: str,
+        max_metadata_bytes: int,
+        timeout_s: float | None = None,
+    ) -> list[str]:
+        """What this worker cannot take of the push's layout (empty: all of it), checked
+        before any byte moves; ``layout_json`` is None where the trainer believes this worker
+        holds it already."""
+        if layout_json is not None:
+            if len(layout_json) > max_metadata_bytes:
+                return [f"a layout of {len(layout_json)} bytes exceeds max_metadata_bytes"]
+            try:
+                self._weight_sync_layout = BlockLayout.model_validate_json(layout_json)
+            except ValidationError as exc:
+                return [f"malformed layout: {exc.errors()[0]['msg']}"]
+        layout = self.__dict__.get("_weight_sync_layout")
+        if layout is None or layout.digest != digest:
+            return ["this worker does not hold the push's layout (it restarted?): push again"]
+        return self._weight_sync_assembly(layout).problems()
+
+    def _weight_sync_lanes_receive(
+        self,
+        endpoints: list[tuple[str, int]],
+        slot: int,
+        push: int,
+        wait_s: float,
+        timeout_s: float | None = None,
+    ) -> int | None:
+        """Take push ``push`` on every lane at once (a thread each), as member ``slot`` of each
+        sender's store at ``endpoints``; returns the version every lane committed."""
+        endpoints = [(str(address), int(port)) for address, port in endpoints]
+        lanes = self.__dict__.get("_weight_sync_lanes")
+        if lanes is None or lanes.endpoints != endpoints:
+            if lanes is not None:
+                lanes.close()
+            lanes = self._weight_sync_lanes = Lanes(
+                endpoints, slot, self.weight_sync_device, min(wait_s, 60.0)
+            )
+        self._weight_sync_by_lanes = True
+        layout = self.__dict__.get("_weight_sync_layout")
+        assert layout is not None, "the trainer checks the layout with every worker first"
+        return lanes.receive(self._weight_sync_assembly(layout), push, wait_s, f"worker {slot - 1}")
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -182,6 +242,14 @@ class WeightSyncWorker:
         ):
             return expecting(lambda: destinations), destinations, True
         return expecting(self.weight_sync_expected), destinations, False
+
+    def _weight_sync_assembly(self, layout: BlockLayout) -> Assembly:
+        """Where a push from many senders lands: in this worker's destinations, or put
+        together into whole tensors for ``load_weights``."""
+        destinations = self.weight_sync_destinations()
+        if destinations is not None:
+            return Assembly(layout, destinations)
+        return Assembly(layout, None, self.load_weights)
 
     def _weight_sync_custom_load(self) -> bool:
         return self._weight_sync_overrides("load_weights")

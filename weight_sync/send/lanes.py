@@ -1,22 +1,31 @@
-"""A sharded trainer's rank, sending what it holds: its lane of a push from many senders.
+"""A sender's share of a push from many senders, and the rules the senders settle it by.
 
-Every trainer rank reads the same layout off its state dict's DTensors (their device meshes and
-placements are the same on every rank, and ``blocks.assign`` is deterministic), then sends only
-the blocks the layout gives it, straight from its own shards: nothing is gathered, no rank holds
-more than its shards plus its sender's staging buckets. ``layout_of`` and ``lane_of`` are that
-reading; the pushes themselves are ordinary ``Pusher`` pushes, one per lane (see
-``weight_sync.torchrun``).
+A sharded trainer pushing from every rank (docs/many-senders.md) is K lanes at once, one per
+sender (``weight_sync.lanes`` runs them); this module decides, without moving a byte:
+
+* what each sender sends: every trainer rank reads the same layout off its state dict's DTensors
+  (their meshes and placements are the same on every rank, and ``blocks.assign`` is
+  deterministic), then sends only the blocks the layout gives it, straight from its own shards
+  (``share_of``): nothing is gathered, no rank holds more than its shards plus its lane's
+  staging buckets;
+* whether the push may go ahead, from every sender's row (``called_off``): the same answer on
+  every rank, so all of them call it off together, before any byte moves;
+* the verdict after, from every sender's report (``judge``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from weight_sync.blocks import REPLICATE, BlockLayout, Placement, Shard, Spread, assign
+from weight_sync.config import SyncConfig
 from weight_sync.metadata import TensorMeta
-from weight_sync.send.checks import is_dtensor
+from weight_sync.send.checks import StateDict, check_state_dict, is_dtensor
+from weight_sync.versions import check_version
 
 Entries = Sequence[tuple[str, torch.Tensor]]
 
@@ -73,3 +82,101 @@ def _spread(name: str, tensor: torch.Tensor, index: dict[int, int]) -> Spread:
                 "the shards as they lie; push it from one rank (ShardedSource) instead"
             )
     return Spread(tuple(mesh.mesh.shape), tuple(placements), tuple(index[r] for r in ranks))
+
+
+@dataclass(frozen=True)
+class Share:
+    """What one sender brings to a push from many senders: its lane's state dict, the layout
+    (None with ``error``: this sender refused its share, which ``error`` says why), the version
+    it names (0: none)."""
+
+    lane: dict[str, torch.Tensor]
+    layout: BlockLayout | None
+    error: Exception | None
+    named: int
+
+    def row(self, next_version: int) -> tuple[list[int], bytes]:
+        """This sender's row for ``called_off``, and its layout digest."""
+        digest = bytes.fromhex(self.layout.digest) if self.layout is not None else bytes(32)
+        proposal = max(self.named, next_version)
+        return [int(self.error is not None), proposal, self.named], digest
+
+
+def share_of(
+    state_dict: StateDict,
+    options: Mapping[str, Any],
+    senders: int,
+    sender: int,
+    config: SyncConfig,
+) -> Share:
+    """``sender``'s share of a push of ``state_dict`` by ``senders`` senders (the ranks
+    ``0..senders-1`` of the trainers' group), checked as a push checks a state dict; a caller's
+    mistake is kept in ``Share.error``, to raise once every sender agreed to call it off."""
+    named = options.get("version")
+    try:
+        unknown = set(options) - {"version"}
+        if unknown:
+            raise ValueError(
+                f"a push from many senders takes no {sorted(unknown)} yet: it sends the "
+                "blocks of every tensor as named in the state dict"
+            )
+        check_version(named)
+        entries = list(state_dict.items() if isinstance(state_dict, Mapping) else state_dict)
+        layout = layout_of(entries, range(senders))
+        if len(layout.wire) > config.max_metadata_bytes:
+            raise ValueError(
+                f"the push's layout ({len(layout.blocks)} blocks) is over max_metadata_bytes="
+                f"{config.max_metadata_bytes}; raise it in SyncConfig on every rank"
+            )
+        lane = lane_of(entries, layout, sender)
+        check_state_dict(lane, config)
+    except (TypeError, ValueError) as exc:
+        return Share({}, None, exc, 0)
+    return Share(lane, layout, None, named or 0)
+
+
+def called_off(senders: list[tuple[int, ...]]) -> str | None:
+    """Why a push from many senders is called off before any byte moves, from every sender's
+    row (``Share.row``: refused, proposed version, named version, then the layout digest's
+    words): the same answer on every rank, which gathered the same rows. None: it goes ahead."""
+    refused = [rank for rank, row in enumerate(senders) if row[0]]
+    if refused:
+        return f"trainer rank(s) {refused} refused their shards (see their errors)"
+    if len({row[3:] for row in senders}) > 1:
+        return (
+            "the trainer ranks' state dicts differ (names, dtypes, shapes or placements): every "
+            "sender must push the same model's state_dict()"
+        )
+    version, named = max(row[1] for row in senders), {row[2] for row in senders}
+    if len(named) > 1 or named - {0, version}:
+        return (
+            f"the senders named versions {sorted(named)}; they must all name one version, past "
+            f"every sender's ({version})"
+        )
+    return None
+
+
+def judge(reports: Mapping[int, dict[str, Any] | None]) -> dict[str, Any]:
+    """Rank 0's verdict on a push from many senders, from every sender's report (None: it
+    sent none in time -- it died or hung)."""
+    failed = {
+        rank: "sent no report: it died or hung -- check it" if report is None else report["error"]
+        for rank, report in reports.items()
+        if report is None or "error" in report
+    }
+    if failed:
+        return {
+            "failed": "no member claims the push: trainer ranks "
+            f"{sorted(failed)} did not land their lanes -- "
+            + "; ".join(f"rank {rank}: {why}" for rank, why in failed.items()),
+            "senders": sorted(failed),
+        }
+    landed = [report for report in reports.values() if report is not None]
+    return {key: sum(report[key] for report in landed) for key in ("nbytes", "buckets", "wire")}
+
+
+def row_tensor(values: list[int], digest: bytes) -> torch.Tensor:
+    """A rank's row of an agreement, ``values`` then its layout digest (32 bytes as four
+    int64), as one tensor of fixed size to all-gather."""
+    words = [int.from_bytes(digest[i : i + 8], "little", signed=True) for i in range(0, 32, 8)]
+    return torch.tensor(values + words, dtype=torch.int64)

@@ -1,0 +1,103 @@
+"""A sharded trainer pushing from every rank to Ray workers: two FSDP2 ranks (a real Gloo world
+in real Ray actors), each with a ``LaneUpdater`` over the same two workers, each pushing its own
+shards at once; the workers put every tensor together in their models."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import ray
+
+from tests.ray.actors import LMWorker, ShardedTrainer
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("ray_cluster")]
+TIMEOUT = 120
+
+
+@pytest.fixture
+def lanes(request: pytest.FixtureRequest) -> Iterator[tuple[list, list]]:
+    """Two trainer ranks with a LaneUpdater each, and two workers (``fused``: their models
+    stack q, k and v in one tensor, which a trainer's push does not fit)."""
+    fused = getattr(request, "param", (False, False))
+    workers = [LMWorker.remote(fused=f) for f in fused]
+    ranks = [ShardedTrainer.remote(rank, 2) for rank in range(2)]
+    port = ray.get(ranks[0].port.remote(), timeout=TIMEOUT)
+    ray.get([rank.setup.remote(port, None) for rank in ranks], timeout=TIMEOUT)
+    ray.get([rank.lanes_setup.remote(workers) for rank in ranks], timeout=TIMEOUT)
+    try:
+        yield ranks, workers
+    finally:
+        for rank in ranks:  # one may have died on purpose
+            try:
+                ray.get([rank.lanes_close.remote(), rank.close.remote()], timeout=TIMEOUT)
+            except ray.exceptions.RayActorError:
+                pass
+        for actor in [*ranks, *workers]:
+            ray.kill(actor)
+
+
+def on_all(ranks: list, method: str, *args: object) -> list:
+    return ray.get([getattr(rank, method).remote(*args) for rank in ranks], timeout=TIMEOUT)
+
+
+def test_every_rank_pushes_its_shards_and_workers_hold_the_whole_model(
+    lanes: tuple[list, list],
+) -> None:
+    ranks, workers = lanes
+    for step in range(1, 4):
+        on_all(ranks, "step")  # FSDP's own collectives, between pushes
+        results = on_all(ranks, "lanes_push")
+        assert [r.version for r in results] == [step, step], results
+        assert results[0].nbytes == results[1].nbytes > 0  # every lane's bytes, on every rank
+        want = on_all(ranks, "full_digests")[0]
+        got = ray.get([w.weight_sync_digests.remote() for w in workers], timeout=TIMEOUT)
+        assert all(g == want for g in got)
+        held = ray.get([w.weights_version.remote() for w in workers], timeout=TIMEOUT)
+        assert held == [step, step]
+    assert all(ray.get([w.still_tied.remote() for w in workers], timeout=TIMEOUT))
+
+
+def test_a_state_dict_one_rank_refuses_sends_nothing_anywhere(lanes: tuple[list, list]) -> None:
+    """A version named below the last: refused on every rank before any byte moves; the
+    workers keep what they hold, and the next push lands."""
+    ranks, workers = lanes
+    on_all(ranks, "lanes_push")
+    before = ray.get([w.weight_sync_digests.remote() for w in workers], timeout=TIMEOUT)
+    on_all(ranks, "step")
+    refused = on_all(ranks, "lanes_push", 1)
+    assert all(kind == "ValueError" and "named versions" in why for kind, why in refused), refused
+    assert ray.get([w.weight_sync_digests.remote() for w in workers], timeout=TIMEOUT) == before
+    assert ray.get([w.weights_version.remote() for w in workers], timeout=TIMEOUT) == [1, 1]
+    assert [r.version for r in on_all(ranks, "lanes_push", 5)] == [5, 5]
+
+
+@pytest.mark.parametrize("lanes", [(False, True)], indirect=True)
+def test_a_worker_whose_model_does_not_fit_refuses_before_any_byte(
+    lanes: tuple[list, list],
+) -> None:
+    ranks, workers = lanes
+    before = ray.get([w.weight_sync_digests.remote() for w in workers], timeout=TIMEOUT)
+    (kind, why), (other, _) = on_all(ranks, "lanes_push")
+    assert kind == other == "PlanMismatchError", why
+    assert "worker 1: unknown tensor 'q_proj.weight'" in why  # rank 0 names the worker
+    assert ray.get([w.weight_sync_digests.remote() for w in workers], timeout=TIMEOUT) == before
+    assert ray.get([w.weights_version.remote() for w in workers], timeout=TIMEOUT) == [None, None]
+
+
+def test_a_sender_that_dies_is_named_and_no_worker_claims_the_version(
+    lanes: tuple[list, list],
+) -> None:
+    """Rank 1 dies once the senders agreed, before its lane moves a byte: rank 0's lane lands,
+    and rank 0 names rank 1 at once (a worker saw its store close); the workers hold no
+    version (half of every sharded tensor is new, half old)."""
+    ranks, workers = lanes
+    on_all(ranks, "lanes_push")
+    on_all(ranks, "step")
+    first, second = ranks[0].lanes_push.remote(), ranks[1].lanes_push.remote(die=True)
+    kind, why = ray.get(first, timeout=TIMEOUT)
+    assert kind == "SenderFailedError" and "trainer ranks [1]" in why, why
+    assert "its process is gone" in why
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(second, timeout=TIMEOUT)
+    assert ray.get([w.weights_version.remote() for w in workers], timeout=TIMEOUT) == [None, None]

@@ -1,0 +1,58 @@
+"""The rules the senders of a push from many senders settle it by (pure): when it is called off
+before any byte moves, and the verdict from every sender's report."""
+
+from __future__ import annotations
+
+import pytest
+
+from weight_sync.send.lanes import Share, called_off, judge, row_tensor
+
+A, B = (1, 2, 3, 4), (5, 6, 7, 8)  # two layout digests, as four words
+
+
+def row(refused: int = 0, proposal: int = 3, named: int = 0, digest: tuple = A) -> tuple:
+    return (refused, proposal, named, *digest)
+
+
+@pytest.mark.parametrize(
+    ("rows", "reason"),
+    [
+        ([row(), row(proposal=5)], None),  # goes ahead, at the highest proposal
+        ([row(named=7, proposal=7), row(named=7, proposal=7)], None),  # all name one version
+        ([row(), row(refused=1)], "trainer rank(s) [1] refused"),
+        ([row(), row(digest=B)], "state dicts differ"),
+        ([row(named=7, proposal=7), row()], "named versions [0, 7]"),  # one named, one not
+        ([row(named=2, proposal=5), row(named=2, proposal=5)], "named versions [2]"),  # stale
+    ],
+)
+def test_called_off_table(rows: list[tuple], reason: str | None) -> None:
+    got = called_off(rows)
+    assert (got is None) if reason is None else (got is not None and reason in got), got
+
+
+def test_a_share_proposes_past_its_own_version_and_names_its_digest() -> None:
+    values, digest = Share({}, None, None, 4).row(next_version=9)
+    assert values == [0, 9, 4] and digest == bytes(32)
+    values, _ = Share({}, None, ValueError("bad"), 0).row(next_version=2)
+    assert values == [1, 2, 0]
+    words = row_tensor([0, 1, 0], bytes(range(32))).tolist()[3:]
+    assert words[0] == int.from_bytes(bytes(range(8)), "little")
+
+
+@pytest.mark.parametrize(
+    ("reports", "failed"),
+    [
+        ({0: {"nbytes": 3, "buckets": 1, "wire": 3}, 1: {"nbytes": 5, "buckets": 2, "wire": 5}},
+         None),
+        ({0: {"nbytes": 3, "buckets": 1, "wire": 3}, 1: None}, [1]),  # never reported: dead
+        ({0: {"error": "WorkerFailedError: worker 1"}, 1: {"error": "x"}}, [0, 1]),
+    ],
+)  # fmt: skip
+def test_judge_table(reports: dict, failed: list[int] | None) -> None:
+    verdict = judge(reports)
+    if failed is None:
+        assert verdict == {"nbytes": 8, "buckets": 3, "wire": 8}
+    else:
+        assert verdict["senders"] == failed and "no member claims" in verdict["failed"]
+        if reports.get(1) is None:
+            assert "died or hung" in verdict["failed"]

@@ -1,0 +1,231 @@
+"""``LaneUpdater``: every rank of a sharded trainer pushing its own shards to Ray workers.
+
+The trainer actors of one sharded trainer (FSDP2 over their own torch.distributed group) each
+make a ``LaneUpdater`` over the same workers, and each calls ``push(model.state_dict())`` at the
+same point. Each sender pushes the blocks of its own shards over a lane of its own (an ordinary
+push over the store plane: see ``weight_sync.lanes``), and every worker runs one receive
+per lane at once, writing each block where it belongs (``WeightSyncWorker``'s
+``_weight_sync_lanes_*``). Around the lanes, as in a launched job (``weight_sync.torchrun``):
+
+* before any byte moves, the senders agree over a Gloo group of their own (each one's checks,
+  version and layout), and rank 0 has every worker check the layout against its model (one
+  Ray call each, the layout itself only when a worker lacks it); a refusal anywhere raises on
+  every sender;
+* rank 0 then starts each worker's receive (one Ray call per worker per push) and every sender
+  pushes its lane; each reports how its lane ended in rank 0's store, and rank 0 judges.
+
+The Ray glue stays thin: what a lane is and the verdict are ``weight_sync.lanes``', the
+agreement's rules ``send.lanes``'.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+import torch
+import torch.distributed as dist
+from ray.actor import ActorHandle
+from typing_extensions import Self
+
+from weight_sync.config import SyncConfig
+from weight_sync.deadline import Deadline
+from weight_sync.errors import PlanMismatchError, WeightSyncError, WorkerFailedError, first_line
+from weight_sync.lanes import VERDICTS, Outbound, Verdicts, push_share, share_endpoints
+from weight_sync.result import PushResult
+from weight_sync.send.checks import StateDict
+from weight_sync.send.lanes import called_off, row_tensor, share_of
+from weight_sync.transport.rendezvous import open_store
+
+logger = logging.getLogger(__name__)
+
+CPU = torch.device("cpu")
+
+
+class LaneUpdater:
+    """This trainer rank's end of pushes from every rank of a sharded trainer to ``workers``
+    (``WeightSyncWorker`` actors; the same list on every rank).
+
+    Made on every rank of ``group`` (the trainers' torch.distributed group, default: the default
+    group) at once: a collective. Its ranks ``0..n-1`` are the senders; the DTensors pushed must
+    lie on meshes of them (see docs/many-senders.md)."""
+
+    def __init__(
+        self,
+        workers: Sequence[ActorHandle],
+        config: SyncConfig | None = None,
+        *,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if config is not None and not isinstance(config, SyncConfig):
+            raise TypeError(f"config must be a SyncConfig, got {type(config).__name__}")
+        if not workers:
+            raise ValueError("a LaneUpdater needs at least one worker")
+        if not dist.is_initialized():
+            raise ValueError(
+                "a LaneUpdater needs the trainers' torch.distributed group; call "
+                "init_process_group in every trainer actor first"
+            )
+        config = config or SyncConfig()
+        # A group of its own rendezvous per lane (they form at once), every worker a rank of it.
+        self.config = config.model_copy(update={"group_mode": "standalone", "same_host": "group"})
+        self.rank, self.senders = dist.get_rank(group), dist.get_world_size(group)
+        self._workers = list(workers)
+        ranks = dist.get_process_group_ranks(group) if group is not None else None
+        timeout = datetime.timedelta(seconds=self.config.push_timeout_s)
+        self._control = dist.new_group(ranks, backend="gloo", timeout=timeout)
+        self._out = Outbound(self.config, len(self._workers))
+        self._endpoints = share_endpoints(self._out.address, self.senders, self._control, CPU)
+        store = open_store(*self._endpoints[0], 1, self.config.rendezvous_timeout_s, None)
+        self._verdicts = Verdicts(dist.PrefixStore(VERDICTS, store), self.senders)
+        self._pushes = 0
+        self._held: list[str | None] = [None] * len(self._workers)  # rank 0: layouts they hold
+        self._committed = 0
+        self._closed = False
+
+    @property
+    def version(self) -> int:
+        """The last version every lane committed on every worker (0: none yet)."""
+        return self._committed
+
+    def push(self, state_dict: StateDict, *, version: int | None = None) -> PushResult:
+        """Push this rank's shards of ``state_dict`` while every other trainer rank pushes its
+        own; returns once every worker holds every lane (``PushResult`` of the whole push).
+
+        Raises, on every rank: ``TypeError``/``ValueError`` for a state dict some rank refused
+        (nothing sent), ``PlanMismatchError`` where workers refused the layout (nothing sent),
+        ``SenderFailedError`` naming the trainer ranks whose lanes did not land, and on rank 0
+        ``WorkerFailedError`` naming workers whose receive failed."""
+        if self._closed:
+            raise WeightSyncError("this LaneUpdater is closed")
+        started = time.monotonic()
+        self._pushes += 1
+        options = {} if version is None else {"version": version}
+        share = share_of(state_dict, options, self.senders, self.rank, self.config)
+        values, digest = share.row(self._out.pusher.next_version)
+        rows = _gather(values, digest, self.senders, self._control)
+        reason = called_off(rows)
+        problems: dict[int, list[str]] = {}
+        if reason is None and self.rank == 0:
+            assert share.layout is not None
+            problems = self._check_workers(share.layout, started)
+        refused = _from_rank_0(int(bool(problems)), self._control)
+        if share.error is not None:
+            raise share.error
+        if reason is not None:
+            raise ValueError(f"{reason}; nothing was sent")
+        if refused:
+            raise PlanMismatchError(problems)  # by worker on rank 0; the others learn only that
+        assert share.layout is not None
+        if not share.layout.blocks:  # no tensor has an element: nothing moves, as one sender
+            logger.info("empty state dict: nothing to push (version stays %d)", self._committed)
+            return PushResult(self._committed, 0, 0, 0.0)
+        chosen = max(row[1] for row in rows)
+        calls: list[Any] = []
+        if self.rank == 0:
+            calls = [
+                worker._weight_sync_lanes_receive.remote(
+                    self._endpoints, slot, self._pushes, self.config.push_timeout_s
+                )
+                for slot, worker in enumerate(self._workers, start=1)
+            ]
+        try:
+            result = push_share(
+                self._out,
+                share,
+                chosen,
+                self._verdicts,
+                self._pushes,
+                self.rank,
+                started,
+                self.config.push_timeout_s,
+            )
+        except WeightSyncError as exc:
+            self._blame_workers(calls, exc, started)
+            raise
+        self._blame_workers(calls, None, started)
+        self._committed = result.version
+        return result
+
+    def close(self) -> None:
+        """Leave: the workers' lanes from this rank end. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._out.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_workers(self, layout: Any, started: float) -> dict[int, list[str]]:
+        """Rank 0: every worker checks the layout against its model (sent to those that do not
+        hold it). Returns each refusing worker's problems."""
+        deadline = Deadline(self.config.push_timeout_s, "the workers' layout checks", started)
+        calls = [
+            worker._weight_sync_lanes_check.remote(
+                None if held == layout.digest else layout.wire,
+                layout.digest,
+                self.config.max_metadata_bytes,
+            )
+            for worker, held in zip(self._workers, self._held, strict=True)
+        ]
+        try:
+            answers: list[list[str]] = ray.get(
+                calls, timeout=deadline.left(self.config.rpc_timeout_s)
+            )
+        except Exception as exc:
+            raise WorkerFailedError(
+                f"a worker did not answer the layout check ({first_line(exc)}); nothing was sent",
+                list(range(len(self._workers))),
+            ) from exc
+        self._held = [layout.digest if not problems else None for problems in answers]
+        return {index: list(problems) for index, problems in enumerate(answers) if problems}
+
+    def _blame_workers(self, calls: Sequence[Any], error: Exception | None, started: float) -> None:
+        """Rank 0: every worker's receive, within what the push has left; raises
+        ``WorkerFailedError`` naming those that died or raised (from ``error``, the senders'
+        verdict, where there was one)."""
+        if not calls:
+            return
+        deadline = Deadline(self.config.push_timeout_s + 5, "the workers' receives", started)
+        done, _ = ray.wait(list(calls), num_returns=len(calls), timeout=deadline.remaining())
+        failed: dict[int, str] = {}
+        for index, call in enumerate(calls):
+            if call not in done:
+                failed[index] = "did not finish its receive in time"
+                continue
+            try:
+                ray.get(call)
+            except Exception as exc:
+                failed[index] = first_line(exc)
+        if failed and error is None:
+            self._held = [None] * len(self._workers)
+            raise WorkerFailedError(
+                "workers did not hold the push: "
+                + "; ".join(f"worker {i}: {why}" for i, why in failed.items()),
+                sorted(failed),
+            )
+        if failed:
+            logger.info("push %d: workers %s failed too: %s", self._pushes, sorted(failed), failed)
+
+
+def _gather(
+    values: list[int], digest: bytes, senders: int, group: dist.ProcessGroup
+) -> list[tuple[int, ...]]:
+    """Every sender's row (``values`` and layout digest), on every sender (no pickle)."""
+    mine = row_tensor(values, digest)
+    rows = [torch.empty_like(mine) for _ in range(senders)]
+    dist.all_gather(rows, mine, group=group)
+    return [tuple(row.tolist()) for row in rows]
+
+
+def _from_rank_0(value: int, group: dist.ProcessGroup) -> int:
+    flag = torch.tensor([value], dtype=torch.int64)
+    dist.broadcast(flag, src=dist.get_global_rank(group, 0), group=group)
+    return int(flag)

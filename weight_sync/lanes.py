@@ -1,0 +1,462 @@
+"""Lanes: each sender's push carried by the store plane, and a member following several at once.
+
+A lane is one sender's ordinary push (``Pusher``) over the store plane: its commands in a store
+of its own (``Commands``), which each member reads in order (``Inbound``, driving a
+``StoreMember``). One sender is one lane (``JobSync``); a sharded trainer pushing from every
+rank is K lanes at once (docs/many-senders.md): ``push_share`` on each sender, ``Lanes`` on each
+member (a thread per lane, blocks placed by a ``receive.assembly.Assembly``), and ``Verdicts``
+after -- every sender reports how its lane ended in rank 0's store, rank 0 judges, and a member
+that saw a sender's store close reports for it, so the verdict comes at once. A member holds a
+version only once every lane committed it there.
+
+What each sender sends and when a push is called off are ``send.lanes``' (pure but for DTensor
+reading); this module is the running half, above the protocol and the receiver, beside
+``store_plane``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from weight_sync.blocks import BlockLayout
+from weight_sync.config import SyncConfig
+from weight_sync.deadline import Deadline
+from weight_sync.errors import (
+    PlanMismatchError,
+    SenderFailedError,
+    SyncTimeoutError,
+    TransportError,
+    WeightSyncError,
+    first_line,
+)
+from weight_sync.protocol import Pusher
+from weight_sync.receive.assembly import Assembly, agreed
+from weight_sync.receiver import Loader, Receiver, expecting
+from weight_sync.result import PushResult
+from weight_sync.send.checks import StateDict
+from weight_sync.send.lanes import Share, judge
+from weight_sync.store_plane import MAX_REPLY_CHARS, PREFIX, ClientPlane, StoreMember
+from weight_sync.transport.rendezvous import open_store
+
+logger = logging.getLogger(__name__)
+
+COMMAND = "cmd/"  # + sequence number: the n-th step a sender asked of its members
+CLOSE = "close"
+VERDICTS = "lanes/"  # + push/sender: how each lane ended; + push/verdict: rank 0's verdict
+LONGEST_WAIT_S = 86400.0  # one store wait; a longer deadline waits again
+_LINGER_S = 1.0  # a sender keeps its store this long after posting close
+_ENDPOINT_BYTES = 256  # a sender's store address, as JSON, in one fixed-size all-gather
+
+
+class Outbound:
+    """A sender's lane: its commands in a store of its own, which its receiving ranks read,
+    and the ``Pusher`` of its pushes."""
+
+    def __init__(self, config: SyncConfig, receivers: int) -> None:
+        self.commands = Commands()
+        self.plane = ClientPlane(self.commands, receivers, config)
+        self.commands.plane = self.plane
+        self.pusher = Pusher(self.plane, config)
+        self._pushes = 0
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """Where its members dial its store."""
+        return self.plane.address
+
+    def push(self, state_dict: StateDict, options: Mapping[str, Any]) -> PushResult:
+        """One push, framed by ``begin`` and ``end`` commands whatever happens between: a member
+        ends its receive with the push, and skips what is left of one it gave up on."""
+        self._pushes += 1
+        frame = {"push": self._pushes}
+        self.commands.post("begin", frame)
+        try:
+            result = self.pusher.push(state_dict, **options)
+        except BaseException as exc:
+            self.commands.post("end", {**frame, "error": first_line(exc)})
+            raise
+        self.commands.post("end", {**frame, "version": result.version})
+        return result
+
+    def close(self) -> None:
+        try:
+            self.pusher.close()
+            self.commands.post(CLOSE, {})
+        except Exception as exc:  # leaving must not fail over a peer already gone
+            logger.warning("closing a lane: %s", exc)
+        finally:
+            # The store lingers a moment: ranks polling read the close, not its absence.
+            timer = threading.Timer(_LINGER_S, self.plane.close)
+            timer.daemon = True
+            timer.start()
+
+
+class Commands:
+    """A sender's ``Client``: each call of a push becomes the next command in its store, which
+    each of its members reads in order; their answers come back through ``ClientPlane``'s
+    mailbox. Posted through the plane itself, so that commands and the protocol's messages keep
+    one order; the plane calls a client from several threads, hence the lock."""
+
+    def __init__(self) -> None:
+        self.plane: ClientPlane | None = None  # the plane this client serves: set once it exists
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def post(self, op: str, arg: dict[str, Any]) -> None:
+        assert self.plane is not None, "the plane comes first"
+        with self._lock:
+            self.plane.post(f"{COMMAND}{self._next}", json.dumps({"op": op, "arg": arg}))
+            self._next += 1
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.post(
+            "init",
+            {
+                k: init_info[k]
+                for k in ("address", "port", "epoch", "timeout_s", "max_metadata_bytes")
+            },
+        )
+
+    def start_weight_update(self) -> None:
+        self.post("start", {})
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.post("update", {"version": int(update_info["version"])})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.post("finish", {})
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.post("shutdown", {})
+
+
+class Verdicts:
+    """How the lanes of each push ended, in rank 0's store (``store``: a prefix of it): every
+    sender reports its own, rank 0 judges them all and posts the verdict, which the others read.
+    Bounded by the push's deadline; a sender that never reports is named as dead or hung."""
+
+    def __init__(self, store: Any, senders: int) -> None:
+        self._store = store
+        self._senders = senders
+
+    def settle(
+        self,
+        push: int,
+        sender: int,
+        outcome: dict[str, Any],
+        deadline: Deadline,
+    ) -> dict[str, Any]:
+        """Report ``outcome`` (``{"error": ...}``, or the lane's nbytes, buckets and wire
+        bytes), then the verdict: judged here on rank 0, read elsewhere. Raises
+        ``SenderFailedError`` when a lane did not land; else returns every lane's sums."""
+        self._store.set(f"{push}/{sender}", json.dumps(outcome))
+        if sender == 0:
+            keys = [f"{push}/{rank}" for rank in range(self._senders)]
+            try:
+                self._store.wait(keys, _left(deadline))
+            except dist.DistStoreError:
+                pass  # named below as never having reported
+            reports = {
+                rank: json.loads(self._store.get(key)) if self._store.check([key]) else None
+                for rank, key in enumerate(keys)
+            }
+            verdict = judge(reports)
+            self._store.set(f"{push}/verdict", json.dumps(verdict))
+        else:
+            verdict = self._wait(f"{push}/verdict", deadline)
+        if "failed" in verdict:
+            raise SenderFailedError(verdict["failed"], verdict["senders"])
+        return verdict
+
+    def report_for(self, push: int, sender: int, why: str) -> None:
+        """A member saw ``sender``'s store close mid-push: its process is gone and will never
+        report. Said for it (unless it reported first), so that rank 0's verdict comes now
+        rather than at the push's deadline."""
+        try:
+            self._store.compare_set(f"{push}/{sender}", "", json.dumps({"error": why}))
+        except RuntimeError as exc:  # rank 0 is gone too: nobody to tell
+            logger.debug("cannot report sender %d's death: %s", sender, exc)
+
+    def _wait(self, key: str, deadline: Deadline) -> dict[str, Any]:
+        try:
+            self._store.wait([key], _left(deadline))
+        except dist.DistStoreError as exc:
+            raise SyncTimeoutError(f"rank 0 gave no verdict ({key}) in time") from exc
+        except RuntimeError as exc:
+            raise SenderFailedError(
+                f"rank 0 died or left before its verdict ({first_line(exc)}); no member "
+                "claims the push",
+                [0],
+            ) from exc
+        return dict(json.loads(self._store.get(key)))
+
+
+def push_share(
+    lane: Outbound,
+    share: Share,
+    version: int,
+    verdicts: Verdicts,
+    push: int,
+    sender: int,
+    started: float,
+    timeout_s: float,
+) -> PushResult:
+    """Push this sender's lane (none, where the layout gives it no block) and settle the push
+    with the other senders. Returns the push's result (every lane's bytes), or raises: this
+    lane's own error where it failed, else ``SenderFailedError`` naming the lanes that did."""
+    deadline = Deadline(timeout_s, "the senders' reports", started)
+    assert share.layout is not None and share.layout.blocks, "an empty push moves nothing"
+    result = PushResult(version, 0, 0, 0.0)
+    if share.lane:
+        try:
+            result = lane.push(share.lane, {"version": version})
+        except Exception as exc:
+            try:
+                verdicts.settle(push, sender, {"error": first_line(exc)}, deadline)
+            except SenderFailedError as others:  # this lane's own error says more
+                logger.debug("push %d failed: %s", push, others)
+            raise
+    landed = {"nbytes": result.nbytes, "buckets": result.buckets, "wire": result.wire_bytes}
+    sums = verdicts.settle(push, sender, landed, deadline)
+    return dataclasses.replace(
+        result,
+        nbytes=sums["nbytes"],
+        buckets=sums["buckets"],
+        wire_bytes=sums["wire"],
+        seconds=time.monotonic() - started,
+    )
+
+
+def share_endpoints(
+    endpoint: tuple[str, int] | None,
+    senders: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> list[tuple[str, int]]:
+    """The senders' store addresses, on every rank of ``group`` (its ranks ``0..senders-1``
+    being the senders): each rank gives its own (a sender) or None, all gathered (no pickle: JSON
+    in byte tensors of fixed size, on ``device``, which the group's backend takes)."""
+    mine = torch.zeros(_ENDPOINT_BYTES, dtype=torch.uint8, device=device)
+    if endpoint is not None:
+        raw = json.dumps(list(endpoint)).encode()
+        mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, mine, group=group)
+    endpoints = []
+    for row in rows[:senders]:
+        address, port = json.loads(bytes(row.cpu().tolist()).rstrip(b"\0").decode())
+        endpoints.append((str(address), int(port)))
+    return endpoints
+
+
+class Lanes:
+    """A member's lanes from ``endpoints`` (each sender's store, in sender order), as member
+    ``slot`` (1-based) of each."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[tuple[str, int]],
+        slot: int,
+        device: Callable[[], torch.device],
+        timeout_s: float,
+    ) -> None:
+        """``timeout_s`` bounds dialling each sender's store."""
+        self.endpoints = list(endpoints)
+        self.inbound = [
+            Inbound(address, port, slot, device, timeout_s) for address, port in endpoints
+        ]
+        self.verdicts = Verdicts(
+            dist.PrefixStore(VERDICTS, self.inbound[0].raw_store), len(endpoints)
+        )
+        self.held: int | None = None  # the version every lane committed here
+        self.layout: BlockLayout | None = None  # the last layout this member took
+
+    def receive(self, assembly: Assembly, push: int, wait_s: float, member: str) -> int | None:
+        """Push ``push`` on every lane the layout gives blocks to, each on a thread of its own,
+        landing where ``assembly`` says. Returns the version every lane committed, or raises:
+        the lanes' common error (a refusal, a push called off), else ``SenderFailedError``
+        naming the senders whose lanes did not commit here (``member`` names this one). A
+        layout with no block (no tensor has an element) moves nothing: the version stays."""
+        active = {s: lane for s, lane in enumerate(self.inbound) if assembly.layout.sent_by(s)}
+        if not active:  # no tensor has an element: nothing moves, the version stays
+            return self.held
+        for sender, lane in active.items():
+            lane.member.retarget(
+                assembly.check(sender),
+                functools.partial(_loader, assembly, sender),
+                functools.partial(assembly.destinations, sender),
+            )
+        self.held = None  # from the first byte: the lanes land apart
+        with ThreadPoolExecutor(len(active), thread_name_prefix="weight-sync-lane") as pool:
+            calls = {s: pool.submit(lane.receive, wait_s) for s, lane in active.items()}
+            outcomes = {s: _outcome(call) for s, call in calls.items()}
+        failed = {s: error for s, (_, error) in outcomes.items() if error is not None}
+        for sender, error in failed.items():
+            if sender and self.inbound[sender].sender_gone:
+                why = f"its process is gone (its store closed on {member}: {first_line(error)})"
+                self.verdicts.report_for(push, sender, why)
+        if failed:
+            assembly.forget()
+            if len(failed) == len(outcomes) and len({str(e) for e in failed.values()}) == 1:
+                raise next(iter(failed.values()))  # the same on every lane: refused, called off
+            raise SenderFailedError(
+                f"{member} holds no version: the lanes of trainer ranks {sorted(failed)} did not "
+                "commit here -- "
+                + "; ".join(f"rank {s}: {first_line(e)}" for s, e in failed.items()),
+                sorted(failed),
+            )
+        versions = [version for version, _ in outcomes.values()]
+        self.held = agreed(versions)
+        if self.held is None:
+            raise SenderFailedError(f"the lanes committed different versions: {versions}")
+        return self.held
+
+    def close(self) -> None:
+        for lane in self.inbound:
+            lane.member.shutdown()
+
+
+class Inbound:
+    """A receiving rank's lane from one sender: that sender's commands, read in order, and the
+    ``Receiver`` that takes its pushes."""
+
+    def __init__(
+        self,
+        address: str,
+        port: int,
+        slot: int,
+        device: Callable[[], torch.device],
+        timeout_s: float,
+    ) -> None:
+        self.slot = slot
+        self.raw_store = open_store(address, port, 1, timeout_s, None)
+        self.store = dist.PrefixStore(PREFIX, self.raw_store)
+        self.sender_gone = False  # its store closed: the sender's process died or left
+        self.member = StoreMember(Receiver(device), expecting(lambda: None), lambda: Loader(_unset))
+        self._next = 0  # the next command's number
+
+    def receive(self, wait_s: float) -> int:
+        """Take one push of this lane: wait at most ``wait_s`` for it to begin and as long
+        again, between steps, for it to end; its version once committed here, else raises."""
+        deadline = Deadline(wait_s, "waiting for the sender's push")
+        began = False
+        committed: int | None = None
+        failure: WeightSyncError | None = None
+        while True:
+            op, arg = self._command(deadline, failure)
+            if op == CLOSE:
+                raise WeightSyncError("the sender closed its end: no more pushes will come")
+            if not began:  # steps left of a push this rank gave up on are skipped
+                if op == "begin":
+                    began, deadline = True, Deadline(wait_s, "the sender's push")
+                continue
+            if op == "end":
+                return self._ended(arg, committed, failure)
+            try:
+                committed = self._step(op, arg) or committed
+            except Exception as exc:  # answered to the sender already; its verdict follows
+                failure = (
+                    exc
+                    if isinstance(exc, WeightSyncError)
+                    else TransportError(f"member {self.slot}: {op} failed: {first_line(exc)}")
+                )
+
+    def _step(self, op: str, arg: dict[str, Any]) -> int | None:
+        """Run one step of the sender's push; returns the version when it committed here."""
+        member = self.member
+        if op == "init":
+            member.init(**arg, slot=self.slot)
+        elif op == "start":
+            member.start()
+        elif op == "update":
+            member.receive(int(arg["version"]))
+        elif op == "finish":
+            version = member.pushing
+            if member.finish():
+                return version
+        elif op == "shutdown":
+            member.shutdown()
+        return None
+
+    def _ended(
+        self, arg: dict[str, Any], committed: int | None, failure: WeightSyncError | None
+    ) -> int:
+        """The push is over on the sender: ``arg`` says how it ended there."""
+        member = self.member
+        if member.pushing is not None:  # no verdict reached this rank: drop what it prepared
+            member.receiver.cancel(member.pushing)
+            member.pushing = None
+        if committed is not None:  # this rank holds it, whatever failed elsewhere afterwards
+            return committed
+        if member.prepared is not None and not member.prepared.accepted:
+            raise PlanMismatchError({self.slot - 1: member.prepared.problems})
+        if failure is not None:
+            raise failure
+        raise WeightSyncError(
+            f"the sender's push was called off ({arg.get('error', 'see its error')}); nothing "
+            "committed here"
+        )
+
+    def _command(
+        self, deadline: Deadline, failure: WeightSyncError | None
+    ) -> tuple[str, dict[str, Any]]:
+        """The next step the sender asks for, waiting within ``deadline``.
+
+        One blocking ``TCPStore.wait`` rather than a poll: the store answers the moment the
+        sender posts the key (about 0.2 ms on a loaded 2-core VM; a poll's pause was 2-50 ms per
+        step of every push), and a dead sender closes the connection, which ends the wait at
+        once. It is not sliced: each wait that times out makes c10d log two warnings, so only
+        the last one, at the deadline, may."""
+        key = f"{COMMAND}{self._next}"
+        while True:
+            wait = datetime.timedelta(seconds=deadline.left(LONGEST_WAIT_S))  # raises once spent
+            try:
+                self.store.wait([key], wait)
+                raw = self.store.get(key).decode()
+                break
+            except dist.DistStoreError:
+                continue  # timed out: the next ``left`` raises if the deadline is spent
+            except RuntimeError as exc:  # DistNetworkError: the store's process is gone
+                self.sender_gone = True
+                if failure is not None:
+                    raise failure from None  # what this rank saw first: the sender left mid-push
+                raise TransportError(
+                    f"the sender's store stopped answering ({first_line(exc)}); it died or left "
+                    "-- check it"
+                ) from exc
+        self._next += 1
+        if len(raw) > MAX_REPLY_CHARS:
+            raise WeightSyncError(f"a command of {len(raw)} bytes exceeds {MAX_REPLY_CHARS}")
+        command = json.loads(raw)
+        return str(command["op"]), dict(command["arg"])
+
+
+def _loader(assembly: Assembly, sender: int) -> Loader:
+    return Loader(assembly.loader(sender))
+
+
+def _outcome(call: Future[int]) -> tuple[int | None, BaseException | None]:
+    try:
+        return call.result(), None
+    except Exception as exc:
+        return None, exc
+
+
+def _unset(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    raise AssertionError("a lane's target is set before any push")
+
+
+def _left(deadline: Deadline) -> datetime.timedelta:
+    return datetime.timedelta(seconds=deadline.left(LONGEST_WAIT_S))
