@@ -13,6 +13,8 @@ Scenarios:
 * ``refuse`` -- first the senders push a state dict one of them refuses itself, then a receiver
   with a layer of another shape refuses the layout: both before any byte moves, everywhere;
   then the right model and two pushes land;
+* ``rename`` -- the receivers' models name every tensor ``inner.<the trainer's name>``: the
+  senders push with ``rename``;
 * ``kill_sender`` -- sender 1 dies in the middle of the second push (once a receiver has put
   a first tensor together, every lane had begun): no receiving rank may claim version 2, and
   rank 0's error names rank 1.
@@ -67,7 +69,7 @@ def full_digests(model: torch.nn.Module) -> dict[str, str]:
 def run(scenario: str, senders: int, out: Path, device: str = "cpu") -> None:
     """``device``: where the senders train ("cuda": sender r on GPU r, FSDP2 over NCCL; the
     receiving ranks stay on the host)."""
-    big = scenario == "kill_sender"
+    big, renamed = scenario == "kill_sender", scenario == "rename"
     config = SyncConfig(push_timeout_s=TIMEOUT_S, bucket_bytes=1 << 20)
     sync = JobSync(config, senders=senders)
     rank, world = sync.rank, sync.world_size
@@ -102,9 +104,13 @@ def run(scenario: str, senders: int, out: Path, device: str = "cpu") -> None:
             _die_once(landed)
         started = time.monotonic()
         try:
-            if loads:  # in the second push of kill_sender, says when a first tensor is whole
+            if renamed and sync.is_sender:  # the receivers' names: the trainer's, under "inner."
+                version = sync.push(model.state_dict(), rename=lambda n: f"inner.{n}").version
+            elif loads:  # in the second push of kill_sender, says when a first tensor is whole
                 marker = landed if big and step == 1 else None
                 version = sync.receive(load_weights=_load_and_say(loaded, marker))
+            elif renamed:
+                version = sync.receive(_Wrapper(model))
             else:
                 version = sync.update(model)
             record["versions"].append(version)
@@ -119,9 +125,8 @@ def run(scenario: str, senders: int, out: Path, device: str = "cpu") -> None:
             if sync.is_sender:
                 record["digests"].append(full_digests(model))
             else:
-                record["digests"].append(
-                    state_dict_digests(loaded if loads else model.state_dict())
-                )
+                held = {k.removeprefix("inner."): t for k, t in loaded.items()} if loads else None
+                record["digests"].append(state_dict_digests(held or model.state_dict()))
         if big and not sync.is_sender:
             record.setdefault("at", {})[str(version)] = state_dict_digests(
                 loaded if loads else model.state_dict()
@@ -150,6 +155,14 @@ def _refusals(sync: JobSync, model: torch.nn.Module, record: dict[str, Any]) -> 
         except (TypeError, ValueError, WeightSyncError) as exc:
             record.setdefault("refused", []).append(f"{type(exc).__name__}: {exc}")
     record["after_refusals"] = sync.version
+
+
+class _Wrapper(torch.nn.Module):
+    """A receiver's model whose names are the trainer's under ``inner.``."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
 
 
 def _die_once(landed: Path) -> None:

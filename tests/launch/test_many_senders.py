@@ -54,6 +54,15 @@ def test_two_senders_to_two_receivers(tmp_path: Path) -> None:
     _assert_steps(_reports(tmp_path, range(4)))
 
 
+def test_renamed_to_the_receivers_names(tmp_path: Path) -> None:
+    """``push(..., rename=...)`` on every sender: the layout and every lane speak the receivers'
+    names (a rank loading by name included)."""
+    context = _spawn("rename", tmp_path, senders=2, world_size=4)
+    _join_all(context, LAUNCH_S)
+    assert [p.exitcode for p in context.processes] == [0] * 4
+    _assert_steps(_reports(tmp_path, range(4)))
+
+
 def test_the_fsdp_example_under_torchrun_three_senders() -> None:
     """``examples/fsdp_many_senders.py`` as a user runs it: FSDP2 over three ranks, Adam steps,
     every rank pushing its shards; the serving ranks hold the trainer's gathered model."""

@@ -37,7 +37,7 @@ from weight_sync.deadline import Deadline
 from weight_sync.errors import PlanMismatchError, WeightSyncError, WorkerFailedError, first_line
 from weight_sync.lanes import VERDICTS, Outbound, Verdicts, push_share, share_endpoints
 from weight_sync.result import PushResult
-from weight_sync.send.checks import StateDict
+from weight_sync.send.checks import Rename, StateDict
 from weight_sync.send.lanes import called_off, row_tensor, share_of
 from weight_sync.transport.rendezvous import open_store
 
@@ -92,9 +92,16 @@ class LaneUpdater:
         """The last version every lane committed on every worker (0: none yet)."""
         return self._committed
 
-    def push(self, state_dict: StateDict, *, version: int | None = None) -> PushResult:
+    def push(
+        self,
+        state_dict: StateDict,
+        *,
+        rename: Rename | None = None,
+        version: int | None = None,
+    ) -> PushResult:
         """Push this rank's shards of ``state_dict`` while every other trainer rank pushes its
         own; returns once every worker holds every lane (``PushResult`` of the whole push).
+        ``rename`` and ``version`` as ``WeightUpdater.push`` (the same on every rank).
 
         Raises, on every rank: ``TypeError``/``ValueError`` for a state dict some rank refused
         (nothing sent), ``PlanMismatchError`` where workers refused the layout (nothing sent),
@@ -104,7 +111,11 @@ class LaneUpdater:
             raise WeightSyncError("this LaneUpdater is closed")
         started = time.monotonic()
         self._pushes += 1
-        options = {} if version is None else {"version": version}
+        options = {
+            key: value
+            for key, value in (("rename", rename), ("version", version))
+            if value is not None
+        }
         share = share_of(state_dict, options, self.senders, self.rank, self.config)
         values, digest = share.row(self._out.pusher.next_version)
         rows = _gather(values, digest, self.senders, self._control)

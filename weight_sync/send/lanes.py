@@ -23,6 +23,7 @@ import torch
 
 from weight_sync.blocks import REPLICATE, BlockLayout, Placement, Shard, Spread, assign
 from weight_sync.config import SyncConfig
+from weight_sync.mapping import rename as renaming
 from weight_sync.metadata import TensorMeta
 from weight_sync.send.checks import StateDict, check_state_dict, is_dtensor
 from weight_sync.versions import check_version
@@ -111,17 +112,23 @@ def share_of(
 ) -> Share:
     """``sender``'s share of a push of ``state_dict`` by ``senders`` senders (the ranks
     ``0..senders-1`` of the trainers' group), checked as a push checks a state dict; a caller's
-    mistake is kept in ``Share.error``, to raise once every sender agreed to call it off."""
+    mistake is kept in ``Share.error``, to raise once every sender agreed to call it off.
+    ``options``: ``version``, and ``rename`` (name -> the workers' name, None drops it), applied
+    before the layout, so that every lane and every member speak the workers' names."""
     named = options.get("version")
     try:
-        unknown = set(options) - {"version"}
+        unknown = set(options) - {"version", "rename"}
         if unknown:
             raise ValueError(
-                f"a push from many senders takes no {sorted(unknown)} yet: it sends the "
-                "blocks of every tensor as named in the state dict"
+                f"a push from many senders takes no {sorted(unknown)} yet: it sends blocks, "
+                "which a transform of whole tensors or a partial push cannot be made of"
             )
         check_version(named)
-        entries = list(state_dict.items() if isinstance(state_dict, Mapping) else state_dict)
+        items = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
+        rename = options.get("rename")
+        entries = list(renaming(rename)(items) if rename is not None else items)
+        if len({name for name, _ in entries}) != len(entries):
+            raise ValueError("two tensors of the state dict end up under one name (rename)")
         layout = layout_of(entries, range(senders))
         if len(layout.wire) > config.max_metadata_bytes:
             raise ValueError(
