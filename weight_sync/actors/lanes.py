@@ -121,15 +121,24 @@ class LaneUpdater:
         rows = _gather(values, digest, self.senders, self._control)
         reason = called_off(rows)
         problems: dict[int, list[str]] = {}
+        unchecked: WeightSyncError | None = None  # rank 0 could not ask every worker
         if reason is None and self.rank == 0:
             assert share.layout is not None
-            problems = self._check_workers(share.layout, started)
-        refused = _from_rank_0(int(bool(problems)), self._control)
+            try:
+                problems = self._check_workers(share.layout, started)
+            except WeightSyncError as exc:  # raised below, once every sender has the word
+                unchecked = exc
+        word = _from_rank_0(int(bool(problems)) | 2 * int(unchecked is not None), self._control)
         if share.error is not None:
             raise share.error
         if reason is not None:
             raise ValueError(f"{reason}; nothing was sent")
-        if refused:
+        if unchecked is not None:
+            raise unchecked
+        if word & 2:
+            raise WeightSyncError("rank 0 could not check the layout with every worker (see its "
+                                  "error); nothing was sent")  # fmt: skip
+        if word:
             raise PlanMismatchError(problems)  # by worker on rank 0; the others learn only that
         assert share.layout is not None
         if not share.layout.blocks:  # no tensor has an element: nothing moves, as one sender

@@ -137,7 +137,7 @@ def share_of(
             )
         lane = lane_of(entries, layout, sender)
         check_state_dict(lane, config)
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # raised once the senders agreed: none may skip a collective
         return Share({}, None, exc, 0)
     return Share(lane, layout, None, named or 0)
 
