@@ -49,10 +49,12 @@ def main() -> None:
     args = parser.parse_args()
     model = build_model()
     with JobSync(SyncConfig(push_timeout_s=120), senders=args.senders) as sync:
-        mesh = DeviceMesh("cpu", list(range(args.senders)))  # every rank: new_group is collective
+        # The trainer ranks' group: every rank makes it (new_group is collective over the job),
+        # only they build a mesh on it (on GPUs: DeviceMesh.from_group(trainers, "cuda")).
+        trainers = dist.new_group(list(range(args.senders)))
         optimizer = None
         if sync.is_sender:
-            fully_shard(model, mesh=mesh)
+            fully_shard(model, mesh=DeviceMesh.from_group(trainers, "cpu"))
             optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
         for step in range(args.steps):
             if optimizer is not None:

@@ -46,7 +46,7 @@ from weight_sync.receive.assembly import Assembly, agreed
 from weight_sync.receiver import Loader, Receiver, expecting
 from weight_sync.result import PushResult
 from weight_sync.send.checks import StateDict
-from weight_sync.send.lanes import Share, judge
+from weight_sync.send.lanes import Share, judge, row_tensor
 from weight_sync.store_plane import MAX_REPLY_CHARS, PREFIX, ClientPlane, StoreMember
 from weight_sync.transport.rendezvous import open_store
 
@@ -237,6 +237,22 @@ def push_share(
         wire_bytes=sums["wire"],
         seconds=time.monotonic() - started,
     )
+
+
+def gather_rows(
+    values: list[int], digest: bytes, group: dist.ProcessGroup
+) -> list[tuple[int, ...]]:
+    """Every rank's row of an agreement (``values``, then a layout digest), on every rank of
+    ``group`` (a Gloo group; fixed size, no pickle). ``TransportError`` if a rank is gone."""
+    mine = row_tensor(values, digest)
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    try:
+        dist.all_gather(rows, mine, group=group)
+    except RuntimeError as exc:  # Gloo: a rank died or left
+        raise TransportError(
+            f"a rank left before the push began ({first_line(exc)}); nothing was sent"
+        ) from exc
+    return [tuple(row.tolist()) for row in rows]
 
 
 def share_endpoints(

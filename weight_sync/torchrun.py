@@ -60,12 +60,20 @@ from weight_sync.errors import (
     WeightSyncError,
     first_line,
 )
-from weight_sync.lanes import VERDICTS, Lanes, Outbound, Verdicts, push_share, share_endpoints
+from weight_sync.lanes import (
+    VERDICTS,
+    Lanes,
+    Outbound,
+    Verdicts,
+    gather_rows,
+    push_share,
+    share_endpoints,
+)
 from weight_sync.receive.assembly import Assembly
 from weight_sync.receiver import Loader, expecting
 from weight_sync.result import PushResult
 from weight_sync.send.checks import StateDict
-from weight_sync.send.lanes import Share, called_off, row_tensor, share_of
+from weight_sync.send.lanes import Share, called_off, share_of
 from weight_sync.send.sharded import control_device
 from weight_sync.transport.rendezvous import open_store
 
@@ -388,11 +396,8 @@ class JobSync:
         return any(row[3:] != rows[0][3:] for row in rows[self.senders :])
 
     def _gather(self, values: list[int], digest: bytes) -> list[tuple[int, ...]]:
-        """Every rank's ``values`` and layout digest, on every rank (fixed size: no pickle)."""
-        mine = row_tensor(values, digest)
-        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
-        self._collective(lambda: dist.all_gather(rows, mine, group=self._control))
-        return [tuple(row.tolist()) for row in rows]
+        assert self._control is not None
+        return gather_rows(values, digest, self._control)
 
     def _gather_refusals(self, problems: list[str]) -> list[int]:
         """The receiving ranks that refused the layout (this one, if ``problems``)."""

@@ -74,18 +74,19 @@ def run(scenario: str, senders: int, out: Path, device: str = "cpu") -> None:
     sync = JobSync(config, senders=senders)
     rank, world = sync.rank, sync.world_size
     loads = rank == world - 1  # this receiver takes whole tensors through load_weights
-    # Every rank makes the mesh (new_group is collective over the job); the senders use it.
-    mesh = DeviceMesh(device, list(range(senders)))
     model = make_model(big)
     record: dict[str, Any] = {"rank": rank, "versions": [], "errors": [], "digests": []}
     where = (
         torch.device(device, rank) if device == "cuda" and sync.is_sender else torch.device("cpu")
     )
+    if where.type == "cuda":
+        torch.cuda.set_device(where)
+    # The senders' group: new_group is collective over the job, so every rank makes it; only
+    # the senders build a mesh on it (DeviceMesh(...) would pick a GPU on every rank).
+    trainers = dist.new_group(list(range(senders)))
     if sync.is_sender:
-        if where.type == "cuda":
-            torch.cuda.set_device(where)
         model.to(where)
-        fully_shard(model, mesh=mesh)
+        fully_shard(model, mesh=DeviceMesh.from_group(trainers, device))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     if scenario == "refuse":
         _refusals(sync, model, record)
@@ -200,7 +201,11 @@ def spawned(
     backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"file://{store}", rank=index,
                             world_size=world_size)  # fmt: skip
-    run(scenario, senders, Path(out), device)
+    try:
+        run(scenario, senders, Path(out), device)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from weight_sync.send.lanes import Share, called_off, judge, row_tensor
+from weight_sync.send.sharded import takes_host_tensors
 
 A, B = (1, 2, 3, 4), (5, 6, 7, 8)  # two layout digests, as four words
 
@@ -56,3 +57,16 @@ def test_judge_table(reports: dict, failed: list[int] | None) -> None:
         assert verdict["senders"] == failed and "no member claims" in verdict["failed"]
         if reports.get(1) is None:
             assert "died or hung" in verdict["failed"]
+
+
+@pytest.mark.parametrize(
+    ("config", "host"),
+    [("cpu:gloo,cuda:nccl", True), ("cpu:gloo,cuda:gloo", True), ("cuda:nccl", False),
+     ("nccl", False), ("gloo", True), ("cuda:nccl-legacy", False)],
+)  # fmt: skip
+def test_control_tensors_live_on_the_host_wherever_the_group_takes_them(
+    config: str, host: bool
+) -> None:
+    """A job's default group of "cpu:gloo,cuda:nccl" holds its control collectives on the host
+    (a receiving rank may have no GPU); a group of NCCL alone, under any name, on the GPU."""
+    assert takes_host_tensors(config) is host

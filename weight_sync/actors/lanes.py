@@ -35,10 +35,17 @@ from typing_extensions import Self
 from weight_sync.config import SyncConfig
 from weight_sync.deadline import Deadline
 from weight_sync.errors import PlanMismatchError, WeightSyncError, WorkerFailedError, first_line
-from weight_sync.lanes import VERDICTS, Outbound, Verdicts, push_share, share_endpoints
+from weight_sync.lanes import (
+    VERDICTS,
+    Outbound,
+    Verdicts,
+    gather_rows,
+    push_share,
+    share_endpoints,
+)
 from weight_sync.result import PushResult
 from weight_sync.send.checks import Rename, StateDict
-from weight_sync.send.lanes import called_off, row_tensor, share_of
+from weight_sync.send.lanes import called_off, share_of
 from weight_sync.transport.rendezvous import open_store
 
 logger = logging.getLogger(__name__)
@@ -118,7 +125,7 @@ class LaneUpdater:
         }
         share = share_of(state_dict, options, self.senders, self.rank, self.config)
         values, digest = share.row(self._out.pusher.next_version)
-        rows = _gather(values, digest, self.senders, self._control)
+        rows = gather_rows(values, digest, self._control)
         reason = called_off(rows)
         problems: dict[int, list[str]] = {}
         unchecked: WeightSyncError | None = None  # rank 0 could not ask every worker
@@ -233,16 +240,6 @@ class LaneUpdater:
             )
         if failed:
             logger.info("push %d: workers %s failed too: %s", self._pushes, sorted(failed), failed)
-
-
-def _gather(
-    values: list[int], digest: bytes, senders: int, group: dist.ProcessGroup
-) -> list[tuple[int, ...]]:
-    """Every sender's row (``values`` and layout digest), on every sender (no pickle)."""
-    mine = row_tensor(values, digest)
-    rows = [torch.empty_like(mine) for _ in range(senders)]
-    dist.all_gather(rows, mine, group=group)
-    return [tuple(row.tolist()) for row in rows]
 
 
 def _from_rank_0(value: int, group: dist.ProcessGroup) -> int:

@@ -248,6 +248,18 @@ def _gather(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def control_device(group: dist.ProcessGroup | None) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """Where the small tensors of ``group``'s control collectives live: the host wherever the
+    group has a backend for it (Gloo; ``cpu:gloo,cuda:nccl`` included), else this thread's
+    GPU (a group of NCCL alone, under whatever name: ``nccl``, ``cuda:nccl``)."""
+    if takes_host_tensors(dist.get_backend_config(group)):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def takes_host_tensors(backend_config: str) -> bool:
+    """Whether a group of this backend config (``dist.get_backend_config``: ``device:backend``
+    pairs, e.g. ``cpu:gloo,cuda:nccl``, or one backend's name) has a backend for host tensors."""
+    pairs = [part.split(":", 1) for part in backend_config.split(",") if part]
+    if all(len(pair) == 1 for pair in pairs):  # a bare name: NCCL takes GPU tensors only
+        return "nccl" not in backend_config
+    return any(len(pair) == 2 and pair[0] == "cpu" for pair in pairs)
