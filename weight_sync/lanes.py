@@ -246,13 +246,19 @@ def gather_rows(
     ``group`` (a Gloo group; fixed size, no pickle). ``TransportError`` if a rank is gone."""
     mine = row_tensor(values, digest)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    before_any_byte(lambda: dist.all_gather(rows, mine, group=group))
+    return [tuple(row.tolist()) for row in rows]
+
+
+def before_any_byte(run: Callable[[], object]) -> None:
+    """Run one collective of an agreement; ``TransportError`` if a rank is gone (Gloo raises
+    a bare RuntimeError), nothing having been sent."""
     try:
-        dist.all_gather(rows, mine, group=group)
-    except RuntimeError as exc:  # Gloo: a rank died or left
+        run()
+    except RuntimeError as exc:
         raise TransportError(
             f"a rank left before the push began ({first_line(exc)}); nothing was sent"
         ) from exc
-    return [tuple(row.tolist()) for row in rows]
 
 
 def share_endpoints(

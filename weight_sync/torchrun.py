@@ -42,7 +42,7 @@ import datetime
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,15 +56,14 @@ from weight_sync.config import SyncConfig
 from weight_sync.devices import CPU, module_device
 from weight_sync.errors import (
     PlanMismatchError,
-    TransportError,
     WeightSyncError,
-    first_line,
 )
 from weight_sync.lanes import (
     VERDICTS,
     Lanes,
     Outbound,
     Verdicts,
+    before_any_byte,
     gather_rows,
     push_share,
     share_endpoints,
@@ -410,11 +409,11 @@ class JobSync:
         checking the size against its own (a rank leaving between them would hang the rest)."""
         raw = layout.wire.encode() if layout is not None else b""
         size = torch.tensor([len(raw)], dtype=torch.int64)
-        self._collective(lambda: dist.broadcast(size, src=0, group=self._control))
+        before_any_byte(lambda: dist.broadcast(size, src=0, group=self._control))
         buffer = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else None
         if buffer is None:
             buffer = torch.empty(int(size), dtype=torch.uint8)
-        self._collective(lambda: dist.broadcast(buffer, src=0, group=self._control))
+        before_any_byte(lambda: dist.broadcast(buffer, src=0, group=self._control))
         if layout is not None:
             return layout
         if int(size) > self.config.max_metadata_bytes:
@@ -427,15 +426,6 @@ class JobSync:
         except ValidationError as exc:
             raise WeightSyncError(
                 f"rank 0 sent a malformed layout: {exc.errors()[0]['msg']}"
-            ) from exc
-
-    def _collective(self, run: Callable[[], object]) -> None:
-        try:
-            run()
-        except RuntimeError as exc:  # Gloo: a rank of the job died or left
-            raise TransportError(
-                f"rank {self.rank}: a rank of the job left before the push began "
-                f"({first_line(exc)}); nothing was sent"
             ) from exc
 
 

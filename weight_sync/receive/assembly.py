@@ -71,7 +71,6 @@ class Assembly:
     def loader(self, sender: int) -> Load:
         """What takes the blocks that could not land in place: copied into their views of the
         model, or put together into whole tensors for ``load``."""
-        blocks = {meta.name: block for block, meta in self._blocks(sender)}
         views = self.destinations(sender)
         if views is not None:
 
@@ -81,6 +80,7 @@ class Assembly:
                         views[name].copy_(tensor)
 
             return into_views
+        blocks = {meta.name: (block, meta) for block, meta in self._blocks(sender)}
         return lambda weights: self._put_together(weights, blocks)
 
     def forget(self) -> None:
@@ -89,14 +89,15 @@ class Assembly:
             self._parts.clear()
 
     def _put_together(
-        self, weights: Iterable[tuple[str, torch.Tensor]], blocks: Mapping[str, Block]
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        blocks: Mapping[str, tuple[Block, TensorMeta]],
     ) -> None:
         assert self._load is not None
-        metas = {meta.name: meta for meta in self.layout.tensors}
         complete = []
         with self._lock:
             for name, tensor in weights:
-                meta, block = metas[name], blocks[name]
+                block, meta = blocks[name]
                 whole, left = self._parts.get(name) or (
                     torch.empty(meta.shape, dtype=meta.torch_dtype, device=tensor.device),
                     math.prod(meta.shape),
