@@ -17,7 +17,9 @@ node's ingress). In each network two jobs run, one after the other, each a launc
 Each job times ``--repeats`` pushes after a verified warm-up, dense and then as deltas
 (``delta="always"``, a tenth of the elements changed before each push), and every worker checks
 its weights bit for bit against the model it computes itself after every mode. Rows go to
-``--out`` (JSON) and a plot to ``--plot``; the figures are medians. Needs root, ``ip`` and
+``--out`` (JSON) and a plot to ``--plot``; the figures are medians, with the CPU seconds every
+rank spent on a push together (``cpu_s``) and that over the machine's cores (``cpu_floor_s``:
+how fast the push could be here with links of no cost). Needs root, ``ip`` and
 ``tc``. A run at W1 and 1 Gbit/s takes about 10 minutes on 2 cores.
 
     sudo -E python benchmarks/many_senders.py --senders 1,2,4 --rate 1gbit
@@ -72,6 +74,7 @@ def rank_job(args: argparse.Namespace) -> None:
     specs = [(name, tuple(shape)) for name, _, shape in workload.specs]
     senders = args.job_senders
     rows: list[dict[str, Any]] = []
+    cpu: list[dict[str, Any]] = []  # this process's CPU seconds (all its threads) per push
     mesh = None
     if senders > 1:
         from torch.distributed.device_mesh import DeviceMesh
@@ -89,6 +92,7 @@ def rank_job(args: argparse.Namespace) -> None:
         first = 0 if mode == "dense" else DELTA_FROM
         model = None if sync.is_sender else _module(specs)
         for step in range(first, first + 1 + args.repeats):
+            started = time.process_time()
             if sync.is_sender:
                 state = {}
                 for name, shape in specs:
@@ -114,12 +118,14 @@ def rank_job(args: argparse.Namespace) -> None:
             else:
                 assert model is not None
                 sync.receive(model)  # in place, in the model's own tensors
+            cpu.append({"mode": mode, "step": step, "cpu": time.process_time() - started})
         if not sync.is_sender:
             assert model is not None
             expected = {name: values(name, shape, first + args.repeats) for name, shape in specs}
             exact = state_dict_digests(model.state_dict()) == state_dict_digests(expected)
             Path(f"{args.job_out}.rank{rank}.{mode}").write_text(json.dumps({"exact": exact}))
         sync.close()
+    Path(f"{args.job_out}.cpu{rank}").write_text(json.dumps(cpu))
     if rank == 0:
         Path(args.job_out).write_text(json.dumps(rows))
     dist.destroy_process_group()
@@ -180,7 +186,15 @@ def run_job(cluster: Any, senders: int, receivers: int, args: argparse.Namespace
         )
         for mode in MODES
     }
-    return {"rows": json.loads(Path(out).read_text()), "exact": exact}
+    rows = json.loads(Path(out).read_text())
+    for row in rows:  # the CPU seconds every rank spent on that push, together
+        row["cpu"] = sum(
+            entry["cpu"]
+            for rank in range(world)
+            for entry in json.loads(Path(f"{out}.cpu{rank}").read_text())
+            if (entry["mode"], entry["step"]) == (row["mode"], row["step"])
+        )
+    return {"rows": rows, "exact": exact}
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -206,6 +220,12 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                             "median_s": statistics.median(r["seconds"] for r in timed),
                             "runs_s": [round(r["seconds"], 3) for r in timed],
                             "nbytes": timed[0]["nbytes"], "wire": timed[0]["wire"],
+                            # every rank's CPU seconds per push, and the push's floor on this
+                            # machine's cores had it no link at all
+                            "cpu_s": round(statistics.median(r["cpu"] for r in timed), 3),
+                            "cpu_floor_s": round(
+                                statistics.median(r["cpu"] for r in timed) / os.cpu_count(), 3
+                            ),
                             "exact": job["exact"][mode],
                         })  # fmt: skip
                         print(json.dumps(results[-1]), flush=True)

@@ -45,8 +45,8 @@ from weight_sync.protocol import Pusher
 from weight_sync.receive.assembly import Assembly, agreed
 from weight_sync.receiver import Loader, Receiver, expecting
 from weight_sync.result import PushResult
-from weight_sync.send.checks import StateDict
-from weight_sync.send.lanes import Share, judge, row_tensor
+from weight_sync.send.checks import Rename, StateDict
+from weight_sync.send.lanes import Share, called_off, judge, row_tensor, share_of
 from weight_sync.store_plane import MAX_REPLY_CHARS, PREFIX, ClientPlane, StoreMember
 from weight_sync.transport.rendezvous import open_store
 
@@ -58,6 +58,7 @@ VERDICTS = "lanes/"  # + push/sender: how each lane ended; + push/verdict: rank 
 LONGEST_WAIT_S = 86400.0  # one store wait; a longer deadline waits again
 _LINGER_S = 1.0  # a sender keeps its store this long after posting close
 _ENDPOINT_BYTES = 256  # a sender's store address, as JSON, in one fixed-size all-gather
+_CPU = torch.device("cpu")
 
 
 class Outbound:
@@ -203,6 +204,84 @@ class Verdicts:
         return dict(json.loads(self._store.get(key)))
 
 
+class Senders:
+    """One trainer rank's part in pushes from every rank of a sharded trainer, whatever the
+    members are (Ray workers, the workers of vLLM servers): the senders' Gloo group the
+    agreement runs over, this rank's lane, and the verdicts in rank 0's store. Made on every
+    rank of ``group`` (the trainers' torch.distributed group; None: the default group) at once,
+    a collective; ``members`` is asked on rank 0 only."""
+
+    def __init__(
+        self, config: SyncConfig, group: dist.ProcessGroup | None, members: Callable[[], int]
+    ) -> None:
+        # A group of its own rendezvous per lane (they form at once), every member a rank of it.
+        self.config = config.model_copy(update={"group_mode": "standalone", "same_host": "group"})
+        self.rank, self.senders = dist.get_rank(group), dist.get_world_size(group)
+        ranks = dist.get_process_group_ranks(group) if group is not None else None
+        timeout = datetime.timedelta(seconds=self.config.push_timeout_s)
+        self.control = dist.new_group(ranks, backend="gloo", timeout=timeout)
+        self.members = self.from_rank_0(members)
+        self.out = Outbound(self.config, self.members)
+        self.endpoints = share_endpoints(self.out.address, self.senders, self.control, _CPU)
+        store = open_store(*self.endpoints[0], 1, self.config.rendezvous_timeout_s, None)
+        # Rank 0's store: the verdicts, and whatever else its members answer there.
+        self.store = dist.PrefixStore(VERDICTS, store)
+        self.verdicts = Verdicts(self.store, self.senders)
+        self.pushes = 0
+
+    def from_rank_0(self, value: Callable[[], int]) -> int:
+        """``value()`` (never negative) on rank 0, on every sender; where it raises there, it
+        raises on the others too."""
+        error: Exception | None = None
+        word = torch.tensor([0])
+        if self.rank == 0:
+            try:
+                word[0] = value()
+            except Exception as exc:  # raised once the others know
+                error, word[0] = exc, -1
+        src = dist.get_global_rank(self.control, 0)
+        before_any_byte(lambda: dist.broadcast(word, src=src, group=self.control))
+        if error is not None:
+            raise error
+        if int(word) < 0:
+            raise WeightSyncError("rank 0 failed before the push (see its error)")
+        return int(word)
+
+    def agree(
+        self,
+        state_dict: StateDict,
+        rename: Rename | None,
+        version: int | None,
+        check: Callable[[BlockLayout, int], dict[int, list[str]]],
+    ) -> tuple[Share, int]:
+        """Begin push ``pushes``: this rank's share of ``state_dict`` and the version, agreed
+        by every sender (``agree``; ``check`` on rank 0). Raises on every sender otherwise."""
+        self.pushes += 1
+        options = {
+            key: value
+            for key, value in (("rename", rename), ("version", version))
+            if value is not None
+        }
+        share = share_of(state_dict, options, self.senders, self.rank, self.config)
+        return share, agree(share, self.out, self.control, check)
+
+    def push(self, share: Share, version: int, started: float) -> PushResult:
+        """This rank's lane of the push agreed, settled with the other senders (``push_share``)."""
+        return push_share(
+            self.out,
+            share,
+            version,
+            self.verdicts,
+            self.pushes,
+            self.rank,
+            started,
+            self.config.push_timeout_s,
+        )
+
+    def close(self) -> None:
+        self.out.close()
+
+
 def push_share(
     lane: Outbound,
     share: Share,
@@ -237,6 +316,47 @@ def push_share(
         wire_bytes=sums["wire"],
         seconds=time.monotonic() - started,
     )
+
+
+def agree(
+    share: Share,
+    lane: Outbound,
+    control: dist.ProcessGroup,
+    check: Callable[[BlockLayout, int], dict[int, list[str]]],
+) -> int:
+    """The senders' agreement before any lane moves a byte, on every sender at once (``control``:
+    a Gloo group of exactly them): every share passes its checks, the layouts are one, the
+    version is past every sender's, and on rank 0 ``check`` finds nothing the members cannot
+    take at that version (problems by member; a ``WeightSyncError`` when it could not ask them all). Returns the
+    version; raises on every sender otherwise, each learning the word before any raises."""
+    values, digest = share.row(lane.pusher.next_version)
+    rows = gather_rows(values, digest, control)
+    reason = called_off(rows)
+    version = max(row[1] for row in rows)
+    problems: dict[int, list[str]] = {}
+    unchecked: WeightSyncError | None = None  # rank 0 could not ask every member
+    if reason is None and dist.get_rank(control) == 0:
+        assert share.layout is not None
+        try:
+            problems = check(share.layout, version)
+        except WeightSyncError as exc:  # raised below, once every sender has the word
+            unchecked = exc
+    word = torch.tensor([int(bool(problems)) | 2 * int(unchecked is not None)])
+    before_any_byte(lambda: dist.broadcast(word, src=dist.get_global_rank(control, 0),
+                                           group=control))  # fmt: skip
+    if share.error is not None:
+        raise share.error
+    if reason is not None:
+        raise ValueError(f"{reason}; nothing was sent")
+    if unchecked is not None:
+        raise unchecked
+    if int(word) & 2:
+        raise WeightSyncError(
+            "rank 0 could not check the layout with every member (see its error); nothing was sent"
+        )
+    if int(word):
+        raise PlanMismatchError(problems)  # by member on rank 0; the others learn only that
+    return version
 
 
 def gather_rows(

@@ -153,6 +153,11 @@ class Pusher:
         """The version the next push will take, at the lowest (every lower one is spent)."""
         return self._next_version
 
+    def spent(self, version: int) -> None:
+        """Every version up to ``version`` was spent elsewhere (another trainer sent it to these
+        members): the next push goes past it."""
+        self._next_version = max(self._next_version, version + 1)
+
     def push(
         self,
         state_dict: StateDict | ShardedSource,

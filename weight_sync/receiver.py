@@ -109,6 +109,11 @@ class Receiver:
         """The highest version ever prepared: a new trainer starts above it."""
         return self._state.highest_version
 
+    def saw(self, version: int) -> None:
+        """``version`` reached this member another way (a push from many senders, whose lanes
+        have receivers of their own): a later trainer starts above it here too."""
+        self._state.highest_version = max(self._state.highest_version, version)
+
     @property
     def delta_base(self) -> str | None:
         """The trainer's base (see weight_sync.delta) these weights are bit for bit, if any."""

@@ -367,7 +367,7 @@ class ShardedTrainer:
         ``die``: this rank's process ends (no cleanup) once the senders agreed, before its lane
         moves a byte."""
         if die:
-            self.lanes._out.push = lambda *args, **kwargs: os._exit(9)
+            self.lanes._lanes.out.push = lambda *args, **kwargs: os._exit(9)
         try:
             return self.lanes.push(self.model.state_dict(), version=version)
         except Exception as exc:

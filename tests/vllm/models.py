@@ -5,14 +5,18 @@ reference the engines must match."""
 from __future__ import annotations
 
 import copy
+import datetime
+import os
 from pathlib import Path
 from typing import Any
 
 import ray
 import torch
+import torch.distributed as dist
 
 from weight_sync import PushResult, SyncConfig, WeightUpdater
 from weight_sync.adapters.hf import load_model
+from weight_sync.transport.rendezvous import bind_listener, open_store
 
 # vLLM's CPU attention needs a head size of 32 or more: hidden 64 over 2 heads. Both have
 # biases or not, GQA, and names vLLM stacks (q/k/v -> qkv_proj, gate/up -> gate_up_proj).
@@ -119,25 +123,12 @@ class Trainer:
         generated after it (teacher-forced), the log-probability of each of those tokens, the
         greedy token at each step, and the gap between the two best log-probabilities there (a
         tie if tiny)."""
-        model = copy.deepcopy(self.model)
-        if self.config.cast_dtype:
-            model.to(getattr(torch, self.config.cast_dtype))
-        if not current:
+        if current:
+            state = self.model.state_dict()
+        else:
             assert self.engine_state is not None, "push first"
-            model.load_state_dict(self.engine_state)
-        model.eval()
-        found = []
-        with torch.no_grad():
-            for prompt, generated in zip(prompts, outputs, strict=True):
-                ids = torch.tensor([prompt + generated])
-                logits = model(ids).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)
-                top2 = logits.topk(2, dim=-1).values
-                found.append({
-                    "logprobs": logits.gather(-1, torch.tensor(generated)[:, None])[:, 0].tolist(),
-                    "greedy": logits.argmax(-1).tolist(),
-                    "gap": (top2[:, 0] - top2[:, 1]).tolist(),
-                })  # fmt: skip
-        return found
+            state = self.engine_state
+        return reference(self.model, state, prompts, outputs, self.config.cast_dtype)
 
     def pid(self) -> int:
         import os
@@ -164,3 +155,98 @@ class Trainer:
             self.vllm.shutdown()
         else:
             self.updater.close()
+
+
+def reference(
+    model: torch.nn.Module,
+    state: dict[str, torch.Tensor],
+    prompts: list[list[int]],
+    outputs: list[list[int]],
+    dtype: str | None = None,
+) -> list[dict[str, list]]:
+    """``Trainer.reference``'s answer for ``model`` holding ``state`` (in ``dtype``)."""
+    model = copy.deepcopy(model)
+    if dtype:
+        model.to(getattr(torch, dtype))
+    model.load_state_dict(state)
+    model.eval()
+    found = []
+    with torch.no_grad():
+        for prompt, generated in zip(prompts, outputs, strict=True):
+            ids = torch.tensor([prompt + generated])
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)
+            top2 = logits.topk(2, dim=-1).values
+            found.append({
+                "logprobs": logits.gather(-1, torch.tensor(generated)[:, None])[:, 0].tolist(),
+                "greedy": logits.argmax(-1).tolist(),
+                "gap": (top2[:, 0] - top2[:, 1]).tolist(),
+            })  # fmt: skip
+    return found
+
+
+@ray.remote(num_cpus=0)
+class LaneTrainer:
+    """One of ``world_size`` ranks of a sharded trainer (Gloo among the actors): a
+    ``transformers`` model with Adam whose state dict is pushed as DTensors sharded over every
+    rank (rank 0's weights, scattered), each rank sending its own shards with a ``LaneUpdater``;
+    ``reference`` answers for what was last pushed, as ``Trainer``'s."""
+
+    def __init__(self, config: dict[str, Any], rank: int, world_size: int, seed: int = 3) -> None:
+        torch.manual_seed(seed)
+        torch.set_num_threads(1)
+        self.rank, self.world_size = rank, world_size
+        self.listener = bind_listener("127.0.0.1") if rank == 0 else None
+        self.model = load_model(config)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-2)
+        self.pushed: dict[str, torch.Tensor] | None = None
+
+    def port(self) -> int:
+        assert self.listener is not None
+        return self.listener.getsockname()[1]
+
+    def setup(self, port: int, engines: list, **sync: Any) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from weight_sync.actors import LaneUpdater
+
+        store = open_store("127.0.0.1", port, self.world_size, 60, self.listener)
+        dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world_size,
+                                timeout=datetime.timedelta(seconds=60))  # fmt: skip
+        self.mesh = init_device_mesh("cpu", (self.world_size,))
+        self.updater = LaneUpdater(engines, SyncConfig(**sync))
+
+    def step(self) -> None:
+        ids = torch.randint(0, self.model.config.vocab_size, (4, 32))
+        loss = self.model(ids, labels=ids).loss
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+
+    def push(self, extra: bool = False, die: bool = False) -> Any:
+        """Every rank at once: the result, or the error's type and message. ``extra``: with a
+        tensor the engines have no place for; ``die``: rank 1 exits once the senders agreed,
+        before its lane moves a byte."""
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        state = {name: t.detach().clone() for name, t in self.model.state_dict().items()}
+        if extra:
+            state["model.layers.0.mlp.extra.weight"] = torch.ones(8, 64)
+        sharded = {n: distribute_tensor(t, self.mesh, [Shard(0)]) for n, t in state.items()}
+        if die and self.rank == 1:
+            self.updater._lanes.out.push = lambda *args, **kwargs: os._exit(9)
+        try:
+            result = self.updater.push(sharded)
+        except Exception as exc:
+            return type(exc).__name__, str(exc)
+        self.pushed = state
+        return result
+
+    def reference(
+        self, prompts: list[list[int]], outputs: list[list[int]], dtype: str | None = None
+    ) -> list[dict[str, list]]:
+        assert self.pushed is not None, "push first"
+        return reference(self.model, self.pushed, prompts, outputs, dtype)
+
+    def close(self) -> None:
+        self.updater.close()
+        dist.destroy_process_group()

@@ -48,10 +48,11 @@ def generate(
 
 
 def assert_matches(engine: Any, trainer: Any, prompts: list[list[int]] = PROMPTS, tokens: int = 8,
-                   tolerance: float = TOLERANCE) -> int | None:  # fmt: skip
-    """The engine generates what the trainer's model, with the weights it pushed, would."""
+                   tolerance: float = TOLERANCE, **reference: Any) -> int | None:  # fmt: skip
+    """The engine generates what the trainer's model, with the weights it pushed, would
+    (``reference``: options of the trainer's ``reference``)."""
     ids, logprobs, version = generate(engine, prompts, tokens)
-    reference = ray.get(trainer.reference.remote(prompts, ids), timeout=TIMEOUT)
+    reference = ray.get(trainer.reference.remote(prompts, ids, **reference), timeout=TIMEOUT)
     for got_ids, got, want in zip(ids, logprobs, reference, strict=True):
         for step, (token, logprob) in enumerate(zip(got_ids, got, strict=True)):
             assert abs(logprob - want["logprobs"][step]) <= tolerance, (step, logprob, want)

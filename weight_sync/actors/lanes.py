@@ -20,37 +20,26 @@ agreement's rules ``send.lanes``'.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import ray
-import torch
 import torch.distributed as dist
 from ray.actor import ActorHandle
 from typing_extensions import Self
 
+from weight_sync.blocks import BlockLayout
 from weight_sync.config import SyncConfig
 from weight_sync.deadline import Deadline
-from weight_sync.errors import PlanMismatchError, WeightSyncError, WorkerFailedError, first_line
-from weight_sync.lanes import (
-    VERDICTS,
-    Outbound,
-    Verdicts,
-    gather_rows,
-    push_share,
-    share_endpoints,
-)
+from weight_sync.errors import WeightSyncError, WorkerFailedError, first_line
+from weight_sync.lanes import Senders
+from weight_sync.metadata import MemberInfo
 from weight_sync.result import PushResult
 from weight_sync.send.checks import Rename, StateDict
-from weight_sync.send.lanes import called_off, share_of
-from weight_sync.transport.rendezvous import open_store
 
 logger = logging.getLogger(__name__)
-
-CPU = torch.device("cpu")
 
 
 class LaneUpdater:
@@ -78,18 +67,13 @@ class LaneUpdater:
                 "init_process_group in every trainer actor first"
             )
         config = config or SyncConfig()
-        # A group of its own rendezvous per lane (they form at once), every worker a rank of it.
-        self.config = config.model_copy(update={"group_mode": "standalone", "same_host": "group"})
-        self.rank, self.senders = dist.get_rank(group), dist.get_world_size(group)
         self._workers = list(workers)
-        ranks = dist.get_process_group_ranks(group) if group is not None else None
-        timeout = datetime.timedelta(seconds=self.config.push_timeout_s)
-        self._control = dist.new_group(ranks, backend="gloo", timeout=timeout)
-        self._out = Outbound(self.config, len(self._workers))
-        self._endpoints = share_endpoints(self._out.address, self.senders, self._control, CPU)
-        store = open_store(*self._endpoints[0], 1, self.config.rendezvous_timeout_s, None)
-        self._verdicts = Verdicts(dist.PrefixStore(VERDICTS, store), self.senders)
-        self._pushes = 0
+        self._slots: list[int] = []  # rank 0: each worker's first member slot (1-based)
+        self._sent = 0  # rank 0: the highest version any worker was ever sent
+        self._lanes = Senders(config, group, lambda: self._probe(config.rpc_timeout_s))
+        self._lanes.out.pusher.spent(self._lanes.from_rank_0(lambda: self._sent))
+        self.config = self._lanes.config
+        self.rank, self.senders = self._lanes.rank, self._lanes.senders
         self._held: list[str | None] = [None] * len(self._workers)  # rank 0: layouts they hold
         self._committed = 0
         self._closed = False
@@ -117,60 +101,27 @@ class LaneUpdater:
         if self._closed:
             raise WeightSyncError("this LaneUpdater is closed")
         started = time.monotonic()
-        self._pushes += 1
-        options = {
-            key: value
-            for key, value in (("rename", rename), ("version", version))
-            if value is not None
-        }
-        share = share_of(state_dict, options, self.senders, self.rank, self.config)
-        values, digest = share.row(self._out.pusher.next_version)
-        rows = gather_rows(values, digest, self._control)
-        reason = called_off(rows)
-        problems: dict[int, list[str]] = {}
-        unchecked: WeightSyncError | None = None  # rank 0 could not ask every worker
-        if reason is None and self.rank == 0:
-            assert share.layout is not None
-            try:
-                problems = self._check_workers(share.layout, started)
-            except WeightSyncError as exc:  # raised below, once every sender has the word
-                unchecked = exc
-        word = _from_rank_0(int(bool(problems)) | 2 * int(unchecked is not None), self._control)
-        if share.error is not None:
-            raise share.error
-        if reason is not None:
-            raise ValueError(f"{reason}; nothing was sent")
-        if unchecked is not None:
-            raise unchecked
-        if word & 2:
-            raise WeightSyncError("rank 0 could not check the layout with every worker (see its "
-                                  "error); nothing was sent")  # fmt: skip
-        if word:
-            raise PlanMismatchError(problems)  # by worker on rank 0; the others learn only that
+        share, chosen = self._lanes.agree(
+            state_dict, rename, version, lambda layout, v: self._check_workers(layout, v, started)
+        )
         assert share.layout is not None
         if not share.layout.blocks:  # no tensor has an element: nothing moves, as one sender
             logger.info("empty state dict: nothing to push (version stays %d)", self._committed)
             return PushResult(self._committed, 0, 0, 0.0)
-        chosen = max(row[1] for row in rows)
         calls: list[Any] = []
         if self.rank == 0:
             calls = [
                 worker._weight_sync_lanes_receive.remote(
-                    self._endpoints, slot, self._pushes, self.config.push_timeout_s
+                    self._lanes.endpoints,
+                    slot,
+                    self._lanes.pushes,
+                    chosen,
+                    self.config.push_timeout_s,
                 )
-                for slot, worker in enumerate(self._workers, start=1)
+                for slot, worker in zip(self._slots, self._workers, strict=True)
             ]
         try:
-            result = push_share(
-                self._out,
-                share,
-                chosen,
-                self._verdicts,
-                self._pushes,
-                self.rank,
-                started,
-                self.config.push_timeout_s,
-            )
+            result = self._lanes.push(share, chosen, started)
         except WeightSyncError as exc:
             self._blame_workers(calls, exc, started)
             raise
@@ -182,7 +133,7 @@ class LaneUpdater:
         """Leave: the workers' lanes from this rank end. Idempotent."""
         if not self._closed:
             self._closed = True
-            self._out.close()
+            self._lanes.close()
 
     def __enter__(self) -> Self:
         return self
@@ -190,7 +141,27 @@ class LaneUpdater:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _check_workers(self, layout: Any, started: float) -> dict[int, list[str]]:
+    def _probe(self, timeout_s: float) -> int:
+        """Rank 0: ask every worker how many members it brings (a vLLM engine with tensor
+        parallelism 2 brings two, taking consecutive slots) and the highest version it was ever
+        sent; returns the members in all."""
+        try:
+            infos: list[MemberInfo] = ray.get(
+                [worker._weight_sync_info.remote(timeout_s) for worker in self._workers],
+                timeout=timeout_s,
+            )
+        except Exception as exc:
+            raise WorkerFailedError(
+                f"a worker did not answer ({first_line(exc)})", list(range(len(self._workers)))
+            ) from exc
+        ranks = [info.ranks for info in infos]
+        self._slots = [1 + sum(ranks[:index]) for index in range(len(ranks))]
+        self._sent = max(info.highest_version for info in infos)
+        return sum(ranks)
+
+    def _check_workers(
+        self, layout: BlockLayout, version: int, started: float
+    ) -> dict[int, list[str]]:
         """Rank 0: every worker checks the layout against its model (sent to those that do not
         hold it). Returns each refusing worker's problems."""
         deadline = Deadline(self.config.push_timeout_s, "the workers' layout checks", started)
@@ -198,6 +169,7 @@ class LaneUpdater:
             worker._weight_sync_lanes_check.remote(
                 None if held == layout.digest else layout.wire,
                 layout.digest,
+                version,
                 self.config.max_metadata_bytes,
             )
             for worker, held in zip(self._workers, self._held, strict=True)
@@ -239,10 +211,6 @@ class LaneUpdater:
                 sorted(failed),
             )
         if failed:
-            logger.info("push %d: workers %s failed too: %s", self._pushes, sorted(failed), failed)
-
-
-def _from_rank_0(value: int, group: dist.ProcessGroup) -> int:
-    flag = torch.tensor([value], dtype=torch.int64)
-    dist.broadcast(flag, src=dist.get_global_rank(group, 0), group=group)
-    return int(flag)
+            logger.info(
+                "push %d: workers %s failed too: %s", self._lanes.pushes, sorted(failed), failed
+            )

@@ -181,12 +181,13 @@ class WeightSyncWorker:
         self,
         layout_json: str | None,
         digest: str,
+        version: int,
         max_metadata_bytes: int,
         timeout_s: float | None = None,
     ) -> list[str]:
-        """What this worker cannot take of the push's layout (empty: all of it), checked
-        before any byte moves; ``layout_json`` is None where the trainer believes this worker
-        holds it already."""
+        """What this worker cannot take of the push (its layout; ``version``, which must be
+        past every version it was sent) -- empty: all of it --, checked before any byte moves;
+        ``layout_json`` is None where the trainer believes this worker holds it already."""
         if layout_json is not None:
             if len(layout_json) > max_metadata_bytes:
                 return [f"a layout of {len(layout_json)} bytes exceeds max_metadata_bytes"]
@@ -197,18 +198,27 @@ class WeightSyncWorker:
         layout = self.__dict__.get("_weight_sync_layout")
         if layout is None or layout.digest != digest:
             return ["this worker does not hold the push's layout (it restarted?): push again"]
-        return self._weight_sync_assembly(layout).problems()
+        problems = self._weight_sync_assembly(layout).problems()
+        sent = self._weight_sync_state().highest_version
+        if version <= sent:
+            problems.append(
+                f"version {version} is not past {sent}, which this worker was already sent: "
+                f"push with version={sent + 1} or higher"
+            )
+        return problems
 
     def _weight_sync_lanes_receive(
         self,
         endpoints: list[tuple[str, int]],
         slot: int,
         push: int,
+        version: int,
         wait_s: float,
         timeout_s: float | None = None,
     ) -> int | None:
-        """Take push ``push`` on every lane at once (a thread each), as member ``slot`` of each
-        sender's store at ``endpoints``; returns the version every lane committed."""
+        """Take push ``push`` (of ``version``) on every lane at once (a thread each), as member
+        ``slot`` of each sender's store at ``endpoints``; returns the version every lane
+        committed."""
         endpoints = [(str(address), int(port)) for address, port in endpoints]
         lanes = self.__dict__.get("_weight_sync_lanes")
         if lanes is None or lanes.endpoints != endpoints:
@@ -218,6 +228,7 @@ class WeightSyncWorker:
                 endpoints, slot, self.weight_sync_device, min(wait_s, 60.0)
             )
         self._weight_sync_by_lanes = True
+        self._weight_sync_state().saw(version)  # spent here from now, landed or not
         layout = self.__dict__.get("_weight_sync_layout")
         assert layout is not None, "the trainer checks the layout with every worker first"
         return lanes.receive(self._weight_sync_assembly(layout), push, wait_s, f"worker {slot - 1}")

@@ -10,12 +10,15 @@
 * ``VLLMServers`` (``servers.py``) -- pushes into running ``vllm serve`` processes over HTTP,
   from a trainer with neither Ray nor vLLM; ``ServerProcess`` (``process.py``) starts one
   locally.
+* ``VLLMLaneServers`` (``lanes.py``) -- the same, from every rank of a sharded trainer at once,
+  each rank sending its own shards.
 
 Nothing here imports vLLM until it is used, so this package imports where vLLM is absent.
 """
 
 from weight_sync.adapters.vllm.engine import NO_VERSION, RemoteVLLMEngine, VLLMEngine
 from weight_sync.adapters.vllm.extension import EXTENSION, WeightSyncExtension
+from weight_sync.adapters.vllm.lanes import VLLMLaneServers
 from weight_sync.adapters.vllm.process import ServerProcess
 from weight_sync.adapters.vllm.servers import VLLMServers
 
@@ -25,6 +28,7 @@ __all__ = [
     "RemoteVLLMEngine",
     "ServerProcess",
     "VLLMEngine",
+    "VLLMLaneServers",
     "VLLMServers",
     "WeightSyncExtension",
 ]

@@ -59,6 +59,7 @@ from vllm.distributed.weight_transfer.factory import (
     WeightTransferTrainerFactory,
 )
 
+from weight_sync.adapters.vllm.lanes import LaneMember, StoreLaneMember
 from weight_sync.adapters.vllm.reload import ReloadTarget
 from weight_sync.adapters.vllm.servers import release_server
 from weight_sync.config import SyncConfig
@@ -100,11 +101,16 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
     # The worker's own server (``vllm serve``), where the trainer drives it over HTTP: if the
     # trainer dies, the worker's watchdog releases that server (see ``_Watchdog``).
     server_url: str | None = None
+    # Every sender's store, where a sharded trainer pushes from each rank (``VLLMLaneServers``):
+    # ``address``/``port`` are then rank 0's.
+    lanes: list[list[Any]] | None = None
 
 
 @dataclass
 class WeightSyncUpdateInfo(WeightTransferUpdateInfo):
     version: int
+    push: int = 0  # with lanes: the push's number, and how long its lanes may take
+    wait_s: float = 0.0
 
 
 class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdateInfo]):
@@ -118,13 +124,14 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module
     ) -> None:
         super().__init__(config, vllm_config, device, model)
-        target = ReloadTarget(lambda: self.model, vllm_config)
+        self._target = target = ReloadTarget(lambda: self.model, vllm_config)
         # vLLM's device for this worker, never a thread's; vLLM keeps a layer's tensors until the
         # layer is complete, so they must not be views into buffers a later bucket overwrites.
         self._member = StoreMember(
             Receiver(device), target.check, lambda: Loader(target.load, target.reload, keeps=True)
         )
         self._watchdog: _Watchdog | None = None
+        self._lanes: StoreLaneMember | None = None  # pushed to by every rank of a sharded trainer
 
     def init_transfer_engine(self, init_info: WeightSyncInitInfo) -> None:
         """Register with the trainer's control store, answer its probe, and join the group it
@@ -135,8 +142,20 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
                 init_info.address,
                 init_info.port,
                 init_info.server_url,
-                lambda: self._member.receiver.version is not None,
+                self._holds_version,
             )
+        self._close_lanes()
+        if init_info.lanes:
+            self._lanes = StoreLaneMember(
+                init_info.address,
+                init_info.port,
+                init_info.epoch,
+                init_info.lanes,
+                init_info.timeout_s,
+                init_info.max_metadata_bytes,
+                LaneMember(self._target, self._member.receiver),
+            )
+            return
         self._member.init(
             init_info.address,
             init_info.port,
@@ -146,7 +165,10 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         )
 
     def start_weight_update(self) -> None:
-        self._member.start()
+        if self._lanes is not None:
+            self._lanes.check()
+        else:
+            self._member.start()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # vLLM's default synchronizes an accelerator, which a CPU worker does not have.
@@ -156,9 +178,14 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
             torch.cuda.synchronize(device)
 
     def receive_weights(self, update_info: WeightSyncUpdateInfo) -> None:
-        self._member.receive(update_info.version)
+        if self._lanes is not None:
+            self._lanes.receive(update_info.push, update_info.version, update_info.wait_s)
+        else:
+            self._member.receive(update_info.version)
 
     def finish_weight_update(self) -> None:
+        if self._lanes is not None:  # the lanes committed in update_weights: nothing is left
+            return
         if self._watchdog is not None and self._watchdog.fired.is_set():
             # The trainer died mid-push (its watchdog's release calls this): no verdict will
             # come, and vLLM keeps its update session open -- refusing every later trainer --
@@ -171,7 +198,18 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
 
     def shutdown(self) -> None:
         self._stop_watchdog()
+        self._close_lanes()
         self._member.shutdown()
+
+    def _holds_version(self) -> bool:
+        if self._lanes is not None:
+            return self._lanes.member.held is not None
+        return self._member.receiver.version is not None
+
+    def _close_lanes(self) -> None:
+        lanes, self._lanes = self._lanes, None
+        if lanes is not None:
+            lanes.close()
 
     def _stop_watchdog(self) -> None:
         watchdog, self._watchdog = self._watchdog, None

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -200,6 +201,52 @@ class VLLMEngine:
         finally:
             if self._paused:
                 await self._settle()
+
+    # -- a push from many senders (weight_sync.actors.LaneUpdater) -----------------------------
+
+    async def _weight_sync_lanes_check(
+        self,
+        layout_json: str | None,
+        digest: str,
+        version: int,
+        max_metadata_bytes: int,
+        timeout_s: float | None = None,
+    ) -> list[str]:
+        """What every worker of the engine cannot take of the push (empty: all of it), checked
+        before any byte moves: the engine's own loader on meta tensors of the whole tensors."""
+        answers = await self._call(
+            "weight_sync_lanes_check", timeout_s, layout_json, digest, version, max_metadata_bytes
+        )
+        return list(dict.fromkeys(p for answer in answers for p in json.loads(answer or "[]")))
+
+    async def _weight_sync_lanes_receive(
+        self,
+        endpoints: list[list[Any]],
+        slot: int,
+        push: int,
+        version: int,
+        wait_s: float,
+        timeout_s: float | None = None,
+    ) -> int | None:
+        """Take push ``push`` on every lane, each worker as member ``slot`` plus its rank;
+        generation paused from before the first byte until the caches are cleared after it."""
+        if not self._paused:
+            await self._driver.pause()
+            self._paused = True
+        self._version = None
+        try:
+            await self._call(
+                "weight_sync_lanes_receive",
+                wait_s + 2 * _MARGIN_S if timeout_s is None else timeout_s,
+                endpoints,
+                slot,
+                push,
+                version,
+                wait_s,
+            )
+        finally:
+            await self._settle()
+        return self._version
 
     # -- internals ---------------------------------------------------------------------------
 

@@ -5,24 +5,27 @@ engine; vLLM appends this class to its worker's bases, and the engine-side membe
 (``VLLMEngine``) reaches it through ``collective_rpc``. Each method is one step of a push on
 this worker: it joins the sync group, checks a push against the engine's model before any byte
 moves, receives buckets and reloads them into the model (``reload.ReloadTarget``: one reload
-per push), commits.
+per push), commits. A push from every rank of a sharded trainer (``LaneUpdater``) takes two
+steps instead: the layout checked, then every lane received and loaded (``lanes.LaneMember``).
 
 Every method answers with a ``WorkerReply`` in JSON and never raises: vLLM turns a worker's
 exception into a plain ``RuntimeError`` (and, with several workers, loses the others' answers),
 so errors travel as data and the engine side raises them again as weight_sync's own types.
-Only strings and ints cross ``collective_rpc``: nothing is unpickled that the trainer's
+Only strings, numbers and lists of them cross ``collective_rpc``: nothing is unpickled that the trainer's
 validated messages did not say.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from weight_sync.adapters.vllm.lanes import LaneMember
 from weight_sync.adapters.vllm.reload import ReloadTarget
-from weight_sync.metadata import WorkerReply
+from weight_sync.metadata import SyncStatus, WorkerReply
 from weight_sync.receiver import Loader, Receiver
 
 EXTENSION = "weight_sync.adapters.vllm.WeightSyncExtension"
@@ -47,6 +50,7 @@ class WeightSyncExtension:
 
     def weight_sync_prepare(self, request_json: str) -> str:
         receiver, target = self._weight_sync_state()
+        self._weight_sync_by_lanes = False
         return self._weight_sync_reply(
             lambda: receiver.prepare(request_json, target.check).model_dump_json()
         )
@@ -70,11 +74,51 @@ class WeightSyncExtension:
     def weight_sync_status(self) -> str:
         return self._weight_sync_reply(lambda: None)
 
+    def weight_sync_lanes_check(
+        self, layout_json: str | None, digest: str, version: int, max_metadata_bytes: int
+    ) -> str:
+        """What of a push from many senders this engine cannot take (a list; empty: none)."""
+        member = self._weight_sync_lanes()
+        return self._weight_sync_reply(
+            lambda: json.dumps(member.check(layout_json, digest, version, max_metadata_bytes))
+        )
+
+    def weight_sync_lanes_receive(
+        self, endpoints: list[list[Any]], slot: int, push: int, version: int, wait_s: float
+    ) -> str:
+        """Take push ``push`` on every lane, as member ``slot`` plus this worker's rank within
+        the engine (the engine's workers are consecutive members)."""
+        member = self._weight_sync_lanes()
+        slot += int(getattr(self, "rank", 0))
+        self._weight_sync_by_lanes = True
+
+        def receive() -> str:
+            member.connect(endpoints, slot, min(wait_s, 60.0))
+            return str(member.receive(push, version, wait_s, f"vLLM worker {slot - 1}"))
+
+        return self._weight_sync_reply(receive)
+
     # -- internals -----------------------------------------------------------------------------
 
     def _weight_sync_reply(self, step: Callable[[], Any]) -> str:
-        reply, _ = WorkerReply.of(step, self._weight_sync_state()[0].status)
+        reply, _ = WorkerReply.of(step, self._weight_sync_status)
         return reply.model_dump_json()
+
+    def _weight_sync_status(self) -> SyncStatus:
+        """The one-sender receiver's status; after a push from many senders, with the version
+        every lane committed here."""
+        status = self._weight_sync_state()[0].status()
+        lanes = self.__dict__.get("_weight_sync_lane_member")
+        if lanes is not None and self.__dict__.get("_weight_sync_by_lanes"):
+            return status.model_copy(update={"version": lanes.held, "dirty": lanes.held is None})
+        return status
+
+    def _weight_sync_lanes(self) -> LaneMember:
+        member = self.__dict__.get("_weight_sync_lane_member")
+        if member is None:
+            receiver, target = self._weight_sync_state()
+            member = self.__dict__["_weight_sync_lane_member"] = LaneMember(target, receiver)
+        return member
 
     def _weight_sync_state(self) -> tuple[Receiver, ReloadTarget]:
         state = self.__dict__.get("_weight_sync")

@@ -140,6 +140,88 @@ def _client_plane(client: ServersClient, workers: int, config: SyncConfig) -> An
     return ClientPlane(client, workers, config)
 
 
+def pause(urls: Sequence[str], mode: PauseMode, timeout_s: float) -> None:
+    """Pause generation on every server (``mode``: what happens to requests in flight)."""
+    fan_out(
+        urls,
+        lambda url: call(url, f"pause?mode={mode}", timeout_s=timeout_s),
+        timeout_s + 1.0,
+        "pause",
+    )
+
+
+def labels(urls: Sequence[str], timeout_s: float) -> dict[str, str]:
+    """Each server's weight version label (``GET /weight_info``), by URL."""
+    answers = fan_out(
+        urls,
+        lambda url: call(url, "weight_info", timeout_s=timeout_s),
+        timeout_s + 1.0,
+        "weight_info",
+    )
+    return {url: str((answer or {}).get("weight_version")) for url, answer in answers.items()}
+
+
+def count_workers(urls: Sequence[str], timeout_s: float) -> int:
+    """The worker processes of every server together (``GET /get_world_size``): the members
+    of a push, a server with tensor parallelism 2 being two."""
+    sizes = fan_out(
+        urls,
+        lambda url: call(url, "get_world_size?include_dp=true", timeout_s=timeout_s),
+        timeout_s + 1.0,
+        "get_world_size",
+    )
+    workers = sum(int((sizes[url] or {}).get("world_size", 0)) for url in urls)
+    if workers < len(urls):
+        raise WeightSyncError(f"the servers report {workers} workers in all: {sizes}")
+    return workers
+
+
+def reset_caches(urls: Sequence[str], timeout_s: float) -> None:
+    """The prefix cache's entries were computed with the old weights: a prompt sharing a
+    cached prefix would be answered partly by them. A server that cannot reset claims no
+    version (``ServerError``)."""
+    answers = fan_out(
+        urls,
+        lambda url: call(
+            url, "reset_prefix_cache?reset_running_requests=true", timeout_s=timeout_s
+        ),
+        timeout_s + 1.0,
+        "reset_prefix_cache",
+    )
+    failed = {
+        url: "reset_prefix_cache answered success=false"
+        for url, answer in answers.items()
+        if not (answer or {}).get("success")
+    }
+    if failed:
+        raise ServerError(f"the prefix cache could not be reset on {sorted(failed)}", failed)
+
+
+def resume(urls: Sequence[str], *, quiet: bool) -> None:
+    """Resume generation everywhere; ``quiet``: after a failed push, only log a failure."""
+    try:
+        fan_out(urls, lambda url: call(url, "resume", timeout_s=_QUICK_S), _QUICK_S + 1.0, "resume")
+    except ServerError as exc:
+        if not quiet:
+            raise
+        logger.warning("resuming after a failed push: %s", exc)
+
+
+def release(urls: Sequence[str], error: BaseException) -> dict[str, str]:
+    """After a failed push: every server still reachable claims no version and serves again
+    (best effort, bounded; the error raised is the push's). Returns the servers that could
+    not be reached, with why."""
+    unreachable: dict[str, str] = {}
+    for url in urls:
+        try:
+            call(url, "update_weight_version", {"new_version": NO_VERSION}, timeout_s=_QUICK_S)
+            call(url, "resume", timeout_s=_QUICK_S)
+        except ServerError as exc:
+            unreachable[url] = exc.servers.get(url, str(exc))
+            logger.warning("after a failed push (%s), server %s: %s", error, url, exc)
+    return unreachable
+
+
 class VLLMServers:
     """Pushes a trainer's weights into running ``vllm serve`` processes (see the module doc).
 
@@ -187,8 +269,8 @@ class VLLMServers:
         """Each server's committed version as it reports it (``GET /weight_info``): None where
         it holds none (no push yet, or a push failed part-way). Raises ``ServerError`` naming the
         servers that did not answer."""
-        labels = self._labels(self.config.rpc_timeout_s)
-        return [label_version(labels[url]) for url in self.urls]
+        held = labels(self.urls, self.config.rpc_timeout_s)
+        return [label_version(held[url]) for url in self.urls]
 
     def push(
         self,
@@ -219,7 +301,7 @@ class VLLMServers:
             try:
                 paused = self._pause(rpc_s)
                 if self._pusher is not None and any(
-                    label != str(self._version) for label in self._labels(rpc_s).values()
+                    label != str(self._version) for label in labels(self.urls, rpc_s).values()
                 ):
                     logger.warning(
                         "a server does not hold version %s (restarted?): forming the group again",
@@ -231,21 +313,21 @@ class VLLMServers:
                 result = self._pusher.push(
                     state_dict, rename=rename, transform=transform, version=version
                 )
-                self._reset_caches(rpc_s)
+                reset_caches(self.urls, rpc_s)
             except (PlanMismatchError, TypeError, ValueError):
                 # Refused before any byte moved (by the servers, or the state dict's checks):
                 # nothing changed, the group is kept.
-                self._resume(paused, quiet=True)
+                resume(paused, quiet=True)
                 raise
             except BaseException as exc:
                 failed = dict(self._client.failures)  # the push's, not the teardown's
                 self._discard()
-                named = self._named(exc, failed, self._release(exc))
+                named = self._named(exc, failed, release(self.urls, exc))
                 if named is exc:
                     raise
                 raise named from exc
             self._version = result.version
-            self._resume(self.urls, quiet=False)
+            resume(self.urls, quiet=False)
             return result
 
     def close(self) -> None:
@@ -265,14 +347,8 @@ class VLLMServers:
     # -- around a push ---------------------------------------------------------------------------
 
     def _pause(self, timeout_s: float) -> list[str]:
-        mode = self.pause_mode
         try:
-            fan_out(
-                self.urls,
-                lambda url: call(url, f"pause?mode={mode}", timeout_s=timeout_s),
-                timeout_s + 1.0,
-                "pause",
-            )
+            pause(self.urls, self.pause_mode, timeout_s)
         except ServerError as exc:
             # A dead server: the members the group holds for it are gone, so form it again.
             self._client.failures.update(exc.servers)
@@ -280,75 +356,14 @@ class VLLMServers:
             raise
         return self.urls
 
-    def _labels(self, timeout_s: float) -> dict[str, str]:
-        answers = fan_out(
-            self.urls,
-            lambda url: call(url, "weight_info", timeout_s=timeout_s),
-            timeout_s + 1.0,
-            "weight_info",
-        )
-        return {url: str((answer or {}).get("weight_version")) for url, answer in answers.items()}
-
     def _build(self, timeout_s: float) -> None:
         """A new control plane and pusher over every worker of every server."""
         from weight_sync.protocol import Pusher
 
-        sizes = fan_out(
-            self.urls,
-            lambda url: call(url, "get_world_size?include_dp=true", timeout_s=timeout_s),
-            timeout_s + 1.0,
-            "get_world_size",
-        )
-        workers = sum(int((sizes[url] or {}).get("world_size", 0)) for url in self.urls)
-        if workers < len(self.urls):
-            raise WeightSyncError(f"the servers report {workers} workers in all: {sizes}")
+        workers = count_workers(self.urls, timeout_s)
         self._plane = _client_plane(self._client, workers, self.config)
         self._pusher = Pusher(self._plane, self.config, first_version=self._first_version)
         logger.info("pushing to %d server(s), %d worker(s)", len(self.urls), workers)
-
-    def _reset_caches(self, timeout_s: float) -> None:
-        """The prefix cache's entries were computed with the old weights: a prompt sharing a
-        cached prefix would be answered partly by them. A server that cannot reset claims no
-        version."""
-        answers = fan_out(
-            self.urls,
-            lambda url: call(
-                url, "reset_prefix_cache?reset_running_requests=true", timeout_s=timeout_s
-            ),
-            timeout_s + 1.0,
-            "reset_prefix_cache",
-        )
-        failed = {
-            url: "reset_prefix_cache answered success=false"
-            for url, answer in answers.items()
-            if not (answer or {}).get("success")
-        }
-        if failed:
-            raise ServerError(f"the prefix cache could not be reset on {sorted(failed)}", failed)
-
-    def _resume(self, urls: Sequence[str], *, quiet: bool) -> None:
-        try:
-            fan_out(
-                urls, lambda url: call(url, "resume", timeout_s=_QUICK_S), _QUICK_S + 1.0, "resume"
-            )
-        except ServerError as exc:
-            if not quiet:
-                raise
-            logger.warning("resuming after a failed push: %s", exc)
-
-    def _release(self, error: BaseException) -> dict[str, str]:
-        """After a failed push: every server still reachable claims no version and serves again
-        (best effort, bounded; the error raised is the push's). Returns the servers that could
-        not be reached, with why."""
-        unreachable: dict[str, str] = {}
-        for url in self.urls:
-            try:
-                call(url, "update_weight_version", {"new_version": NO_VERSION}, timeout_s=_QUICK_S)
-                call(url, "resume", timeout_s=_QUICK_S)
-            except ServerError as exc:
-                unreachable[url] = exc.servers.get(url, str(exc))
-                logger.warning("after a failed push (%s), server %s: %s", error, url, exc)
-        return unreachable
 
     def _named(
         self, error: BaseException, failed: Mapping[str, str], unreachable: Mapping[str, str]

@@ -1,0 +1,94 @@
+"""One rank of a sharded trainer pushing into ``vllm serve`` from every rank: ``VLLMLaneServers``.
+
+Every rank holds the test's ``transformers`` model as DTensors sharded over the trainers' mesh
+(``distribute_tensor``: rank 0's weights, scattered) and pushes its own shards. Run by
+``mp.spawn`` (``spawned``); each rank writes what it saw to ``OUT/rank<r>.json``, and rank 0
+the whole state dict of each push that landed to ``OUT/pushed<i>.pt`` (the reference the test
+checks the servers' generations against).
+
+Scenarios:
+
+* ``steps`` -- two optimizer steps, a push after each;
+* ``refuse`` -- a state dict with a tensor the engine has no place for: refused on every rank
+  before any byte moves; then the right one lands;
+* ``kill`` -- a push lands, then rank 1 dies in the second one, right after telling the
+  servers' workers to receive its lane (its bytes never come).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from tests.reference import Trainer
+from tests.vllm.models import QWEN2
+from weight_sync import SyncConfig
+from weight_sync.adapters.vllm.lanes import VLLMLaneServers
+
+TIMEOUT_S = 120.0
+
+
+def run(scenario: str, urls: list[str], out: Path) -> None:
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    trainer = Trainer(QWEN2, seed=11)
+    record: dict[str, Any] = {"rank": rank, "versions": [], "errors": []}
+    config = SyncConfig(push_timeout_s=TIMEOUT_S, bucket_bytes=64 << 10)
+
+    def sharded(extra: bool = False) -> dict[str, torch.Tensor]:
+        state = {name: t.detach() for name, t in trainer.state().items()}
+        if extra:
+            state["model.layers.0.mlp.extra.weight"] = torch.ones(8, 64)
+        return {name: distribute_tensor(t, mesh, [Shard(0)]) for name, t in state.items()}
+
+    with VLLMLaneServers(urls, config) as servers:
+        if scenario == "refuse":
+            try:
+                servers.push(sharded(extra=True))
+            except Exception as exc:
+                record["errors"].append(f"{type(exc).__name__}: {exc}")
+        for step in range(1 if scenario == "refuse" else 2):
+            trainer.step()
+            if scenario == "kill" and step == 1:
+                _die_after_update(servers)
+            try:
+                result = servers.push(sharded())
+            except Exception as exc:
+                record["errors"].append(f"{type(exc).__name__}: {exc}")
+                record["senders"] = list(getattr(exc, "senders", []))
+                break
+            record["versions"].append(result.version)
+            record["nbytes"] = result.nbytes
+            if rank == 0:
+                torch.save(trainer.state(), out / f"pushed{step}.pt")
+    (out / f"rank{rank}.json").write_text(json.dumps(record))
+
+
+def _die_after_update(servers: VLLMLaneServers) -> None:
+    """Rank 1 exits as soon as it has posted its lane's receive command (fault injection)."""
+    if servers.rank != 1:
+        return
+    commands = servers._lanes.out.commands
+    post = commands.update_weights
+
+    def update_then_die(update_info: dict[str, Any]) -> None:
+        post(update_info)
+        os._exit(9)
+
+    commands.update_weights = update_then_die  # type: ignore[method-assign]
+
+
+def spawned(index: int, world_size: int, scenario: str, urls: list[str], out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=index,
+                            world_size=world_size)  # fmt: skip
+    try:
+        run(scenario, urls, Path(out))
+    finally:
+        dist.destroy_process_group()

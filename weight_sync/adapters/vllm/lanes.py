@@ -1,0 +1,439 @@
+"""Pushes from every rank of a sharded trainer into running ``vllm serve`` processes.
+
+``VLLMLaneServers`` is ``VLLMServers`` for a trainer sharded over K ranks (FSDP2, DTensor):
+made on every trainer rank, each pushing its own shards over a lane of its own (an ordinary push
+over the store plane, ``weight_sync.lanes``) while every vLLM worker process of every server
+follows all K lanes at once::
+
+    # on every rank of the trainers' torch.distributed group
+    servers = VLLMLaneServers(["http://10.0.0.2:8000", "http://10.0.0.3:8000"])
+    for step in range(steps):
+        ...  # train
+        servers.push(model.state_dict())      # this rank's shards; every rank at once
+
+vLLM's weight-transfer API carries it, one HTTP call per server per step, made by rank 0 only:
+
+* ``init_weight_transfer_engine`` hands each worker every sender's store address (the
+  ``lanes`` of ``WeightSyncInitInfo``); the worker takes a slot in rank 0's store and dials
+  them all (``LaneMember``, inside the weight_sync backend);
+* ``start_weight_update`` is the check before any byte moves: rank 0 puts the push's layout in
+  its store, and each worker runs the engine's own ``load_weights`` on meta tensors of the whole
+  tensors (``ReloadTarget.check``) and answers there; a refusal anywhere calls the push off on
+  every sender;
+* ``update_weights`` runs every lane at once in the worker; the blocks are put together into
+  whole tensors (vLLM's loader stacks and shards whole checkpoint tensors itself, tensor
+  parallelism included), and once every lane committed they are loaded in one layerwise
+  reload: a push that failed on any lane loads nothing;
+* ``finish_weight_update`` labels the outputs with the version; or, after a failure, the
+  servers are labelled ``"none"`` and resumed, as ``VLLMServers`` does.
+
+Pausing, resetting the prefix cache and resuming are ``VLLMServers``' (``servers.py``), on rank
+0. A server that restarted needs a new ``VLLMLaneServers`` (its workers no longer follow the
+lanes); the one-sender ``VLLMServers`` forms its group again by itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pydantic import ValidationError
+from typing_extensions import Self
+
+from weight_sync.adapters.vllm.reload import ReloadTarget
+from weight_sync.adapters.vllm.servers import (
+    PauseMode,
+    ServersClient,
+    count_workers,
+    pause,
+    release,
+    reset_caches,
+    resume,
+)
+from weight_sync.blocks import BlockLayout
+from weight_sync.config import SyncConfig
+from weight_sync.deadline import Deadline
+from weight_sync.errors import WeightSyncError, first_line
+from weight_sync.futures import in_thread
+from weight_sync.http import ServerError, check_urls
+from weight_sync.lanes import VERDICTS, Lanes, Senders
+from weight_sync.metadata import SyncPlan
+from weight_sync.receive.assembly import Assembly
+from weight_sync.receiver import Receiver
+from weight_sync.result import PushResult
+from weight_sync.send.checks import Rename, StateDict
+from weight_sync.transport.rendezvous import open_store
+
+logger = logging.getLogger(__name__)
+
+_EPOCH = 1  # a VLLMLaneServers forms its lanes once
+# In rank 0's store, beside the verdicts (``lanes/``): what the workers check, and their answers.
+_CHECK = "check"  # JSON {"push", "digest"}: the push whose layout the workers check now
+_LAYOUT = "layout/"  # + digest: the layout itself
+_CHECKED = "checked/"  # + push/slot: a worker's problems with it (JSON list)
+_SLOTS = "slots/"  # + epoch: the counter each worker takes its slot from
+_SENT = "sent/"  # + epoch/slot: the highest version a worker was ever sent
+_CHECK_BYTES = 256
+
+
+class VLLMLaneServers:
+    """This trainer rank's end of pushes from every rank of a sharded trainer into ``vllm
+    serve`` processes at ``urls`` (the same list on every rank; see the module doc).
+
+    Made on every rank of ``group`` (the trainers' torch.distributed group, default: the default
+    group) at once: a collective. Its ranks ``0..n-1`` are the senders; the DTensors pushed must
+    lie on meshes of them (docs/many-senders.md). ``config`` and ``pause_mode`` as
+    ``VLLMServers``'; rank 0 makes every HTTP call."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        config: SyncConfig | None = None,
+        *,
+        group: dist.ProcessGroup | None = None,
+        pause_mode: PauseMode = "keep",
+    ) -> None:
+        self.urls = check_urls(urls, "vLLM")
+        if config is not None and not isinstance(config, SyncConfig):
+            raise TypeError(f"config must be a SyncConfig, got {type(config).__name__}")
+        if pause_mode not in ("keep", "wait", "abort"):
+            raise ValueError(f"pause_mode must be 'keep', 'wait' or 'abort', got {pause_mode!r}")
+        if not dist.is_initialized():
+            raise ValueError(
+                "a VLLMLaneServers needs the trainers' torch.distributed group; call "
+                "init_process_group on every trainer rank first"
+            )
+        config = config or SyncConfig()
+        self.pause_mode = pause_mode
+        self._client = ServersClient(self.urls, config.push_timeout_s)
+        rpc_s = config.rpc_timeout_s
+        self._lanes = Senders(config, group, lambda: count_workers(self.urls, rpc_s))
+        self.config = self._lanes.config
+        self.rank, self.senders = self._lanes.rank, self._lanes.senders
+        self.members = self._lanes.members  # every vLLM worker process of every server
+        self._posted: set[str] = set()  # rank 0: layouts in its store
+        self._paused = False
+        self._committed = 0
+        self._closed = False
+        # Every worker joins, and says the highest version it was ever sent (by any trainer):
+        # this trainer's versions go on past it.
+        self._lanes.out.pusher.spent(self._lanes.from_rank_0(self._join))
+        logger.info("sender %d of %d, to %d vLLM worker(s)", self.rank, self.senders, self.members)
+
+    @property
+    def version(self) -> int:
+        """The last version every lane committed on every worker (0: none yet)."""
+        return self._committed
+
+    def push(
+        self,
+        state_dict: StateDict,
+        *,
+        rename: Rename | None = None,
+        version: int | None = None,
+    ) -> PushResult:
+        """Push this rank's shards of ``state_dict`` while every other trainer rank pushes its
+        own; returns once every server serves the version, its prefix cache reset, resumed.
+
+        Raises, on every rank and before any byte moves: ``TypeError``/``ValueError`` for a
+        state dict some rank refused, ``PlanMismatchError`` where a server's engine cannot load
+        it (the servers keep their weights and versions, and are resumed). After: a
+        ``SenderFailedError`` naming the trainer ranks whose lanes did not land, and on rank 0
+        ``ServerError`` naming servers that failed -- the servers then report no version and
+        serve again, until a push repairs them."""
+        if self._closed:
+            raise WeightSyncError("this VLLMLaneServers is closed; create a new one on every rank")
+        started = time.monotonic()
+        try:
+            share, chosen = self._lanes.agree(
+                state_dict, rename, version, lambda layout, v: self._check(layout, v, started)
+            )
+        except BaseException:
+            self._end_session(None)  # rank 0, where its check paused the servers
+            raise
+        assert share.layout is not None
+        if not share.layout.blocks:  # no tensor has an element: nothing moves, as one sender
+            self._end_session(None)
+            logger.info("empty state dict: nothing to push (version stays %d)", self._committed)
+            return PushResult(self._committed, 0, 0, 0.0)
+        update: Future[None] | None = None
+        if self.rank == 0:
+            info = {
+                "version": chosen,
+                "push": self._lanes.pushes,
+                "wait_s": self.config.push_timeout_s,
+            }
+            update = in_thread(lambda: self._client.update_weights(info))
+        try:
+            result = self._lanes.push(share, chosen, started)
+        except BaseException as exc:
+            if update is not None:
+                self._failed(update, exc, started)
+            raise
+        if update is not None:
+            self._landed(update, result.version, started)
+        self._committed = result.version
+        return result
+
+    def close(self) -> None:
+        """Leave: the servers' workers stop following the lanes (they keep serving their
+        weights), and this rank's store closes. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.rank == 0:
+            try:
+                self._client.shutdown_weight_transfer_engine()
+            except ServerError as exc:
+                logger.warning("leaving the servers: %s", exc)
+        self._lanes.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _join(self) -> int:
+        """Rank 0: every worker follows the lanes from now; the highest version any was sent."""
+        address, port = self._lanes.endpoints[0]
+        self._client.init_weight_transfer_engine(
+            {
+                "address": address,
+                "port": port,
+                "epoch": _EPOCH,
+                "timeout_s": self.config.rendezvous_timeout_s,
+                "max_metadata_bytes": self.config.max_metadata_bytes,
+                "lanes": [list(endpoint) for endpoint in self._lanes.endpoints],
+            }
+        )
+        keys = [f"{_SENT}{_EPOCH}/{slot}" for slot in range(1, self.members + 1)]
+        return max(int(self._lanes.store.get(key)) for key in keys)
+
+    # -- rank 0: the HTTP calls around the lanes ---------------------------------------------------
+
+    def _check(self, layout: BlockLayout, version: int, started: float) -> dict[int, list[str]]:
+        """Pause the servers and have every worker check the layout and ``version``
+        (``start_weight_update``).
+        Returns each refusing worker's problems, after ending the update session and resuming;
+        raises ``ServerError`` (nothing sent) where a server did not answer."""
+        if not layout.blocks:  # an empty push: nothing to check, nothing will move
+            return {}
+        deadline = Deadline(self.config.push_timeout_s, "the workers' layout checks", started)
+        rpc_s = deadline.left(self.config.rpc_timeout_s)
+        self._client.failures.clear()
+        try:
+            pause(self.urls, self.pause_mode, rpc_s)
+            self._paused = True
+            if layout.digest not in self._posted:
+                self._lanes.store.set(f"{_LAYOUT}{layout.digest}", layout.wire)
+                self._posted.add(layout.digest)
+            request = {"push": self._lanes.pushes, "digest": layout.digest, "version": version}
+            self._lanes.store.set(_CHECK, json.dumps(request))
+            self._client.start_weight_update()
+            answers = [
+                json.loads(self._lanes.store.get(f"{_CHECKED}{self._lanes.pushes}/{slot}"))
+                for slot in range(1, self.members + 1)
+            ]
+        except WeightSyncError as exc:
+            self._end_session(None)
+            raise ServerError(
+                f"a server did not check the push ({first_line(exc)}); nothing was sent",
+                dict(self._client.failures) or {url: first_line(exc) for url in self.urls},
+            ) from exc
+        problems = {member: list(found) for member, found in enumerate(answers) if found}
+        if problems:
+            self._end_session(None)
+        return problems
+
+    def _landed(self, update: Future[None], version: int, started: float) -> None:
+        """Every lane committed: once every server's update call returned, label the outputs,
+        reset the prefix caches, resume."""
+        try:
+            self._wait(update, started)
+            self._client.finish_weight_update(str(version))
+            reset_caches(self.urls, self.config.rpc_timeout_s)
+        except BaseException as exc:
+            release(self.urls, exc)
+            self._paused = False
+            if isinstance(exc, ServerError):
+                raise
+            raise ServerError(
+                f"the lanes committed, but a server did not load them ({first_line(exc)})",
+                dict(self._client.failures) or {url: first_line(exc) for url in self.urls},
+            ) from exc
+        resume(self.urls, quiet=False)
+        self._paused = False
+
+    def _failed(self, update: Future[None], error: BaseException, started: float) -> None:
+        """The push failed: the servers claim no version and serve again (the push's error is
+        the one raised)."""
+        try:
+            self._wait(update, started)
+        except BaseException as exc:
+            logger.info("push %d: the servers' update failed too: %s", self._lanes.pushes, exc)
+        try:
+            self._client.finish_weight_update()
+        except ServerError as exc:  # vLLM ended the session itself when its update failed
+            logger.debug("no update session to end: %s", exc)
+        release(self.urls, error)
+        self._paused = False
+
+    def _end_session(self, version: int | None) -> None:
+        """Before any byte moved: end the update session (if one is open) and resume."""
+        if not self._paused:
+            return
+        try:
+            self._client.finish_weight_update(None if version is None else str(version))
+        except ServerError as exc:
+            logger.debug("no update session to end: %s", exc)
+        resume(self.urls, quiet=True)
+        self._paused = False
+
+    def _wait(self, update: Future[None], started: float) -> None:
+        deadline = Deadline(self.config.push_timeout_s + 5, "the servers' update calls", started)
+        update.result(timeout=deadline.remaining())
+
+
+# -- inside each vLLM worker process (the weight_sync backend's lanes mode) -------------------------
+
+
+class LaneMember:
+    """One vLLM worker's end of pushes from every rank of a sharded trainer, however they are
+    driven (over HTTP by ``VLLMLaneServers``: ``StoreLaneMember``; over Ray by ``LaneUpdater``,
+    through ``VLLMEngine``): the push's layout checked against the engine, every sender's lane
+    followed at once, and the whole tensors loaded in one reload once every lane committed.
+    ``single``: the worker's receiver of one-sender pushes -- the versions of both kinds stay
+    past every version either was sent."""
+
+    def __init__(self, target: ReloadTarget, single: Receiver) -> None:
+        self._target = target
+        self._single = single
+        self.lanes: Lanes | None = None
+        self._joined: tuple[list[tuple[str, int]], int] | None = None  # endpoints, slot
+        self._layout: BlockLayout | None = None
+
+    @property
+    def held(self) -> int | None:
+        """The version every lane committed and the engine loaded here."""
+        return self.lanes.held if self.lanes is not None else None
+
+    @property
+    def sent(self) -> int:
+        """The highest version this worker was ever sent, by one sender or many."""
+        return self._single.highest_version
+
+    def connect(self, endpoints: Sequence[Sequence[Any]], slot: int, timeout_s: float) -> None:
+        """Follow the lanes of the senders whose stores are at ``endpoints``, as member
+        ``slot`` of each (dialled again only when either changed)."""
+        joined = ([(str(host), int(port)) for host, port in endpoints], slot)
+        if joined == self._joined:
+            return
+        self.close()
+        self.lanes = Lanes(joined[0], slot, lambda: self._single.device, timeout_s)
+        self._joined = joined
+
+    def holds(self, digest: str) -> bool:
+        return self._layout is not None and self._layout.digest == digest
+
+    def check(
+        self, layout_json: str | None, digest: str, version: int, max_metadata_bytes: int
+    ) -> list[str]:
+        """What of the push (its layout, sent here as ``layout_json`` unless this worker holds
+        it, and ``version``) this engine cannot take: empty when it takes all of it."""
+        if layout_json is not None:
+            if len(layout_json) > max_metadata_bytes:
+                return [f"a layout of {len(layout_json)} bytes exceeds max_metadata_bytes"]
+            try:
+                layout = BlockLayout.model_validate_json(layout_json)
+            except ValidationError as exc:
+                return [f"malformed layout: {exc.errors()[0]['msg']}"]
+            if layout.digest == digest:
+                self._layout = layout
+        if self._layout is None or not self.holds(digest):
+            return ["this worker does not hold the push's layout (it restarted?): push again"]
+        # The layout's tensors, whole, as a plan's: vLLM's loader takes whole checkpoint tensors.
+        plan = SyncPlan.model_construct(alignment=1, tensors=self._layout.tensors, buckets=())
+        problems = list(self._target.check(plan, partial=False))
+        if version <= self.sent:
+            problems.append(
+                f"version {version} is not past {self.sent}, which this worker was already "
+                f"sent: push with version={self.sent + 1} or higher"
+            )
+        return problems
+
+    def receive(self, push: int, version: int, wait_s: float, name: str) -> int:
+        """Take push ``push`` (of ``version``) on every lane at once, then load it whole in one
+        reload; the version held here, else raises (and this worker holds none). ``name``
+        names this worker in errors."""
+        assert self.lanes is not None and self._layout is not None, "connect and check first"
+        whole: list[tuple[str, torch.Tensor]] = []
+        assembly = Assembly(self._layout, None, whole.extend)
+        self._single.saw(version)  # spent here from now, landed or not: never sent again
+        held = self.lanes.receive(assembly, push, wait_s, name)
+        try:
+            with self._target.reload():
+                self._target.load(whole)
+        except Exception as exc:
+            self.lanes.held = None
+            raise WeightSyncError(
+                f"{name} received every lane but its engine did not load them: {first_line(exc)}"
+            ) from exc
+        assert held == version, (held, version)
+        return held
+
+    def close(self) -> None:
+        lanes, self.lanes, self._joined = self.lanes, None, None
+        if lanes is not None:
+            lanes.close()
+
+
+class StoreLaneMember:
+    """A ``LaneMember`` driven by ``VLLMLaneServers`` over HTTP: it takes a slot in rank 0's
+    store (``address``, ``port``), says there the highest version this worker was sent, follows
+    every sender's lane (``lanes``: their stores), and answers each check in that store."""
+
+    def __init__(
+        self,
+        address: str,
+        port: int,
+        epoch: int,
+        lanes: Sequence[Sequence[Any]],
+        timeout_s: float,
+        max_metadata_bytes: int,
+        member: LaneMember,
+    ) -> None:
+        self._store = dist.PrefixStore(VERDICTS, open_store(address, port, 1, timeout_s, None))
+        self.slot = int(self._store.add(f"{_SLOTS}{epoch}", 1))
+        self._store.set(f"{_SENT}{epoch}/{self.slot}", str(member.sent))
+        member.connect(lanes, self.slot, timeout_s)
+        self.member = member
+        self._max_metadata_bytes = max_metadata_bytes
+
+    def check(self) -> None:
+        """``start_weight_update``: answer rank 0 with what of the push this engine cannot
+        take (empty: all of it)."""
+        request = json.loads(self._read(_CHECK, _CHECK_BYTES))
+        digest, limit = str(request["digest"]), self._max_metadata_bytes
+        layout = None if self.member.holds(digest) else self._read(f"{_LAYOUT}{digest}", limit)
+        problems = self.member.check(layout, digest, int(request["version"]), limit)
+        self._store.set(f"{_CHECKED}{int(request['push'])}/{self.slot}", json.dumps(problems))
+
+    def receive(self, push: int, version: int, wait_s: float) -> int:
+        """``update_weights``: see ``LaneMember.receive``."""
+        return self.member.receive(push, version, wait_s, f"vLLM worker {self.slot - 1}")
+
+    def close(self) -> None:
+        self.member.close()
+
+    def _read(self, key: str, limit: int) -> str:
+        value = self._store.get(key).decode()
+        if len(value) > limit:
+            raise WeightSyncError(f"control message {key!r} of {len(value)} bytes exceeds {limit}")
+        return str(value)
