@@ -92,7 +92,6 @@ def rank_job(args: argparse.Namespace) -> None:
         first = 0 if mode == "dense" else DELTA_FROM
         model = None if sync.is_sender else _module(specs)
         for step in range(first, first + 1 + args.repeats):
-            started = time.process_time()
             if sync.is_sender:
                 state = {}
                 for name, shape in specs:
@@ -110,15 +109,19 @@ def rank_job(args: argparse.Namespace) -> None:
                             stride=full.stride(),
                         )  # fmt: skip
                     del full
+                started = time.process_time()
                 result = sync.push(state)
+                spent = time.process_time() - started
                 if rank == 0:
                     rows.append({"step": step, "mode": mode, "seconds": result.seconds,
                                  "nbytes": result.nbytes, "wire": result.wire_bytes,
                                  "delta": result.delta})  # fmt: skip
             else:
                 assert model is not None
+                started = time.process_time()
                 sync.receive(model)  # in place, in the model's own tensors
-            cpu.append({"mode": mode, "step": step, "cpu": time.process_time() - started})
+                spent = time.process_time() - started
+            cpu.append({"mode": mode, "step": step, "cpu": spent})
         if not sync.is_sender:
             assert model is not None
             expected = {name: values(name, shape, first + args.repeats) for name, shape in specs}

@@ -5,12 +5,15 @@ make a ``LaneUpdater`` over the same workers, and each calls ``push(model.state_
 same point. Each sender pushes the blocks of its own shards over a lane of its own (an ordinary
 push over the store plane: see ``weight_sync.lanes``), and every worker runs one receive
 per lane at once, writing each block where it belongs (``WeightSyncWorker``'s
-``_weight_sync_lanes_*``). Around the lanes, as in a launched job (``weight_sync.torchrun``):
+``_weight_sync_lanes_*``; a ``VLLMEngine`` forwards them to its vLLM workers, each a member of
+its own, which load whole tensors once every lane committed). Around the lanes, as in a launched job (``weight_sync.torchrun``):
 
+* when they form, rank 0 asks every worker how many members it brings and the highest version
+  it was ever sent: the senders' versions go past it;
 * before any byte moves, the senders agree over a Gloo group of their own (each one's checks,
-  version and layout), and rank 0 has every worker check the layout against its model (one
-  Ray call each, the layout itself only when a worker lacks it); a refusal anywhere raises on
-  every sender;
+  version and layout), and rank 0 has every worker check the layout and version against its
+  model (one Ray call each, the layout itself only when a worker lacks it); a refusal anywhere
+  raises on every sender;
 * rank 0 then starts each worker's receive (one Ray call per worker per push) and every sender
   pushes its lane; each reports how its lane ended in rank 0's store, and rank 0 judges.
 
@@ -44,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 class LaneUpdater:
     """This trainer rank's end of pushes from every rank of a sharded trainer to ``workers``
-    (``WeightSyncWorker`` actors; the same list on every rank).
+    (``WeightSyncWorker`` or ``VLLMEngine`` actors; the same list on every rank).
 
     Made on every rank of ``group`` (the trainers' torch.distributed group, default: the default
     group) at once: a collective. Its ranks ``0..n-1`` are the senders; the DTensors pushed must

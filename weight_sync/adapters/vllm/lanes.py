@@ -15,7 +15,7 @@ vLLM's weight-transfer API carries it, one HTTP call per server per step, made b
 
 * ``init_weight_transfer_engine`` hands each worker every sender's store address (the
   ``lanes`` of ``WeightSyncInitInfo``); the worker takes a slot in rank 0's store and dials
-  them all (``LaneMember``, inside the weight_sync backend);
+  them all (``StoreLaneMember``, inside the weight_sync backend);
 * ``start_weight_update`` is the check before any byte moves: rank 0 puts the push's layout in
   its store, and each worker runs the engine's own ``load_weights`` on meta tensors of the whole
   tensors (``ReloadTarget.check``) and answers there; a refusal anywhere calls the push off on
@@ -29,7 +29,9 @@ vLLM's weight-transfer API carries it, one HTTP call per server per step, made b
 
 Pausing, resetting the prefix cache and resuming are ``VLLMServers``' (``servers.py``), on rank
 0. A server that restarted needs a new ``VLLMLaneServers`` (its workers no longer follow the
-lanes); the one-sender ``VLLMServers`` forms its group again by itself.
+lanes); the one-sender ``VLLMServers`` forms its group again by itself. The worker's half,
+``LaneMember``, is also what each worker of a ``VLLMEngine`` on Ray runs for a ``LaneUpdater``
+(``extension.py``).
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ logger = logging.getLogger(__name__)
 
 _EPOCH = 1  # a VLLMLaneServers forms its lanes once
 # In rank 0's store, beside the verdicts (``lanes/``): what the workers check, and their answers.
-_CHECK = "check"  # JSON {"push", "digest"}: the push whose layout the workers check now
+_CHECK = "check"  # JSON {"push", "digest", "version"}: the push the workers check now
 _LAYOUT = "layout/"  # + digest: the layout itself
 _CHECKED = "checked/"  # + push/slot: a worker's problems with it (JSON list)
 _SLOTS = "slots/"  # + epoch: the counter each worker takes its slot from
@@ -155,11 +157,11 @@ class VLLMLaneServers:
                 state_dict, rename, version, lambda layout, v: self._check(layout, v, started)
             )
         except BaseException:
-            self._end_session(None)  # rank 0, where its check paused the servers
+            self._end_session()  # rank 0, where its check paused the servers
             raise
         assert share.layout is not None
         if not share.layout.blocks:  # no tensor has an element: nothing moves, as one sender
-            self._end_session(None)
+            self._end_session()
             logger.info("empty state dict: nothing to push (version stays %d)", self._committed)
             return PushResult(self._committed, 0, 0, 0.0)
         update: Future[None] | None = None
@@ -220,9 +222,9 @@ class VLLMLaneServers:
 
     def _check(self, layout: BlockLayout, version: int, started: float) -> dict[int, list[str]]:
         """Pause the servers and have every worker check the layout and ``version``
-        (``start_weight_update``).
-        Returns each refusing worker's problems, after ending the update session and resuming;
-        raises ``ServerError`` (nothing sent) where a server did not answer."""
+        (``start_weight_update``). Returns each refusing worker's problems, after ending the
+        update session and resuming; raises ``ServerError`` (nothing sent) where a server did
+        not answer."""
         if not layout.blocks:  # an empty push: nothing to check, nothing will move
             return {}
         deadline = Deadline(self.config.push_timeout_s, "the workers' layout checks", started)
@@ -242,14 +244,14 @@ class VLLMLaneServers:
                 for slot in range(1, self.members + 1)
             ]
         except WeightSyncError as exc:
-            self._end_session(None)
+            self._end_session()
             raise ServerError(
                 f"a server did not check the push ({first_line(exc)}); nothing was sent",
                 dict(self._client.failures) or {url: first_line(exc) for url in self.urls},
             ) from exc
         problems = {member: list(found) for member, found in enumerate(answers) if found}
         if problems:
-            self._end_session(None)
+            self._end_session()
         return problems
 
     def _landed(self, update: Future[None], version: int, started: float) -> None:
@@ -285,12 +287,12 @@ class VLLMLaneServers:
         release(self.urls, error)
         self._paused = False
 
-    def _end_session(self, version: int | None) -> None:
+    def _end_session(self) -> None:
         """Before any byte moved: end the update session (if one is open) and resume."""
         if not self._paused:
             return
         try:
-            self._client.finish_weight_update(None if version is None else str(version))
+            self._client.finish_weight_update()
         except ServerError as exc:
             logger.debug("no update session to end: %s", exc)
         resume(self.urls, quiet=True)
