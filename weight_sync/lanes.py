@@ -209,18 +209,31 @@ class Senders:
     members are (Ray workers, the workers of vLLM servers): the senders' Gloo group the
     agreement runs over, this rank's lane, and the verdicts in rank 0's store. Made on every
     rank of ``group`` (the trainers' torch.distributed group; None: the default group) at once,
-    a collective; ``members`` is asked on rank 0 only."""
+    a collective; ``members(config)`` is asked on rank 0 only. ``owner`` names the caller's class in
+    what it tells a caller to change."""
 
     def __init__(
-        self, config: SyncConfig, group: dist.ProcessGroup | None, members: Callable[[], int]
+        self,
+        config: SyncConfig | None,
+        group: dist.ProcessGroup | None,
+        members: Callable[[SyncConfig], int],
+        owner: str,
     ) -> None:
+        if config is not None and not isinstance(config, SyncConfig):
+            raise TypeError(f"config must be a SyncConfig, got {type(config).__name__}")
+        if not dist.is_initialized():
+            raise ValueError(
+                f"a {owner} needs the trainers' torch.distributed group; call "
+                "init_process_group on every trainer rank first"
+            )
+        config = config or SyncConfig()
         # A group of its own rendezvous per lane (they form at once), every member a rank of it.
         self.config = config.model_copy(update={"group_mode": "standalone", "same_host": "group"})
         self.rank, self.senders = dist.get_rank(group), dist.get_world_size(group)
         ranks = dist.get_process_group_ranks(group) if group is not None else None
         timeout = datetime.timedelta(seconds=self.config.push_timeout_s)
         self.control = dist.new_group(ranks, backend="gloo", timeout=timeout)
-        self.members = self.from_rank_0(members)
+        self.members = self.from_rank_0(lambda: members(self.config))
         self.out = Outbound(self.config, self.members)
         self.endpoints = share_endpoints(self.out.address, self.senders, self.control, _CPU)
         store = open_store(*self.endpoints[0], 1, self.config.rendezvous_timeout_s, None)

@@ -70,3 +70,30 @@ def test_control_tensors_live_on_the_host_wherever_the_group_takes_them(
     """A job's default group of "cpu:gloo,cuda:nccl" holds its control collectives on the host
     (a receiving rank may have no GPU); a group of NCCL alone, under any name, on the GPU."""
     assert takes_host_tensors(config) is host
+
+
+def _lane_updater(config: object) -> object:
+    from weight_sync.actors import LaneUpdater
+
+    return LaneUpdater([object()], config)  # type: ignore[arg-type]
+
+
+def _lane_servers(config: object) -> object:
+    from weight_sync.adapters.vllm import VLLMLaneServers
+
+    return VLLMLaneServers(["http://127.0.0.1:8000"], config)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("make", [_lane_updater, _lane_servers])
+@pytest.mark.parametrize(
+    ("config", "error", "says"),
+    [
+        ({"push_timeout_s": 5}, TypeError, "config must be a SyncConfig, got dict"),
+        (None, ValueError, "needs the trainers' torch.distributed group"),  # none initialised
+    ],
+)
+def test_senders_say_what_to_change_before_any_collective(
+    make: object, config: object, error: type, says: str
+) -> None:
+    with pytest.raises(error, match=says):
+        make(config)  # type: ignore[operator]

@@ -60,20 +60,14 @@ class LaneUpdater:
         *,
         group: dist.ProcessGroup | None = None,
     ) -> None:
-        if config is not None and not isinstance(config, SyncConfig):
-            raise TypeError(f"config must be a SyncConfig, got {type(config).__name__}")
         if not workers:
             raise ValueError("a LaneUpdater needs at least one worker")
-        if not dist.is_initialized():
-            raise ValueError(
-                "a LaneUpdater needs the trainers' torch.distributed group; call "
-                "init_process_group in every trainer actor first"
-            )
-        config = config or SyncConfig()
         self._workers = list(workers)
         self._slots: list[int] = []  # rank 0: each worker's first member slot (1-based)
         self._sent = 0  # rank 0: the highest version any worker was ever sent
-        self._lanes = Senders(config, group, lambda: self._probe(config.rpc_timeout_s))
+        self._lanes = Senders(
+            config, group, lambda given: self._probe(given.rpc_timeout_s), "LaneUpdater"
+        )
         self._lanes.out.pusher.spent(self._lanes.from_rank_0(lambda: self._sent))
         self.config = self._lanes.config
         self.rank, self.senders = self._lanes.rank, self._lanes.senders

@@ -102,20 +102,16 @@ class VLLMLaneServers:
         pause_mode: PauseMode = "keep",
     ) -> None:
         self.urls = check_urls(urls, "vLLM")
-        if config is not None and not isinstance(config, SyncConfig):
-            raise TypeError(f"config must be a SyncConfig, got {type(config).__name__}")
         if pause_mode not in ("keep", "wait", "abort"):
             raise ValueError(f"pause_mode must be 'keep', 'wait' or 'abort', got {pause_mode!r}")
-        if not dist.is_initialized():
-            raise ValueError(
-                "a VLLMLaneServers needs the trainers' torch.distributed group; call "
-                "init_process_group on every trainer rank first"
-            )
-        config = config or SyncConfig()
         self.pause_mode = pause_mode
-        self._client = ServersClient(self.urls, config.push_timeout_s)
-        rpc_s = config.rpc_timeout_s
-        self._lanes = Senders(config, group, lambda: count_workers(self.urls, rpc_s))
+        self._lanes = Senders(
+            config,
+            group,
+            lambda given: count_workers(self.urls, given.rpc_timeout_s),
+            "VLLMLaneServers",
+        )
+        self._client = ServersClient(self.urls, self._lanes.config.push_timeout_s)
         self.config = self._lanes.config
         self.rank, self.senders = self._lanes.rank, self._lanes.senders
         self.members = self._lanes.members  # every vLLM worker process of every server
