@@ -14,6 +14,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from tests.reference import Trainer as InProcess
 from weight_sync import PushResult, SyncConfig, WeightUpdater
 from weight_sync.adapters.hf import load_model
 from weight_sync.transport.rendezvous import bind_listener, open_store
@@ -192,12 +193,11 @@ class LaneTrainer:
     ``reference`` answers for what was last pushed, as ``Trainer``'s."""
 
     def __init__(self, config: dict[str, Any], rank: int, world_size: int, seed: int = 3) -> None:
-        torch.manual_seed(seed)
         torch.set_num_threads(1)
         self.rank, self.world_size = rank, world_size
         self.listener = bind_listener("127.0.0.1") if rank == 0 else None
-        self.model = load_model(config)
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-2)
+        self.trainer = InProcess(config, seed)  # its model and Adam steps
+        self.model = self.trainer.model
         self.pushed: dict[str, torch.Tensor] | None = None
 
     def port(self) -> int:
@@ -216,11 +216,7 @@ class LaneTrainer:
         self.updater = LaneUpdater(engines, SyncConfig(**sync))
 
     def step(self) -> None:
-        ids = torch.randint(0, self.model.config.vocab_size, (4, 32))
-        loss = self.model(ids, labels=ids).loss
-        self.optimizer.zero_grad()
-        loss.backward()
-        self.optimizer.step()
+        self.trainer.step()
 
     def push(self, extra: bool = False, die: bool = False) -> Any:
         """Every rank at once: the result, or the error's type and message. ``extra``: with a

@@ -8,6 +8,7 @@ trainer's whole model would, labelled with the push's version.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,10 +35,8 @@ def sharded(engines: dict[str, Any]) -> Iterator[list[Any]]:
         yield ranks
     finally:
         for rank in ranks:  # one may have died on purpose
-            try:
+            with contextlib.suppress(Exception):
                 ray.get(rank.close.remote(), timeout=30)
-            except Exception:
-                pass
             ray.kill(rank)
 
 
