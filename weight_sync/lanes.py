@@ -204,6 +204,20 @@ class Verdicts:
         return dict(json.loads(self._store.get(key)))
 
 
+def lane_config(config: SyncConfig) -> SyncConfig:
+    """How each lane of a push from several senders runs: a group of its own rendezvous (the
+    lanes form at once), every member a rank of it, over Gloo -- K NCCL communicators driven
+    from K threads on one GPU may deadlock (docs/many-senders.md: the NCCL design, not built)."""
+    if config.backend == "nccl":
+        raise ValueError(
+            "a push from several senders runs its lanes over Gloo (CUDA tensors go through the "
+            "host); leave SyncConfig.backend unset or 'gloo'"
+        )
+    return config.model_copy(
+        update={"group_mode": "standalone", "same_host": "group", "backend": "gloo"}
+    )
+
+
 class Senders:
     """One trainer rank's part in pushes from every rank of a sharded trainer, whatever the
     members are (Ray workers, the workers of vLLM servers): the senders' Gloo group the
@@ -226,9 +240,7 @@ class Senders:
                 f"a {owner} needs the trainers' torch.distributed group; call "
                 "init_process_group on every trainer rank first"
             )
-        config = config or SyncConfig()
-        # A group of its own rendezvous per lane (they form at once), every member a rank of it.
-        self.config = config.model_copy(update={"group_mode": "standalone", "same_host": "group"})
+        self.config = lane_config(config or SyncConfig())
         self.rank, self.senders = dist.get_rank(group), dist.get_world_size(group)
         ranks = dist.get_process_group_ranks(group) if group is not None else None
         timeout = datetime.timedelta(seconds=self.config.push_timeout_s)
@@ -279,17 +291,21 @@ class Senders:
         return share, agree(share, self.out, self.control, check)
 
     def push(self, share: Share, version: int, started: float) -> PushResult:
-        """This rank's lane of the push agreed, settled with the other senders (``push_share``)."""
-        return push_share(
-            self.out,
-            share,
-            version,
-            self.verdicts,
-            self.pushes,
-            self.rank,
-            started,
-            self.config.push_timeout_s,
-        )
+        """This rank's lane of the push agreed, settled with the other senders (``push_share``).
+        The version is spent whatever happens: members take note of it before any byte."""
+        try:
+            return push_share(
+                self.out,
+                share,
+                version,
+                self.verdicts,
+                self.pushes,
+                self.rank,
+                started,
+                self.config.push_timeout_s,
+            )
+        finally:
+            self.out.pusher.spent(version)
 
     def close(self) -> None:
         self.out.close()

@@ -65,6 +65,7 @@ from weight_sync.lanes import (
     Verdicts,
     before_any_byte,
     gather_rows,
+    lane_config,
     push_share,
     share_endpoints,
 )
@@ -164,6 +165,8 @@ class JobSync:
                 )
             mode = "standalone"
         self.config = config.model_copy(update={"group_mode": mode, "same_host": "group"})
+        if senders > 1:
+            self.config = lane_config(self.config)
         self.senders = senders
         self._out: Outbound | None = None  # a sender's lane
         self._lanes: Lanes | None = None  # a receiving rank's, one per sender
@@ -280,16 +283,19 @@ class JobSync:
         if not share.layout.blocks:  # no tensor has an element: nothing moves, as one sender
             logger.info("empty state dict: nothing to push (version stays %d)", self._committed)
             return PushResult(self._committed, 0, 0, 0.0)
-        self.last_result = push_share(
-            self._out,
-            share,
-            version,
-            self._verdicts,
-            self._pushes,
-            self.rank,
-            started,
-            self.config.push_timeout_s,
-        )
+        try:
+            self.last_result = push_share(
+                self._out,
+                share,
+                version,
+                self._verdicts,
+                self._pushes,
+                self.rank,
+                started,
+                self.config.push_timeout_s,
+            )
+        finally:  # spent whatever happened: a member may have taken note of it
+            self._out.pusher.spent(version)
         self._committed = self.last_result.version
         return self.last_result
 

@@ -97,3 +97,20 @@ def test_senders_say_what_to_change_before_any_collective(
 ) -> None:
     with pytest.raises(error, match=says):
         make(config)  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(
+    ("given", "backend"),
+    [({}, "gloo"), ({"backend": "auto"}, "gloo"), ({"backend": "gloo"}, "gloo"),
+     ({"backend": "nccl"}, None)],
+)  # fmt: skip
+def test_lanes_run_over_gloo_in_groups_of_their_own(given: dict, backend: str | None) -> None:
+    from weight_sync import SyncConfig
+    from weight_sync.lanes import lane_config
+
+    if backend is None:
+        with pytest.raises(ValueError, match="lanes over Gloo"):
+            lane_config(SyncConfig(**given))
+        return
+    config = lane_config(SyncConfig(**given))
+    assert (config.backend, config.group_mode, config.same_host) == (backend, "standalone", "group")

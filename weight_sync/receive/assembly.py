@@ -95,21 +95,26 @@ class Assembly:
     ) -> None:
         assert self._load is not None
         complete = []
-        with self._lock:
-            for name, tensor in weights:
-                block, meta = blocks[name]
-                whole, left = self._parts.get(name) or (
-                    torch.empty(meta.shape, dtype=meta.torch_dtype, device=tensor.device),
-                    math.prod(meta.shape),
-                )
-                view_of(whole, block).copy_(tensor)
+        for name, tensor in weights:
+            block, meta = blocks[name]
+            with self._lock:
+                if name not in self._parts:
+                    whole = torch.empty(meta.shape, dtype=meta.torch_dtype, device=tensor.device)
+                    self._parts[name] = (whole, math.prod(meta.shape))
+                whole = self._parts[name][0]
+            # Outside the lock: the lanes' blocks of one tensor never overlap, so K lanes copy
+            # at once; only who completes a tensor is decided under it.
+            view_of(whole, block).copy_(tensor)
+            with self._lock:
+                _, left = self._parts[name]
                 left -= block.numel
                 if left:
                     self._parts[name] = (whole, left)
                 else:
-                    self._parts.pop(name, None)
+                    del self._parts[name]
                     complete.append((name, whole))
-            if complete:
+        if complete:
+            with self._lock:
                 self._load(complete)
 
     def _blocks(self, sender: int) -> list[tuple[Block, TensorMeta]]:

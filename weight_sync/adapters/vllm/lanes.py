@@ -227,8 +227,8 @@ class VLLMLaneServers:
         rpc_s = deadline.left(self.config.rpc_timeout_s)
         self._client.failures.clear()
         try:
+            self._paused = True  # some servers may be paused even if one fails to
             pause(self.urls, self.pause_mode, rpc_s)
-            self._paused = True
             if layout.digest not in self._posted:
                 self._lanes.store.set(f"{_LAYOUT}{layout.digest}", layout.wire)
                 self._posted.add(layout.digest)
@@ -239,7 +239,7 @@ class VLLMLaneServers:
                 json.loads(self._lanes.store.get(f"{_CHECKED}{self._lanes.pushes}/{slot}"))
                 for slot in range(1, self.members + 1)
             ]
-        except WeightSyncError as exc:
+        except Exception as exc:  # a store error too: rank 0 must still give the word
             self._end_session()
             raise ServerError(
                 f"a server did not check the push ({first_line(exc)}); nothing was sent",
@@ -258,6 +258,7 @@ class VLLMLaneServers:
             self._client.finish_weight_update(str(version))
             reset_caches(self.urls, self.config.rpc_timeout_s)
         except BaseException as exc:
+            self._finish_quietly()  # a server whose update still ran has its session open
             release(self.urls, exc)
             self._paused = False
             if isinstance(exc, ServerError):
@@ -276,10 +277,7 @@ class VLLMLaneServers:
             self._wait(update, started)
         except BaseException as exc:
             logger.info("push %d: the servers' update failed too: %s", self._lanes.pushes, exc)
-        try:
-            self._client.finish_weight_update()
-        except ServerError as exc:  # vLLM ended the session itself when its update failed
-            logger.debug("no update session to end: %s", exc)
+        self._finish_quietly()
         release(self.urls, error)
         self._paused = False
 
@@ -287,12 +285,17 @@ class VLLMLaneServers:
         """Before any byte moved: end the update session (if one is open) and resume."""
         if not self._paused:
             return
+        self._finish_quietly()
+        resume(self.urls, quiet=True)
+        self._paused = False
+
+    def _finish_quietly(self) -> None:
+        """End the servers' update sessions with no version; vLLM ended those whose call failed
+        itself, and refuses to end them again (expected)."""
         try:
             self._client.finish_weight_update()
         except ServerError as exc:
             logger.debug("no update session to end: %s", exc)
-        resume(self.urls, quiet=True)
-        self._paused = False
 
     def _wait(self, update: Future[None], started: float) -> None:
         deadline = Deadline(self.config.push_timeout_s + 5, "the servers' update calls", started)
