@@ -33,6 +33,7 @@ import torch.distributed as dist
 from weight_sync.blocks import BlockLayout
 from weight_sync.config import SyncConfig
 from weight_sync.deadline import Deadline
+from weight_sync.devices import CPU
 from weight_sync.errors import (
     PlanMismatchError,
     SenderFailedError,
@@ -58,7 +59,6 @@ VERDICTS = "lanes/"  # + push/sender: how each lane ended; + push/verdict: rank 
 LONGEST_WAIT_S = 86400.0  # one store wait; a longer deadline waits again
 _LINGER_S = 1.0  # a sender keeps its store this long after posting close
 _ENDPOINT_BYTES = 256  # a sender's store address, as JSON, in one fixed-size all-gather
-_CPU = torch.device("cpu")
 
 
 class Outbound:
@@ -223,8 +223,8 @@ class Senders:
     members are (Ray workers, the workers of vLLM servers): the senders' Gloo group the
     agreement runs over, this rank's lane, and the verdicts in rank 0's store. Made on every
     rank of ``group`` (the trainers' torch.distributed group; None: the default group) at once,
-    a collective; ``members(config)`` is asked on rank 0 only. ``owner`` names the caller's class in
-    what it tells a caller to change."""
+    a collective; ``members(config)`` is asked on rank 0 only. ``owner`` names the caller's
+    class in what it tells a caller to change."""
 
     def __init__(
         self,
@@ -247,7 +247,7 @@ class Senders:
         self.control = dist.new_group(ranks, backend="gloo", timeout=timeout)
         self.members = self.from_rank_0(lambda: members(self.config))
         self.out = Outbound(self.config, self.members)
-        self.endpoints = share_endpoints(self.out.address, self.senders, self.control, _CPU)
+        self.endpoints = share_endpoints(self.out.address, self.senders, self.control, CPU)
         store = open_store(*self.endpoints[0], 1, self.config.rendezvous_timeout_s, None)
         # Rank 0's store: the verdicts, and whatever else its members answer there.
         self.store = dist.PrefixStore(VERDICTS, store)
@@ -279,8 +279,12 @@ class Senders:
         version: int | None,
         check: Callable[[BlockLayout, int], dict[int, list[str]]],
     ) -> tuple[Share, int]:
-        """Begin push ``pushes``: this rank's share of ``state_dict`` and the version, agreed
-        by every sender (``agree``; ``check`` on rank 0). Raises on every sender otherwise."""
+        """Begin push ``pushes``, every sender at once, before any lane moves a byte: this
+        rank's share of ``state_dict`` passes its checks, the senders' layouts are one, the
+        version is past every sender's, and on rank 0 ``check`` finds nothing the members cannot
+        take at that version (problems by member; a ``WeightSyncError`` when it could not ask
+        them all). Returns the share and the version; raises on every sender otherwise, each
+        learning the word before any raises."""
         self.pushes += 1
         options = {
             key: value
@@ -288,24 +292,46 @@ class Senders:
             if value is not None
         }
         share = share_of(state_dict, options, self.senders, self.rank, self.config)
-        return share, agree(share, self.out, self.control, check)
+        values, digest = share.row(self.out.pusher.next_version)
+        rows = gather_rows(values, digest, self.control)
+        reason = called_off(rows)
+        chosen = max(row[1] for row in rows)
+        problems: dict[int, list[str]] = {}
+        unchecked: WeightSyncError | None = None  # rank 0 could not ask every member
+        if reason is None and self.rank == 0:
+            assert share.layout is not None
+            try:
+                problems = check(share.layout, chosen)
+            except WeightSyncError as exc:  # raised below, once every sender has the word
+                unchecked = exc
+        word = self.from_rank_0(lambda: int(bool(problems)) | 2 * int(unchecked is not None))
+        if share.error is not None:
+            raise share.error
+        if reason is not None:
+            raise ValueError(f"{reason}; nothing was sent")
+        if unchecked is not None:
+            raise unchecked
+        if word & 2:
+            raise WeightSyncError(
+                "rank 0 could not check the layout with every member (see its error); nothing "
+                "was sent"
+            )
+        if word:
+            raise PlanMismatchError(problems)  # by member on rank 0; the others learn only that
+        return share, chosen
 
     def push(self, share: Share, version: int, started: float) -> PushResult:
-        """This rank's lane of the push agreed, settled with the other senders (``push_share``).
-        The version is spent whatever happens: members take note of it before any byte."""
-        try:
-            return push_share(
-                self.out,
-                share,
-                version,
-                self.verdicts,
-                self.pushes,
-                self.rank,
-                started,
-                self.config.push_timeout_s,
-            )
-        finally:
-            self.out.pusher.spent(version)
+        """This rank's lane of the push agreed, settled with the other senders (``push_share``)."""
+        return push_share(
+            self.out,
+            share,
+            version,
+            self.verdicts,
+            self.pushes,
+            self.rank,
+            started,
+            self.config.push_timeout_s,
+        )
 
     def close(self) -> None:
         self.out.close()
@@ -323,21 +349,25 @@ def push_share(
 ) -> PushResult:
     """Push this sender's lane (none, where the layout gives it no block) and settle the push
     with the other senders. Returns the push's result (every lane's bytes), or raises: this
-    lane's own error where it failed, else ``SenderFailedError`` naming the lanes that did."""
+    lane's own error where it failed, else ``SenderFailedError`` naming the lanes that did.
+    Either way the version is spent on this sender."""
     deadline = Deadline(timeout_s, "the senders' reports", started)
     assert share.layout is not None and share.layout.blocks, "an empty push moves nothing"
     result = PushResult(version, 0, 0, 0.0)
-    if share.lane:
-        try:
-            result = lane.push(share.lane, {"version": version})
-        except Exception as exc:
+    try:
+        if share.lane:
             try:
-                verdicts.settle(push, sender, {"error": first_line(exc)}, deadline)
-            except SenderFailedError as others:  # this lane's own error says more
-                logger.debug("push %d failed: %s", push, others)
-            raise
-    landed = {"nbytes": result.nbytes, "buckets": result.buckets, "wire": result.wire_bytes}
-    sums = verdicts.settle(push, sender, landed, deadline)
+                result = lane.push(share.lane, {"version": version})
+            except Exception as exc:
+                try:
+                    verdicts.settle(push, sender, {"error": first_line(exc)}, deadline)
+                except SenderFailedError as others:  # this lane's own error says more
+                    logger.debug("push %d failed: %s", push, others)
+                raise
+        landed = {"nbytes": result.nbytes, "buckets": result.buckets, "wire": result.wire_bytes}
+        sums = verdicts.settle(push, sender, landed, deadline)
+    finally:  # spent whatever happens: members take note of it before any byte moves
+        lane.pusher.spent(version)
     return dataclasses.replace(
         result,
         nbytes=sums["nbytes"],
@@ -345,47 +375,6 @@ def push_share(
         wire_bytes=sums["wire"],
         seconds=time.monotonic() - started,
     )
-
-
-def agree(
-    share: Share,
-    lane: Outbound,
-    control: dist.ProcessGroup,
-    check: Callable[[BlockLayout, int], dict[int, list[str]]],
-) -> int:
-    """The senders' agreement before any lane moves a byte, on every sender at once (``control``:
-    a Gloo group of exactly them): every share passes its checks, the layouts are one, the
-    version is past every sender's, and on rank 0 ``check`` finds nothing the members cannot
-    take at that version (problems by member; a ``WeightSyncError`` when it could not ask them all). Returns the
-    version; raises on every sender otherwise, each learning the word before any raises."""
-    values, digest = share.row(lane.pusher.next_version)
-    rows = gather_rows(values, digest, control)
-    reason = called_off(rows)
-    version = max(row[1] for row in rows)
-    problems: dict[int, list[str]] = {}
-    unchecked: WeightSyncError | None = None  # rank 0 could not ask every member
-    if reason is None and dist.get_rank(control) == 0:
-        assert share.layout is not None
-        try:
-            problems = check(share.layout, version)
-        except WeightSyncError as exc:  # raised below, once every sender has the word
-            unchecked = exc
-    word = torch.tensor([int(bool(problems)) | 2 * int(unchecked is not None)])
-    before_any_byte(lambda: dist.broadcast(word, src=dist.get_global_rank(control, 0),
-                                           group=control))  # fmt: skip
-    if share.error is not None:
-        raise share.error
-    if reason is not None:
-        raise ValueError(f"{reason}; nothing was sent")
-    if unchecked is not None:
-        raise unchecked
-    if int(word) & 2:
-        raise WeightSyncError(
-            "rank 0 could not check the layout with every member (see its error); nothing was sent"
-        )
-    if int(word):
-        raise PlanMismatchError(problems)  # by member on rank 0; the others learn only that
-    return version
 
 
 def gather_rows(

@@ -283,19 +283,16 @@ class JobSync:
         if not share.layout.blocks:  # no tensor has an element: nothing moves, as one sender
             logger.info("empty state dict: nothing to push (version stays %d)", self._committed)
             return PushResult(self._committed, 0, 0, 0.0)
-        try:
-            self.last_result = push_share(
-                self._out,
-                share,
-                version,
-                self._verdicts,
-                self._pushes,
-                self.rank,
-                started,
-                self.config.push_timeout_s,
-            )
-        finally:  # spent whatever happened: a member may have taken note of it
-            self._out.pusher.spent(version)
+        self.last_result = push_share(
+            self._out,
+            share,
+            version,
+            self._verdicts,
+            self._pushes,
+            self.rank,
+            started,
+            self.config.push_timeout_s,
+        )
         self._committed = self.last_result.version
         return self.last_result
 

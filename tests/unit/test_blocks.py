@@ -23,7 +23,8 @@ from weight_sync.blocks import (
     view_of,
 )
 from weight_sync.metadata import TensorMeta
-from weight_sync.receive.assembly import Assembly, agreed
+from weight_sync.receive.assembly import Assembly, agreed, layout_of_push, past_sent
+from weight_sync.send.lanes import layout_of
 
 
 def meta(name: str, *shape: int, dtype: str = "float32") -> TensorMeta:
@@ -179,3 +180,40 @@ def test_assembly_hands_a_loader_whole_tensors_once_every_lane_gave_its_block() 
 )
 def test_a_member_holds_a_version_only_when_every_lane_does(versions, held) -> None:
     assert agreed(versions) == held
+
+
+def _rows(rows: int) -> BlockLayout:
+    return layout_of([("w", torch.zeros(rows, 2))], range(1))
+
+
+@pytest.mark.parametrize(
+    ("sent", "held", "named", "limit", "expected"),
+    [
+        (4, None, 4, 10_000, "layout"),  # sent, and the one named
+        (None, 4, 4, 10_000, "layout"),  # held from an earlier push
+        (None, None, 4, 10_000, "does not hold the push's layout"),
+        (None, 3, 4, 10_000, "does not hold the push's layout"),  # holds another one
+        (3, 4, 4, 10_000, "does not hold the push's layout"),  # sent another than named
+        (4, None, 4, 10, "exceeds max_metadata_bytes"),
+        ("{", None, 4, 10_000, "malformed layout"),
+    ],
+)
+def test_the_layout_a_member_takes_a_push_by(
+    sent: int | str | None, held: int | None, named: int, limit: int, expected: str
+) -> None:
+    wire = sent if isinstance(sent, str) else None if sent is None else _rows(sent).wire
+    found = layout_of_push(wire, _rows(named).digest, None if held is None else _rows(held), limit)
+    if expected == "layout":
+        assert isinstance(found, BlockLayout) and found.digest == _rows(named).digest
+    else:
+        assert isinstance(found, str) and expected in found
+
+
+@pytest.mark.parametrize(
+    ("version", "sent", "refused"), [(5, 4, False), (5, 5, True), (1, 9, True)]
+)
+def test_a_member_refuses_a_version_it_was_sent(version: int, sent: int, refused: bool) -> None:
+    problems = past_sent(version, sent)
+    assert bool(problems) == refused
+    if refused:
+        assert f"version={sent + 1} or higher" in problems[0]

@@ -6,7 +6,8 @@ same point. Each sender pushes the blocks of its own shards over a lane of its o
 push over the store plane: see ``weight_sync.lanes``), and every worker runs one receive
 per lane at once, writing each block where it belongs (``WeightSyncWorker``'s
 ``_weight_sync_lanes_*``; a ``VLLMEngine`` forwards them to its vLLM workers, each a member of
-its own, which load whole tensors once every lane committed). Around the lanes, as in a launched job (``weight_sync.torchrun``):
+its own, which load whole tensors once every lane committed). Around the lanes, as in a
+launched job (``weight_sync.torchrun``):
 
 * when they form, rank 0 asks every worker how many members it brings and the highest version
   it was ever sent: the senders' versions go past it;

@@ -14,7 +14,6 @@ from typing import Any
 
 import ray
 import torch
-from pydantic import ValidationError
 
 from weight_sync.blocks import BlockLayout
 from weight_sync.checksums import state_dict_digests
@@ -28,7 +27,7 @@ from weight_sync.metadata import (
     SyncStatus,
     TensorMeta,
 )
-from weight_sync.receive.assembly import Assembly
+from weight_sync.receive.assembly import Assembly, layout_of_push, past_sent
 from weight_sync.receiver import Check, Receiver, expecting
 
 SYNC_GROUP = "weight_sync"  # the protocol's calls; one at a time
@@ -188,24 +187,13 @@ class WeightSyncWorker:
         """What this worker cannot take of the push (its layout; ``version``, which must be
         past every version it was sent) -- empty: all of it --, checked before any byte moves;
         ``layout_json`` is None where the trainer believes this worker holds it already."""
-        if layout_json is not None:
-            if len(layout_json) > max_metadata_bytes:
-                return [f"a layout of {len(layout_json)} bytes exceeds max_metadata_bytes"]
-            try:
-                self._weight_sync_layout = BlockLayout.model_validate_json(layout_json)
-            except ValidationError as exc:
-                return [f"malformed layout: {exc.errors()[0]['msg']}"]
-        layout = self.__dict__.get("_weight_sync_layout")
-        if layout is None or layout.digest != digest:
-            return ["this worker does not hold the push's layout (it restarted?): push again"]
-        problems = self._weight_sync_assembly(layout).problems()
+        held = self.__dict__.get("_weight_sync_layout")
+        layout = layout_of_push(layout_json, digest, held, max_metadata_bytes)
+        if isinstance(layout, str):
+            return [layout]
+        self._weight_sync_layout = layout
         sent = self._weight_sync_state().highest_version
-        if version <= sent:
-            problems.append(
-                f"version {version} is not past {sent}, which this worker was already sent: "
-                f"push with version={sent + 1} or higher"
-            )
-        return problems
+        return self._weight_sync_assembly(layout).problems() + past_sent(version, sent)
 
     def _weight_sync_lanes_receive(
         self,

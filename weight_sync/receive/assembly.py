@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
+from pydantic import ValidationError
 
 from weight_sync.blocks import Block, BlockLayout, view_of
 from weight_sync.metadata import SyncPlan, TensorMeta
@@ -119,6 +120,33 @@ class Assembly:
 
     def _blocks(self, sender: int) -> list[tuple[Block, TensorMeta]]:
         return [(b, self.layout.tensors[b.tensor]) for b in self.layout.sent_by(sender)]
+
+
+def layout_of_push(
+    layout_json: str | None, digest: str, held: BlockLayout | None, max_metadata_bytes: int
+) -> BlockLayout | str:
+    """The layout of the push ``digest`` names, at a member: the one sent (``layout_json``:
+    bounded, validated, and the one named), else the one it ``held``; or what is wrong."""
+    layout = held
+    if layout_json is not None:
+        if len(layout_json) > max_metadata_bytes:
+            return f"a layout of {len(layout_json)} bytes exceeds max_metadata_bytes"
+        try:
+            layout = BlockLayout.model_validate_json(layout_json)
+        except ValidationError as exc:
+            return f"malformed layout: {exc.errors()[0]['msg']}"
+    if layout is None or layout.digest != digest:
+        return "this worker does not hold the push's layout (it restarted?): push again"
+    return layout
+
+
+def past_sent(version: int, sent: int) -> list[str]:
+    """A member's problem with a push's ``version`` when it is not past ``sent``, the highest
+    version the member was ever sent (by one sender or many)."""
+    if version > sent:
+        return []
+    why = f"version {version} is not past {sent}, which this worker was already sent"
+    return [f"{why}: push with version={sent + 1} or higher"]
 
 
 def agreed(versions: Sequence[int | None]) -> int | None:

@@ -11,8 +11,8 @@ steps instead: the layout checked, then every lane received and loaded (``lanes.
 Every method answers with a ``WorkerReply`` in JSON and never raises: vLLM turns a worker's
 exception into a plain ``RuntimeError`` (and, with several workers, loses the others' answers),
 so errors travel as data and the engine side raises them again as weight_sync's own types.
-Only strings, numbers and lists of them cross ``collective_rpc``: nothing is unpickled that the trainer's
-validated messages did not say.
+Only strings, numbers and lists of them cross ``collective_rpc``: nothing is unpickled that the
+trainer's validated messages did not say.
 """
 
 from __future__ import annotations

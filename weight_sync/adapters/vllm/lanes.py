@@ -45,7 +45,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from pydantic import ValidationError
 from typing_extensions import Self
 
 from weight_sync.adapters.vllm.reload import ReloadTarget
@@ -66,7 +65,7 @@ from weight_sync.futures import in_thread
 from weight_sync.http import ServerError, check_urls
 from weight_sync.lanes import VERDICTS, Lanes, Senders
 from weight_sync.metadata import SyncPlan
-from weight_sync.receive.assembly import Assembly
+from weight_sync.receive.assembly import Assembly, layout_of_push, past_sent
 from weight_sync.receiver import Receiver
 from weight_sync.result import PushResult
 from weight_sync.send.checks import Rename, StateDict
@@ -302,7 +301,7 @@ class VLLMLaneServers:
         update.result(timeout=deadline.remaining())
 
 
-# -- inside each vLLM worker process (the weight_sync backend's lanes mode) -------------------------
+# -- inside each vLLM worker process --------------------------------------------------------------
 
 
 class LaneMember:
@@ -348,26 +347,13 @@ class LaneMember:
     ) -> list[str]:
         """What of the push (its layout, sent here as ``layout_json`` unless this worker holds
         it, and ``version``) this engine cannot take: empty when it takes all of it."""
-        if layout_json is not None:
-            if len(layout_json) > max_metadata_bytes:
-                return [f"a layout of {len(layout_json)} bytes exceeds max_metadata_bytes"]
-            try:
-                layout = BlockLayout.model_validate_json(layout_json)
-            except ValidationError as exc:
-                return [f"malformed layout: {exc.errors()[0]['msg']}"]
-            if layout.digest == digest:
-                self._layout = layout
-        if self._layout is None or not self.holds(digest):
-            return ["this worker does not hold the push's layout (it restarted?): push again"]
+        layout = layout_of_push(layout_json, digest, self._layout, max_metadata_bytes)
+        if isinstance(layout, str):
+            return [layout]
+        self._layout = layout
         # The layout's tensors, whole, as a plan's: vLLM's loader takes whole checkpoint tensors.
-        plan = SyncPlan.model_construct(alignment=1, tensors=self._layout.tensors, buckets=())
-        problems = list(self._target.check(plan, partial=False))
-        if version <= self.sent:
-            problems.append(
-                f"version {version} is not past {self.sent}, which this worker was already "
-                f"sent: push with version={self.sent + 1} or higher"
-            )
-        return problems
+        plan = SyncPlan.model_construct(alignment=1, tensors=layout.tensors, buckets=())
+        return list(self._target.check(plan, partial=False)) + past_sent(version, self.sent)
 
     def receive(self, push: int, version: int, wait_s: float, name: str) -> int:
         """Take push ``push`` (of ``version``) on every lane at once, then load it whole in one
