@@ -77,10 +77,14 @@ class Outbound:
         """Where its members dial its store."""
         return self.plane.address
 
-    def push(self, state_dict: StateDict, options: Mapping[str, Any]) -> PushResult:
+    def push(
+        self, state_dict: StateDict, options: Mapping[str, Any], number: int | None = None
+    ) -> PushResult:
         """One push, framed by ``begin`` and ``end`` commands whatever happens between: a member
-        ends its receive with the push, and skips what is left of one it gave up on."""
-        self._pushes += 1
+        ends its receive with the push, and skips what is left of one it gave up on. ``number``
+        names the push in its frames (default: this lane's count), so that a member asked for
+        push ``number`` skips the frames of any earlier one it gave up on before it began."""
+        self._pushes = number if number is not None else self._pushes + 1
         frame = {"push": self._pushes}
         self.commands.post("begin", frame)
         try:
@@ -244,7 +248,13 @@ class Senders:
         self.rank, self.senders = dist.get_rank(group), dist.get_world_size(group)
         ranks = dist.get_process_group_ranks(group) if group is not None else None
         timeout = datetime.timedelta(seconds=self.config.push_timeout_s)
-        self.control = dist.new_group(ranks, backend="gloo", timeout=timeout)
+        # Named from its ranks (use_local_synchronization), not from the world's count of
+        # groups: when the trainers are part of a larger world -- one replica of a hybrid-
+        # sharded trainer pushing -- the other ranks never make it, and a count advanced here
+        # only would name the groups the whole world makes later apart (they would hang).
+        self.control = dist.new_group(
+            ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
+        )
         self.members = self.from_rank_0(lambda: members(self.config))
         self.out = Outbound(self.config, self.members)
         self.endpoints = share_endpoints(self.out.address, self.senders, self.control, CPU)
@@ -357,7 +367,7 @@ def push_share(
     try:
         if share.lane:
             try:
-                result = lane.push(share.lane, {"version": version})
+                result = lane.push(share.lane, {"version": version}, push)
             except Exception as exc:
                 try:
                     verdicts.settle(push, sender, {"error": first_line(exc)}, deadline)
@@ -460,7 +470,7 @@ class Lanes:
             )
         self.held = None  # from the first byte: the lanes land apart
         with ThreadPoolExecutor(len(active), thread_name_prefix="weight-sync-lane") as pool:
-            calls = {s: pool.submit(lane.receive, wait_s) for s, lane in active.items()}
+            calls = {s: pool.submit(lane.receive, wait_s, push) for s, lane in active.items()}
             outcomes = {s: _outcome(call) for s, call in calls.items()}
         failed = {s: error for s, (_, error) in outcomes.items() if error is not None}
         for sender, error in failed.items():
@@ -507,9 +517,12 @@ class Inbound:
         self.member = StoreMember(Receiver(device), expecting(lambda: None), lambda: Loader(_unset))
         self._next = 0  # the next command's number
 
-    def receive(self, wait_s: float) -> int:
-        """Take one push of this lane: wait at most ``wait_s`` for it to begin and as long
-        again, between steps, for it to end; its version once committed here, else raises."""
+    def receive(self, wait_s: float, push: int | None = None) -> int:
+        """Take one push of this lane -- push number ``push`` (None: the next to begin) --
+        waiting at most ``wait_s`` for it to begin and as long again, between steps, for it to
+        end; its version once committed here, else raises. The steps of earlier pushes, which
+        this rank gave up on, are skipped: a member that gave up waiting for push 3 and is then
+        asked for push 4 does not take 3, sent late, for it."""
         deadline = Deadline(wait_s, "waiting for the sender's push")
         began = False
         committed: int | None = None
@@ -519,7 +532,7 @@ class Inbound:
             if op == CLOSE:
                 raise WeightSyncError("the sender closed its end: no more pushes will come")
             if not began:  # steps left of a push this rank gave up on are skipped
-                if op == "begin":
+                if op == "begin" and (push is None or self._begins(int(arg["push"]), push)):
                     began, deadline = True, Deadline(wait_s, "the sender's push")
                 continue
             if op == "end":
@@ -532,6 +545,17 @@ class Inbound:
                     if isinstance(exc, WeightSyncError)
                     else TransportError(f"member {self.slot}: {op} failed: {first_line(exc)}")
                 )
+
+    def _begins(self, number: int, wanted: int) -> bool:
+        """Whether the push beginning, ``number``, is the one wanted: False for an earlier one
+        (skipped); a later one is left unread for the receive that asks for it, and raises."""
+        if number > wanted:
+            self._next -= 1
+            raise WeightSyncError(
+                f"member {self.slot}: the sender began push {number}, past push {wanted} this "
+                "rank was asked to take; it fell behind -- receive the pushes in order"
+            )
+        return number == wanted
 
     def _step(self, op: str, arg: dict[str, Any]) -> int | None:
         """Run one step of the sender's push; returns the version when it committed here."""

@@ -8,6 +8,11 @@ within 1e-4, greedy tokens equal except at ties within the tolerance.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -15,9 +20,10 @@ from typing import Any
 from tests.reference import Trainer
 from tests.vllm.models import MAX_MODEL_LEN
 from tests.vllm.test_engine import PROMPTS, TOLERANCE
-from weight_sync.adapters.vllm import ServerProcess
+from weight_sync.adapters.vllm import ServerProcess, VLLMServers
 
 TIMEOUT = 120
+REPO = str(Path(__file__).resolve().parents[2])
 # Longer than a KV block (128 tokens on CPU): their first block is cached by prefix, and a push
 # that did not reset the cache would have them answered partly by the old weights.
 LONG_PROMPTS = [[(7 * i + 3) % 500 for i in range(200)], [(11 * i) % 500 for i in range(180)]]
@@ -117,3 +123,41 @@ def largest_difference(url: str, model: str, trainer: Trainer) -> float:
         want = current.reference(prompt, ids)["logprobs"]
         worst = max(worst, *(abs(a - b) for a, b in zip(logprobs, want, strict=True)))
     return worst
+
+
+def paused(url: str) -> bool:
+    return bool(get(url, "is_paused")["is_paused"])
+
+
+def kill_trainer_mid_push(url: str, where: str) -> float:
+    """Run ``dying_trainer.py`` against ``url`` and kill it (SIGKILL) ``where`` it says: during
+    the broadcast, or once every byte arrived, before the commit. Returns when it was killed
+    (``time.monotonic``)."""
+    command = [sys.executable, "-m", "tests.vllm_serve.dying_trainer", url, where]
+    trainer_process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, text=True,
+                                       env={**os.environ, "PYTHONPATH": REPO})  # fmt: skip
+    try:
+        assert trainer_process.stdout is not None
+        lines = []
+        for line in trainer_process.stdout:  # bounded by the script's own alarm
+            lines.append(line.strip())
+            if line.startswith("striking"):
+                break
+        assert lines and lines[-1] == "striking", lines
+        # Well inside the broadcast (~5 s) or the held commit (30 s). Nothing asks the server
+        # meanwhile: even GET /is_paused waits for the engine while a worker call runs.
+        time.sleep(0.5)
+        os.kill(trainer_process.pid, signal.SIGKILL)
+        return time.monotonic()
+    finally:
+        trainer_process.kill()
+        trainer_process.wait(30)
+
+
+def wait_released(watching: VLLMServers, killed: float, limit_s: float = 60) -> float:
+    """Wait until a worker's watchdog released the servers ``watching`` watches (resumed, no
+    version claimed) after their trainer was killed at ``killed``; returns how long it took."""
+    while any(map(paused, watching.urls)) or set(watching.versions()) != {None}:
+        assert time.monotonic() - killed < limit_s, "the server was not released"
+        time.sleep(0.2)
+    return time.monotonic() - killed

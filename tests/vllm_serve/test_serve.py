@@ -6,11 +6,7 @@ The tests run in file order: the last one kills a server and starts it again at 
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
 import threading
 import time
 from typing import Any
@@ -28,9 +24,12 @@ from tests.vllm_serve.helpers import (
     assert_matches,
     complete,
     get,
+    kill_trainer_mid_push,
     largest_difference,
     metrics,
+    paused,
     post,
+    wait_released,
 )
 from weight_sync import PlanMismatchError, SyncConfig
 from weight_sync.adapters.vllm import VLLMServers
@@ -38,11 +37,6 @@ from weight_sync.adapters.vllm.servers import ServerError
 
 pytestmark = pytest.mark.timeout(900)
 FAILING = SyncConfig(push_timeout_s=60)  # a failure must be reported within this
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def paused(url: str) -> bool:
-    return bool(get(url, "is_paused")["is_paused"])
 
 
 # Every version each server (by URL, across restarts) was seen serving in this module: a version
@@ -225,30 +219,9 @@ def test_the_trainer_killed_mid_push_leaves_the_server_serving(
     watchdog sees the trainer's store go, labels the outputs "none", ends the session and
     resumes the server, which keeps serving and reports no version until a push repairs it."""
     url = servers.urls[0]
-    command = [sys.executable, "-m", "tests.vllm_serve.dying_trainer", url, where]
-    trainer_process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, text=True,
-                                       env={**os.environ, "PYTHONPATH": REPO})  # fmt: skip
-    try:
-        assert trainer_process.stdout is not None
-        lines = []
-        for line in trainer_process.stdout:  # bounded by the script's own alarm
-            lines.append(line.strip())
-            if line.startswith("striking"):
-                break
-        assert lines and lines[-1] == "striking", lines
-        # Well inside the broadcast (~5 s) or the held commit (30 s). Nothing asks the server
-        # meanwhile: even GET /is_paused waits for the engine while a worker call runs.
-        time.sleep(0.5)
-        os.kill(trainer_process.pid, signal.SIGKILL)
-        killed = time.monotonic()
-    finally:
-        trainer_process.kill()
-        trainer_process.wait(30)
+    killed = kill_trainer_mid_push(url, where)
     with VLLMServers([url]) as watching:
-        while paused(url) or watching.versions() != [None]:
-            assert time.monotonic() - killed < 60, "the server was not released"
-            time.sleep(0.2)
-        released_s = time.monotonic() - killed
+        released_s = wait_released(watching, killed)
         ids, _ = complete(url, model_dir, PROMPTS[0])  # still serving
         assert len(ids) == 8
         trainer = Trainer(QWEN2, seed=6)

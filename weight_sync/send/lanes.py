@@ -37,12 +37,13 @@ def layout_of(entries: Entries, sender_ranks: Sequence[int]) -> BlockLayout:
     taken to be held whole by every sender (as replicated buffers are). ``ValueError`` for a
     placement this cannot send from the shards as they lie (``Partial``, strided shards)."""
     index = {rank: i for i, rank in enumerate(sender_ranks)}
+    meshes: dict[int, tuple[tuple[int, ...], list[int]]] = {}  # a model's tensors share a mesh
     metas, spreads = [], []
     for name, tensor in entries:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name!r}: a sharded push takes tensors, got {type(tensor).__name__}")
         metas.append(TensorMeta.of(name, tensor))
-        spreads.append(_spread(name, tensor, index) if is_dtensor(tensor) else None)
+        spreads.append(_spread(name, tensor, index, meshes) if is_dtensor(tensor) else None)
     whole = Spread.everywhere(len(sender_ranks))
     return assign(metas, [spread or whole for spread in spreads], len(sender_ranks))
 
@@ -61,9 +62,17 @@ def lane_of(entries: Entries, layout: BlockLayout, sender: int) -> dict[str, tor
     return lane
 
 
-def _spread(name: str, tensor: torch.Tensor, index: dict[int, int]) -> Spread:
+def _spread(
+    name: str,
+    tensor: torch.Tensor,
+    index: dict[int, int],
+    meshes: dict[int, tuple[tuple[int, ...], list[int]]],
+) -> Spread:
     mesh = tensor.device_mesh  # type: ignore[attr-defined]
-    ranks = mesh.mesh.flatten().tolist()
+    if id(mesh) not in meshes:  # DeviceMesh.mesh is worked out anew on every read
+        grid = mesh.mesh
+        meshes[id(mesh)] = (tuple(grid.shape), grid.flatten().tolist())
+    shape, ranks = meshes[id(mesh)]
     outside = [rank for rank in ranks if rank not in index]
     if outside:
         raise ValueError(
@@ -82,7 +91,7 @@ def _spread(name: str, tensor: torch.Tensor, index: dict[int, int]) -> Spread:
                 f"{name!r} is placed {placement}: only Shard(dim) and Replicate are sent from "
                 "the shards as they lie; push it from one rank (ShardedSource) instead"
             )
-    return Spread(tuple(mesh.mesh.shape), tuple(placements), tuple(index[r] for r in ranks))
+    return Spread(shape, tuple(placements), tuple(index[r] for r in ranks))
 
 
 @dataclass(frozen=True)

@@ -40,9 +40,11 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import (
     ParamMeta,
     TrainerInitInfo,
@@ -132,6 +134,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         )
         self._watchdog: _Watchdog | None = None
         self._lanes: StoreLaneMember | None = None  # pushed to by every rank of a sharded trainer
+        self._session = False  # vLLM's update session is open (none of its steps raises here)
 
     def init_transfer_engine(self, init_info: WeightSyncInitInfo) -> None:
         """Register with the trainer's control store, answer its probe, and join the group it
@@ -143,6 +146,8 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
                 init_info.port,
                 init_info.server_url,
                 self._holds_version,
+                lambda: self._session,
+                releases=not dist.is_initialized() or dist.get_rank() == 0,
             )
         self._close_lanes()
         if init_info.lanes:
@@ -165,10 +170,8 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         )
 
     def start_weight_update(self) -> None:
-        if self._lanes is not None:
-            self._lanes.check()
-        else:
-            self._member.start()
+        _answered(self._lanes.check if self._lanes is not None else self._member.start, "check")
+        self._session = True
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # vLLM's default synchronizes an accelerator, which a CPU worker does not have.
@@ -178,23 +181,26 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
             torch.cuda.synchronize(device)
 
     def receive_weights(self, update_info: WeightSyncUpdateInfo) -> None:
-        if self._lanes is not None:
-            self._lanes.receive(update_info.push, update_info.version, update_info.wait_s)
+        info, lanes = update_info, self._lanes
+        if lanes is not None:
+            _answered(partial(lanes.receive, info.push, info.version, info.wait_s), "receive")
         else:
-            self._member.receive(update_info.version)
+            _answered(partial(self._member.receive, info.version), "receive")
 
     def finish_weight_update(self) -> None:
+        self._session = False
         if self._lanes is not None:  # the lanes committed in update_weights: nothing is left
             return
-        if self._watchdog is not None and self._watchdog.fired.is_set():
-            # The trainer died mid-push (its watchdog's release calls this): no verdict will
-            # come, and vLLM keeps its update session open -- refusing every later trainer --
-            # unless this returns. The push is dropped here.
-            version, self._member.pushing = self._member.pushing, None
-            if version is not None:
-                self._member.receiver.cancel(version)
+        version = self._member.pushing
+        gone = self._watchdog is not None and self._watchdog.fired.is_set()
+        if not gone and _answered(self._member.finish, "commit"):
             return
-        self._member.finish()
+        # The trainer died mid-push (a worker's watchdog released the server, which calls this)
+        # or its verdict could not be read: none will come, and vLLM keeps its update session
+        # open -- refusing every later trainer -- unless this returns. The push is dropped here.
+        self._member.pushing = None
+        if version is not None:
+            _answered(partial(self._member.receiver.cancel, version), "drop")
 
     def shutdown(self) -> None:
         self._stop_watchdog()
@@ -217,6 +223,22 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
             watchdog.stop()
 
 
+def _answered(step: Callable[[], object], what: str) -> bool:
+    """Run one step of a push whose outcome the trainer reads in its store, never raising into
+    vLLM. A server of several workers runs each step as one ``collective_rpc`` of its
+    multiprocess executor, which reads the workers' replies in order and raises at the first
+    failed one, leaving the others queued, where the server's next calls take them for their
+    own; and a raise in ``update_weights`` ends vLLM's update session on that worker alone. An
+    error the step did not answer leaves the trainer waiting until its deadline. Returns
+    whether the step ran to its end."""
+    try:
+        step()
+    except Exception as exc:
+        logger.error("the push's %s failed here (the trainer is told in its store): %s", what, exc)
+        return False
+    return True
+
+
 class _Watchdog:
     """Releases this worker's server if the trainer dies while it holds it.
 
@@ -227,7 +249,10 @@ class _Watchdog:
     when it stops answering, asks the server -- over HTTP, from its own thread, never waiting:
     the engine may be busy with this very worker -- to label its outputs ``"none"`` unless this
     worker holds a committed version, to end the update session the trainer left open (see
-    ``finish_weight_update``), and to resume if paused (``servers.release_server``)."""
+    ``finish_weight_update``) if one is, and to resume if paused (``servers.release_server``).
+    Every worker watches (each must know the trainer died); only the server's first worker
+    (``releases``) asks, as each of those calls reaches every worker of the server, and vLLM
+    raises at a second end of one session."""
 
     def __init__(
         self,
@@ -235,13 +260,17 @@ class _Watchdog:
         port: int,
         url: str,
         holds_version: Callable[[], bool],
+        session_open: Callable[[], bool],
+        *,
+        releases: bool,
         interval_s: float = 1.0,
     ) -> None:
         self._stopped = threading.Event()
         self.fired = threading.Event()  # the trainer was found dead
+        release = (holds_version, session_open) if releases else None
         self._thread = threading.Thread(
             target=self._watch,
-            args=(address, port, url, holds_version, interval_s),
+            args=(address, port, url, release, interval_s),
             name="weight-sync-watchdog",
             daemon=True,
         )
@@ -255,7 +284,7 @@ class _Watchdog:
         address: str,
         port: int,
         url: str,
-        holds_version: Callable[[], bool],
+        release: tuple[Callable[[], bool], Callable[[], bool]] | None,
         interval_s: float,
     ) -> None:
         try:
@@ -267,13 +296,15 @@ class _Watchdog:
                 return
             self.fired.set()
             logger.warning(
-                "the trainer's store at %s:%s stopped answering (%s): releasing %s",
+                "the trainer's store at %s:%s stopped answering (%s)%s",
                 address,
                 port,
                 first_line(exc),
-                url,
+                f": releasing {url}" if release is not None else "",
             )
-            release_server(url, holds_version=holds_version())
+            if release is not None:
+                holds_version, session_open = release
+                release_server(url, holds_version=holds_version(), session_open=session_open())
 
 
 # -- the trainer side ------------------------------------------------------------------------------

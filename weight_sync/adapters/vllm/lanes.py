@@ -78,6 +78,7 @@ _EPOCH = 1  # a VLLMLaneServers forms its lanes once
 _CHECK = "check"  # JSON {"push", "digest", "version"}: the push the workers check now
 _LAYOUT = "layout/"  # + digest: the layout itself
 _CHECKED = "checked/"  # + push/slot: a worker's problems with it (JSON list)
+_LANDED = "landed/"  # + push/slot: how a push ended at a worker (JSON {"version"} or {"error"})
 _SLOTS = "slots/"  # + epoch: the counter each worker takes its slot from
 _SENT = "sent/"  # + epoch/slot: the highest version a worker was ever sent
 _CHECK_BYTES = 256
@@ -116,6 +117,7 @@ class VLLMLaneServers:
         self.members = self._lanes.members  # every vLLM worker process of every server
         self._posted: set[str] = set()  # rank 0: layouts in its store
         self._paused = False
+        self._session = False  # the servers' update session was opened (start_weight_update)
         self._committed = 0
         self._closed = False
         # Every worker joins, and says the highest version it was ever sent (by any trainer):
@@ -233,6 +235,7 @@ class VLLMLaneServers:
                 self._posted.add(layout.digest)
             request = {"push": self._lanes.pushes, "digest": layout.digest, "version": version}
             self._lanes.store.set(_CHECK, json.dumps(request))
+            self._session = True
             self._client.start_weight_update()
             answers = [
                 json.loads(self._lanes.store.get(f"{_CHECKED}{self._lanes.pushes}/{slot}"))
@@ -254,10 +257,12 @@ class VLLMLaneServers:
         reset the prefix caches, resume."""
         try:
             self._wait(update, started)
+            self._loaded_everywhere()
+            self._session = False
             self._client.finish_weight_update(str(version))
             reset_caches(self.urls, self.config.rpc_timeout_s)
         except BaseException as exc:
-            self._finish_quietly()  # a server whose update still ran has its session open
+            self._finish_quietly()  # the session is open unless its finish ran
             release(self.urls, exc)
             self._paused = False
             if isinstance(exc, ServerError):
@@ -268,6 +273,25 @@ class VLLMLaneServers:
             ) from exc
         resume(self.urls, quiet=False)
         self._paused = False
+
+    def _loaded_everywhere(self) -> None:
+        """Every worker's word on the push (``StoreLaneMember.receive``, which never raises):
+        ``ServerError`` naming those that did not load it."""
+        push = self._lanes.pushes
+        failed = {}
+        for slot in range(1, self.members + 1):
+            key = f"{_LANDED}{push}/{slot}"
+            outcome = (
+                json.loads(self._lanes.store.get(key)) if self._lanes.store.check([key]) else {}
+            )
+            if "version" not in outcome:
+                failed[f"vLLM worker {slot - 1}"] = outcome.get("error", "gave no word on the push")
+        if failed:
+            raise ServerError(
+                "the lanes committed, but vLLM workers did not load them: "
+                + "; ".join(f"{who}: {why}" for who, why in failed.items()),
+                failed,
+            )
 
     def _failed(self, update: Future[None], error: BaseException, started: float) -> None:
         """The push failed: the servers claim no version and serve again (the push's error is
@@ -289,8 +313,12 @@ class VLLMLaneServers:
         self._paused = False
 
     def _finish_quietly(self) -> None:
-        """End the servers' update sessions with no version; vLLM ended those whose call failed
-        itself, and refuses to end them again (expected)."""
+        """End the servers' update sessions with no version, if they were opened (vLLM raises
+        at the end of one that is not, and on a server of several workers a raise leaves
+        replies queued: see ``backend._answered``)."""
+        if not self._session:
+            return
+        self._session = False
         try:
             self._client.finish_weight_update()
         except ServerError as exc:
@@ -403,18 +431,40 @@ class StoreLaneMember:
         self.member = member
         self._max_metadata_bytes = max_metadata_bytes
 
+    # Neither step raises: each answers in rank 0's store (why: backend._answered).
+
     def check(self) -> None:
         """``start_weight_update``: answer rank 0 with what of the push this engine cannot
-        take (empty: all of it)."""
-        request = json.loads(self._read(_CHECK, _CHECK_BYTES))
+        take (empty: all of it; a check that failed is one problem). A request it cannot read
+        goes unanswered: rank 0 stops waiting at its store's timeout."""
+        try:
+            request = json.loads(self._read(_CHECK, _CHECK_BYTES))
+            push, version = int(request["push"]), int(request["version"])
+        except Exception as exc:
+            logger.error("%s cannot read the push to check: %s", self.name, exc)
+            return
         digest, limit = str(request["digest"]), self._max_metadata_bytes
-        layout = None if self.member.holds(digest) else self._read(f"{_LAYOUT}{digest}", limit)
-        problems = self.member.check(layout, digest, int(request["version"]), limit)
-        self._store.set(f"{_CHECKED}{int(request['push'])}/{self.slot}", json.dumps(problems))
+        try:
+            layout = None if self.member.holds(digest) else self._read(f"{_LAYOUT}{digest}", limit)
+            problems = self.member.check(layout, digest, version, limit)
+        except Exception as exc:
+            problems = [f"{self.name} could not check the push: {first_line(exc)}"]
+        self._store.set(f"{_CHECKED}{push}/{self.slot}", json.dumps(problems))
 
-    def receive(self, push: int, version: int, wait_s: float) -> int:
-        """``update_weights``: see ``LaneMember.receive``."""
-        return self.member.receive(push, version, wait_s, f"vLLM worker {self.slot - 1}")
+    def receive(self, push: int, version: int, wait_s: float) -> None:
+        """``update_weights``: see ``LaneMember.receive``; how it ended, in rank 0's store."""
+        try:
+            outcome: dict[str, Any] = {
+                "version": self.member.receive(push, version, wait_s, self.name)
+            }
+        except Exception as exc:
+            logger.warning("push %d: %s", push, exc)
+            outcome = {"error": first_line(exc)}
+        self._store.set(f"{_LANDED}{push}/{self.slot}", json.dumps(outcome))
+
+    @property
+    def name(self) -> str:
+        return f"vLLM worker {self.slot - 1}"
 
     def close(self) -> None:
         self.member.close()

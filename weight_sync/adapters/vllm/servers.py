@@ -106,22 +106,23 @@ class ServersClient:
             raise
 
 
-def release_server(url: str, *, holds_version: bool, timeout_s: float = _RELEASE_S) -> None:
+def release_server(
+    url: str, *, holds_version: bool, session_open: bool, timeout_s: float = _RELEASE_S
+) -> None:
     """What a server's worker does when the trainer that paused its server died: label the
     outputs ``"none"`` unless the worker holds a committed version, end the update session the
-    trainer left open (vLLM refuses every later trainer until then; an error when none is open
-    is expected), and resume generation if paused. Fire-and-forget on a thread of its own: the
-    call runs inside a worker process whose engine may be busy (a worker call still failing),
-    and must never wait on it; the calls are queued behind that call, hence the long bound."""
+    trainer left open (``session_open``: vLLM refuses every later trainer until then, and
+    raises at the end of a session that is not), and resume generation if paused.
+    Fire-and-forget on a thread of its own: the call runs inside a worker process whose engine
+    may be busy (a worker call still running), and must never wait on it; the calls are queued
+    behind that call, hence the long bound."""
 
     def release() -> None:
         try:
             if not holds_version:
                 call(url, "update_weight_version", {"new_version": NO_VERSION}, timeout_s=timeout_s)
-            try:
+            if session_open:
                 call(url, "finish_weight_update", None, timeout_s=timeout_s, method="POST")
-            except ServerError as exc:
-                logger.debug("no update session to end on %s: %s", url, exc)
             if (call(url, "is_paused", timeout_s=timeout_s) or {}).get("is_paused"):
                 call(url, "resume", timeout_s=timeout_s)
             logger.warning(

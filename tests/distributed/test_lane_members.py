@@ -1,0 +1,95 @@
+"""Two edges of pushes from many senders, on real stores and real Gloo groups: a member reads
+each lane's frames by push number, and the senders' own group forms among the trainer ranks
+alone."""
+
+from __future__ import annotations
+
+import datetime
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed.harness import RankContext, run_ranks
+from weight_sync import SyncConfig
+from weight_sync.devices import CPU
+from weight_sync.errors import WeightSyncError
+from weight_sync.lanes import COMMAND, Inbound, Senders
+from weight_sync.store_plane import PREFIX
+from weight_sync.transport import bind_listener
+from weight_sync.transport.rendezvous import open_store
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _post(store: dist.Store, frames: list[tuple[str, dict]]) -> None:
+    """A sender's commands, as ``lanes.Commands`` posts them (its store, the plane's prefix)."""
+    plane = dist.PrefixStore(PREFIX, store)
+    for number, (op, arg) in enumerate(frames):
+        plane.set(f"{COMMAND}{number}", json.dumps({"op": op, "arg": arg}))
+
+
+def test_a_member_skips_the_frames_of_a_push_it_gave_up_on() -> None:
+    """Push 1 began only after this member had given up on it (its ``update`` would fail
+    here, on a lane never initialised); asked for push 2, the member skips push 1 whole and
+    ends with push 2's own word. Asked for an earlier push than the sender's next, it raises
+    and leaves that push's frames for the receive that asks for it."""
+    listener = bind_listener("127.0.0.1")
+    port = listener.getsockname()[1]
+    store = open_store("127.0.0.1", port, 1, 30, listener)
+    _post(store, [
+        ("begin", {"push": 1}),
+        ("update", {"version": 1}),
+        ("end", {"push": 1, "version": 1}),
+        ("begin", {"push": 2}),
+        ("end", {"push": 2, "error": "push 2 called off by the test"}),
+        ("begin", {"push": 3}),
+        ("end", {"push": 3, "error": "push 3 called off by the test"}),
+    ])  # fmt: skip
+    lane = Inbound("127.0.0.1", port, 1, lambda: CPU, 30)
+    try:
+        with pytest.raises(WeightSyncError, match="push 2 called off by the test"):
+            lane.receive(10, push=2)
+        with pytest.raises(WeightSyncError, match="began push 3, past push 2"):
+            lane.receive(10, push=2)
+        with pytest.raises(WeightSyncError, match="push 3 called off by the test"):
+            lane.receive(10, push=3)  # push 3's frames were left for it
+    finally:
+        lane.member.shutdown()
+        del lane, store
+
+
+def _one_replica_pushes(ctx: RankContext) -> dict[str, object]:
+    """A world of three ranks that make their groups together (as device meshes are made); only
+    ranks 1 and 2 -- one replica of a hybrid-sharded trainer -- make a ``Senders``."""
+    store = open_store("127.0.0.1", ctx.ports()[0], ctx.world_size, 30, ctx.listener(0))
+    dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=ctx.world_size,
+                            timeout=datetime.timedelta(seconds=30))  # fmt: skip
+    replica = dist.new_group([1, 2])
+    seen: dict[str, object] | None = None
+    if ctx.rank in (1, 2):
+        senders = Senders(SyncConfig(push_timeout_s=60), replica, lambda config: 1, "the test")
+        try:
+            seen = {"rank": senders.rank, "senders": senders.senders,
+                    "endpoints": len(senders.endpoints),
+                    "members": senders.members,
+                    "word": senders.from_rank_0(lambda: 7)}  # fmt: skip
+        finally:
+            senders.close()
+    # The world goes on making groups together: its ranks still name them alike (a group
+    # made on some ranks only must not advance their count of groups).
+    later = dist.new_group([0, 1, 2])
+    total = torch.tensor([ctx.rank + 1])
+    dist.all_reduce(total, group=later)
+    dist.destroy_process_group()
+    return {**(seen or {}), "total": int(total)}
+
+
+def test_the_senders_group_forms_among_the_trainer_ranks_alone() -> None:
+    results = run_ranks(_one_replica_pushes, 3, timeout_s=60)
+    assert results[0] == {"total": 6}
+    for rank in (1, 2):
+        assert results[rank] == {
+            "rank": rank - 1, "senders": 2, "endpoints": 2, "members": 1, "word": 7, "total": 6,
+        }  # fmt: skip

@@ -1,0 +1,81 @@
+"""A ``vllm serve`` of two tensor-parallel workers (vLLM's multiprocess executor) after pushes
+that failed on both of its workers, from one trainer and from every rank of a sharded one.
+
+The executor runs each weight-transfer call as a ``collective_rpc`` that reads the workers'
+replies in order and raises at the first failed one, leaving the other's queued: had a worker
+raised, the server's next calls would read the reply left behind as their own and fail
+(``pause`` answering with ``finish_weight_update``'s error). Here each push after a failure
+must land, bit for bit, and the server must keep serving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.vllm.models import QWEN2
+from tests.vllm_serve.helpers import (
+    ARGS,
+    ENV,
+    PROMPTS,
+    READY_S,
+    Trainer,
+    assert_matches,
+    complete,
+    kill_trainer_mid_push,
+    paused,
+    wait_released,
+)
+from tests.vllm_serve.test_lanes import _job, _pushed, _resumed, _served
+from weight_sync.adapters.vllm import ServerProcess, VLLMServers
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    logs = tmp_path_factory.mktemp("tensor_parallel")
+    started = ServerProcess(model_dir, args=[*ARGS, "--tensor-parallel-size", "2"], env=ENV,
+                            ready_timeout_s=READY_S, log_path=str(logs / "server.log"))  # fmt: skip
+    try:
+        yield started
+    finally:
+        started.stop(timeout_s=60)
+
+
+@pytest.mark.parametrize("where", ["broadcast", "commit"])
+def test_one_trainer_killed_mid_push_then_the_next_lands(
+    server: ServerProcess, model_dir: str, where: str
+) -> None:
+    """The trainer dies mid-push: one worker's watchdog releases the server (each worker
+    raising would end one session twice), which serves on, claiming no version; a new
+    trainer's push then lands on both workers."""
+    killed = kill_trainer_mid_push(server.url, where)
+    with VLLMServers([server.url]) as pushing:
+        wait_released(pushing, killed)
+        ids, _ = complete(server.url, model_dir, PROMPTS[0])
+        assert len(ids) == 8
+        trainer = Trainer(QWEN2, seed=9)
+        result = pushing.push(trainer.state())
+        trainer.landed()
+        assert pushing.versions() == [result.version] and not paused(server.url)
+        assert_matches(server.url, model_dir, trainer)
+
+
+def test_a_trainer_rank_killed_mid_push_then_the_sharded_trainer_lands(
+    server: ServerProcess, model_dir: str, tmp_path: Path
+) -> None:
+    """Rank 1 of a sharded trainer dies once both workers are receiving its lane: both
+    workers' lanes fail, which they answer in rank 0's store rather than raise; the server is
+    released claiming no version, and a new sharded trainer's pushes land."""
+    urls = [server.url]
+    (report,) = _job("kill", urls, tmp_path / "kill", ranks=1)
+    (error,) = report["errors"]
+    assert error.startswith("SenderFailedError") and report["senders"] == [1], error
+    assert _served(urls) == [None] and _resumed(urls)
+    reports = _job("steps", urls, tmp_path / "after")
+    assert not reports[0]["errors"] and reports[0]["versions"][0] > report["versions"][0] + 1
+    assert _served(urls) == [reports[0]["versions"][-1]] and _resumed(urls)
+    assert_matches(server.url, model_dir, _pushed(tmp_path / "after", 1))
