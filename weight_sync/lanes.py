@@ -330,6 +330,11 @@ class Senders:
             raise PlanMismatchError(problems)  # by member on rank 0; the others learn only that
         return share, chosen
 
+    def wait_s(self, started: float) -> float:
+        """How long a member may wait for the lanes of the push begun at ``started``: what is
+        left of its time (at least a second), so that no member waits on after the senders."""
+        return max(1.0, Deadline(self.config.push_timeout_s, "the push", started).remaining())
+
     def push(self, share: Share, version: int, started: float) -> PushResult:
         """This rank's lane of the push agreed, settled with the other senders (``push_share``)."""
         return push_share(

@@ -15,6 +15,8 @@ Scenarios:
   then the right model and two pushes land;
 * ``rename`` -- the receivers' models name every tensor ``inner.<the trainer's name>``: the
   senders push with ``rename``;
+* ``cast`` -- the receivers hold the model in bf16, the senders train in fp32 and push with
+  ``SyncConfig(cast_dtype="bfloat16")``: each lane casts its own shards;
 * ``kill_sender`` -- sender 1 dies in the middle of the second push (once a receiver has put
   a first tensor together, every lane had begun): no receiving rank may claim version 2, and
   rank 0's error names rank 1.
@@ -56,13 +58,15 @@ def make_model(big: bool = False, wide_last: int = 7) -> torch.nn.Module:
     return model
 
 
-def full_digests(model: torch.nn.Module) -> dict[str, str]:
-    """The digests of the senders' whole model (every sender gathers, as a collective)."""
+def full_digests(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, str]:
+    """The digests of the senders' whole model (every sender gathers, as a collective), in
+    ``dtype`` if given."""
     with torch.no_grad():
         full = {
             name: (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).cpu()
             for name, tensor in model.state_dict().items()
         }
+        full = {name: tensor.to(dtype or tensor.dtype) for name, tensor in full.items()}
     return state_dict_digests(full)
 
 
@@ -70,7 +74,9 @@ def run(scenario: str, senders: int, out: Path, device: str = "cpu") -> None:
     """``device``: where the senders train ("cuda": sender r on GPU r, FSDP2 over NCCL; the
     receiving ranks stay on the host)."""
     big, renamed = scenario == "kill_sender", scenario == "rename"
-    config = SyncConfig(push_timeout_s=TIMEOUT_S, bucket_bytes=1 << 20)
+    cast = torch.bfloat16 if scenario == "cast" else None
+    config = SyncConfig(push_timeout_s=TIMEOUT_S, bucket_bytes=1 << 20,
+                        cast_dtype="bfloat16" if cast else None)  # fmt: skip
     sync = JobSync(config, senders=senders)
     rank, world = sync.rank, sync.world_size
     loads = rank == world - 1  # this receiver takes whole tensors through load_weights
@@ -88,6 +94,8 @@ def run(scenario: str, senders: int, out: Path, device: str = "cpu") -> None:
         model.to(where)
         fully_shard(model, mesh=DeviceMesh.from_group(trainers, device))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    elif cast is not None:
+        model.to(cast)
     if scenario == "refuse":
         _refusals(sync, model, record)
     landed = out / "landed"
@@ -124,7 +132,7 @@ def run(scenario: str, senders: int, out: Path, device: str = "cpu") -> None:
                 break
         if not big:
             if sync.is_sender:
-                record["digests"].append(full_digests(model))
+                record["digests"].append(full_digests(model, cast))
             else:
                 held = {k.removeprefix("inner."): t for k, t in loaded.items()} if loads else None
                 record["digests"].append(state_dict_digests(held or model.state_dict()))

@@ -63,6 +63,15 @@ def test_renamed_to_the_receivers_names(tmp_path: Path) -> None:
     _assert_steps(_reports(tmp_path, range(4)))
 
 
+def test_cast_to_the_receivers_dtype(tmp_path: Path) -> None:
+    """``cast_dtype="bfloat16"``: each sender casts its own fp32 shards; the layout describes
+    the tensors as they travel, so bf16 receivers accept it and hold the senders' model, cast."""
+    context = _spawn("cast", tmp_path, senders=2, world_size=4)
+    _join_all(context, LAUNCH_S)
+    assert [p.exitcode for p in context.processes] == [0] * 4
+    _assert_steps(_reports(tmp_path, range(4)))
+
+
 def test_the_fsdp_example_under_torchrun_three_senders() -> None:
     """``examples/fsdp_many_senders.py`` as a user runs it: FSDP2 over three ranks, Adam steps,
     every rank pushing its shards; the serving ranks hold the trainer's gathered model."""

@@ -217,3 +217,20 @@ def test_a_member_refuses_a_version_it_was_sent(version: int, sent: int, refused
     assert bool(problems) == refused
     if refused:
         assert f"version={sent + 1} or higher" in problems[0]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "cast", "travels"),
+    [
+        (torch.float32, None, "float32"),
+        (torch.float32, "bfloat16", "bfloat16"),
+        (torch.bfloat16, "float16", "float16"),
+        (torch.int64, "bfloat16", "int64"),  # only the standard floats are cast
+    ],
+)
+def test_the_layout_describes_each_tensor_as_it_travels(
+    dtype: torch.dtype, cast: str | None, travels: str
+) -> None:
+    layout = layout_of([("w", torch.zeros(4, 2, dtype=dtype))], range(2), cast)
+    assert [meta.dtype for meta in layout.tensors] == [travels]
+    assert sum(layout.bytes_per_sender()) == 8 * layout.tensors[0].itemsize

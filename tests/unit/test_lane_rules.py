@@ -114,3 +114,28 @@ def test_lanes_run_over_gloo_in_groups_of_their_own(given: dict, backend: str | 
         return
     config = lane_config(SyncConfig(**given))
     assert (config.backend, config.group_mode, config.same_host) == (backend, "standalone", "group")
+
+
+@pytest.mark.parametrize(("replicas", "refused"), [(1, False), (2, True)])
+def test_a_data_parallel_vllm_engine_refuses_a_push_from_many_senders(
+    replicas: int, refused: bool
+) -> None:
+    """Its replicas' workers would take clashing slots: refused before any byte, by name."""
+    import torch
+
+    from weight_sync.adapters.vllm.lanes import LaneMember
+    from weight_sync.receiver import Receiver
+    from weight_sync.send.lanes import layout_of
+
+    class Engine:  # the engine's loader takes every tensor; only its replicas differ
+        data_parallel_size = replicas
+
+        def check(self, plan: object, partial: bool) -> list[str]:
+            return []
+
+    layout = layout_of([("w", torch.zeros(4, 2))], range(2))
+    problems = LaneMember(Engine(), Receiver()).check(  # type: ignore[arg-type]
+        layout.wire, layout.digest, 1, 10_000
+    )
+    assert bool(problems) == refused
+    assert not refused or "data_parallel_size=2" in problems[0]

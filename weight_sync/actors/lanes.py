@@ -114,7 +114,7 @@ class LaneUpdater:
                     slot,
                     self._lanes.pushes,
                     chosen,
-                    self.config.push_timeout_s,
+                    self._lanes.wait_s(started),
                 )
                 for slot, worker in zip(self._slots, self._workers, strict=True)
             ]

@@ -25,24 +25,27 @@ from weight_sync.blocks import REPLICATE, BlockLayout, Placement, Shard, Spread,
 from weight_sync.config import SyncConfig
 from weight_sync.mapping import rename as renaming
 from weight_sync.metadata import TensorMeta
-from weight_sync.send.checks import StateDict, check_state_dict, is_dtensor
+from weight_sync.send.checks import StateDict, check_state_dict, is_dtensor, wire_dtype
 from weight_sync.versions import check_version
 
 Entries = Sequence[tuple[str, torch.Tensor]]
 
 
-def layout_of(entries: Entries, sender_ranks: Sequence[int]) -> BlockLayout:
+def layout_of(
+    entries: Entries, sender_ranks: Sequence[int], cast_dtype: str | None = None
+) -> BlockLayout:
     """Who sends which block of each entry, the senders being the processes of global ranks
-    ``sender_ranks`` (in order). A DTensor's mesh must lie within them; any other tensor is
-    taken to be held whole by every sender (as replicated buffers are). ``ValueError`` for a
-    placement this cannot send from the shards as they lie (``Partial``, strided shards)."""
+    ``sender_ranks`` (in order), each tensor described as it travels (``cast_dtype``: see
+    ``SyncConfig``). A DTensor's mesh must lie within them; any other tensor is taken to be
+    held whole by every sender (as replicated buffers are). ``ValueError`` for a placement this
+    cannot send from the shards as they lie (``Partial``, strided shards)."""
     index = {rank: i for i, rank in enumerate(sender_ranks)}
     meshes: dict[int, tuple[tuple[int, ...], list[int]]] = {}  # a model's tensors share a mesh
     metas, spreads = [], []
     for name, tensor in entries:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name!r}: a sharded push takes tensors, got {type(tensor).__name__}")
-        metas.append(TensorMeta.of(name, tensor))
+        metas.append(TensorMeta.of(name, tensor, wire_dtype(tensor.dtype, cast_dtype)))
         spreads.append(_spread(name, tensor, index, meshes) if is_dtensor(tensor) else None)
     whole = Spread.everywhere(len(sender_ranks))
     return assign(metas, [spread or whole for spread in spreads], len(sender_ranks))
@@ -138,7 +141,7 @@ def share_of(
         entries = list(renaming(rename)(items) if rename is not None else items)
         if len({name for name, _ in entries}) != len(entries):
             raise ValueError("two tensors of the state dict end up under one name (rename)")
-        layout = layout_of(entries, range(senders))
+        layout = layout_of(entries, range(senders), config.cast_dtype)
         if len(layout.wire) > config.max_metadata_bytes:
             raise ValueError(
                 f"the push's layout ({len(layout.blocks)} blocks) is over max_metadata_bytes="

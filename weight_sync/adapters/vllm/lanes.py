@@ -166,7 +166,7 @@ class VLLMLaneServers:
             info = {
                 "version": chosen,
                 "push": self._lanes.pushes,
-                "wait_s": self.config.push_timeout_s,
+                "wait_s": self._lanes.wait_s(started),
             }
             update = in_thread(lambda: self._client.update_weights(info))
         try:
@@ -375,6 +375,10 @@ class LaneMember:
     ) -> list[str]:
         """What of the push (its layout, sent here as ``layout_json`` unless this worker holds
         it, and ``version``) this engine cannot take: empty when it takes all of it."""
+        replicas = self._target.data_parallel_size
+        if replicas > 1:  # slots are counted per engine core; its replicas' workers would clash
+            why = f"a data-parallel engine (data_parallel_size={replicas}) cannot take a push"
+            return [f"{why} from many senders yet: start one server or engine per replica"]
         layout = layout_of_push(layout_json, digest, self._layout, max_metadata_bytes)
         if isinstance(layout, str):
             return [layout]

@@ -61,6 +61,12 @@ class ReloadTarget:
     def model(self) -> torch.nn.Module:
         return self._model()
 
+    @property
+    def data_parallel_size(self) -> int:
+        """The engine's data-parallel replicas (vLLM's ``parallel_config``; 1 where unknown)."""
+        parallel = getattr(self._vllm_config, "parallel_config", None)
+        return int(getattr(parallel, "data_parallel_size", 1) or 1)
+
     def check(self, plan: SyncPlan, partial: bool) -> list[str]:
         """What of ``plan`` this engine cannot load (see the module doc). Cached per plan:
         a training loop pushes the same layout every step."""
