@@ -330,6 +330,30 @@ class Senders:
             raise PlanMismatchError(problems)  # by member on rank 0; the others learn only that
         return share, chosen
 
+    def conclude(self, landed: Callable[[], None], elsewhere: Callable[[], Exception]) -> None:
+        """Once every lane committed, what rank 0 alone checks -- ``landed()``: that the members
+        took the push (their calls returned, their servers loaded it) -- becomes every sender's
+        outcome: all return, or all raise (rank 0 its own error, the others ``elsewhere()``),
+        so that a loop calling ``push`` on every rank stays in step."""
+        error: Exception | None = None
+        if self.rank == 0:
+            try:
+                landed()
+            except Exception as exc:  # raised once the others know
+                error = exc
+        word = torch.tensor([int(error is not None)])
+        try:
+            dist.broadcast(word, src=dist.get_global_rank(self.control, 0), group=self.control)
+        except RuntimeError as exc:
+            raise TransportError(
+                f"a trainer rank left once every lane had committed ({first_line(exc)}); the "
+                "members hold the push, which rank 0 may not have confirmed"
+            ) from exc
+        if error is not None:
+            raise error
+        if int(word):
+            raise elsewhere()
+
     def wait_s(self, started: float) -> float:
         """How long a member may wait for the lanes of the push begun at ``started``: what is
         left of its time (at least a second), so that no member waits on after the senders."""

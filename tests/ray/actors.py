@@ -302,6 +302,17 @@ class LMWorker(WeightSyncWorker):
         trainable = all(p.requires_grad and p.is_leaf and p.grad_fn is None for p in params)
         return trainable and self.model.lm_head.weight is self.model.embed.weight
 
+    def fail_after_lanes(self, on: bool) -> None:
+        """From now (``on``), each push from many senders raises here once every lane committed:
+        a worker that fails after its bytes landed (fault injection)."""
+        self._fail_after_lanes = on
+
+    def _weight_sync_lanes_receive(self, *args: Any, **kwargs: Any) -> int | None:
+        held = super()._weight_sync_lanes_receive(*args, **kwargs)
+        if getattr(self, "_fail_after_lanes", False):
+            raise RuntimeError("failed once every lane had committed (fault injection)")
+        return held
+
 
 @ray.remote(num_cpus=0)
 class ShardedTrainer:

@@ -101,3 +101,21 @@ def test_a_sender_that_dies_is_named_and_no_worker_claims_the_version(
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(second, timeout=TIMEOUT)
     assert ray.get([w.weights_version.remote() for w in workers], timeout=TIMEOUT) == [None, None]
+
+
+def test_a_worker_failing_after_the_lanes_fails_the_push_on_every_rank(
+    lanes: tuple[list, list],
+) -> None:
+    """Worker 1 raises once every lane committed on it: rank 0 names it, and rank 1, whose
+    lanes all landed, raises too (rank 0's word): every rank of a training loop sees the same
+    outcome. The version is spent; the next push lands past it."""
+    ranks, workers = lanes
+    on_all(ranks, "lanes_push")
+    ray.get(workers[1].fail_after_lanes.remote(True), timeout=TIMEOUT)
+    on_all(ranks, "step")
+    (kind, why), (other, said) = on_all(ranks, "lanes_push")
+    assert kind == other == "WorkerFailedError", (why, said)
+    assert "worker 1:" in why and "worker 0" not in why, why
+    assert "see rank 0's error" in said, said
+    ray.get(workers[1].fail_after_lanes.remote(False), timeout=TIMEOUT)
+    assert [r.version for r in on_all(ranks, "lanes_push")] == [3, 3]

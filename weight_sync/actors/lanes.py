@@ -94,8 +94,8 @@ class LaneUpdater:
 
         Raises, on every rank: ``TypeError``/``ValueError`` for a state dict some rank refused
         (nothing sent), ``PlanMismatchError`` where workers refused the layout (nothing sent),
-        ``SenderFailedError`` naming the trainer ranks whose lanes did not land, and on rank 0
-        ``WorkerFailedError`` naming workers whose receive failed."""
+        ``SenderFailedError`` naming the trainer ranks whose lanes did not land, and
+        ``WorkerFailedError`` where workers' receives failed (named on rank 0)."""
         if self._closed:
             raise WeightSyncError("this LaneUpdater is closed")
         started = time.monotonic()
@@ -123,7 +123,13 @@ class LaneUpdater:
         except WeightSyncError as exc:
             self._blame_workers(calls, exc, started)
             raise
-        self._blame_workers(calls, None, started)
+        self._lanes.conclude(
+            lambda: self._blame_workers(calls, None, started),
+            lambda: WorkerFailedError(
+                "every lane committed, but workers did not hold the push (see rank 0's error)",
+                [],
+            ),
+        )
         self._committed = result.version
         return result
 

@@ -142,10 +142,10 @@ class VLLMLaneServers:
 
         Raises, on every rank and before any byte moves: ``TypeError``/``ValueError`` for a
         state dict some rank refused, ``PlanMismatchError`` where a server's engine cannot load
-        it (the servers keep their weights and versions, and are resumed). After: a
-        ``SenderFailedError`` naming the trainer ranks whose lanes did not land, and on rank 0
-        ``ServerError`` naming servers that failed -- the servers then report no version and
-        serve again, until a push repairs them."""
+        it (the servers keep their weights and versions, and are resumed). After, on every rank
+        too: ``SenderFailedError`` naming the trainer ranks whose lanes did not land, or
+        ``ServerError`` where servers failed (named on rank 0) -- the servers then report no
+        version and serve again, until a push repairs them."""
         if self._closed:
             raise WeightSyncError("this VLLMLaneServers is closed; create a new one on every rank")
         started = time.monotonic()
@@ -175,8 +175,18 @@ class VLLMLaneServers:
             if update is not None:
                 self._failed(update, exc, started)
             raise
-        if update is not None:
+
+        def landed() -> None:  # rank 0, which made the servers' calls
+            assert update is not None
             self._landed(update, result.version, started)
+
+        self._lanes.conclude(
+            landed,
+            lambda: ServerError(
+                "every lane committed, but servers did not load the push (see rank 0's error)",
+                {},
+            ),
+        )
         self._committed = result.version
         return result
 
