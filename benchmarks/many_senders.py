@@ -18,8 +18,9 @@ Each job times ``--repeats`` pushes after a verified warm-up, dense and then as 
 (``delta="always"``, a tenth of the elements changed before each push), and every worker checks
 its weights bit for bit against the model it computes itself after every mode. Rows go to
 ``--out`` (JSON) and a plot to ``--plot``; the figures are medians, with the CPU seconds every
-rank spent on a push together (``cpu_s``) and that over the machine's cores (``cpu_floor_s``:
-how fast the push could be here with links of no cost). Needs root, ``ip`` and
+rank spent on a push together (``cpu_s``), each rank's (``cpu_ranks_s``, senders first) and
+the sum over the machine's cores (``cpu_floor_s``: how fast the push could be here with links of
+no cost). Needs root, ``ip`` and
 ``tc``. A run at W1 and 1 Gbit/s takes about 10 minutes on 2 cores.
 
     sudo -E python benchmarks/many_senders.py --senders 1,2,4 --rate 1gbit
@@ -190,13 +191,13 @@ def run_job(cluster: Any, senders: int, receivers: int, args: argparse.Namespace
         for mode in MODES
     }
     rows = json.loads(Path(out).read_text())
-    for row in rows:  # the CPU seconds every rank spent on that push, together
-        row["cpu"] = sum(
-            entry["cpu"]
-            for rank in range(world)
-            for entry in json.loads(Path(f"{out}.cpu{rank}").read_text())
-            if (entry["mode"], entry["step"]) == (row["mode"], row["step"])
-        )
+    spent = [json.loads(Path(f"{out}.cpu{rank}").read_text()) for rank in range(world)]
+    for row in rows:  # the CPU seconds each rank spent on that push (senders first)
+        row["cpu_ranks"] = [
+            sum(e["cpu"] for e in entries if (e["mode"], e["step"]) == (row["mode"], row["step"]))
+            for entries in spent
+        ]
+        row["cpu"] = sum(row["cpu_ranks"])
     return {"rows": rows, "exact": exact}
 
 
@@ -229,6 +230,11 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                             "cpu_floor_s": round(
                                 statistics.median(r["cpu"] for r in timed) / os.cpu_count(), 3
                             ),
+                            # each rank's, senders first then workers
+                            "cpu_ranks_s": [
+                                round(statistics.median(r["cpu_ranks"][i] for r in timed), 3)
+                                for i in range(senders + args.receivers)
+                            ],
                             "exact": job["exact"][mode],
                         })  # fmt: skip
                         print(json.dumps(results[-1]), flush=True)
