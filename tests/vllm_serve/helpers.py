@@ -21,6 +21,7 @@ from tests.reference import Trainer
 from tests.vllm.models import MAX_MODEL_LEN
 from tests.vllm.test_engine import PROMPTS, TOLERANCE
 from weight_sync.adapters.vllm import ServerProcess, VLLMServers
+from weight_sync.versions import label_version
 
 TIMEOUT = 120
 REPO = str(Path(__file__).resolve().parents[2])
@@ -161,3 +162,12 @@ def wait_released(watching: VLLMServers, killed: float, limit_s: float = 60) -> 
         assert time.monotonic() - killed < limit_s, "the server was not released"
         time.sleep(0.2)
     return time.monotonic() - killed
+
+
+def served_versions(urls: list[str]) -> list[int | None]:
+    """The version each server's outputs are labelled with (None: none claimed)."""
+    return [label_version(str(get(url, "weight_info")["weight_version"])) for url in urls]
+
+
+def all_resumed(urls: list[str]) -> bool:
+    return not any(map(paused, urls))

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -33,6 +35,8 @@ from weight_sync import SyncConfig
 from weight_sync.adapters.vllm.lanes import VLLMLaneServers
 
 TIMEOUT_S = 120.0
+RANKS = 2  # trainer ranks of a job
+JOB_S = 300.0  # a job's bound, in the test process
 
 
 def run(scenario: str, urls: list[str], out: Path) -> None:
@@ -92,3 +96,34 @@ def spawned(index: int, world_size: int, scenario: str, urls: list[str], out: st
         run(scenario, urls, Path(out))
     finally:
         dist.destroy_process_group()
+
+
+# -- in the test process ----------------------------------------------------------------------
+
+
+def run_job(scenario: str, urls: list[str], out: Path, ranks: int = RANKS) -> list[dict[str, Any]]:
+    """Run ``scenario`` on every trainer rank (``mp.spawn``); the records of ranks
+    ``0..ranks-1`` (those that live), the others having exited with 9."""
+    out.mkdir(parents=True, exist_ok=True)
+    context = mp.start_processes(
+        spawned, args=(RANKS, scenario, urls, str(out)), nprocs=RANKS, join=False,
+        start_method="spawn",
+    )  # fmt: skip
+    deadline = time.monotonic() + JOB_S
+    try:
+        for process in context.processes:
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    codes = [process.exitcode for process in context.processes]
+    assert codes == [0] * ranks + [9] * (RANKS - ranks), codes
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(ranks)]
+
+
+def pushed_model(out: Path, step: int) -> Trainer:
+    """The reference: the whole model rank 0 pushed at ``step``."""
+    trainer = Trainer(QWEN2)
+    trainer.pushed = torch.load(out / f"pushed{step}.pt")
+    return trainer

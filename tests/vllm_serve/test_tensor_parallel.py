@@ -22,13 +22,15 @@ from tests.vllm_serve.helpers import (
     PROMPTS,
     READY_S,
     Trainer,
+    all_resumed,
     assert_matches,
     complete,
     kill_trainer_mid_push,
     paused,
+    served_versions,
     wait_released,
 )
-from tests.vllm_serve.test_lanes import _job, _pushed, _resumed, _served
+from tests.vllm_serve.lane_trainer import pushed_model, run_job
 from weight_sync.adapters.vllm import ServerProcess, VLLMServers
 
 pytestmark = pytest.mark.timeout(600)
@@ -71,11 +73,11 @@ def test_a_trainer_rank_killed_mid_push_then_the_sharded_trainer_lands(
     workers' lanes fail, which they answer in rank 0's store rather than raise; the server is
     released claiming no version, and a new sharded trainer's pushes land."""
     urls = [server.url]
-    (report,) = _job("kill", urls, tmp_path / "kill", ranks=1)
+    (report,) = run_job("kill", urls, tmp_path / "kill", ranks=1)
     (error,) = report["errors"]
     assert error.startswith("SenderFailedError") and report["senders"] == [1], error
-    assert _served(urls) == [None] and _resumed(urls)
-    reports = _job("steps", urls, tmp_path / "after")
+    assert served_versions(urls) == [None] and all_resumed(urls)
+    reports = run_job("steps", urls, tmp_path / "after")
     assert not reports[0]["errors"] and reports[0]["versions"][0] > report["versions"][0] + 1
-    assert _served(urls) == [reports[0]["versions"][-1]] and _resumed(urls)
-    assert_matches(server.url, model_dir, _pushed(tmp_path / "after", 1))
+    assert served_versions(urls) == [reports[0]["versions"][-1]] and all_resumed(urls)
+    assert_matches(server.url, model_dir, pushed_model(tmp_path / "after", 1))

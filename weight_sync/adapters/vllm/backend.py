@@ -151,23 +151,30 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
             )
         self._close_lanes()
         if init_info.lanes:
-            self._lanes = StoreLaneMember(
-                init_info.address,
-                init_info.port,
-                init_info.epoch,
-                init_info.lanes,
-                init_info.timeout_s,
-                init_info.max_metadata_bytes,
-                LaneMember(self._target, self._member.receiver),
-            )
+            lanes = init_info.lanes
+
+            def follow() -> None:
+                self._lanes = StoreLaneMember(
+                    init_info.address,
+                    init_info.port,
+                    init_info.epoch,
+                    lanes,
+                    init_info.timeout_s,
+                    init_info.max_metadata_bytes,
+                    LaneMember(self._target, self._member.receiver),
+                )
+
+            _answered(follow, "join")
             return
-        self._member.init(
+        join = partial(
+            self._member.init,
             init_info.address,
             init_info.port,
             init_info.epoch,
             init_info.timeout_s,
             init_info.max_metadata_bytes,
         )
+        _answered(join, "join")
 
     def start_weight_update(self) -> None:
         _answered(self._lanes.check if self._lanes is not None else self._member.start, "check")
@@ -224,8 +231,8 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
 
 
 def _answered(step: Callable[[], object], what: str) -> bool:
-    """Run one step of a push whose outcome the trainer reads in its store, never raising into
-    vLLM. A server of several workers runs each step as one ``collective_rpc`` of its
+    """Run one weight-transfer step (a join, a check, a receive, a commit) whose outcome the
+    trainer reads in its store, never raising into vLLM. A server of several workers runs each step as one ``collective_rpc`` of its
     multiprocess executor, which reads the workers' replies in order and raises at the first
     failed one, leaving the others queued, where the server's next calls take them for their
     own; and a raise in ``update_weights`` ends vLLM's update session on that worker alone. An
@@ -234,7 +241,7 @@ def _answered(step: Callable[[], object], what: str) -> bool:
     try:
         step()
     except Exception as exc:
-        logger.error("the push's %s failed here (the trainer is told in its store): %s", what, exc)
+        logger.error("%s failed in this worker (answered in the trainer's store): %s", what, exc)
         return False
     return True
 
