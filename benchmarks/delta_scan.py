@@ -2,20 +2,22 @@
 (no Ray, no group, no workers):
 
 * W1 (GPT-2 small) held in fp32, pushed as bf16 (``cast_dtype="bfloat16"``), weights drawn as a
-  model's are (normal, std 0.02);
+  model's are (normal, std 0.02) -- or (``--as-is``) pushed in the dtype it is held in
+  (``--dtype``: fp32 or bf16), compared word for word;
 * the copy ``Baseline`` keeps is filled as a dense push fills it, then one Adam step at lr 1e-6
-  changes some of the bf16 values (about 4-5%);
+  changes some of the bf16 values (about 4-5%) -- or (``--every N``) every N-th element changes;
 * each timed run puts the copy back as it was before the step (not timed) and times one
   ``Baseline.scan`` of the stepped weights against it;
 * then the scan followed by the packing of every bucket of the delta's layout: the trainer's
   whole work for a delta push but the sending (blobs the scan did not keep are found again
   while packing, as in a push);
-* a memory-speed reference in the same run: one pass that reads the fp32 weights and the copy
+* a memory-speed reference in the same run: one pass that reads the weights and the copy
   (a sum of each, NumPy, on one thread and on as many as the scan) -- what the scan cannot beat.
 
     python benchmarks/delta_scan.py --repeats 7
     python benchmarks/delta_scan.py --threads 1
     python benchmarks/delta_scan.py --numpy      # without the fused kernels
+    python benchmarks/delta_scan.py --as-is --dtype bfloat16   # a bf16 model pushed as bf16
 
 Prints medians over --repeats runs (after one untimed warm-up) and the density found.
 """
@@ -96,15 +98,22 @@ def main() -> None:
     parser.add_argument(
         "--numpy", action="store_true", help="compare the NumPy way, without the fused kernels"
     )
+    parser.add_argument("--as-is", action="store_true", help="push in the model's own dtype")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument(
+        "--every", type=int, default=0, help="change every N-th element instead of an Adam step"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)  # as the benchmark's trainer actor: the scan uses threads of its own
 
     workload = WORKLOADS[args.workload]()
     state = workload.build(fill=1.0)
     generator = torch.Generator().manual_seed(0)
-    for tensor in state.values():
-        tensor.normal_(0.0, 0.02, generator=generator)
-    config = SyncConfig(cast_dtype="bfloat16", direct_min_bytes=None).sized_for("cpu")
+    dtype = getattr(torch, args.dtype)
+    for name, tensor in state.items():
+        state[name] = tensor.normal_(0.0, 0.02, generator=generator).to(dtype)
+    cast = None if args.as_is else "bfloat16"
+    config = SyncConfig(cast_dtype=cast, direct_min_bytes=None).sized_for("cpu")
     plan = PushPlanner(config, torch.device("cpu")).plan(Entries(list(state), list(state.values())))
     tensors = list(state.values())
 
@@ -114,12 +123,16 @@ def main() -> None:
     # The copy's bytes (private): put back before each timed scan, which brings them up to date.
     before_step = {name: held.clone() for name, held in baseline._bytes.items()}
 
-    parameters = [torch.nn.Parameter(t) for t in tensors]
-    optimizer = torch.optim.Adam(parameters, lr=args.lr)
-    for parameter in parameters:
-        parameter.grad = torch.randn_like(parameter)
-    optimizer.step()
-    del optimizer, parameters
+    if args.every:  # as benchmarks/many_senders.py changes its model
+        for tensor in tensors:
+            tensor.view(-1)[:: args.every] += 0.25
+    else:
+        parameters = [torch.nn.Parameter(t) for t in tensors]
+        optimizer = torch.optim.Adam(parameters, lr=args.lr)
+        for parameter in parameters:
+            parameter.grad = torch.randn_like(parameter)
+        optimizer.step()
+        del optimizer, parameters
 
     counts: list[int] = []
 
@@ -150,19 +163,20 @@ def main() -> None:
     buffers = bucket_buffers(plan, torch.device("cpu"))
     packs = timed(scan_and_pack, args.repeats, restore)
     elements = sum(math.prod(meta.shape) for meta in plan.tensors)
-    arrays = [t.numpy().reshape(-1) for t in tensors] + [
+    arrays = [widest(t.reshape(-1).view(torch.uint8).numpy()) for t in tensors] + [
         widest(b.numpy()) for b in baseline._bytes.values()
     ]
     read_bytes = sum(a.nbytes for a in arrays)
     reads = {n: timed(partial(read_once, arrays, n), args.repeats) for n in sorted({1, threads})}
 
     scan_s = statistics.median(scans)
+    pushed = f"{args.dtype} as is" if args.as_is else f"{args.dtype} -> bf16"
     print(
-        f"{workload.title}: {elements / 1e6:.1f}M elements, fp32 -> bf16, lr {args.lr:g}, "
+        f"{workload.title}: {elements / 1e6:.1f}M elements, {pushed}, lr {args.lr:g}, "
         f"{os.cpu_count()} CPUs, scan on {threads} thread(s), "
         f"{'NumPy' if args.numpy else 'fused kernels'}"
     )
-    print(f"  density: {sum(counts) / elements:.2%} of the bf16 values changed")
+    print(f"  density: {sum(counts) / elements:.2%} of the values pushed changed")
     print(f"  scan:               median {scan_s * 1e3:7.1f} ms  (runs: {runs(scans)})")
     print(f"  scan, then pack:    median {statistics.median(packs) * 1e3:7.1f} ms  "
           f"(runs: {runs(packs)})")  # fmt: skip

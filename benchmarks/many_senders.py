@@ -12,7 +12,9 @@ node's ingress). In each network two jobs run, one after the other, each a launc
   (``JobSync()``): the best one sender can do, with no gather before it;
 * ``K senders`` -- K ranks, one per trainer node, hold the model as DTensors sharded on their
   first dimension over a mesh of them (as FSDP2 does) and each pushes its own shards
-  (``JobSync(senders=K)``).
+  (``JobSync(senders=K)``), all of them at once: they meet at a barrier after building their
+  state, as a sharded trainer's ranks leave an optimizer step together (each builds the whole
+  model to take its shard, which takes them unequal times on 2 cores).
 
 Each job times ``--repeats`` pushes after a verified warm-up, dense and then as deltas
 (``delta="always"``, a tenth of the elements changed before each push), and every worker checks
@@ -110,6 +112,8 @@ def rank_job(args: argparse.Namespace) -> None:
                             stride=full.stride(),
                         )  # fmt: skip
                     del full
+                if mesh is not None:  # every sender at the push together, as after a step
+                    dist.barrier(group=mesh.get_group())
                 started = time.process_time()
                 result = sync.push(state)
                 spent = time.process_time() - started
@@ -259,9 +263,10 @@ def plot(results: list[dict[str, Any]], path: Path, rate: str) -> None:
         for ingress, style, where in (("rails", "o-", "K links"), ("single", "s-", "one link")):
             many = {r["K"]: r["median_s"] for r in rows
                     if r["ingress"] == ingress and r["senders"] == r["K"] > 1}  # fmt: skip
-            points = [1, *sorted(many)] if many else []
+            if 1 in one and many:  # K=1 is the one sender itself
+                many[1] = one[1]
             label = f"K senders, the workers' node on {where}"
-            axis.plot(points, [one[1], *(many[k] for k in points[1:])], style, label=label)
+            axis.plot(sorted(many), [many[k] for k in sorted(many)], style, label=label)
         axis.set_xlabel("trainer nodes K, one link each")
         axis.set_ylabel("seconds per push (median)")
         axis.set_xticks(ks)

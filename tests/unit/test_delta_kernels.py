@@ -1,7 +1,8 @@
-"""The fused fp32 -> bf16 kernels against torch's own cast, bit for bit: the values that round
+"""The fused kernels. fp32 -> bf16 against torch's own cast, bit for bit: the values that round
 in every way (ties to even, up into inf, subnormals, signed zeros), random bit patterns, NaN
 (never decided: -1, nothing written), and blobs whose changes outnumber or fall short of the
-room they were given."""
+room they were given. Words of one width (bf16, fp16, fp32 pushed as they are) against NumPy's
+bitwise comparison, NaN payloads and signed zeros included."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from weight_sync.delta.kernels import emit_bf16, extract_bf16, scan_bf16
+from weight_sync.delta import kernels
 from weight_sync.delta.layout import SPAN
 
 # fp32 bit patterns, each with what torch rounds it to (checked below, not assumed).
@@ -46,11 +47,11 @@ def random_finite(n: int, seed: int) -> np.ndarray:
 
 
 def scan(x: np.ndarray, base: np.ndarray) -> tuple[int, list[int], np.ndarray, np.ndarray]:
-    """``scan_bf16`` with room for every element: how many changed, per span, their values and
+    """``kernels.scan`` with room for every element: how many changed, per span, their values and
     positions."""
     values, rows = np.zeros(x.size, np.uint16), np.zeros(x.size, np.int32)
     counts = np.full(-(-x.size // SPAN), -5, np.int64)
-    found = scan_bf16(x, base, values, rows, counts, SPAN, 0)
+    found = kernels.scan(x, base, values, rows, counts, SPAN, 0)
     return found, counts.tolist(), values[: max(found, 0)], rows[: max(found, 0)]
 
 
@@ -62,7 +63,7 @@ def extract(
         np.zeros(room, np.uint16),
         np.zeros(room, np.int32),
     )
-    found = extract_bf16(x, base, index, values, rows)
+    found = kernels.extract(x, base, index, values, rows)
     return found, index, values, rows
 
 
@@ -100,7 +101,7 @@ def test_changes_are_found_in_order(density: float, n: int) -> None:
     ]
     assert np.array_equal(rows, picked) and np.array_equal(values, bf16_bits(x)[picked])
     copy, index, blob = base.copy(), np.zeros(found, np.uint16), np.zeros(found, np.uint16)
-    emit_bf16(rows, values, copy, index, blob)
+    kernels.emit(rows, values, copy, index, blob)
     assert np.array_equal(copy, bf16_bits(x)) and np.array_equal(index, picked % SPAN)
     assert np.array_equal(blob, values)
     found, index, values, rows = extract(x, base, picked.size)
@@ -116,7 +117,7 @@ def test_a_scan_from_an_offset_names_positions_from_the_piece() -> None:
     base = bf16_bits(x) ^ np.uint16(1)
     values, rows = np.zeros(2 * SPAN, np.uint16), np.zeros(2 * SPAN, np.int32)
     counts = np.zeros(2, np.int64)
-    assert scan_bf16(x[SPAN:], base[SPAN:], values, rows, counts, SPAN, SPAN) == 2 * SPAN
+    assert kernels.scan(x[SPAN:], base[SPAN:], values, rows, counts, SPAN, SPAN) == 2 * SPAN
     assert counts.tolist() == [SPAN, SPAN] and np.array_equal(rows, np.arange(SPAN, 3 * SPAN))
 
 
@@ -145,3 +146,42 @@ def test_more_or_fewer_changes_than_room_leave_the_copy_alone(room: int) -> None
     assert found == 7
     assert np.array_equal(rows[: min(room, 7)], [3, 12, 13, 70, 128, 500, 999][:room])
     assert np.array_equal(base, before)
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint32])
+@pytest.mark.parametrize("density", [0.0, 0.02, 0.5, 1.0])
+@pytest.mark.parametrize("n", [63, 64 * 33 + 7, SPAN * 2 + 100])
+def test_words_of_one_width_compare_bit_for_bit(dtype: type, density: float, n: int) -> None:
+    """A tensor pushed in its own dtype: every differing word is a change -- NaNs of other
+    payloads, -0.0 against 0.0 -- and nothing is left undecided (no -1)."""
+    rng = np.random.default_rng(n + int(density * 100))
+    info = np.iinfo(dtype)
+    base = rng.integers(0, int(info.max) + 1, n, dtype=np.uint64).astype(dtype)
+    nan, minus_zero = (0x7FC0, 0x8000) if dtype == np.uint16 else (0x7FC00000, 0x80000000)
+    base[:4] = [nan, 0, nan | 1, nan]
+    x = base.copy()
+    x[:3] = [nan | 2, minus_zero, nan | 1]  # two changes (a NaN's payload, the zero's sign)
+    picked = np.flatnonzero(rng.random(n) < density)
+    picked = picked[picked >= 4]
+    x[picked] ^= dtype(1 << int(rng.integers(0, 8 * np.dtype(dtype).itemsize)))
+    expected = np.flatnonzero(x != base)
+    assert expected[:2].tolist() == [0, 1]
+    values, rows = np.zeros(n, dtype), np.zeros(n, np.int32)
+    counts = np.full(-(-n // SPAN), -5, np.int64)
+    found = kernels.scan(x, base, values, rows, counts, SPAN, 0)
+    assert found == expected.size
+    assert counts.tolist() == [
+        int(((expected >= s * SPAN) & (expected < (s + 1) * SPAN)).sum())
+        for s in range(len(counts))
+    ]
+    assert np.array_equal(rows[:found], expected) and np.array_equal(values[:found], x[expected])
+    copy, index, blob = base.copy(), np.zeros(found, np.uint16), np.zeros(found, dtype)
+    kernels.emit(rows[:found], values[:found], copy, index, blob)
+    assert np.array_equal(copy, x) and np.array_equal(index, expected % SPAN)
+    index, values, rows = (
+        np.zeros(found, np.uint16),
+        np.zeros(found, dtype),
+        np.zeros(found, np.int32),
+    )
+    assert kernels.extract(x, base, index, values, rows) == found
+    assert np.array_equal(base, x) and np.array_equal(values, x[expected])

@@ -2,7 +2,8 @@
 torch alone: the same counts, the same blobs kept while scanning (the budget spent in the same
 order), the same copy afterwards -- over dtypes (1 to 16 bytes, a cast), densities (none, sparse,
 dense, spans of each in one tensor, enough to cross the budget), sizes that are not multiples of
-a span, tied names and partial pushes; with the fused kernels (fp32 -> bf16) and without; and a
+a span, tied names and partial pushes; with the fused kernels (fp32 -> bf16, and 2- and 4-byte
+dtypes as they are) and without; and a
 push scanned section after section (``layout.sections``), as a sectioned delta's send scans it."""
 
 from __future__ import annotations
@@ -175,10 +176,10 @@ def always_parallel(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("dtype", "cast", "fused"),
     [(torch.float32, None, True), (torch.float32, "bfloat16", False), (torch.float32, "bfloat16", True),
-     (torch.float16, None, False), (torch.uint8, None, False), (torch.float64, None, False),
-     (torch.complex128, None, True)],
+     (torch.float16, None, False), (torch.float16, None, True), (torch.uint8, None, False),
+     (torch.float64, None, False), (torch.complex128, None, True)],
 )  # fmt: skip
-def test_a_scan_on_threads_is_the_one_thread_scan(dtype: torch.dtype, cast: str | None, fused: bool, threads: int) -> None:  # fmt: skip
+def test_a_scan_on_threads_is_the_one_thread_scan(dtype: torch.dtype, cast: str | None, fused: bool, threads: int, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     gen = torch.Generator().manual_seed(threads)
     tensors, patterns = model(dtype, gen)
     tensors["alias"] = tensors["mixed_big"]  # tied: one copy
@@ -186,9 +187,13 @@ def test_a_scan_on_threads_is_the_one_thread_scan(dtype: torch.dtype, cast: str 
     baseline = Baseline(fused=fused)
     entries, plan = stepped(baseline, tensors, patterns, config, gen)
     assert [tie.name for tie in plan.tied] == ["alias"]
+    scans = spy(monkeypatch, "scan")
     counts, encoded = scan_both(baseline, plan, entries.tensors, threads)
-    # What this model is for: spans of every way, and the budget crossed in the middle (random
-    # fp32 bytes hold NaNs in nearly every piece: the fused kernels leave those to NumPy).
+    # The kernels compare 2- and 4-byte words as they are, NaN payloads included, and fp32
+    # pushed as bf16 (random fp32 bytes hold NaNs in nearly every piece: they leave those to
+    # NumPy); nothing else.
+    assert bool(scans) is (fused and (cast is not None or dtype.itemsize in (2, 4)))
+    # What this model is for: spans of every way, and the budget crossed in the middle.
     assert any(c == 0 for c in counts) and any(c == SPAN for c in counts) and encoded
     assert ("sparse_big", 0) in encoded and ("heavy_big", RUN_SPANS) not in encoded
     assert ("sparse_tail", 0) in encoded  # after the budget ran short, a small blob still fits
@@ -206,7 +211,7 @@ def test_finite_fp32_pushed_as_bf16_is_scanned_fused_as_numpy_scans_it(fused: bo
     baseline = Baseline(fused=fused)
     entries, plan = stepped(baseline, tensors, patterns, config, gen, finite=True)
     tensors["mixed_short"][SPAN + 1] = float("nan")  # its one piece: compared in NumPy, kept
-    scans = spy(monkeypatch, "scan_bf16")
+    scans = spy(monkeypatch, "scan")
     counts, encoded = scan_both(baseline, plan, entries.tensors, threads)
     assert bool(scans) is fused  # the kernel ran, or never
     assert any(c == 0 for c in counts) and any(c == SPAN for c in counts)

@@ -12,9 +12,10 @@ comparing are kept for sending, in a buffer kept from push to push, only up to a
 push's size (past that they are found again while packing, at the cost of a second comparison);
 any other blob exists only while it is packed. Nothing is a second copy of the model.
 
-fp32 tensors pushed as bf16 -- master weights, the commonest delta -- are compared by fused
-kernels (``weight_sync.delta.kernels``) where they have loaded; everything else, and any piece
-holding a NaN, in NumPy. Both ways send the same bytes.
+fp32 tensors pushed as bf16 -- master weights, the commonest delta -- and 2- or 4-byte tensors
+pushed in their own dtype (bf16, fp16, fp32 weights) are compared by fused kernels
+(``weight_sync.delta.kernels``) where they have loaded; everything else, and any piece the
+rounding kernel meets a NaN in, in NumPy. Both ways send the same bytes.
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ class Baseline:
 
     def __init__(self, threads: int | None = None, fused: bool | None = None) -> None:
         """``threads``: how many threads a scan compares on at most (default: the CPUs this
-        process may run on, at most ``MAX_THREADS``). ``fused``: whether fp32 tensors pushed as
-        bf16 are compared with the fused kernels (``weight_sync.delta.kernels``): None (the
+        process may run on, at most ``MAX_THREADS``). ``fused``: whether the tensors ``fusable``
+        names are compared with the fused kernels (``weight_sync.delta.kernels``): None (the
         default) once they have loaded, on a thread started here -- pushes until then compare
         the NumPy way, to the same bytes; True waits for them (and fails if numba cannot load);
         False never loads them."""
@@ -266,11 +267,11 @@ class Baseline:
         if kernels is not None and fusable(flat, meta):
             data, index, values = sparse_blob(blob.changed, meta.itemsize)
             rows = scratch.rows(blob.changed)
-            found = kernels.extract_bf16(
-                _bits(flat, blob.first, stop),
-                held.view(np.uint16),
+            found = kernels.extract(
+                _trainer_words(flat, blob.first, stop),
+                _unsigned(held),
                 index,
-                values.view(np.uint16),
+                _unsigned(values),
                 rows,
             )
         if found < 0:
@@ -323,7 +324,7 @@ class _Scan:
 
     Why threads: a scan casts each piece into the workers' dtype (torch), compares it with the
     copy and counts per span, and for the spans it keeps encoded finds the changed elements
-    (NumPy) -- or, fp32 -> bf16, does all of it in one fused kernel. Every one of these
+    (NumPy) -- or does all of it in one fused kernel (``fusable``). Every one of these
     releases the GIL, and on one thread they are compute-bound (the cast ~0.5 ns per element,
     ``flatnonzero`` ~0.8 ns, the kernel ~0.7 ns), above memory speed: threads divide that time.
 
@@ -496,12 +497,12 @@ class _Scan:
                 lo, hi = starts[start], starts[stop]
                 assert hi <= found.written
                 blob, index, blob_values = sparse_blob(hi - lo, size, room)
-                found.kernel.emit_bf16(
+                found.kernel.emit(
                     found.rows[lo:hi],
                     found.values[lo:hi],
-                    held.view(np.uint16),
+                    _unsigned(held),
                     index,
-                    blob_values.view(np.uint16),
+                    _unsigned(blob_values),
                 )
             else:
                 assert found.new is not None
@@ -560,7 +561,7 @@ class _Scratch:
         self._bytes = torch.empty(0, dtype=torch.uint8)
         self._mask = np.empty(0, dtype=np.bool_)
         self._rows = np.empty(0, dtype=np.int32)
-        self._values = np.empty(0, dtype=np.uint16)
+        self._values = np.empty(0, dtype=np.uint8)
         self._from: torch.Tensor | None = None  # the piece being cast, flattened
         self._into: torch.Tensor | None = None  # where to, in the workers' dtype
 
@@ -595,12 +596,13 @@ class _Scratch:
             self._rows = np.empty(count, dtype=np.int32)
         return self._rows[:count]
 
-    def found(self, elements: int) -> tuple[np.ndarray, np.ndarray]:
-        """Room for the values (bf16 bits) and positions of as many changes as a piece of
-        ``elements`` can hold, where the fused kernel writes them (6 bytes an element)."""
-        if self._values.size < elements:
-            self._values = np.empty(elements, dtype=np.uint16)
-        return self._values[:elements], self.rows(elements)
+    def found(self, elements: int, itemsize: int) -> tuple[np.ndarray, np.ndarray]:
+        """Room for the values (the copy's unsigned words of ``itemsize``) and positions of as
+        many changes as a piece of ``elements`` can hold, where the fused kernel writes them
+        (``itemsize`` + 4 bytes an element)."""
+        if self._values.size < elements * itemsize:
+            self._values = np.empty(elements * itemsize, dtype=np.uint8)
+        return self._values[: elements * itemsize].view(f"u{itemsize}"), self.rows(elements)
 
 
 _NONE_FOUND = (np.empty(0, dtype=np.uint16), np.empty(0, dtype=np.int32))
@@ -621,7 +623,11 @@ class _Found:
         self.new: np.ndarray | None = None
         self.counts: list[int] = []  # per span, from the piece's first
         # Where the kernel writes each change's value and position, and how many it has.
-        found = _NONE_FOUND if self.kernel is None else scratch.found(piece.stop - piece.start)
+        found = (
+            _NONE_FOUND
+            if self.kernel is None
+            else scratch.found(piece.stop - piece.start, piece.meta.itemsize)
+        )
         self.values: np.ndarray = found[0]
         self.rows: np.ndarray = found[1]
         self.written = 0
@@ -636,9 +642,9 @@ class _Found:
             counts = np.empty(spans_of(stop - start), dtype=np.int64)
             room = self.rows.size - self.written
             assert room >= stop - start and self.values.size == self.rows.size
-            written = self.kernel.scan_bf16(
-                _bits(piece.flat, piece.start + start, piece.start + stop),
-                self._held[start:stop].view(np.uint16),
+            written = self.kernel.scan(
+                _trainer_words(piece.flat, piece.start + start, piece.start + stop),
+                _unsigned(self._held[start:stop]),
                 self.values[self.written :],
                 self.rows[self.written :],
                 counts,
@@ -664,19 +670,26 @@ def kept_bytes(blob: int) -> int:
 
 
 def fusable(flat: torch.Tensor, meta: TensorMeta) -> bool:
-    """Whether the fused kernels compare this flattened tensor: fp32 on the host, contiguous,
-    pushed as bf16."""
-    return (
-        meta.torch_dtype == torch.bfloat16
-        and flat.dtype == torch.float32
-        and flat.device.type == "cpu"
-        and flat.is_contiguous()
-    )
+    """Whether the fused kernels compare this flattened tensor: on the host, contiguous, and
+    either fp32 pushed as bf16 (rounded as torch rounds), or 2 or 4 bytes an element pushed in
+    its own dtype (compared bit for bit)."""
+    if flat.device.type != "cpu" or not flat.is_contiguous():
+        return False
+    if flat.dtype == meta.torch_dtype:
+        return meta.itemsize in (2, 4)
+    return flat.dtype == torch.float32 and meta.torch_dtype == torch.bfloat16
 
 
-def _bits(flat: torch.Tensor, start: int, stop: int) -> np.ndarray:
-    """Elements ``start:stop`` of a flattened fp32 host tensor, as their bits (uint32)."""
-    return flat[start:stop].detach().numpy().view(np.uint32)
+def _trainer_words(flat: torch.Tensor, start: int, stop: int) -> np.ndarray:
+    """Elements ``start:stop`` of a flattened host tensor of 2 or 4 bytes an element, as
+    unsigned words (NumPy has no bf16: the tensor is viewed as integers first)."""
+    piece = flat[start:stop].detach()
+    return _unsigned(words(piece.view(torch.uint8), piece.element_size()).numpy())
+
+
+def _unsigned(array: np.ndarray) -> np.ndarray:
+    """NumPy ``words`` as unsigned integers of their width (what the kernels take)."""
+    return array.view(f"u{array.itemsize}")
 
 
 class _Sources(Sequence[torch.Tensor]):

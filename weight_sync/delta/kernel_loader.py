@@ -81,7 +81,7 @@ class FusedKernels:
 
 
 def _check(kernels: ModuleType) -> None:
-    """Raise ``RuntimeError`` unless ``kernels.scan_bf16`` rounds as torch casts, here."""
+    """Raise ``RuntimeError`` unless ``kernels.scan`` rounds as torch casts, here."""
     bits = np.random.default_rng(0).integers(0, 1 << 32, 4096, dtype=np.uint64).astype(np.uint32)
     bits[(bits & 0x7FFFFFFF) > 0x7F800000] &= 0xFF7FFFFF  # no NaN: the kernels leave those alone
     bits[: len(_EDGES)] = _EDGES
@@ -89,6 +89,6 @@ def _check(kernels: ModuleType) -> None:
     base = torch_bits.view(torch.int16).numpy().view(np.uint16) ^ np.uint16(1)
     values, rows = np.empty(bits.size, np.uint16), np.empty(bits.size, np.int32)
     counts = np.empty(1, np.int64)
-    found = kernels.scan_bf16(bits, base, values, rows, counts, bits.size, 0)
+    found = kernels.scan(bits, base, values, rows, counts, bits.size, 0)
     if found != bits.size or not np.array_equal(values, base ^ np.uint16(1)):
         raise RuntimeError("the fused kernels round fp32 to bf16 otherwise than torch does here")
