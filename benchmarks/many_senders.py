@@ -16,6 +16,9 @@ node's ingress). In each network two jobs run, one after the other, each a launc
   state, as a sharded trainer's ranks leave an optimizer step together (each builds the whole
   model to take its shard, which takes them unequal times on 2 cores).
 
+Every rank is set up as a warmed-up trainer or engine is before anything is timed: the fused
+delta kernels loaded, its heap frozen (``gc.freeze()``).
+
 Each job times ``--repeats`` pushes after a verified warm-up, dense and then as deltas
 (``delta="always"``, a tenth of the elements changed before each push), and every worker checks
 its weights bit for bit against the model it computes itself after every mode. Rows go to
@@ -31,6 +34,8 @@ no cost). Needs root, ``ip`` and
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib
 import json
 import os
 import statistics
@@ -71,8 +76,17 @@ def rank_job(args: argparse.Namespace) -> None:
     from weight_sync.checksums import state_dict_digests
     from weight_sync.torchrun import JobSync
 
+    # The fused delta kernels, loaded now and untimed, as a trainer past its first pushes has
+    # them: a delta's copy loads them on a thread of its own (numba's import, 2-3 s of a core)
+    # and compares the NumPy way meanwhile -- which here overlapped the first timed deltas.
+    importlib.import_module("weight_sync.delta.kernels")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=rank, world_size=world)
+    # Set up, the process freezes its heap, as vLLM's engine core and its sharded weight-transfer
+    # trainer do: otherwise a full collection (0.13-0.35 s here, over torch's objects) stops
+    # one of the K + 2 processes in about one delta push in three, and the push with it.
+    gc.collect()
+    gc.freeze()
     workload = _workload(args.workload)
     specs = [(name, tuple(shape)) for name, _, shape in workload.specs]
     senders = args.job_senders
