@@ -232,12 +232,12 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
 
 def _answered(step: Callable[[], object], what: str) -> bool:
     """Run one weight-transfer step (a join, a check, a receive, a commit) whose outcome the
-    trainer reads in its store, never raising into vLLM. A server of several workers runs each step as one ``collective_rpc`` of its
-    multiprocess executor, which reads the workers' replies in order and raises at the first
-    failed one, leaving the others queued, where the server's next calls take them for their
-    own; and a raise in ``update_weights`` ends vLLM's update session on that worker alone. An
-    error the step did not answer leaves the trainer waiting until its deadline. Returns
-    whether the step ran to its end."""
+    trainer reads in its store, never raising into vLLM. A server of several workers runs each
+    step as one ``collective_rpc`` of its multiprocess executor, which reads the workers'
+    replies in order and raises at the first failed one, leaving the others queued, where the
+    server's next calls take them for their own; and a raise in ``update_weights`` ends vLLM's
+    update session on that worker alone. An error the step did not answer leaves the trainer
+    waiting until its deadline. Returns whether the step ran to its end."""
     try:
         step()
     except Exception as exc:
