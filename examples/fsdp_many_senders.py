@@ -1,12 +1,15 @@
 """An FSDP2 trainer whose every rank pushes its own shards, to the other ranks of its job.
 
     torchrun --standalone --nproc_per_node 4 examples/fsdp_many_senders.py --senders 2
+    torchrun --standalone --nproc_per_node 6 examples/fsdp_many_senders.py --senders 4 --tp 2
 
 Ranks ``0..senders-1`` train one model sharded with FSDP2 (``fully_shard`` over a mesh of them,
 CPU/Gloo here; the same on GPUs with a ``"cuda"`` mesh); the other ranks serve. After each
 optimizer step every rank calls ``sync.update(model)``: each trainer rank sends the blocks of
 its own shards, at once and over its own lane -- no rank gathers the model -- and each serving
-rank writes them in place into its whole model. At the end the trainer ranks gather the model
+rank writes them in place into its whole model. ``--tp N``: FSDP2 over tensor parallelism
+(torchtitan's layout), a mesh of ``senders / N`` by ``N`` trainer ranks, the first linear layer
+column-parallel and the last row-parallel; each rank still pushes exactly what it holds. At the end the trainer ranks gather the model
 once, for the check only, and every serving rank compares its weights with it: rank 0 prints
 ``<N> serving ranks hold version <V>, bit for bit: True`` (every rank exits 1 otherwise).
 """
@@ -20,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from weight_sync import JobSync, SyncConfig
 from weight_sync.checksums import state_dict_digests
@@ -46,15 +50,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--senders", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel degree (divides senders)"
+    )
     args = parser.parse_args()
+    if args.senders % args.tp:
+        parser.error(f"--tp {args.tp} must divide --senders {args.senders}")
     model = build_model()
     with JobSync(SyncConfig(push_timeout_s=120), senders=args.senders) as sync:
-        # The trainer ranks' group: every rank makes it (new_group is collective over the job),
-        # only they build a mesh on it (on GPUs: DeviceMesh.from_group(trainers, "cuda")).
-        trainers = dist.new_group(list(range(args.senders)))
+        # The trainer ranks' mesh: every rank makes it (its groups are made with new_group,
+        # collective over the job), only they shard on it (on GPUs: a "cuda" mesh).
+        grid = torch.arange(args.senders).reshape(-1, args.tp)
+        mesh = DeviceMesh("cpu", grid, mesh_dim_names=("dp", "tp"))
         optimizer = None
         if sync.is_sender:
-            fully_shard(model, mesh=DeviceMesh.from_group(trainers, "cpu"))
+            if args.tp > 1:  # the first layer's rows split by both: FSDP2's _StridedShard
+                plan = {"1": ColwiseParallel(), "3": RowwiseParallel()}
+                parallelize_module(model, mesh["tp"], plan)
+            fully_shard(model, mesh=mesh["dp"])
             optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
         for step in range(args.steps):
             if optimizer is not None:

@@ -7,7 +7,8 @@ writes every block where it belongs in its full tensor. This module is the pure 
 
 * ``block_of`` -- the block a mesh coordinate holds, from the tensor's global shape and its
   placements, by the rule DTensor splits by (``torch.chunk``: pieces of ``ceil(n / k)``, the
-  last ones shorter or empty; mesh dimensions sharding one tensor dimension split in turn);
+  last ones shorter or empty; mesh dimensions sharding one tensor dimension split in turn, a
+  strided shard -- FSDP2 over tensor parallelism -- as DTensor's ``_StridedShard`` does);
 * ``assign`` -- one sender for each distinct block: a block held by several ranks (a replicated
   dimension, a tensor that is no DTensor) goes to the holder with the fewest bytes so far, so
   the lanes carry about the same;
@@ -41,8 +42,21 @@ class Shard:
     dim: int
 
 
+@dataclass(frozen=True)
+class StridedShard:
+    """DTensor's ``_StridedShard(dim, split_factor)``: what FSDP2 puts on its mesh dimension
+    when tensor parallelism, on a later one, shards the same tensor dimension. It splits as if
+    the later split came first: the dimension into ``split_factor`` pieces, each of those into
+    as many chunks as this mesh dimension has coordinates, a coordinate holding its chunk of
+    every piece, one after the other. The later split then cuts that along the seams, so each
+    coordinate of the whole mesh holds one run of the dimension (``block_of`` checks it)."""
+
+    dim: int
+    split_factor: int
+
+
 REPLICATE = None  # a mesh dimension every coordinate of which holds the same block
-Placement = Shard | None
+Placement = Shard | StridedShard | None
 
 
 @dataclass(frozen=True)
@@ -68,20 +82,75 @@ def block_of(
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The ``(offset, size)`` of the block held at ``coordinate`` of the mesh: per tensor
     dimension, where it starts and how long it is (0 for the empty block of a rank past the
-    end of an uneven split)."""
+    end of an uneven split). ``ValueError`` where a coordinate holds rows of a dimension that
+    are not one run (strided shards of sizes that do not split along the pieces' seams): such
+    a shard is no block."""
     if not len(mesh_shape) == len(placements) == len(coordinate):
         raise ValueError("a mesh shape, its placements and a coordinate name as many dimensions")
-    offset, size = [0] * len(shape), list(shape)
+    # Per tensor dimension, the global positions this coordinate holds, in its local order, as
+    # runs (start, length): each split takes some of the positions held so far.
+    held = [[(0, n)] for n in shape]
     for ways, placement, index in zip(mesh_shape, placements, coordinate, strict=True):
         if placement is REPLICATE:
             continue
         if not 0 <= placement.dim < len(shape):
-            raise ValueError(f"Shard({placement.dim}) of a tensor of {len(shape)} dimensions")
-        piece = -(-size[placement.dim] // ways)  # torch.chunk's piece
-        start = min(index * piece, size[placement.dim])
-        offset[placement.dim] += start
-        size[placement.dim] = min(piece, size[placement.dim] - start)
-    return tuple(offset), tuple(size)
+            raise ValueError(f"{placement} of a tensor of {len(shape)} dimensions")
+        runs = held[placement.dim]
+        length = sum(n for _, n in runs)
+        if isinstance(placement, Shard):
+            held[placement.dim] = _take(runs, *_chunk(length, ways, index))
+            continue
+        if placement.split_factor < 1:
+            raise ValueError(f"{placement}: the split factor must be at least 1")
+        taken: list[tuple[int, int]] = []
+        for piece in range(placement.split_factor):
+            start, count = _chunk(length, placement.split_factor, piece)
+            within, part = _chunk(count, ways, index)
+            taken += _take(runs, start + within, part)
+        held[placement.dim] = taken
+    block = []
+    for dim, runs in enumerate(held):
+        merged = _merged(runs)
+        if len(merged) > 1:
+            raise ValueError(
+                f"mesh coordinate {tuple(coordinate)} holds rows {merged} of dimension {dim}, "
+                "not one run: its shard is no block"
+            )
+        block.append(merged[0] if merged else (0, 0))
+    return tuple(start for start, _ in block), tuple(count for _, count in block)
+
+
+def _chunk(length: int, ways: int, index: int) -> tuple[int, int]:
+    """Where chunk ``index`` of ``length`` split ``ways`` ways by ``torch.chunk`` starts, and
+    its length (0 past the end)."""
+    piece = -(-length // ways)
+    start = min(index * piece, length)
+    return start, min(piece, length - start)
+
+
+def _take(runs: Sequence[tuple[int, int]], start: int, length: int) -> list[tuple[int, int]]:
+    """Positions ``start .. start + length`` (local order) of those ``runs`` hold, as runs."""
+    taken = []
+    for first, count in runs:
+        if length <= 0:
+            break
+        if start >= count:
+            start -= count
+            continue
+        part = min(count - start, length)
+        taken.append((first + start, part))
+        start, length = 0, length - part
+    return taken
+
+
+def _merged(runs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for first, count in runs:
+        if merged and merged[-1][0] + merged[-1][1] == first:
+            merged[-1] = (merged[-1][0], merged[-1][1] + count)
+        elif count:
+            merged.append((first, count))
+    return merged
 
 
 class Block(_Wire):
@@ -151,7 +220,10 @@ def assign(tensors: Sequence[TensorMeta], spreads: Sequence[Spread], senders: in
         for coordinate, sender in zip(coordinates, spread.senders, strict=True):
             if not 0 <= sender < senders:
                 raise ValueError(f"{meta.name!r}: sender {sender} outside 0..{senders - 1}")
-            where = block_of(meta.shape, spread.mesh_shape, spread.placements, coordinate)
+            try:
+                where = block_of(meta.shape, spread.mesh_shape, spread.placements, coordinate)
+            except ValueError as exc:
+                raise ValueError(f"{meta.name!r}: {exc}") from None
             if math.prod(where[1]):
                 holders.setdefault(where, []).append(sender)
         for (offset, size), who in holders.items():

@@ -15,6 +15,9 @@ Scenarios:
   then the right model and two pushes land;
 * ``rename`` -- the receivers' models name every tensor ``inner.<the trainer's name>``: the
   senders push with ``rename``;
+* ``tp`` -- FSDP2 over tensor parallelism: four senders on a (2, 2) mesh, the first layer
+  column-parallel (its rows split by both mesh dimensions: ``_StridedShard``, 50 rows, uneven),
+  the last row-parallel; three steps as ``steps``;
 * ``cast`` -- the receivers hold the model in bf16, the senders train in fp32 and push with
   ``SyncConfig(cast_dtype="bfloat16")``: each lane casts its own shards;
 * ``kill_sender`` -- sender 1 dies in the middle of the second push (once a receiver has put
@@ -36,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from weight_sync import SyncConfig, WeightSyncError
 from weight_sync.checksums import state_dict_digests
@@ -89,10 +93,23 @@ def run(scenario: str, senders: int, out: Path, device: str = "cpu") -> None:
         torch.cuda.set_device(where)
     # The senders' group: new_group is collective over the job, so every rank makes it; only
     # the senders build a mesh on it (DeviceMesh(...) would pick a GPU on every rank).
-    trainers = dist.new_group(list(range(senders)))
+    if scenario == "tp":  # a (dp, tp) mesh of the senders; DeviceMesh too is collective
+        grid = torch.arange(senders).reshape(2, -1)
+        mesh = DeviceMesh(device, grid, mesh_dim_names=("dp", "tp"))
+    else:
+        trainers = dist.new_group(list(range(senders)))
     if sync.is_sender:
         model.to(where)
-        fully_shard(model, mesh=DeviceMesh.from_group(trainers, device))
+        if scenario == "tp":  # the first layer's rows split by both: FSDP2's _StridedShard
+            parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+            fully_shard(model, mesh=mesh["dp"])
+            record["placements"] = {
+                name: [type(p).__name__ for p in tensor.placements]
+                for name, tensor in model.state_dict().items()
+                if hasattr(tensor, "placements")
+            }
+        else:
+            fully_shard(model, mesh=DeviceMesh.from_group(trainers, device))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     elif cast is not None:
         model.to(cast)

@@ -54,6 +54,23 @@ def test_two_senders_to_two_receivers(tmp_path: Path) -> None:
     _assert_steps(_reports(tmp_path, range(4)))
 
 
+def test_fsdp_over_tensor_parallelism_four_senders(tmp_path: Path) -> None:
+    """FSDP2 over tensor parallelism on a (2, 2) mesh: the column-parallel layer's rows are
+    split by both mesh dimensions (``_StridedShard``), the row-parallel one's by one each; every
+    sender pushes its own shards and both receiving ranks hold the gathered model."""
+    context = _spawn("tp", tmp_path, senders=4, world_size=6)
+    _join_all(context, LAUNCH_S)
+    assert [p.exitcode for p in context.processes] == [0] * 6
+    reports = _reports(tmp_path, range(6))
+    assert reports[0]["placements"] == {
+        "0.weight": ["_StridedShard", "Shard"],
+        "0.bias": ["_StridedShard", "Shard"],
+        "2.weight": ["Shard", "Shard"],
+        "2.bias": ["Shard", "Replicate"],
+    }
+    _assert_steps(reports)
+
+
 def test_renamed_to_the_receivers_names(tmp_path: Path) -> None:
     """``push(..., rename=...)`` on every sender: the layout and every lane speak the receivers'
     names (a rank loading by name included)."""
@@ -72,18 +89,25 @@ def test_cast_to_the_receivers_dtype(tmp_path: Path) -> None:
     _assert_steps(_reports(tmp_path, range(4)))
 
 
-def test_the_fsdp_example_under_torchrun_three_senders() -> None:
-    """``examples/fsdp_many_senders.py`` as a user runs it: FSDP2 over three ranks, Adam steps,
-    every rank pushing its shards; the serving ranks hold the trainer's gathered model."""
+@pytest.mark.parametrize(
+    ("ranks", "senders", "tp"),
+    [(5, 3, 1), (6, 4, 2)],  # FSDP2 over three ranks; FSDP2 over tensor parallelism (2 x 2)
+)
+def test_the_fsdp_example_under_torchrun(ranks: int, senders: int, tp: int) -> None:
+    """``examples/fsdp_many_senders.py`` as a user runs it: Adam steps, every trainer rank
+    pushing its shards; the serving ranks hold the trainer's gathered model. With ``--tp 2`` the
+    embedding is FSDP2's alone (each sender sees only its own "dp" slice of the mesh) and the
+    first linear layer's rows are split by both mesh dimensions (``_StridedShard``)."""
     done = subprocess.run(
-        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "5",
-         "examples/fsdp_many_senders.py", "--senders", "3"],
+        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(ranks),
+         "examples/fsdp_many_senders.py", "--senders", str(senders), "--tp", str(tp)],
         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=LAUNCH_S, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    pushed = re.findall(r"pushed version (\d+) from 3 ranks: ([\d.]+) MB", done.stdout)
+    pushed = re.findall(rf"pushed version (\d+) from {senders} ranks: ([\d.]+) MB", done.stdout)
     assert [version for version, _ in pushed] == ["1", "2", "3"], done.stdout
-    assert "2 serving ranks hold version 3, bit for bit: True" in done.stdout, done.stdout
+    serving = ranks - senders
+    assert f"{serving} serving ranks hold version 3, bit for bit: True" in done.stdout, done.stdout
 
 
 def test_refusals_before_any_byte_then_pushes_land(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard as TorchShard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from weight_sync.blocks import (
     REPLICATE,
@@ -18,6 +19,7 @@ from weight_sync.blocks import (
     BlockLayout,
     Shard,
     Spread,
+    StridedShard,
     assign,
     block_of,
     view_of,
@@ -60,6 +62,70 @@ def test_block_of_agrees_with_dtensor(shape, mesh, placements) -> None:
         assert got_size == tuple(size)
         if all(size):  # torch's offset of an empty block is its own business
             assert got_offset == tuple(offset)
+
+
+def _torch_strided(placement: object) -> object:
+    if isinstance(placement, StridedShard):
+        return _StridedShard(placement.dim, split_factor=placement.split_factor)
+    return _torch((placement,))[0]
+
+
+def _local(whole: torch.Tensor, mesh: tuple, placements: tuple, coordinate: tuple) -> torch.Tensor:
+    """What DTensor itself gives ``coordinate`` of ``whole``: each mesh dimension's placement
+    splits what the ones before it left, by torch's own ``_split_tensor``."""
+    local = whole
+    for ways, placement, index in zip(mesh, placements, coordinate, strict=True):
+        if placement is not REPLICATE:
+            pieces, _ = _torch_strided(placement)._split_tensor(local, ways, with_padding=False)
+            local = pieces[index]
+    return local
+
+
+@pytest.mark.parametrize(
+    ("shape", "mesh", "placements"),
+    [
+        # FSDP2 over tensor parallelism on one dimension (ColwiseParallel's weights): even,
+        # uneven, more coordinates than rows, and a TP degree of 4
+        ((8, 3), (2, 2), (StridedShard(0, 2), Shard(0))),
+        ((50, 3), (2, 2), (StridedShard(0, 2), Shard(0))),
+        ((9,), (4, 2), (StridedShard(0, 2), Shard(0))),
+        ((5, 2), (3, 2), (StridedShard(0, 2), Shard(0))),
+        ((10, 3), (2, 4), (StridedShard(0, 4), Shard(0))),
+        ((7, 12), (3, 2), (StridedShard(1, 2), Shard(1))),
+        # HSDP over tensor parallelism: replicated, then strided, then TP
+        ((12, 2), (2, 2, 3), (REPLICATE, StridedShard(0, 3), Shard(0))),
+        # FSDP over TP on another dimension (RowwiseParallel's weights) is plain Shard
+        ((7, 48), (2, 2), (Shard(0), Shard(1))),
+    ],
+)
+def test_block_of_holds_what_dtensor_splits_off(shape, mesh, placements) -> None:
+    """Every coordinate's block holds exactly the elements DTensor's own split gives it, strided
+    shards included: the block's view of the whole tensor equals the coordinate's shard."""
+    whole = torch.arange(max(1, torch.Size(shape).numel())).reshape(shape).float()
+    for coordinate in itertools.product(*(range(n) for n in mesh)):
+        expected = _local(whole, mesh, placements, coordinate)
+        offset, size = block_of(shape, mesh, placements, coordinate)
+        assert size == tuple(expected.shape), coordinate
+        block = Block(tensor=0, sender=0, offset=offset, size=size)
+        torch.testing.assert_close(view_of(whole, block), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("ways", "split_factor"), list(itertools.product((2, 3, 4), repeat=2)))
+def test_strided_shards_are_blocks_or_refused(ways, split_factor) -> None:
+    """Over uneven sizes (13 rows over 3 x 2 holds rows 6 and 11 at (2, 0)): where DTensor's
+    strided split gives a coordinate one run of rows, ``block_of`` finds that run; where it
+    does not, ``block_of`` refuses it, never a wrong block."""
+    mesh, placements = (ways, split_factor), (StridedShard(0, split_factor), Shard(0))
+    for length, coordinate in itertools.product(
+        range(1, 40), itertools.product(range(ways), range(split_factor))
+    ):
+        rows = _local(torch.arange(length), mesh, placements, coordinate).tolist()
+        if rows and rows != list(range(rows[0], rows[0] + len(rows))):
+            with pytest.raises(ValueError, match="not one run"):
+                block_of((length,), mesh, placements, coordinate)
+            continue
+        offset, size = block_of((length,), mesh, placements, coordinate)
+        assert size == (len(rows),) and (not rows or offset == (rows[0],))
 
 
 @pytest.mark.parametrize(
@@ -234,3 +300,11 @@ def test_the_layout_describes_each_tensor_as_it_travels(
     layout = layout_of([("w", torch.zeros(4, 2, dtype=dtype))], range(2), cast)
     assert [meta.dtype for meta in layout.tensors] == [travels]
     assert sum(layout.bytes_per_sender()) == 8 * layout.tensors[0].itemsize
+
+
+def test_a_strided_shard_that_is_no_block_is_refused_by_name() -> None:
+    """13 rows over a (3, 2) mesh, strided: coordinate (2, 0) would hold rows 6 and 11; the
+    layout refuses the tensor by name (the senders then push it from one rank)."""
+    spread = Spread((3, 2), (StridedShard(0, 2), Shard(0)), tuple(range(6)))
+    with pytest.raises(ValueError, match=r"'w': mesh coordinate \(2, 0\) holds rows"):
+        assign([meta("w", 13, 4)], [spread], 6)

@@ -21,7 +21,15 @@ from typing import Any
 
 import torch
 
-from weight_sync.blocks import REPLICATE, BlockLayout, Placement, Shard, Spread, assign
+from weight_sync.blocks import (
+    REPLICATE,
+    BlockLayout,
+    Placement,
+    Shard,
+    Spread,
+    StridedShard,
+    assign,
+)
 from weight_sync.config import SyncConfig
 from weight_sync.mapping import rename as renaming
 from weight_sync.metadata import TensorMeta
@@ -38,15 +46,15 @@ def layout_of(
     ``sender_ranks`` (in order), each tensor described as it travels (``cast_dtype``: see
     ``SyncConfig``). A DTensor's mesh must lie within them; any other tensor is taken to be
     held whole by every sender (as replicated buffers are). ``ValueError`` for a placement this
-    cannot send from the shards as they lie (``Partial``, strided shards)."""
+    cannot send from the shards as they lie (``Partial``; a strided shard that is no block)."""
     index = {rank: i for i, rank in enumerate(sender_ranks)}
-    meshes: dict[int, tuple[tuple[int, ...], list[int]]] = {}  # a model's tensors share a mesh
+    grids: dict[int, Grid] = {}  # a model's tensors share a few meshes
     metas, spreads = [], []
     for name, tensor in entries:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name!r}: a sharded push takes tensors, got {type(tensor).__name__}")
         metas.append(TensorMeta.of(name, tensor, wire_dtype(tensor.dtype, cast_dtype)))
-        spreads.append(_spread(name, tensor, index, meshes) if is_dtensor(tensor) else None)
+        spreads.append(_spread(name, tensor, index, grids) if is_dtensor(tensor) else None)
     whole = Spread.everywhere(len(sender_ranks))
     return assign(metas, [spread or whole for spread in spreads], len(sender_ranks))
 
@@ -65,17 +73,16 @@ def lane_of(entries: Entries, layout: BlockLayout, sender: int) -> dict[str, tor
     return lane
 
 
+Grid = tuple[tuple[int, ...], list[int], list[int | None]]
+
+
 def _spread(
-    name: str,
-    tensor: torch.Tensor,
-    index: dict[int, int],
-    meshes: dict[int, tuple[tuple[int, ...], list[int]]],
+    name: str, tensor: torch.Tensor, index: dict[int, int], grids: dict[int, Grid]
 ) -> Spread:
     mesh = tensor.device_mesh  # type: ignore[attr-defined]
-    if id(mesh) not in meshes:  # DeviceMesh.mesh is worked out anew on every read
-        grid = mesh.mesh
-        meshes[id(mesh)] = (tuple(grid.shape), grid.flatten().tolist())
-    shape, ranks = meshes[id(mesh)]
+    if id(mesh) not in grids:  # DeviceMesh.mesh is worked out anew on every read
+        grids[id(mesh)] = _grid(mesh, index)
+    shape, ranks, dims = grids[id(mesh)]
     outside = [rank for rank in ranks if rank not in index]
     if outside:
         raise ValueError(
@@ -83,18 +90,42 @@ def _spread(
             "tensor's mesh must send"
         )
     placements: list[Placement] = []
-    for placement in tensor.placements:  # type: ignore[attr-defined]
+    for dim in dims:
+        placement = None if dim is None else tensor.placements[dim]  # type: ignore[attr-defined]
         kind = type(placement).__name__
-        if kind == "Replicate":
+        if placement is None or kind == "Replicate":
             placements.append(REPLICATE)
-        elif kind == "Shard":  # not a subclass: _StridedShard splits in another order
+        elif kind == "Shard":
             placements.append(Shard(placement.dim))
+        elif kind == "_StridedShard":  # FSDP2 over tensor parallelism
+            placements.append(StridedShard(placement.dim, int(placement.split_factor)))
         else:
             raise ValueError(
-                f"{name!r} is placed {placement}: only Shard(dim) and Replicate are sent from "
-                "the shards as they lie; push it from one rank (ShardedSource) instead"
+                f"{name!r} is placed {placement}: only Shard, _StridedShard and Replicate are "
+                "sent from the shards as they lie; push it from one rank (ShardedSource) instead"
             )
     return Spread(shape, tuple(placements), tuple(index[r] for r in ranks))
+
+
+def _grid(mesh: Any, index: dict[int, int]) -> Grid:
+    """The mesh a DTensor's placements are read against, as its shape, its ranks (row-major)
+    and, per dimension, which of the tensor's placements applies (None: replicated along it).
+
+    Its own mesh, unless that is a slice of a mesh of senders: FSDP2 over tensor parallelism
+    shards a layer that tensor parallelism leaves alone over the ``"dp"`` slice only, so each
+    sender sees the slice it is in (ranks 0 and 2 of a (2, 2) mesh, or 1 and 3) and knows
+    nothing of the others. Read against the whole mesh, replicated along the dimensions the
+    slice leaves out, the tensor is described alike on every sender."""
+    own: Grid = (tuple(mesh.mesh.shape), mesh.mesh.flatten().tolist(), list(range(mesh.ndim)))
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    names, whole = mesh.mesh_dim_names, root.mesh_dim_names
+    if root is mesh or not names or not whole or not set(names) <= set(whole):
+        return own
+    ranks = root.mesh.flatten().tolist()
+    if any(rank not in index for rank in ranks):
+        return own
+    dims = [names.index(name) if name in names else None for name in whole]
+    return tuple(root.mesh.shape), ranks, dims
 
 
 @dataclass(frozen=True)
