@@ -23,6 +23,7 @@ import json
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -48,12 +49,19 @@ from weight_sync.receiver import Loader, Receiver, expecting
 from weight_sync.result import PushResult
 from weight_sync.send.checks import Rename, StateDict
 from weight_sync.send.lanes import Share, called_off, judge, row_tensor, share_of
-from weight_sync.store_plane import MAX_REPLY_CHARS, PREFIX, ClientPlane, StoreMember
+from weight_sync.store_plane import (
+    KEPT_PUSHES,
+    MAX_REPLY_CHARS,
+    PREFIX,
+    ClientPlane,
+    StoreMember,
+)
 from weight_sync.transport.rendezvous import open_store
 
 logger = logging.getLogger(__name__)
 
 COMMAND = "cmd/"  # + sequence number: the n-th step a sender asked of its members
+FLOOR = f"{COMMAND}floor"  # the first command still in the store: the older ones are deleted
 CLOSE = "close"
 VERDICTS = "lanes/"  # + push/sender: how each lane ended; + push/verdict: rank 0's verdict
 LONGEST_WAIT_S = 86400.0  # one store wait; a longer deadline waits again
@@ -86,7 +94,7 @@ class Outbound:
         push ``number`` skips the frames of any earlier one it gave up on before it began."""
         self._pushes = number if number is not None else self._pushes + 1
         frame = {"push": self._pushes}
-        self.commands.post("begin", frame)
+        self.commands.post("begin", frame, new_push=True)
         try:
             result = self.pusher.push(state_dict, **options)
         except BaseException as exc:
@@ -117,11 +125,22 @@ class Commands:
     def __init__(self) -> None:
         self.plane: ClientPlane | None = None  # the plane this client serves: set once it exists
         self._next = 0
+        self._starts: deque[int] = deque()  # the first command of each push still in the store
         self._lock = threading.Lock()
 
-    def post(self, op: str, arg: dict[str, Any]) -> None:
+    def post(self, op: str, arg: dict[str, Any], new_push: bool = False) -> None:
+        """Post the next command; ``new_push``: it begins a push, and the commands of pushes
+        more than ``KEPT_PUSHES`` ago are deleted (a loop pushing for days would otherwise
+        leave a few keys a push in the store). A member further behind than that skips to
+        ``FLOOR`` when it next receives."""
         assert self.plane is not None, "the plane comes first"
         with self._lock:
+            if new_push:
+                self._starts.append(self._next)
+                if len(self._starts) > KEPT_PUSHES:
+                    gone, floor = self._starts.popleft(), self._starts[0]
+                    self.plane.post(FLOOR, str(floor))
+                    self.plane.forget([f"{COMMAND}{number}" for number in range(gone, floor)])
             self.plane.post(f"{COMMAND}{self._next}", json.dumps({"op": op, "arg": arg}))
             self._next += 1
 
@@ -168,6 +187,7 @@ class Verdicts:
         ``SenderFailedError`` when a lane did not land; else returns every lane's sums."""
         self._store.set(f"{push}/{sender}", json.dumps(outcome))
         if sender == 0:
+            self._forget(push - KEPT_PUSHES)
             keys = [f"{push}/{rank}" for rank in range(self._senders)]
             try:
                 self._store.wait(keys, _left(deadline))
@@ -193,6 +213,13 @@ class Verdicts:
             self._store.compare_set(f"{push}/{sender}", "", json.dumps({"error": why}))
         except RuntimeError as exc:  # rank 0 is gone too: nobody to tell
             logger.debug("cannot report sender %d's death: %s", sender, exc)
+
+    def _forget(self, push: int) -> None:
+        """Rank 0: delete the keys of ``push``, long settled (every sender read its verdict
+        before it began the next push)."""
+        if push > 0:
+            for key in [f"{push}/{rank}" for rank in range(self._senders)] + [f"{push}/verdict"]:
+                self._store.delete_key(key)
 
     def _wait(self, key: str, deadline: Deadline) -> dict[str, Any]:
         try:
@@ -553,6 +580,7 @@ class Inbound:
         this rank gave up on, are skipped: a member that gave up waiting for push 3 and is then
         asked for push 4 does not take 3, sent late, for it."""
         deadline = Deadline(wait_s, "waiting for the sender's push")
+        self._skip_deleted()
         began = False
         committed: int | None = None
         failure: WeightSyncError | None = None
@@ -574,6 +602,15 @@ class Inbound:
                     if isinstance(exc, WeightSyncError)
                     else TransportError(f"member {self.slot}: {op} failed: {first_line(exc)}")
                 )
+
+    def _skip_deleted(self) -> None:
+        """Start from the sender's first command left in its store, if this rank fell so far
+        behind that its next one was deleted (``Commands.post``)."""
+        try:
+            if self.store.check([FLOOR]):
+                self._next = max(self._next, int(self.store.get(FLOOR)))
+        except RuntimeError as exc:  # the sender is gone: the first command's wait says so
+            logger.debug("reading the sender's floor: %s", exc)
 
     def _begins(self, number: int, wanted: int) -> bool:
         """Whether the push beginning, ``number``, is the one wanted: False for an earlier one

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol
@@ -49,6 +50,8 @@ PREFIX = "weight_sync/control/"
 _POLL_S = (0.001, 0.005)  # the first and the longest pause between looks for answers
 _COMMIT, _CANCEL = "commit", "cancel"
 MAX_REPLY_CHARS = 1 << 20
+KEPT_PUSHES = 2  # pushes whose keys stay in a store: a member one push behind still finds them
+_KEPT_PLANS = 4  # distinct plans kept in the store (one is posted again when next used)
 
 
 class Client(Protocol):
@@ -219,7 +222,8 @@ class ClientPlane:
             PrefixStore(PREFIX, open_store(address, self._port, 1, self._timeout_s, listener))
         )
         self._epoch = 0
-        self._plans: set[str] = set()  # digests whose plan is in the store
+        self._plans: deque[str] = deque()  # digests whose plan is in the store, oldest first
+        self._verdicts: deque[int] = deque()  # versions whose verdict is in the store
         self._joining: Future[Any] | None = None
         self._pushing: int | None = None  # prepared, neither committed nor cancelled
 
@@ -263,7 +267,9 @@ class ClientPlane:
         assert list(members) == list(range(self._workers)), "every worker prepares at once"
         if plan.digest not in self._plans:
             self._mailbox.post(f"plan/{plan.digest}", plan.wire)
-            self._plans.add(plan.digest)
+            self._plans.append(plan.digest)
+            if len(self._plans) > _KEPT_PLANS:
+                self._mailbox.forget([f"plan/{self._plans.popleft()}"])
         self._mailbox.post(f"prepare/{self._epoch}", request.model_dump_json())
         self._pushing = request.version
         call = in_thread(self._client.start_weight_update)
@@ -282,7 +288,7 @@ class ClientPlane:
 
     def commit(self, version: int, timeout_s: float) -> list[Future[None]]:
         self._pushing = None
-        self._mailbox.post(f"verdict/{version}", _COMMIT)
+        self._verdict(version, _COMMIT)
         call = in_thread(lambda: self._client.finish_weight_update(str(version)))
         # The client labels the engines' outputs with the version only after the members have
         # committed (vLLM's finish_weight_update, then update_weight_version): the commit is
@@ -319,8 +325,21 @@ class ClientPlane:
         (one connection, one lock): a launched job's commands go this way."""
         self._mailbox.post(key, value)
 
+    def forget(self, keys: Sequence[str]) -> None:
+        """Delete ``keys`` (posted with ``post``) from the control store."""
+        self._mailbox.forget(keys)
+
     def close(self) -> None:
         self._mailbox.close()
+
+    def _verdict(self, version: int, word: str) -> None:
+        """Post the verdict on push ``version``; those of the pushes ``KEPT_PUSHES`` before it
+        are deleted (every member read its verdict during its push), so that a loop pushing for
+        days leaves no key a push behind."""
+        self._mailbox.post(f"verdict/{version}", word)
+        self._verdicts.append(version)
+        if len(self._verdicts) > KEPT_PUSHES:
+            self._mailbox.forget([f"verdict/{self._verdicts.popleft()}"])
 
     def _take_session(self) -> int | None:
         version, self._pushing = self._pushing, None
@@ -329,7 +348,7 @@ class ClientPlane:
     def _end_session(self, version: int | None) -> None:
         """``finish_weight_update`` with a verdict to drop push ``version``, if one is open."""
         if version is not None:
-            self._mailbox.post(f"verdict/{version}", _CANCEL)
+            self._verdict(version, _CANCEL)
             self._client.finish_weight_update()
 
     def _round(
@@ -365,6 +384,12 @@ class _Mailbox:
     def post(self, key: str, value: str) -> None:
         with self._lock:
             self._store.set(key, value)
+
+    def forget(self, keys: Sequence[str]) -> None:
+        with self._lock:
+            if not self._closed:
+                for key in keys:
+                    self._store.delete_key(key)
 
     def expect(self, key: str) -> Future[str]:
         future: Future[str] = Future()

@@ -13,9 +13,10 @@ import torch.distributed as dist
 
 from tests.distributed.harness import RankContext, run_ranks
 from weight_sync import SyncConfig
+from weight_sync.deadline import Deadline
 from weight_sync.devices import CPU
 from weight_sync.errors import WeightSyncError
-from weight_sync.lanes import COMMAND, Inbound, Senders
+from weight_sync.lanes import COMMAND, FLOOR, Inbound, Outbound, Senders, Verdicts
 from weight_sync.store_plane import PREFIX
 from weight_sync.transport import bind_listener
 from weight_sync.transport.rendezvous import open_store
@@ -58,6 +59,38 @@ def test_a_member_skips_the_frames_of_a_push_it_gave_up_on() -> None:
     finally:
         lane.member.shutdown()
         del lane, store
+
+
+def test_old_pushes_leave_the_store_and_a_member_far_behind_skips_them() -> None:
+    """A sender's commands of pushes two or more before the current one are deleted, their
+    first survivor named under ``FLOOR``; a member that fell further behind (its next command
+    deleted) starts from there, rather than wait for a key that will never come back."""
+    out = Outbound(SyncConfig(push_timeout_s=30), receivers=1)
+    for push in range(1, 6):
+        out.commands.post("begin", {"push": push}, new_push=True)
+        out.commands.post("end", {"push": push, "error": f"push {push} called off by the test"})
+    store = dist.PrefixStore(PREFIX, open_store(*out.address, 1, 30, None))
+    lane = Inbound(*out.address, 1, lambda: CPU, 30)
+    try:
+        assert int(store.get(FLOOR)) == 6  # pushes 4 and 5: commands 6 to 9
+        assert [store.check([f"{COMMAND}{n}"]) for n in range(10)] == [False] * 6 + [True] * 4
+        with pytest.raises(WeightSyncError, match="push 4 called off by the test"):
+            lane.receive(10, push=4)  # this member's next command was 0, deleted long ago
+    finally:
+        lane.member.shutdown()
+        out.close()
+
+
+def test_rank_0_deletes_the_reports_of_settled_pushes() -> None:
+    """The senders' reports and rank 0's verdict stay two pushes, then go."""
+    listener = bind_listener("127.0.0.1")
+    store = open_store("127.0.0.1", listener.getsockname()[1], 1, 30, listener)
+    verdicts = Verdicts(store, senders=1)
+    for push in range(1, 6):
+        outcome = {"nbytes": push, "buckets": 1, "wire": push}
+        assert verdicts.settle(push, 0, outcome, Deadline(10, "the test"))["nbytes"] == push
+    held = [store.check([f"{push}/0", f"{push}/verdict"]) for push in range(1, 6)]
+    assert held == [False, False, False, True, True]
 
 
 def _one_replica_pushes(ctx: RankContext) -> dict[str, object]:

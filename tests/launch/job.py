@@ -5,6 +5,7 @@ once per push. Run by ``torchrun``/``mpirun`` (``python tests/launch/job.py SCEN
 Scenarios:
 
 * ``steps`` -- three optimizer steps on rank 0, a push after each;
+* ``long`` -- twelve, rank 0 counting the keys its control store holds after each push;
 * ``refuse`` -- rank 0 is handed a state dict it refuses itself (the others hear the push was
   called off), then rank 2's model has a layer of another shape: the push is refused everywhere
   before any byte moves; rank 2 then takes the right model and the next push lands;
@@ -56,7 +57,7 @@ def run(scenario: str, out: Path, init_method: str | None = None) -> None:
         except (TypeError, WeightSyncError) as exc:
             record["bad"] = f"{type(exc).__name__}: {exc}"
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1) if rank == 0 else None
-    for step in range(2 if big else 3):
+    for step in range(2 if big else 12 if scenario == "long" else 3):
         if optimizer is not None:
             loss = model(torch.randn(4, model[0].in_features)).pow(2).mean()
             optimizer.zero_grad()
@@ -76,6 +77,9 @@ def run(scenario: str, out: Path, init_method: str | None = None) -> None:
                 named = 10 * (step + 1) if scenario == "named" else None
                 version = sync.update(model, version=named)
             record["versions"].append(version)
+            if scenario == "long" and rank == 0:  # what rank 0's control store holds now
+                store = sync._out.plane._mailbox._store  # type: ignore[union-attr]
+                record.setdefault("keys", []).append(store.num_keys())
             if big:  # what this rank held at each version, for a later failed push to keep
                 record.setdefault("at", {})[version] = state_dict_digests(model.state_dict())
         except WeightSyncError as exc:

@@ -139,6 +139,21 @@ def test_mp_spawn_steps(tmp_path: Path) -> None:
     _assert_steps(_reports(tmp_path, range(4)))
 
 
+def test_mp_spawn_a_long_loop_leaves_no_keys_behind(tmp_path: Path) -> None:
+    """Twelve pushes: every one lands, and rank 0's control store holds as many keys after the
+    last as after the fourth (each push's commands and verdict are deleted two pushes on), so a
+    loop pushing for days does not grow it."""
+    context = _spawn("long", tmp_path, world_size=3)
+    _join_all(context, LAUNCH_S)
+    assert [p.exitcode for p in context.processes] == [0, 0, 0]
+    reports = _reports(tmp_path, range(3))
+    for report in reports:
+        assert report["errors"] == [] and report["versions"] == list(range(1, 13)), report
+        assert report["digests"] == reports[0]["digests"]
+    keys = reports[0]["keys"]
+    assert len(set(keys[3:])) == 1 and keys[3] < keys[0] + 12, keys
+
+
 def test_mp_spawn_ranks_give_up_on_a_silent_trainer_within_their_bound(tmp_path: Path) -> None:
     """Rank 0 alive, its store answering, but no push: each other rank's wait ends in its
     ``timeout_s`` with a SyncTimeoutError (a regression once made this wait spin forever)."""

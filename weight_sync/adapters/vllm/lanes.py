@@ -247,10 +247,10 @@ class VLLMLaneServers:
             self._lanes.store.set(_CHECK, json.dumps(request))
             self._session = True
             self._client.start_weight_update()
-            answers = [
-                json.loads(self._lanes.store.get(f"{_CHECKED}{self._lanes.pushes}/{slot}"))
-                for slot in range(1, self.members + 1)
-            ]
+            keys = [f"{_CHECKED}{self._lanes.pushes}/{slot}" for slot in range(1, self.members + 1)]
+            answers = [json.loads(self._lanes.store.get(key)) for key in keys]
+            for key in keys:  # read once: a loop pushing for days leaves no key a push
+                self._lanes.store.delete_key(key)
         except Exception as exc:  # a store error too: rank 0 must still give the word
             self._end_session()
             raise ServerError(
@@ -294,6 +294,7 @@ class VLLMLaneServers:
             outcome = (
                 json.loads(self._lanes.store.get(key)) if self._lanes.store.check([key]) else {}
             )
+            self._lanes.store.delete_key(key)
             if "version" not in outcome:
                 failed[f"vLLM worker {slot - 1}"] = outcome.get("error", "gave no word on the push")
         if failed:
