@@ -77,3 +77,29 @@ def test_a_follower_killed_mid_push_is_named_and_the_rest_go_on() -> None:
     assert failure["seconds"] < 15, result  # at once, not at the 20 s collective bound
     assert result["left"] == 2 and result["after_routes"] == ["group", "relay"], result
     assert result["held"] == [True, True], result
+
+
+@pytest.mark.timeout(360)
+def test_a_sharded_trainer_across_nodes_pushes_from_every_rank_and_a_dead_one_is_named() -> None:
+    """``LaneUpdater`` across real interfaces: trainer ranks on two nodes (FSDP2 over Gloo across
+    the link), two workers on a third. Three pushes after Adam steps land bit for bit; then rank
+    1 dies once the senders agreed: rank 0 names it within the push's bound and neither worker
+    claims the version (rank 0's lane may have landed)."""
+    try:
+        check_usable()
+    except NetnsUnavailable as exc:
+        pytest.skip(str(exc))
+    with ShapedCluster(3, None) as cluster:
+        done = cluster.run(0, [sys.executable, "-m", "tests.deploy.lanes_fault",
+                               cluster.plan.address], timeout=240, check=False)  # fmt: skip
+    output = done.stdout + done.stderr
+    found = re.search(r"^RESULT (.*)$", done.stdout, re.MULTILINE)
+    assert done.returncode == 0 and found, output[-4000:]
+    result = json.loads(found.group(1))
+    for version, push in enumerate(result["pushes"], start=1):
+        assert [o.get("version") for o in push["outcomes"]] == [version] * 2, push
+        assert push["exact"] == [True, True] and push["held"] == [version] * 2, push
+    death = result["death"]
+    assert death["raised"] == "SenderFailedError" and death["senders"] == [1], death
+    assert death["seconds"] < 30, death
+    assert result["held_after"] == [None, None], result
