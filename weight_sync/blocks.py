@@ -173,6 +173,9 @@ class BlockLayout(Hashed):
     senders: int = Field(ge=1, le=MAX_SENDERS)
     tensors: tuple[TensorMeta, ...]
     blocks: tuple[Block, ...]
+    partial: bool = Field(
+        False, description="some of the members' tensors only (push(..., partial=True))"
+    )
 
     @model_validator(mode="after")
     def _tiles_every_tensor(self) -> BlockLayout:
@@ -204,10 +207,13 @@ class BlockLayout(Hashed):
         return sizes
 
 
-def assign(tensors: Sequence[TensorMeta], spreads: Sequence[Spread], senders: int) -> BlockLayout:
+def assign(
+    tensors: Sequence[TensorMeta], spreads: Sequence[Spread], senders: int, partial: bool = False
+) -> BlockLayout:
     """The layout of ``tensors``, each spread as ``spreads`` says over ``senders`` senders: each
     distinct non-empty block to one of its holders, the one with the fewest bytes assigned so
-    far (the lowest of those tied). Deterministic: every trainer rank gets the same answer."""
+    far (the lowest of those tied). Deterministic: every trainer rank gets the same answer.
+    ``partial``: the tensors are some of the members' only."""
     if len(tensors) != len(spreads):
         raise ValueError(f"{len(spreads)} spreads for {len(tensors)} tensors")
     load = [0] * senders
@@ -232,7 +238,9 @@ def assign(tensors: Sequence[TensorMeta], spreads: Sequence[Spread], senders: in
             blocks.append(
                 Block.model_construct(tensor=index, sender=sender, offset=offset, size=size)
             )
-    return BlockLayout(senders=senders, tensors=tuple(tensors), blocks=tuple(blocks))
+    return BlockLayout(
+        senders=senders, tensors=tuple(tensors), blocks=tuple(blocks), partial=partial
+    )
 
 
 def view_of(tensor: torch.Tensor, block: Block) -> torch.Tensor:

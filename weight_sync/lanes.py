@@ -315,6 +315,7 @@ class Senders:
         rename: Rename | None,
         version: int | None,
         check: Callable[[BlockLayout, int], dict[int, list[str]]],
+        partial: bool = False,
     ) -> tuple[Share, int]:
         """Begin push ``pushes``, every sender at once, before any lane moves a byte: this
         rank's share of ``state_dict`` passes its checks, the senders' layouts are one, the
@@ -328,6 +329,8 @@ class Senders:
             for key, value in (("rename", rename), ("version", version))
             if value is not None
         }
+        if partial:
+            options["partial"] = True
         share = share_of(state_dict, options, self.senders, self.rank, self.config)
         values, digest = share.row(self.out.pusher.next_version)
         rows = gather_rows(values, digest, self.control)
@@ -507,6 +510,7 @@ class Lanes:
             dist.PrefixStore(VERDICTS, self.inbound[0].raw_store), len(endpoints)
         )
         self.held: int | None = None  # the version every lane committed here
+        self.full: int | None = None  # the last of those that covered every tensor
         self.layout: BlockLayout | None = None  # the last layout this member took
 
     def receive(self, assembly: Assembly, push: int, wait_s: float, member: str) -> int | None:
@@ -547,6 +551,8 @@ class Lanes:
         self.held = agreed(versions)
         if self.held is None:
             raise SenderFailedError(f"the lanes committed different versions: {versions}")
+        if not assembly.layout.partial:
+            self.full = self.held
         return self.held
 
     def close(self) -> None:

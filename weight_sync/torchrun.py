@@ -377,7 +377,7 @@ class JobSync:
                 assert layout is not None
                 target = model.state_dict(keep_vars=True) if model is not None else None
                 assembly = Assembly(layout, target, load_weights if target is None else None)
-                problems = assembly.problems()
+                problems = assembly.problems(self._lanes.held)
             except WeightSyncError as exc:  # a layout this rank cannot read: refused here
                 problems = [str(exc)]
         refusals = self._gather_refusals(problems)

@@ -18,6 +18,8 @@ Scenarios:
 * ``tp`` -- FSDP2 over tensor parallelism: four senders on a (2, 2) mesh, the first layer
   column-parallel (its rows split by both mesh dimensions: ``_StridedShard``, 50 rows, uneven),
   the last row-parallel; three steps as ``steps``;
+* ``partial`` -- ``push(subset, partial=True)`` before any version is held, refused; a full
+  push; then, after a step that changed every tensor, the last layer alone, partial;
 * ``cast`` -- the receivers hold the model in bf16, the senders train in fp32 and push with
   ``SyncConfig(cast_dtype="bfloat16")``: each lane casts its own shards;
 * ``kill_sender`` -- sender 1 dies in the middle of the second push (once a receiver has put
@@ -115,6 +117,11 @@ def run(scenario: str, senders: int, out: Path, device: str = "cpu") -> None:
         model.to(cast)
     if scenario == "refuse":
         _refusals(sync, model, record)
+    if scenario == "partial":
+        _partial(sync, model, optimizer if sync.is_sender else None, record)
+        (out / f"rank{rank}.json").write_text(json.dumps(record))
+        sync.close()
+        return
     landed = out / "landed"
     loaded: dict[str, torch.Tensor] = {}
     for step in range(2 if big else 3):
@@ -181,6 +188,43 @@ def _refusals(sync: JobSync, model: torch.nn.Module, record: dict[str, Any]) -> 
         except (TypeError, ValueError, WeightSyncError) as exc:
             record.setdefault("refused", []).append(f"{type(exc).__name__}: {exc}")
     record["after_refusals"] = sync.version
+
+
+def _partial(
+    sync: JobSync,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    record: dict[str, Any],
+) -> None:
+    """A partial push before any version is held (refused by the receiving ranks), a full
+    push, then after an SGD step that changed every tensor a partial push of the last layer
+    only. Records each outcome and, after each push, the digests every rank holds (the senders:
+    their whole model's, gathered)."""
+    last = ("2.weight", "2.bias")
+
+    def push_or_receive(partial: bool) -> None:
+        try:
+            if sync.is_sender:
+                state = model.state_dict()
+                subset = {name: state[name] for name in last} if partial else state
+                version = sync.push(subset, partial=partial).version
+            else:
+                version = sync.receive(model)
+            record["versions"].append(version)
+        except WeightSyncError as exc:
+            record["errors"].append(f"{type(exc).__name__}: {exc}")
+            record["versions"].append(None)
+        digests = full_digests(model) if sync.is_sender else state_dict_digests(model.state_dict())
+        record["digests"].append(digests)
+
+    push_or_receive(partial=True)  # nothing held yet to complete
+    push_or_receive(partial=False)
+    if optimizer is not None:
+        model(torch.randn(4, 30, generator=torch.Generator().manual_seed(0))).pow(
+            2
+        ).mean().backward()
+        optimizer.step()
+    push_or_receive(partial=True)
 
 
 class _Wrapper(torch.nn.Module):

@@ -71,6 +71,32 @@ def test_fsdp_over_tensor_parallelism_four_senders(tmp_path: Path) -> None:
     _assert_steps(reports)
 
 
+def test_partial_pushes_complete_the_version_held(tmp_path: Path) -> None:
+    """``push(subset, partial=True)`` from every sender: refused everywhere before any byte
+    moves while the receiving ranks hold no version to complete; once they hold one, the last
+    layer alone lands -- theirs now the senders', the first layer still the full push's."""
+    context = _spawn("partial", tmp_path, senders=2, world_size=4)
+    _join_all(context, LAUNCH_S)
+    assert [p.exitcode for p in context.processes] == [0] * 4
+    reports = _reports(tmp_path, range(4))
+    senders, receivers = reports[:2], reports[2:]
+    for report in senders:
+        assert report["versions"] == [None, 1, 2], report
+        assert report["errors"][0].startswith("PlanMismatchError"), report
+    full, after = senders[0]["digests"][1], senders[0]["digests"][2]
+    assert all(full[name] != after[name] for name in full if name != "scale")  # every parameter
+    for report in receivers:
+        assert report["versions"] == [None, 1, 2], report
+        assert "push the full state dict first" in report["errors"][0], report
+        held = report["digests"][2]
+        assert {name: held[name] for name in ("2.weight", "2.bias")} == {
+            name: after[name] for name in ("2.weight", "2.bias")
+        }
+        assert {name: held[name] for name in ("0.weight", "0.bias", "scale")} == {
+            name: full[name] for name in ("0.weight", "0.bias", "scale")
+        }
+
+
 def test_renamed_to_the_receivers_names(tmp_path: Path) -> None:
     """``push(..., rename=...)`` on every sender: the layout and every lane speak the receivers'
     names (a rank loading by name included)."""

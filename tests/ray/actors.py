@@ -373,14 +373,19 @@ class ShardedTrainer:
 
         self.lanes = LaneUpdater(workers, SyncConfig(**config))
 
-    def lanes_push(self, version: int | None = None, die: bool = False) -> Any:
+    def lanes_push(
+        self, version: int | None = None, die: bool = False, only: list[str] | None = None
+    ) -> Any:
         """Every rank pushes its own shards; (the result, or the error's type and message).
         ``die``: this rank's process ends (no cleanup) once the senders agreed, before its lane
-        moves a byte."""
+        moves a byte. ``only``: these tensors, as a partial push."""
         if die:
             self.lanes._lanes.out.push = lambda *args, **kwargs: os._exit(9)
+        state = self.model.state_dict()
+        if only is not None:
+            state = {name: state[name] for name in only}
         try:
-            return self.lanes.push(self.model.state_dict(), version=version)
+            return self.lanes.push(state, version=version, partial=only is not None)
         except Exception as exc:
             return type(exc).__name__, str(exc)
 

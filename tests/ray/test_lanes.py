@@ -72,6 +72,27 @@ def test_a_state_dict_one_rank_refuses_sends_nothing_anywhere(lanes: tuple[list,
     assert [r.version for r in on_all(ranks, "lanes_push", 5)] == [5, 5]
 
 
+def test_a_partial_push_completes_the_version_the_workers_hold(lanes: tuple[list, list]) -> None:
+    """A partial push of the adapter alone after a step that changed every parameter: the
+    workers take it on top of version 1 (their adapter now the trainer's, the rest as pushed
+    in version 1) and say so: version 2, full_version 1."""
+    ranks, workers = lanes
+    on_all(ranks, "lanes_push")
+    first = on_all(ranks, "full_digests")[0]
+    on_all(ranks, "step")
+    only = ["adapter.weight", "adapter.bias"]
+    assert [r.version for r in on_all(ranks, "lanes_push", None, False, only)] == [2, 2]
+    now = on_all(ranks, "full_digests")[0]
+    for got in ray.get([w.weight_sync_digests.remote() for w in workers], timeout=TIMEOUT):
+        assert {n: got[n] for n in only} == {n: now[n] for n in only}
+        assert {n: got[n] for n in got if n not in only} == {
+            n: first[n] for n in got if n not in only
+        }
+        assert got["embed.weight"] != now["embed.weight"]  # the step changed it; not pushed
+    statuses = ray.get([w.sync_status.remote() for w in workers], timeout=TIMEOUT)
+    assert [(s.version, s.full_version) for s in statuses] == [(2, 1), (2, 1)]
+
+
 @pytest.mark.parametrize("lanes", [(False, True)], indirect=True)
 def test_a_worker_whose_model_does_not_fit_refuses_before_any_byte(
     lanes: tuple[list, list],

@@ -208,7 +208,7 @@ def _layout() -> BlockLayout:
 def test_assembly_into_a_model_lands_each_lane_in_place_or_copies() -> None:
     model = {"cols": torch.zeros(3, 4), "rows": torch.zeros(4)}
     assembly = Assembly(_layout(), model)
-    assert assembly.problems() == []
+    assert assembly.problems(None) == []
     for sender in (0, 1):
         views = assembly.destinations(sender)
         assert views is not None and views["rows"].is_contiguous()
@@ -222,9 +222,29 @@ def test_assembly_into_a_model_lands_each_lane_in_place_or_copies() -> None:
 
 def test_assembly_refuses_a_model_the_layout_does_not_fit() -> None:
     model = {"cols": torch.zeros(3, 5), "extra": torch.zeros(1)}
-    problems = Assembly(_layout(), model).problems()
+    problems = Assembly(_layout(), model).problems(None)
     assert any("'cols': sent float32[3, 4], model has float32[3, 5]" in p for p in problems)
     assert "unknown tensor 'rows'" in problems and "missing tensor 'extra'" in problems
+
+
+@pytest.mark.parametrize(
+    ("partial", "held", "found"),
+    [
+        (False, 3, "missing tensor 'extra'"),  # a subset, not announced: refused
+        (True, 3, None),  # announced, on top of a version held: taken
+        (True, None, "push the full state dict first"),  # nothing held to complete
+    ],
+)
+def test_a_partial_layout_completes_a_version_held(partial, held, found) -> None:
+    """A layout of some of the model's tensors: refused unless it says it is partial, and then
+    only by a member that holds a version for it to complete. The flag is part of the digest,
+    so the senders agree on it as on the rest."""
+    spreads = [Spread((2,), (Shard(0),), (0, 1))]
+    layout = assign([meta("rows", 4)], spreads, 2, partial)
+    model = {"rows": torch.zeros(4), "extra": torch.zeros(1)}
+    problems = Assembly(layout, model).problems(held)
+    assert problems == [] if found is None else any(found in p for p in problems), problems
+    assert layout.digest != assign([meta("rows", 4)], spreads, 2, not partial).digest
 
 
 def test_assembly_hands_a_loader_whole_tensors_once_every_lane_gave_its_block() -> None:

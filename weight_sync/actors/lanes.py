@@ -87,10 +87,12 @@ class LaneUpdater:
         *,
         rename: Rename | None = None,
         version: int | None = None,
+        partial: bool = False,
     ) -> PushResult:
         """Push this rank's shards of ``state_dict`` while every other trainer rank pushes its
         own; returns once every worker holds every lane (``PushResult`` of the whole push).
-        ``rename`` and ``version`` as ``WeightUpdater.push`` (the same on every rank).
+        ``rename``, ``version`` and ``partial`` as ``WeightUpdater.push`` (the same on every
+        rank).
 
         Raises, on every rank: ``TypeError``/``ValueError`` for a state dict some rank refused
         (nothing sent), ``PlanMismatchError`` where workers refused the layout (nothing sent),
@@ -100,7 +102,11 @@ class LaneUpdater:
             raise WeightSyncError("this LaneUpdater is closed")
         started = time.monotonic()
         share, chosen = self._lanes.agree(
-            state_dict, rename, version, lambda layout, v: self._check_workers(layout, v, started)
+            state_dict,
+            rename,
+            version,
+            lambda layout, v: self._check_workers(layout, v, started),
+            partial,
         )
         assert share.layout is not None
         if not share.layout.blocks:  # no tensor has an element: nothing moves, as one sender

@@ -88,7 +88,9 @@ class WeightSyncWorker:
         lanes = self.__dict__.get("_weight_sync_lanes")
         if lanes is not None and self.__dict__.get("_weight_sync_by_lanes"):
             held = lanes.held
-            return status.model_copy(update={"version": held, "dirty": held is None})
+            return status.model_copy(
+                update={"version": held, "dirty": held is None, "full_version": lanes.full}
+            )
         return status
 
     # -- helpers users may call or override ------------------------------------------------------
@@ -193,7 +195,8 @@ class WeightSyncWorker:
             return [layout]
         self._weight_sync_layout = layout
         sent = self._weight_sync_state().highest_version
-        return self._weight_sync_assembly(layout).problems() + past_sent(version, sent)
+        held = self.weights_version()
+        return self._weight_sync_assembly(layout).problems(held) + past_sent(version, sent)
 
     def _weight_sync_lanes_receive(
         self,

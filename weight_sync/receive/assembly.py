@@ -43,14 +43,19 @@ class Assembly:
         self._lock = threading.Lock()
         self._parts: dict[str, tuple[torch.Tensor, int]] = {}  # tensor being put together, left
 
-    def problems(self) -> list[str]:
-        """What in the layout the target cannot take (names, dtypes, global shapes): checked
-        for the whole push, before any lane's bytes move. A loader takes any names."""
+    def problems(self, held: int | None) -> list[str]:
+        """What in the layout the target cannot take (names, dtypes, global shapes), the member
+        holding version ``held``: checked for the whole push, before any lane's bytes move. A
+        loader takes any names; a partial push (some of the tensors only) completes weights a
+        member holds, so one that holds no version refuses it."""
+        if self.layout.partial and held is None:
+            why = "a partial push needs weights to complete, and this member holds no version"
+            return [f"{why}: push the full state dict first"]
         if self._destinations is None:
             return []
         # The layout's tensors as a plan's (no buckets: only their metadata is compared).
         plan = SyncPlan.model_construct(alignment=1, tensors=self.layout.tensors, buckets=())
-        return check_plan(plan, self._destinations)
+        return check_plan(plan, self._destinations, self.layout.partial)
 
     def check(self, sender: int) -> Check:
         """A lane's plan must carry exactly the blocks the layout gives its sender."""

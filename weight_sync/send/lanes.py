@@ -40,13 +40,17 @@ Entries = Sequence[tuple[str, torch.Tensor]]
 
 
 def layout_of(
-    entries: Entries, sender_ranks: Sequence[int], cast_dtype: str | None = None
+    entries: Entries,
+    sender_ranks: Sequence[int],
+    cast_dtype: str | None = None,
+    partial: bool = False,
 ) -> BlockLayout:
     """Who sends which block of each entry, the senders being the processes of global ranks
     ``sender_ranks`` (in order), each tensor described as it travels (``cast_dtype``: see
     ``SyncConfig``). A DTensor's mesh must lie within them; any other tensor is taken to be
     held whole by every sender (as replicated buffers are). ``ValueError`` for a placement this
-    cannot send from the shards as they lie (``Partial``; a strided shard that is no block)."""
+    cannot send from the shards as they lie (``Partial``; a strided shard that is no block).
+    ``partial``: the entries are some of the members' tensors only."""
     index = {rank: i for i, rank in enumerate(sender_ranks)}
     grids: dict[int, Grid] = {}  # a model's tensors share a few meshes
     metas, spreads = [], []
@@ -56,7 +60,7 @@ def layout_of(
         metas.append(TensorMeta.of(name, tensor, wire_dtype(tensor.dtype, cast_dtype)))
         spreads.append(_spread(name, tensor, index, grids) if is_dtensor(tensor) else None)
     whole = Spread.everywhere(len(sender_ranks))
-    return assign(metas, [spread or whole for spread in spreads], len(sender_ranks))
+    return assign(metas, [spread or whole for spread in spreads], len(sender_ranks), partial)
 
 
 def lane_of(entries: Entries, layout: BlockLayout, sender: int) -> dict[str, torch.Tensor]:
@@ -156,23 +160,27 @@ def share_of(
     """``sender``'s share of a push of ``state_dict`` by ``senders`` senders (the ranks
     ``0..senders-1`` of the trainers' group), checked as a push checks a state dict; a caller's
     mistake is kept in ``Share.error``, to raise once every sender agreed to call it off.
-    ``options``: ``version``, and ``rename`` (name -> the workers' name, None drops it), applied
-    before the layout, so that every lane and every member speak the workers' names."""
+    ``options``: ``version``; ``rename`` (name -> the workers' name, None drops it), applied
+    before the layout, so that every lane and every member speak the workers' names; and
+    ``partial`` (some of the members' tensors only), which the layout carries to them."""
     named = options.get("version")
     try:
-        unknown = set(options) - {"version", "rename"}
+        unknown = set(options) - {"version", "rename", "partial"}
         if unknown:
             raise ValueError(
                 f"a push from many senders takes no {sorted(unknown)} yet: it sends blocks, "
-                "which a transform of whole tensors or a partial push cannot be made of"
+                "which a transform of whole tensors cannot be made of"
             )
+        partial = options.get("partial", False)
+        if not isinstance(partial, bool):
+            raise TypeError(f"partial must be a bool, got {type(partial).__name__}")
         check_version(named)
         items = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
         rename = options.get("rename")
         entries = list(renaming(rename)(items) if rename is not None else items)
         if len({name for name, _ in entries}) != len(entries):
             raise ValueError("two tensors of the state dict end up under one name (rename)")
-        layout = layout_of(entries, range(senders), config.cast_dtype)
+        layout = layout_of(entries, range(senders), config.cast_dtype, partial)
         if len(layout.wire) > config.max_metadata_bytes:
             raise ValueError(
                 f"the push's layout ({len(layout.blocks)} blocks) is over max_metadata_bytes="

@@ -393,6 +393,9 @@ class LaneMember:
         layout = layout_of_push(layout_json, digest, self._layout, max_metadata_bytes)
         if isinstance(layout, str):
             return [layout]
+        if layout.partial:
+            why = "a vLLM engine takes a push from many senders whole (one reload of every tensor)"
+            return [f"{why}: push the full state dict, without partial=True"]
         self._layout = layout
         # The layout's tensors, whole, as a plan's: vLLM's loader takes whole checkpoint tensors.
         plan = SyncPlan.model_construct(alignment=1, tensors=layout.tensors, buckets=())
