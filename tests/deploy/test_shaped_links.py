@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -59,17 +60,7 @@ def test_relay_crosses_a_shaped_link_once(tmp_path: Path) -> None:
 def test_a_follower_killed_mid_push_is_named_and_the_rest_go_on() -> None:
     """Blame across a relay: the dead follower is the one named and dropped (its relay lost the
     push to it, and is kept); the next push forms a group over the two left, bit-exact."""
-    try:
-        check_usable()
-    except NetnsUnavailable as exc:
-        pytest.skip(str(exc))
-    with ShapedCluster(2, parse_rate("100mbit")) as cluster:
-        done = cluster.run(0, [sys.executable, "-m", "tests.deploy.relay_fault",
-                               cluster.plan.address], timeout=150, check=False)  # fmt: skip
-    output = done.stdout + done.stderr
-    found = re.search(r"^RESULT (.*)$", done.stdout, re.MULTILINE)
-    assert done.returncode == 0 and found, output[-4000:]
-    result = json.loads(found.group(1))
+    result = _driven(ShapedCluster(2, parse_rate("100mbit")), "relay_fault", timeout=150)
     assert result["routes"] == ["group", "relay", "relay"], result
     failure = result["failure"]
     assert failure["raised"] == "WorkerFailedError", result
@@ -85,17 +76,7 @@ def test_a_sharded_trainer_across_nodes_pushes_from_every_rank_and_a_dead_one_is
     the link), two workers on a third. Three pushes after Adam steps land bit for bit; then rank
     1 dies once the senders agreed: rank 0 names it within the push's bound and neither worker
     claims the version (rank 0's lane may have landed)."""
-    try:
-        check_usable()
-    except NetnsUnavailable as exc:
-        pytest.skip(str(exc))
-    with ShapedCluster(3, None) as cluster:
-        done = cluster.run(0, [sys.executable, "-m", "tests.deploy.lanes_fault",
-                               cluster.plan.address], timeout=240, check=False)  # fmt: skip
-    output = done.stdout + done.stderr
-    found = re.search(r"^RESULT (.*)$", done.stdout, re.MULTILINE)
-    assert done.returncode == 0 and found, output[-4000:]
-    result = json.loads(found.group(1))
+    result = _driven(ShapedCluster(3, None), "lanes_fault", timeout=240)
     for version, push in enumerate(result["pushes"], start=1):
         assert [o.get("version") for o in push["outcomes"]] == [version] * 2, push
         assert push["exact"] == [True, True] and push["held"] == [version] * 2, push
@@ -103,3 +84,19 @@ def test_a_sharded_trainer_across_nodes_pushes_from_every_rank_and_a_dead_one_is
     assert death["raised"] == "SenderFailedError" and death["senders"] == [1], death
     assert death["seconds"] < 30, death
     assert result["held_after"] == [None, None], result
+
+
+def _driven(cluster: ShapedCluster, module: str, timeout: float) -> dict[str, Any]:
+    """Run ``tests.deploy.<module>`` inside node 0 of ``cluster`` (skipped where namespaces
+    cannot be made); what its ``RESULT {json}`` line says."""
+    try:
+        check_usable()
+    except NetnsUnavailable as exc:
+        pytest.skip(str(exc))
+    with cluster:
+        done = cluster.run(0, [sys.executable, "-m", f"tests.deploy.{module}",
+                               cluster.plan.address], timeout=timeout, check=False)  # fmt: skip
+    output = done.stdout + done.stderr
+    found = re.search(r"^RESULT (.*)$", done.stdout, re.MULTILINE)
+    assert done.returncode == 0 and found, output[-4000:]
+    return dict(json.loads(found.group(1)))
