@@ -541,12 +541,16 @@ class Lanes:
             assembly.forget()
             if len(failed) == len(outcomes) and len({str(e) for e in failed.values()}) == 1:
                 raise next(iter(failed.values()))  # the same on every lane: refused, called off
-            raise SenderFailedError(
-                f"{member} holds no version: the lanes of trainer ranks {sorted(failed)} did not "
-                "commit here -- "
-                + "; ".join(f"rank {s}: {first_line(e)}" for s, e in failed.items()),
-                sorted(failed),
+            why = f"{member} holds no version: the lanes of trainer ranks {sorted(failed)} did "
+            why += "not commit here -- " + "; ".join(
+                f"rank {s}: {first_line(e)}" for s, e in failed.items()
             )
+            gone = any(self.inbound[sender].sender_gone for sender in failed)
+            if not gone and all(isinstance(e, TransportError) for e in failed.values()):
+                # Every sender is alive and its lane's collective failed here: a member of the
+                # lanes' groups died (the senders name it), not a sender.
+                raise TransportError(f"{why} (a receiving rank left mid-push?)")
+            raise SenderFailedError(why, sorted(failed))
         versions = [version for version, _ in outcomes.values()]
         self.held = agreed(versions)
         if self.held is None:

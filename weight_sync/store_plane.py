@@ -42,6 +42,7 @@ from weight_sync.metadata import (
     WorkerReply,
 )
 from weight_sync.receiver import Check, Loader, Receiver
+from weight_sync.transport import teardown
 from weight_sync.transport.rendezvous import address_of_interface, bind_listener, open_store
 
 logger = logging.getLogger(__name__)
@@ -396,10 +397,10 @@ class _Mailbox:
         with self._lock:
             self._pending[key] = future
             if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._poll, name="weight-sync-replies", daemon=True
-                )
-                self._thread.start()
+                # Inside Store.check most of its life: an exit stops it before finalising,
+                # or it would come back from that call into a finalising interpreter
+                # (std::terminate: see transport.teardown).
+                self._thread = teardown.start("weight-sync-replies", self._poll, self.close)
         return future
 
     def close(self) -> None:

@@ -24,7 +24,9 @@ Scenarios:
   ``SyncConfig(cast_dtype="bfloat16")``: each lane casts its own shards;
 * ``kill_sender`` -- sender 1 dies in the middle of the second push (once a receiver has put
   a first tensor together, every lane had begun): no receiving rank may claim version 2, and
-  rank 0's error names rank 1.
+  rank 0's error names rank 1;
+* ``kill_receiver`` -- the same, but the last rank dies (the receiver that put the tensor
+  together): every sender's error names it, and the other receiving rank claims no version.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def full_digests(model: torch.nn.Module, dtype: torch.dtype | None = None) -> di
 def run(scenario: str, senders: int, out: Path, device: str = "cpu") -> None:
     """``device``: where the senders train ("cuda": sender r on GPU r, FSDP2 over NCCL; the
     receiving ranks stay on the host)."""
-    big, renamed = scenario == "kill_sender", scenario == "rename"
+    big, renamed = scenario.startswith("kill"), scenario == "rename"
     cast = torch.bfloat16 if scenario == "cast" else None
     config = SyncConfig(push_timeout_s=TIMEOUT_S, bucket_bytes=1 << 20,
                         cast_dtype="bfloat16" if cast else None)  # fmt: skip
@@ -133,7 +135,7 @@ def run(scenario: str, senders: int, out: Path, device: str = "cpu") -> None:
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-        if big and step == 1 and rank == 1:
+        if big and step == 1 and rank == (1 if scenario == "kill_sender" else world - 1):
             _die_once(landed)
         started = time.monotonic()
         try:

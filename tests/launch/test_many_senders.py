@@ -172,3 +172,22 @@ def test_a_sender_killed_mid_push(tmp_path: Path) -> None:
         assert lost["seconds"] < sharded_job.TIMEOUT_S + 5
         assert report["versions"] == [1, None] and report["held"] is None
         assert report["now"] != report["at"]["1"]  # lane 0's blocks of version 2 landed
+
+
+def test_a_receiving_rank_killed_mid_push(tmp_path: Path) -> None:
+    """The last rank dies once it put a first tensor of the second push together: every sender
+    raises within the push's bound, naming it, and the other receiving rank claims no
+    version."""
+    context = _spawn("kill_receiver", tmp_path, senders=2, world_size=4)
+    _join_all(context, LAUNCH_S)
+    assert [p.exitcode for p in context.processes] == [0, 0, 0, 9]
+    *senders, survivor = _reports(tmp_path, (0, 1, 2))
+    for report in senders:
+        (error,) = report["errors"]
+        assert error["type"] == "WorkerFailedError" and "worker 1" in error["message"], error
+        assert error["seconds"] < sharded_job.TIMEOUT_S + 5
+        assert report["versions"] == [1, None] and report["held"] == 1
+    (lost,) = survivor["errors"]
+    assert lost["type"] == "TransportError" and lost["senders"] is None, lost  # no sender blamed
+    assert lost["seconds"] < sharded_job.TIMEOUT_S + 5
+    assert survivor["versions"] == [1, None] and survivor["held"] is None

@@ -14,7 +14,9 @@ CPU, any ``TCPStore.wait`` that returns during finalisation does the same
 (tests/distributed/test_exit.py shows both).
 
 So such threads are started here (``start``), and an exit handler joins them for at most
-``EXIT_WAIT_S`` in all. It runs among the ``atexit`` handlers, which CPython calls before it
+``EXIT_WAIT_S`` in all. A thread that loops over short calls until told to stop (the store
+plane's poll for answers, in ``Store.check`` most of its life) is started here too, with its
+``stop``: the exit handler stops it first, then joins it with the others. It runs among the ``atexit`` handlers, which CPython calls before it
 marks itself finalising (``Py_FinalizeEx``: ``wait_for_thread_shutdown``, ``_PyAtExit_Call``,
 then ``_PyRuntimeState_SetFinalizing``), so the threads may still return safely meanwhile:
 
@@ -54,11 +56,15 @@ FORCED_EXIT_STATUS = 70  # EX_SOFTWARE: the process ended with a teardown still 
 
 _LOCK = threading.Lock()
 _RUNNING: set[threading.Thread] = set()
+_STOPS: dict[threading.Thread, Callable[[], None]] = {}  # how to end the loops among them
 
 
-def start(name: str, target: Callable[[], None]) -> threading.Thread:
+def start(
+    name: str, target: Callable[[], None], stop: Callable[[], None] | None = None
+) -> threading.Thread:
     """Run ``target`` on a daemon thread that an exit waits for (see the module docstring).
-    ``target`` should not raise: what it raises is logged and dropped."""
+    ``target`` should not raise: what it raises is logged and dropped. ``stop``: what makes a
+    ``target`` that loops return soon; an exit calls it before it waits."""
 
     def run() -> None:
         try:
@@ -68,15 +74,19 @@ def start(name: str, target: Callable[[], None]) -> threading.Thread:
         finally:
             with _LOCK:
                 _RUNNING.discard(threading.current_thread())
+                _STOPS.pop(threading.current_thread(), None)
 
     thread = threading.Thread(target=run, name=name, daemon=True)
     with _LOCK:
         _RUNNING.add(thread)
+        if stop is not None:
+            _STOPS[thread] = stop
     try:
         thread.start()
     except BaseException:  # no thread could be had (a limit, or the interpreter shutting down)
         with _LOCK:
             _RUNNING.discard(thread)
+            _STOPS.pop(thread, None)
         raise
     return thread
 
@@ -101,6 +111,11 @@ def join(timeout_s: float) -> list[str]:
 def _at_exit() -> None:
     if not running():
         return
+    with _LOCK:
+        stops = list(_STOPS.values())
+    for stop in stops:
+        with contextlib.suppress(Exception):  # stopping one must not keep the others running
+            stop()
     started = time.monotonic()
     left = join(EXIT_WAIT_S)
     waited = time.monotonic() - started
@@ -152,6 +167,7 @@ def _forget_in_child() -> None:
     global _LOCK
     _LOCK = threading.Lock()
     _RUNNING.clear()
+    _STOPS.clear()
 
 
 atexit.register(_at_exit)
