@@ -541,9 +541,10 @@ class Lanes:
             assembly.forget()
             if len(failed) == len(outcomes) and len({str(e) for e in failed.values()}) == 1:
                 raise next(iter(failed.values()))  # the same on every lane: refused, called off
-            why = f"{member} holds no version: the lanes of trainer ranks {sorted(failed)} did "
-            why += "not commit here -- " + "; ".join(
-                f"rank {s}: {first_line(e)}" for s, e in failed.items()
+            lanes = "; ".join(f"rank {s}: {first_line(e)}" for s, e in failed.items())
+            why = (
+                f"{member} holds no version: the lanes of trainer ranks {sorted(failed)} did not "
+                f"commit here -- {lanes}"
             )
             gone = any(self.inbound[sender].sender_gone for sender in failed)
             if not gone and all(isinstance(e, TransportError) for e in failed.values()):
