@@ -9,9 +9,10 @@ optimizer step every rank calls ``sync.update(model)``: each trainer rank sends 
 its own shards, at once and over its own lane -- no rank gathers the model -- and each serving
 rank writes them in place into its whole model. ``--tp N``: FSDP2 over tensor parallelism
 (torchtitan's layout), a mesh of ``senders / N`` by ``N`` trainer ranks, the first linear layer
-column-parallel and the last row-parallel; each rank still pushes exactly what it holds. At the end the trainer ranks gather the model
-once, for the check only, and every serving rank compares its weights with it: rank 0 prints
-``<N> serving ranks hold version <V>, bit for bit: True`` (every rank exits 1 otherwise).
+column-parallel and the last row-parallel; each rank still pushes exactly what it holds. At the end
+the trainer ranks gather the model once, for the check only, and every serving rank compares its
+weights with it: rank 0 prints ``<N> serving ranks hold version <V>, bit for bit: True`` (every rank
+exits 1 otherwise).
 """
 
 from __future__ import annotations

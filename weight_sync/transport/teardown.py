@@ -14,11 +14,12 @@ CPU, any ``TCPStore.wait`` that returns during finalisation does the same
 (tests/distributed/test_exit.py shows both).
 
 So such threads are started here (``start``), and an exit handler joins them for at most
-``EXIT_WAIT_S`` in all. A thread that loops over short calls until told to stop (the store
-plane's poll for answers, in ``Store.check`` most of its life) is started here too, with its
-``stop``: the exit handler stops it first, then joins it with the others. It runs among the ``atexit`` handlers, which CPython calls before it
-marks itself finalising (``Py_FinalizeEx``: ``wait_for_thread_shutdown``, ``_PyAtExit_Call``,
-then ``_PyRuntimeState_SetFinalizing``), so the threads may still return safely meanwhile:
+``EXIT_WAIT_S`` in all. A thread that loops over short calls until told to stop (the store plane's
+poll for answers, in ``Store.check`` most of its life) is started here too, with its ``stop``: the
+exit handler stops it first, then joins it with the others. It runs among the ``atexit`` handlers,
+which CPython calls before it marks itself finalising (``Py_FinalizeEx``:
+``wait_for_thread_shutdown``, ``_PyAtExit_Call``, then ``_PyRuntimeState_SetFinalizing``), so the
+threads may still return safely meanwhile:
 
 * every one done in time: the exit goes on as it would have, with its own status;
 * one still inside its call: its name is logged (WARNING) and the process ends at once through
