@@ -23,6 +23,7 @@ import json
 import logging
 import threading
 import time
+import typing
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -43,6 +44,7 @@ from weight_sync.errors import (
     WeightSyncError,
     first_line,
 )
+from weight_sync.metadata import Phase, ReceiveReport, SyncStatus
 from weight_sync.protocol import Pusher
 from weight_sync.receive.assembly import Assembly, agreed
 from weight_sync.receiver import Loader, Receiver, expecting
@@ -66,6 +68,7 @@ CLOSE = "close"
 VERDICTS = "lanes/"  # + push/sender: how each lane ended; + push/verdict: rank 0's verdict
 LONGEST_WAIT_S = 86400.0  # one store wait; a longer deadline waits again
 _LINGER_S = 1.0  # a sender keeps its store this long after posting close
+_PHASES = typing.get_args(Phase)  # a push's phases in the order it goes through them
 _ENDPOINT_BYTES = 256  # a sender's store address, as JSON, in one fixed-size all-gather
 
 
@@ -512,6 +515,7 @@ class Lanes:
         self.held: int | None = None  # the version every lane committed here
         self.full: int | None = None  # the last of those that covered every tensor
         self.layout: BlockLayout | None = None  # the last layout this member took
+        self.error: str | None = None  # why the last push failed here, if it did
 
     def receive(self, assembly: Assembly, push: int, wait_s: float, member: str) -> int | None:
         """Push ``push`` on every lane the layout gives blocks to, each on a thread of its own,
@@ -528,10 +532,28 @@ class Lanes:
                 functools.partial(_loader, assembly, sender),
                 functools.partial(assembly.destinations, sender),
             )
-        self.held = None  # from the first byte: the lanes land apart
+        # From the first byte the lanes land apart: this member holds neither the version it
+        # held nor, until every lane commits, a whole one (as a one-sender receiver's state).
+        base, self.held, self.full = self.full, None, None
         with ThreadPoolExecutor(len(active), thread_name_prefix="weight-sync-lane") as pool:
             calls = {s: pool.submit(lane.receive, wait_s, push) for s, lane in active.items()}
             outcomes = {s: _outcome(call) for s, call in calls.items()}
+        try:
+            self.held = self._settle(outcomes, assembly, push, member)
+        except Exception as exc:
+            self.error = first_line(exc)
+            raise
+        self.error, self.full = None, base if assembly.layout.partial else self.held
+        return self.held
+
+    def _settle(
+        self,
+        outcomes: Mapping[int, tuple[int | None, BaseException | None]],
+        assembly: Assembly,
+        push: int,
+        member: str,
+    ) -> int:
+        """The version every lane committed, or the error ``receive`` raises."""
         failed = {s: error for s, (_, error) in outcomes.items() if error is not None}
         for sender, error in failed.items():
             if sender and self.inbound[sender].sender_gone:
@@ -553,12 +575,41 @@ class Lanes:
                 raise TransportError(f"{why} (a receiving rank left mid-push?)")
             raise SenderFailedError(why, sorted(failed))
         versions = [version for version, _ in outcomes.values()]
-        self.held = agreed(versions)
-        if self.held is None:
+        held = agreed(versions)
+        if held is None:
             raise SenderFailedError(f"the lanes committed different versions: {versions}")
-        if not assembly.layout.partial:
-            self.full = self.held
-        return self.held
+        return held
+
+    def status(self) -> SyncStatus:
+        """This member's state as one receiver's would read: the version every lane committed,
+        the push in flight at its least advanced lane's phase, the buckets of every lane, and
+        the last push as every lane received it together."""
+        lanes = [lane.member.receiver.status() for lane in self.inbound]
+        busy = [status.phase for status in lanes if status.phase != "idle"]
+        pushing = [status.pushing for status in lanes if status.pushing is not None]
+        reports = [s.last for s in lanes if s.last is not None and s.last.version == self.held]
+        last = None
+        if reports:
+            checked = all(r.checksums is not None for r in reports)
+            last = ReceiveReport(
+                version=reports[0].version,
+                nbytes=sum(r.nbytes for r in reports),
+                buckets=sum(r.buckets for r in reports),
+                seconds=max(r.seconds for r in reports),
+                checksums=tuple(c for r in reports for c in r.checksums or ()) if checked else None,
+            )
+        return SyncStatus(
+            version=self.held,
+            full_version=self.full,
+            dirty=self.held is None,
+            phase=min(busy, key=_PHASES.index, default="idle"),
+            pushing=max(pushing, default=None),
+            buckets_done=sum(status.buckets_done for status in lanes),
+            buckets_total=sum(status.buckets_total for status in lanes),
+            in_group=all(status.in_group for status in lanes),
+            last=last,
+            last_error=self.error,
+        )
 
     def close(self) -> None:
         for lane in self.inbound:

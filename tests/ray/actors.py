@@ -6,7 +6,7 @@ import datetime
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Literal
 
 import ray
 import torch
@@ -264,6 +264,22 @@ class TinyLM(torch.nn.Module):
         return self.lm_head(self.adapter(h + q * k + v))
 
 
+def _die_on_second_bucket(group: Any) -> None:
+    """End this process (no cleanup) as ``group`` starts its second broadcast of a push, once
+    the first has reached every member: a sender dying while its lane's bytes flow."""
+    assert group is not None, "push once first: a lane's group forms in its first push"
+    broadcast, started = group.broadcast, []
+
+    def dying(tensor: torch.Tensor, src: int, timeout_s: float | None = None) -> Any:
+        if started:
+            started[0].wait()
+            os._exit(9)
+        started.append(broadcast(tensor, src, timeout_s))
+        return started[0]
+
+    group.broadcast = dying
+
+
 @ray.remote(num_cpus=0)
 class LMTrainer:
     def __init__(self, workers: list, **config: Any) -> None:
@@ -374,12 +390,19 @@ class ShardedTrainer:
         self.lanes = LaneUpdater(workers, SyncConfig(**config))
 
     def lanes_push(
-        self, version: int | None = None, die: bool = False, only: list[str] | None = None
+        self,
+        version: int | None = None,
+        die: bool | Literal["mid"] = False,
+        only: list[str] | None = None,
     ) -> Any:
         """Every rank pushes its own shards; (the result, or the error's type and message).
         ``die``: this rank's process ends (no cleanup) once the senders agreed, before its lane
-        moves a byte. ``only``: these tensors, as a partial push."""
-        if die:
+        moves a byte; ``"mid"``: once its lane's first bucket reached every worker, as it
+        starts the second (the lane's group must have formed: push once before). ``only``:
+        these tensors, as a partial push."""
+        if die == "mid":
+            _die_on_second_bucket(self.lanes._lanes.out.pusher.group)
+        elif die:
             self.lanes._lanes.out.push = lambda *args, **kwargs: os._exit(9)
         state = self.model.state_dict()
         if only is not None:

@@ -17,14 +17,15 @@ TIMEOUT = 120
 
 @pytest.fixture
 def lanes(request: pytest.FixtureRequest) -> Iterator[tuple[list, list]]:
-    """Two trainer ranks with a LaneUpdater each, and two workers (``fused``: their models
-    stack q, k and v in one tensor, which a trainer's push does not fit)."""
-    fused = getattr(request, "param", (False, False))
+    """Two trainer ranks with a LaneUpdater each, and two workers; ``param``: (``fused``: their
+    models stack q, k and v in one tensor, which a trainer's push does not fit; the
+    ``SyncConfig`` of every rank)."""
+    fused, config = getattr(request, "param", ((False, False), {}))
     workers = [LMWorker.remote(fused=f) for f in fused]
     ranks = [ShardedTrainer.remote(rank, 2) for rank in range(2)]
     port = ray.get(ranks[0].port.remote(), timeout=TIMEOUT)
     ray.get([rank.setup.remote(port, None) for rank in ranks], timeout=TIMEOUT)
-    ray.get([rank.lanes_setup.remote(workers) for rank in ranks], timeout=TIMEOUT)
+    ray.get([rank.lanes_setup.remote(workers, **config) for rank in ranks], timeout=TIMEOUT)
     try:
         yield ranks, workers
     finally:
@@ -55,6 +56,12 @@ def test_every_rank_pushes_its_shards_and_workers_hold_the_whole_model(
         assert all(g == want for g in got)
         held = ray.get([w.weights_version.remote() for w in workers], timeout=TIMEOUT)
         assert held == [step, step]
+        for status in ray.get([w.sync_status.remote() for w in workers], timeout=TIMEOUT):
+            # Every lane's part, as one push: the bytes both senders put on the wire.
+            assert (status.phase, status.dirty, status.full_version) == ("idle", False, step)
+            assert status.last is not None and status.last.version == step, status
+            assert status.last.nbytes == results[0].wire_bytes, (status, results[0])
+            assert status.buckets_done == status.buckets_total == status.last.buckets >= 2
     assert all(ray.get([w.still_tied.remote() for w in workers], timeout=TIMEOUT))
 
 
@@ -93,7 +100,7 @@ def test_a_partial_push_completes_the_version_the_workers_hold(lanes: tuple[list
     assert [(s.version, s.full_version) for s in statuses] == [(2, 1), (2, 1)]
 
 
-@pytest.mark.parametrize("lanes", [(False, True)], indirect=True)
+@pytest.mark.parametrize("lanes", [((False, True), {})], indirect=True)
 def test_a_worker_whose_model_does_not_fit_refuses_before_any_byte(
     lanes: tuple[list, list],
 ) -> None:
@@ -122,6 +129,29 @@ def test_a_sender_that_dies_is_named_and_no_worker_claims_the_version(
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(second, timeout=TIMEOUT)
     assert ray.get([w.weights_version.remote() for w in workers], timeout=TIMEOUT) == [None, None]
+
+
+@pytest.mark.parametrize(
+    "lanes", [((False, False), {"bucket_bytes": 1024, "direct_min_bytes": None})], indirect=True
+)
+def test_a_sender_that_dies_while_its_bytes_flow_is_named_and_no_worker_claims_the_version(
+    lanes: tuple[list, list],
+) -> None:
+    """Rank 1 dies as its lane starts its second bucket, the first already on every worker
+    (1 KiB buckets: each lane sends several): rank 0 names rank 1, and the workers, which
+    hold part of rank 1's bytes of this push, hold no version and say it was not whole."""
+    ranks, workers = lanes
+    on_all(ranks, "lanes_push")
+    on_all(ranks, "step")
+    first, second = ranks[0].lanes_push.remote(), ranks[1].lanes_push.remote(die="mid")
+    kind, why = ray.get(first, timeout=TIMEOUT)
+    assert kind == "SenderFailedError" and "trainer ranks [1]" in why, why
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(second, timeout=TIMEOUT)
+    assert ray.get([w.weights_version.remote() for w in workers], timeout=TIMEOUT) == [None, None]
+    for status in ray.get([w.sync_status.remote() for w in workers], timeout=TIMEOUT):
+        assert status.dirty and status.full_version is None, status
+        assert status.last_error is not None and "rank 1" in status.last_error, status
 
 
 def test_a_worker_failing_after_the_lanes_fails_the_push_on_every_rank(

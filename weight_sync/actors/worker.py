@@ -83,15 +83,12 @@ class WeightSyncWorker:
     def sync_status(self) -> SyncStatus:
         """Version, dirty flag, the push in flight (phase, buckets done) and the last push's
         stats. Answers during a push when the actor was made with ``remote_worker``. After a
-        push from many senders (``LaneUpdater``), the version is the one every lane committed."""
-        status = self._weight_sync_state().status()
+        push from many senders (``LaneUpdater``), it speaks for every lane together: the
+        version every lane committed, their buckets summed, the least advanced lane's phase."""
         lanes = self.__dict__.get("_weight_sync_lanes")
         if lanes is not None and self.__dict__.get("_weight_sync_by_lanes"):
-            held = lanes.held
-            return status.model_copy(
-                update={"version": held, "dirty": held is None, "full_version": lanes.full}
-            )
-        return status
+            return lanes.status()
+        return self._weight_sync_state().status()
 
     # -- helpers users may call or override ------------------------------------------------------
 
