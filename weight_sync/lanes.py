@@ -580,6 +580,12 @@ class Lanes:
             raise SenderFailedError(f"the lanes committed different versions: {versions}")
         return held
 
+    def lost(self, why: str) -> None:
+        """What every lane committed did not reach the model after all (an engine's reload
+        failed): this member holds no version, and says ``why``."""
+        self.held = self.full = None
+        self.error = why
+
     def status(self) -> SyncStatus:
         """This member's state as one receiver's would read: the version every lane committed,
         the push in flight at its least advanced lane's phase, the buckets of every lane, and

@@ -66,7 +66,10 @@ def test_every_rank_pushes_its_shards_into_both_engines(
         seen.append(version)
     assert seen == sorted(set(seen))
     status = ray.get(tp2.sync_status.remote(), timeout=TIMEOUT)
-    assert status.version == seen[-1] and not status.dirty
+    assert status.version == status.full_version == seen[-1] and not status.dirty, status
+    # Every lane's part of the last push, as one: each worker took both senders' buckets.
+    assert status.last is not None and status.last.version == seen[-1], status
+    assert status.buckets_done == status.buckets_total == status.last.buckets >= RANKS, status
 
 
 def test_a_refusal_changes_nothing_and_a_dead_rank_leaves_no_version(
@@ -90,3 +93,6 @@ def test_a_refusal_changes_nothing_and_a_dead_rank_leaves_no_version(
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(second, timeout=TIMEOUT)
     assert _versions(engines) == [None, None]
+    targets = [engines["qwen2"], engines["qwen2_tp2_bf16"]]
+    for status in ray.get([e.sync_status.remote() for e in targets], timeout=TIMEOUT):
+        assert status.dirty and status.full_version is None and status.last_error, status

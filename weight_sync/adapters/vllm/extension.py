@@ -105,13 +105,15 @@ class WeightSyncExtension:
         return reply.model_dump_json()
 
     def _weight_sync_status(self) -> SyncStatus:
-        """The one-sender receiver's status; after a push from many senders, with the version
-        every lane committed here."""
+        """The one-sender receiver's status; after a push from many senders, every lane's
+        together (``Lanes.status``)."""
         status = self._weight_sync_state()[0].status()
-        lanes = self.__dict__.get("_weight_sync_lane_member")
-        if lanes is not None and self.__dict__.get("_weight_sync_by_lanes"):
-            return status.model_copy(update={"version": lanes.held, "dirty": lanes.held is None})
-        return status
+        member = self.__dict__.get("_weight_sync_lane_member")
+        if member is None or not self.__dict__.get("_weight_sync_by_lanes"):
+            return status
+        if member.lanes is None:  # its lanes did not form: it holds no version
+            return status.model_copy(update={"version": None, "dirty": True})
+        return member.lanes.status()
 
     def _weight_sync_lanes(self) -> LaneMember:
         member = self.__dict__.get("_weight_sync_lane_member")

@@ -414,10 +414,9 @@ class LaneMember:
             with self._target.reload():
                 self._target.load(whole)
         except Exception as exc:
-            self.lanes.held = None
-            raise WeightSyncError(
-                f"{name} received every lane but its engine did not load them: {first_line(exc)}"
-            ) from exc
+            why = f"{name} received every lane but its engine did not load them: {first_line(exc)}"
+            self.lanes.lost(why)
+            raise WeightSyncError(why) from exc
         assert held == version, (held, version)
         return held
 
