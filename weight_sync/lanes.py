@@ -516,6 +516,7 @@ class Lanes:
         self.full: int | None = None  # the last of those that covered every tensor
         self.layout: BlockLayout | None = None  # the last layout this member took
         self.error: str | None = None  # why the last push failed here, if it did
+        self.last: ReceiveReport | None = None  # the last push every lane committed, together
 
     def receive(self, assembly: Assembly, push: int, wait_s: float, member: str) -> int | None:
         """Push ``push`` on every lane the layout gives blocks to, each on a thread of its own,
@@ -544,6 +545,7 @@ class Lanes:
             self.error = first_line(exc)
             raise
         self.error, self.full = None, base if assembly.layout.partial else self.held
+        self.last = _together([lane.member.receiver.status().last for lane in active.values()])
         return self.held
 
     def _settle(
@@ -589,21 +591,10 @@ class Lanes:
     def status(self) -> SyncStatus:
         """This member's state as one receiver's would read: the version every lane committed,
         the push in flight at its least advanced lane's phase, the buckets of every lane, and
-        the last push as every lane received it together."""
+        the last push every lane committed, as they received it together."""
         lanes = [lane.member.receiver.status() for lane in self.inbound]
         busy = [status.phase for status in lanes if status.phase != "idle"]
         pushing = [status.pushing for status in lanes if status.pushing is not None]
-        reports = [s.last for s in lanes if s.last is not None and s.last.version == self.held]
-        last = None
-        if reports:
-            checked = all(r.checksums is not None for r in reports)
-            last = ReceiveReport(
-                version=reports[0].version,
-                nbytes=sum(r.nbytes for r in reports),
-                buckets=sum(r.buckets for r in reports),
-                seconds=max(r.seconds for r in reports),
-                checksums=tuple(c for r in reports for c in r.checksums or ()) if checked else None,
-            )
         return SyncStatus(
             version=self.held,
             full_version=self.full,
@@ -613,7 +604,7 @@ class Lanes:
             buckets_done=sum(status.buckets_done for status in lanes),
             buckets_total=sum(status.buckets_total for status in lanes),
             in_group=all(status.in_group for status in lanes),
-            last=last,
+            last=self.last,
             last_error=self.error,
         )
 
@@ -763,6 +754,22 @@ class Inbound:
 
 def _loader(assembly: Assembly, sender: int) -> Loader:
     return Loader(assembly.loader(sender))
+
+
+def _together(reports: Sequence[ReceiveReport | None]) -> ReceiveReport | None:
+    """The lanes' reports of one push as one: bytes and buckets summed, the slowest lane's
+    seconds, every lane's checksums in lane order (where every lane kept them)."""
+    if not reports or None in reports:
+        return None
+    kept = [r for r in reports if r is not None]
+    checked = all(r.checksums is not None for r in kept)
+    return ReceiveReport(
+        version=kept[0].version,
+        nbytes=sum(r.nbytes for r in kept),
+        buckets=sum(r.buckets for r in kept),
+        seconds=max(r.seconds for r in kept),
+        checksums=tuple(c for r in kept for c in r.checksums or ()) if checked else None,
+    )
 
 
 def _outcome(call: Future[int]) -> tuple[int | None, BaseException | None]:

@@ -1,10 +1,15 @@
 """The rules the senders of a push from many senders settle it by (pure): when it is called off
-before any byte moves, and the verdict from every sender's report."""
+before any byte moves, and the verdict from every sender's report; and a member's lanes'
+reports of one push, as one."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
+from weight_sync.lanes import _together
+from weight_sync.metadata import ReceiveReport
 from weight_sync.send.lanes import Share, called_off, judge, row_tensor
 from weight_sync.send.sharded import takes_host_tensors
 
@@ -139,3 +144,23 @@ def test_a_data_parallel_vllm_engine_refuses_a_push_from_many_senders(
     )
     assert bool(problems) == refused
     assert not refused or "data_parallel_size=2" in problems[0]
+
+
+def report(nbytes: int, buckets: int, seconds: float, checksums: tuple | None = None) -> Any:
+    return ReceiveReport(
+        version=3, nbytes=nbytes, buckets=buckets, seconds=seconds, checksums=checksums
+    )
+
+
+@pytest.mark.parametrize(
+    ("reports", "want"),
+    [
+        ([report(10, 1, 0.5), report(20, 2, 0.25)], report(30, 3, 0.5)),  # the slowest lane
+        ([report(10, 1, 0.1, (7,)), report(20, 2, 0.2, (8, 9))], report(30, 3, 0.2, (7, 8, 9))),
+        ([report(10, 1, 0.1, (7,)), report(20, 2, 0.2)], report(30, 3, 0.2)),  # one kept none
+        ([report(10, 1, 0.1), None], None),  # a lane that received no push in full
+        ([], None),
+    ],
+)
+def test_a_members_lanes_report_one_push_together(reports: list, want: Any) -> None:
+    assert _together(reports) == want
