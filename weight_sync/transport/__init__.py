@@ -4,11 +4,13 @@
 for the workers on the trainer's host), ``cuda_ipc`` (the CUDA ring: the trainer's GPU memory for
 the workers on that GPU), both speaking the protocol of ``ring``, ``Fanout`` (the trainer's end
 of several at once) and ``Relay`` (a member of the group passing the push on to the others of its
-host through a host ring of its own). Knows nothing of Ray: membership arrives as a
+host through a host ring of its own); ``rounds`` (several senders' buckets over one group,
+point to point: the data plane of the NCCL design for pushes from many senders). Knows nothing
+of Ray: membership arrives as a
 ``GroupSpec``; everything here runs in plain processes, which is how the tests exercise it.
 """
 
-from weight_sync.transport import cuda_ipc, ring, shm
+from weight_sync.transport import cuda_ipc, ring, rounds, shm
 from weight_sync.transport.base import Transport, Work
 from weight_sync.transport.fanout import Fanout
 from weight_sync.transport.relay import Relay
@@ -25,5 +27,6 @@ __all__ = [
     "bind_listener",
     "cuda_ipc",
     "ring",
+    "rounds",
     "shm",
 ]

@@ -13,7 +13,9 @@ Three ways to build it, one way to use it:
   our own ``TCPStore``. It never reads or touches the default group, and is driven through the
   group object's own methods (``dist.broadcast(group=...)`` refuses unregistered groups).
 
-Either way the result is a ``ProcessGroup`` whose ``broadcast`` we call directly.
+Either way the result is a ``ProcessGroup`` whose ``broadcast`` we call directly; ``exchange``
+posts point-to-point batches on the same group, for several senders over one group
+(``transport.rounds``).
 
 Failure semantics are ours, not the backend's, and the same on Gloo and NCCL:
 
@@ -45,6 +47,7 @@ Failure semantics are ours, not the backend's, and the same on Gloo and NCCL:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import enum
 import fcntl
@@ -57,9 +60,9 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -120,9 +123,13 @@ class TorchWork:
         bound_s: float,
         seq: int,
         previous: TorchWork | None,
+        collectives: int,
     ) -> None:
         self._group = group
-        self.seq = seq  # 1 for the first collective posted on the group: the same on every rank
+        self.seq = seq  # this process's posting order: ops on a group end in it
+        # The group's collectives posted up to this op, the same count on every rank (1 for the
+        # first); point-to-point batches (``exchange``) differ across ranks and are not counted.
+        self.collectives = collectives
         self._work: dist.Work | None = work
         self._bound_s = bound_s
         self._posted = time.monotonic()
@@ -199,6 +206,44 @@ class TorchWork:
         return self._bound_s
 
 
+class _GlooBatch:
+    """Gloo's point-to-point works of one ``exchange``, as one work.
+
+    They cannot be polled as a collective is (``TorchGroup._poll``): a send's or receive's
+    ``is_completed`` stays False until ``wait`` returns (``SendWork``/``RecvWork`` override only
+    ``wait``), a ``wait(timeout)`` that runs out signals "Application timeout caused pair
+    closure" to every pair of the group's context (gloo's ``unbound_buffer``), and a second
+    ``wait`` of a receive waits for a second message. So the batch is waited on once, whatever
+    slice is asked, for the whole of its bound: a peer that dies closes its sockets, which ends
+    the wait at once; only a frozen one costs the bound, and the abort key is not read
+    meanwhile. Later calls return or raise the same."""
+
+    def __init__(self, works: list[dist.Work], bound_s: float) -> None:
+        self._works = works
+        self._bound_s = bound_s
+        self._failure: RuntimeError | None = None
+        self._done = False
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        if not self._done:
+            deadline = time.monotonic() + self._bound_s
+            try:
+                for work in self._works:
+                    left = max(deadline - time.monotonic(), 1e-3)
+                    work.wait(datetime.timedelta(seconds=left))
+            except RuntimeError as exc:
+                self._failure = exc
+            finally:
+                self._done = True
+                self._works = []  # a live Gloo work keeps its connections open
+        if self._failure is not None:
+            raise self._failure
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done
+
+
 class TorchGroup:
     """A member of the dedicated sync group (implements ``Transport``)."""
 
@@ -221,7 +266,8 @@ class TorchGroup:
         self._lock = threading.Lock()  # state, posting, the works
         self._state = _State.OPEN
         self._waiters = 0
-        self._posted = 0  # collectives posted on this group
+        self._posted = 0  # ops posted on this group (collectives and exchanges)
+        self._collectives = 0  # collectives posted on this group: the same on every rank
         # NCCL, once aborted: the work objects of collectives that may still run. In blocking-wait
         # mode nothing else owns a WorkNCCL (workEnqueue skips workMetaList_), and its tensor stash
         # (``stashed_for_allocator_safety_``, the only thing keeping the caching allocator from
@@ -343,6 +389,65 @@ class TorchGroup:
         options.timeout = self._timeout
         return self._post(lambda pg: pg.broadcast([tensor], options), timeout)
 
+    def exchange(
+        self,
+        sends: Sequence[tuple[torch.Tensor, int]],
+        receives: Sequence[tuple[torch.Tensor, int]],
+        timeout_s: float | None = None,
+    ) -> TorchWork:
+        """Start one batch of point-to-point transfers: each ``(buffer, rank)`` of ``sends`` to
+        that rank of the group, each of ``receives`` from it (contiguous uint8 buffers); returns
+        at once, one work for the whole batch, bounded as ``broadcast`` is.
+
+        What several senders pushing over one group are made of (``transport.rounds``). NCCL:
+        the batch is one ``ncclGroupStart/End``, as ``dist.batch_isend_irecv`` makes for a
+        registered group (``_coalescing_manager``), called here on the backend itself
+        (``Backend._start_coalescing``/``_end_coalescing``) since a standalone group is no
+        registered ``ProcessGroup``: a rank's transfers with several peers then progress
+        together instead of waiting on each other, provided every rank posts its batches in an
+        order its peers agree on. Gloo does not coalesce: one send or receive per pair, matched
+        in order per pair (see ``_GlooBatch`` for how they are waited on)."""
+        if not sends and not receives:
+            raise ValueError("an exchange needs at least one send or receive")
+        for tensor, peer in (*sends, *receives):
+            assert tensor.dtype == torch.uint8 and tensor.is_contiguous()
+            if not 0 <= peer < self.world_size or peer == self.rank:
+                raise ValueError(
+                    f"rank {self.rank} cannot exchange with rank {peer} of a group of "
+                    f"{self.world_size}"
+                )
+            if self.is_nccl and tensor.device != self._device:
+                raise ValueError(
+                    f"an NCCL sync group on {self._device} got a buffer on {tensor.device}"
+                )
+        timeout = self._bound(timeout_s)
+
+        def start(pg: _GroupHandle) -> dist.Work:
+            backend = cast(Any, self._backend(pg))
+            if not self.is_nccl:
+                works = [backend.send([t], peer, 0) for t, peer in sends]
+                works += [backend.recv([t], peer, 0) for t, peer in receives]
+                return cast(dist.Work, _GlooBatch(works, timeout.total_seconds()))
+            # The backend's own binding takes no device (only ProcessGroup's does): NCCL reads
+            # the current one, and keeps the open group in a thread-local count, so start, ops
+            # and end stay on this thread, under the lock.
+            with torch.cuda.device(self._device):
+                backend._start_coalescing()
+                try:
+                    for tensor, peer in sends:
+                        backend.send([tensor], peer, 0)
+                    for tensor, peer in receives:
+                        backend.recv([tensor], peer, 0)
+                except BaseException:
+                    # Close the group the failed op left open, or this thread's later posts
+                    # would join it; what it posted may still run (see _held).
+                    with contextlib.suppress(Exception):
+                        self._held.append(backend._end_coalescing())
+                    raise
+                return cast(dist.Work, backend._end_coalescing())
+
+        return self._post(start, timeout, collective=False)
+
     # One all-reduce tells every rank the outcome at once: nothing is left to announce.
     tally_is_final = True
 
@@ -414,20 +519,27 @@ class TorchGroup:
     # -- internals ------------------------------------------------------------------------
 
     def _post(
-        self, start: Callable[[_GroupHandle], dist.Work], timeout: datetime.timedelta
+        self,
+        start: Callable[[_GroupHandle], dist.Work],
+        timeout: datetime.timedelta,
+        collective: bool = True,
     ) -> TorchWork:
-        """Post one collective (under the lock, so that no close slips in between the check
-        and the post) and return its handle, chained to the op posted before it."""
+        """Post one op (under the lock, so that no close slips in between the check and the
+        post) and return its handle, chained to the op posted before it. ``collective``: every
+        rank posts it (counted in ``_collectives``); else a point-to-point batch."""
         with self._lock:
             pg = self._open()
             try:
                 work = start(pg)
-            except RuntimeError as exc:
+            except Exception as exc:  # the group may hold a half-posted op: abort it
                 failure: Exception = exc
             else:
                 previous = self._last() if self._last is not None else None
                 self._posted += 1
-                handle = TorchWork(self, work, timeout.total_seconds(), self._posted, previous)
+                self._collectives += int(collective)
+                handle = TorchWork(
+                    self, work, timeout.total_seconds(), self._posted, previous, self._collectives
+                )
                 self._works.add(handle)
                 self._last = weakref.ref(handle)
                 return handle
@@ -509,8 +621,9 @@ class TorchGroup:
         """Raise ``TransportError`` (aborting the group) if a peer says this wait is in vain.
 
         The abort key ends it at once if a peer aborted, or if the trainer left cleanly before
-        posting this collective (``handle.seq`` beyond the trainer's count; one it did post may
-        still be finishing on its way to us). A store that stopped answering means the trainer
+        posting this collective (``handle.collectives`` beyond the trainer's count; one it did
+        post may still be finishing on its way to us; a point-to-point batch waits on, ended by
+        the closed connection or its bound). A store that stopped answering means the trainer
         is gone: the op gets ``_LOST_GRACE_S`` to finish what is already on its way."""
         ours = self._ours
         if ours is None:
@@ -527,7 +640,7 @@ class TorchGroup:
             if notice is None:
                 return
             posted = notice.get("posted")
-            if not notice["abort"] and (posted is None or handle.seq <= posted):
+            if not notice["abort"] and (posted is None or handle.collectives <= posted):
                 return
             why = f"rank {notice['rank']}: {notice['why']}"
         self._abort(f"a peer left: {why}", tell_peers=False)
@@ -542,7 +655,7 @@ class TorchGroup:
         ours = self._ours
         if ours is None:
             return
-        notice = {"rank": self.rank, "why": why, "abort": abort, "posted": self._posted}
+        notice = {"rank": self.rank, "why": why, "abort": abort, "posted": self._collectives}
         try:
             ours.set(ABORT_KEY, json.dumps(notice))
         except RuntimeError as exc:  # nobody left to tell

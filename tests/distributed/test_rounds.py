@@ -1,0 +1,131 @@
+"""Several senders over one group, point to point, on spawned ranks (``transport.rounds``): the
+data plane of the NCCL design for pushes from many senders, run here over Gloo as written.
+Ranks ``0..K-1`` send, the others receive every sender's buckets round by round."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from tests.distributed.harness import RankContext, run_ranks
+from weight_sync.errors import WeightSyncError
+from weight_sync.transport import TorchGroup, rounds
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def sizes_of(lane: int, buckets: int) -> list[int]:
+    """Lane ``lane``'s bucket sizes: uneven, and different in every lane."""
+    return [1000 + 337 * lane + 911 * k for k in range(buckets)]
+
+
+def bucket(lane: int, k: int, size: int) -> torch.Tensor:
+    """The bytes of lane ``lane``'s k-th bucket, the same wherever they are made."""
+    generator = torch.Generator().manual_seed(1000 * lane + k)
+    return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator)
+
+
+def rounds_rank(
+    ctx: RankContext,
+    counts: list[int],
+    fault: str | None = None,
+    timeout_s: float = 30,
+    backend: str = "gloo",
+) -> tuple[str, float]:
+    """Move every lane's buckets (``counts[s]`` for sender s); receivers check each byte. With
+    ``fault``, the last sender dies (``"die"``) or freezes (``"freeze"``) after its first
+    bucket. NCCL: rank r on GPU r. Returns how the rank ended and how long it took."""
+    senders = len(counts)
+    receivers = list(range(senders, ctx.world_size))
+    spec = ctx.spec("standalone", collective_timeout_s=timeout_s, backend=backend)
+    device = torch.device("cuda", ctx.rank) if backend == "nccl" else torch.device("cpu")
+    group = TorchGroup.join(spec, ctx.listener(0), device)
+    started = time.monotonic()
+    try:
+        if ctx.rank < senders:
+            lane = ctx.rank
+            made = [
+                bucket(lane, k, n).to(device) for k, n in enumerate(sizes_of(lane, counts[lane]))
+            ]
+            if fault is not None and lane == senders - 1:
+                rounds.send(group, made[:1], receivers)
+                if fault == "die":
+                    os._exit(9)
+                time.sleep(timeout_s + 30)  # frozen: the receivers' bound ends their wait
+            assert rounds.send(group, made, receivers) == counts[lane]
+        else:
+            lanes = [(s, sizes_of(s, count)) for s, count in enumerate(counts)]
+            landed: list[tuple[int, int]] = []
+
+            def land(lane: int, k: int, got: torch.Tensor) -> None:
+                assert torch.equal(got.cpu(), bucket(lane, k, lanes[lane][1][k])), (lane, k)
+                landed.append((lane, k))
+
+            rounds.receive(group, lanes, land)
+            # Landed round by round, in lane order within a round.
+            assert landed == [(s, k) for k, present in enumerate(rounds.schedule(counts))
+                              for s in present]  # fmt: skip
+        group.vote(0)  # as a push ends: nobody leaves while another still receives
+    except WeightSyncError as exc:
+        return type(exc).__name__, time.monotonic() - started
+    finally:
+        group.close()
+    return "done", time.monotonic() - started
+
+
+@pytest.mark.parametrize(
+    ("counts", "receivers"),
+    [
+        ([3], 2),  # one sender: a broadcast made of sends
+        ([4, 2], 2),  # a lane with fewer buckets drops out of the later rounds
+        ([2, 0, 3], 1),  # a sender the layout gives nothing
+    ],
+)
+def test_every_receiver_gets_every_senders_buckets_bit_exact(
+    counts: list[int], receivers: int
+) -> None:
+    results = run_ranks(rounds_rank, len(counts) + receivers, counts)
+    assert [outcome for outcome, _ in results] == ["done"] * (len(counts) + receivers)
+
+
+def test_a_sender_that_dies_mid_push_fails_every_receiver_at_once() -> None:
+    counts = [3, 3]
+    results = run_ranks(rounds_rank, 4, counts, "die", timeout_s=90, expect_dead={1})
+    for rank in (2, 3):  # the closed connection ends their wait, not the 30 s bound
+        outcome, elapsed = results[rank]
+        assert outcome == "TransportError" and elapsed < 15, (rank, results[rank])
+    assert results[0][0] in ("TransportError", "SyncTimeoutError"), results[0]
+
+
+def test_a_frozen_sender_costs_the_receivers_their_bound_and_no_more() -> None:
+    counts, bound = [2, 2], 4.0
+    results = run_ranks(rounds_rank, 4, counts, "freeze", bound, timeout_s=90, expect_dead={1})
+    for rank in (2, 3):
+        outcome, elapsed = results[rank]
+        assert outcome in ("SyncTimeoutError", "TransportError"), (rank, results[rank])
+        assert elapsed < 3 * bound + 5, (rank, results[rank])
+    assert any(results[rank][0] == "SyncTimeoutError" for rank in (2, 3)), results
+
+
+def refusals(ctx: RankContext) -> list[str]:
+    """An exchange with nobody, and one with this rank itself: refused before any op."""
+    group = TorchGroup.join(ctx.spec("standalone"), ctx.listener(0))
+    try:
+        errors = []
+        for sends in ([], [(torch.zeros(4, dtype=torch.uint8), ctx.rank)]):
+            try:
+                group.exchange(sends, [])
+            except ValueError as exc:
+                errors.append(str(exc))
+        group.vote(0)  # the group is still whole: nothing was posted
+        return errors
+    finally:
+        group.close()
+
+
+def test_an_exchange_with_itself_or_nobody_is_refused() -> None:
+    for errors in run_ranks(refusals, 2):
+        assert len(errors) == 2 and "at least one" in errors[0] and "cannot" in errors[1]
