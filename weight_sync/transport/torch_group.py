@@ -215,8 +215,9 @@ class _GlooBatch:
     closure" to every pair of the group's context (gloo's ``unbound_buffer``), and a second
     ``wait`` of a receive waits for a second message. So the batch is waited on once, whatever
     slice is asked, for the whole of its bound: a peer that dies closes its sockets, which ends
-    the wait at once; only a frozen one costs the bound, and the abort key is not read
-    meanwhile. Later calls return or raise the same."""
+    the wait at once; only a frozen one costs the bound. Meanwhile neither the abort key nor a
+    ``close`` from another thread ends the wait (a helper thread could, at the price of a thread
+    per batch that an exit must wait out). Later calls return or raise the same."""
 
     def __init__(self, works: list[dist.Work], bound_s: float) -> None:
         self._works = works
