@@ -51,8 +51,8 @@ def send(
     """A sender's part: each of ``buckets`` (contiguous uint8, on the group's device for NCCL)
     to every rank of ``receivers`` as one batch, in order, at most ``depth`` batches in flight:
     bucket k's batch is done before bucket k + ``depth`` is taken from ``buckets``, so a caller
-    may make them in ``depth`` buffers taken in turn. ``timeout_s`` bounds each
-    batch from when it could start. Returns how many buckets were sent; raises the group's
+    may make them in ``depth`` buffers taken in turn. ``timeout_s`` bounds each batch from when
+    it could start. Returns how many buckets were sent; raises the group's
     ``SyncTimeoutError``/``TransportError`` (it aborts) if a receiving rank fails."""
     if not receivers:
         raise ValueError("a sender needs at least one receiving rank")
