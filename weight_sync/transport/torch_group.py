@@ -375,11 +375,7 @@ class TorchGroup:
     def broadcast(
         self, tensor: torch.Tensor, src: int, timeout_s: float | None = None
     ) -> TorchWork:
-        assert tensor.dtype == torch.uint8 and tensor.is_contiguous()
-        if self.is_nccl and tensor.device != self._device:
-            raise ValueError(
-                f"an NCCL sync group on {self._device} got a buffer on {tensor.device}"
-            )
+        self._check_buffer(tensor)
         timeout = self._bound(timeout_s)
         options = dist.BroadcastOptions()
         options.rootRank = src
@@ -411,15 +407,11 @@ class TorchGroup:
         if not sends and not receives:
             raise ValueError("an exchange needs at least one send or receive")
         for tensor, peer in (*sends, *receives):
-            assert tensor.dtype == torch.uint8 and tensor.is_contiguous()
+            self._check_buffer(tensor)
             if not 0 <= peer < self.world_size or peer == self.rank:
                 raise ValueError(
                     f"rank {self.rank} cannot exchange with rank {peer} of a group of "
                     f"{self.world_size}"
-                )
-            if self.is_nccl and tensor.device != self._device:
-                raise ValueError(
-                    f"an NCCL sync group on {self._device} got a buffer on {tensor.device}"
                 )
         timeout = self._bound(timeout_s)
 
@@ -518,6 +510,14 @@ class TorchGroup:
         self._abort(reason, tell_peers=True)
 
     # -- internals ------------------------------------------------------------------------
+
+    def _check_buffer(self, tensor: torch.Tensor) -> None:
+        """A buffer this group may move: contiguous uint8, on the group's device for NCCL."""
+        assert tensor.dtype == torch.uint8 and tensor.is_contiguous()
+        if self.is_nccl and tensor.device != self._device:
+            raise ValueError(
+                f"an NCCL sync group on {self._device} got a buffer on {tensor.device}"
+            )
 
     def _post(
         self,
