@@ -14,7 +14,10 @@ node's ingress). In each network two jobs run, one after the other, each a launc
   first dimension over a mesh of them (as FSDP2 does) and each pushes its own shards
   (``JobSync(senders=K)``), all of them at once: they meet at a barrier after building their
   state, as a sharded trainer's ranks leave an optimizer step together (each builds the whole
-  model to take its shard, which takes them unequal times on 2 cores).
+  model to take its shard, which takes them unequal times on 2 cores);
+* with ``--one-group``, also ``K senders, one group`` -- the same, every lane's buckets over one
+  group of every rank, in rounds (``JobSync(senders=K, one_group=True)``: the NCCL design, run
+  here over Gloo).
 
 Every rank is set up as a warmed-up trainer or engine is before anything is timed: the fused
 delta kernels loaded, its heap frozen (``gc.freeze()``).
@@ -104,7 +107,7 @@ def rank_job(args: argparse.Namespace) -> None:
             delta="always" if mode == "delta" else False,
             group_mode="standalone",  # one sender too: relayed on the workers' node, as lanes are
         )
-        sync = JobSync(config, senders=senders)
+        sync = JobSync(config, senders=senders, one_group=args.job_one_group)
         # steps 0..4 are dense changes, 5.. delta changes (see values)
         first = 0 if mode == "dense" else DELTA_FROM
         model = None if sync.is_sender else _module(specs)
@@ -173,11 +176,19 @@ def _module(specs: list[tuple[str, tuple[int, ...]]]) -> torch.nn.Module:
 # -- the orchestrator, in the root namespace --------------------------------------------------
 
 
-def run_job(cluster: Any, senders: int, receivers: int, args: argparse.Namespace, tmp: str) -> dict:
+def run_job(
+    cluster: Any,
+    senders: int,
+    receivers: int,
+    args: argparse.Namespace,
+    tmp: str,
+    one_group: bool = False,
+) -> dict:
     """One launched job: ranks 0..senders-1 on trainer nodes 0..senders-1, the rest on the
     workers' node (the last). Returns its rows and every worker's verdicts."""
     world = senders + receivers
-    store, out = f"{tmp}/store{senders}", f"{tmp}/job{senders}.json"
+    name = f"{senders}{'g' if one_group else ''}"
+    store, out = f"{tmp}/store{name}", f"{tmp}/job{name}.json"
     workers_node = len(cluster.plan.nodes) - 1
     processes = []
     for rank in range(world):
@@ -188,7 +199,8 @@ def run_job(cluster: Any, senders: int, receivers: int, args: argparse.Namespace
         command = cluster.command(node, [sys.executable, __file__, "--rank-job", "--store", store,
                                          "--job-out", out, "--job-senders", str(senders),
                                          "--workload", args.workload,
-                                         "--repeats", str(args.repeats)])  # fmt: skip
+                                         "--repeats", str(args.repeats)]
+                                + (["--job-one-group"] if one_group else []))  # fmt: skip
         processes.append(subprocess.Popen(command, env=env))
     deadline = time.monotonic() + 1800
     try:
@@ -233,12 +245,15 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                     k + 1, None, node_rates=(rate,) * k + (widest,), ray=False
                 ) as cluster,
             ):
-                for senders in (1, k) if k > 1 else (1,):
-                    job = run_job(cluster, senders, args.receivers, args, tmp)
+                jobs = [(1, False)] + ([(k, False)] if k > 1 else [])
+                jobs += [(k, True)] if k > 1 and args.one_group else []
+                for senders, one_group in jobs:
+                    job = run_job(cluster, senders, args.receivers, args, tmp, one_group)
                     for mode in MODES:
                         timed = [r for r in job["rows"] if r["mode"] == mode][1:]
                         results.append({
                             "K": k, "ingress": ingress, "senders": senders, "mode": mode,
+                            "one_group": one_group,
                             "median_s": statistics.median(r["seconds"] for r in timed),
                             "runs_s": [round(r["seconds"], 3) for r in timed],
                             "nbytes": timed[0]["nbytes"], "wire": timed[0]["wire"],
@@ -267,7 +282,7 @@ def plot(results: list[dict[str, Any]], path: Path, rate: str) -> None:
 
     figure, axes = plt.subplots(1, len(MODES), figsize=(10, 4))
     for axis, mode in zip(axes, MODES, strict=True):
-        rows = [r for r in results if r["mode"] == mode]
+        rows = [r for r in results if r["mode"] == mode and not r.get("one_group")]
         ks = sorted({r["K"] for r in rows})
         one = {r["K"]: r["median_s"] for r in rows if r["senders"] == 1 and r["ingress"] == "rails"}
         axis.plot(ks, [one[k] for k in ks], "x-", color="black", label="one sender")
@@ -306,6 +321,10 @@ def main() -> None:
     parser.add_argument("--store", help=argparse.SUPPRESS)
     parser.add_argument("--job-out", help=argparse.SUPPRESS)
     parser.add_argument("--job-senders", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--job-one-group", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--one-group", action="store_true", help="also K senders over one group (rounds)"
+    )
     args = parser.parse_args()
     if args.rank_job:
         rank_job(args)

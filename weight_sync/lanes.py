@@ -44,7 +44,7 @@ from weight_sync.errors import (
     WeightSyncError,
     first_line,
 )
-from weight_sync.metadata import Phase, ReceiveReport, SyncStatus
+from weight_sync.metadata import GroupSpec, Phase, ReceiveReport, SyncStatus
 from weight_sync.protocol import Pusher
 from weight_sync.receive.assembly import Assembly, agreed
 from weight_sync.receiver import Loader, Receiver, expecting
@@ -58,7 +58,10 @@ from weight_sync.store_plane import (
     ClientPlane,
     StoreMember,
 )
+from weight_sync.transport import TorchGroup, address_of_interface, bind_listener
+from weight_sync.transport.base import Transport
 from weight_sync.transport.rendezvous import open_store
+from weight_sync.transport.rounds import Rounds
 
 logger = logging.getLogger(__name__)
 
@@ -76,11 +79,17 @@ class Outbound:
     """A sender's lane: its commands in a store of its own, which its receiving ranks read,
     and the ``Pusher`` of its pushes."""
 
-    def __init__(self, config: SyncConfig, receivers: int) -> None:
+    def __init__(
+        self,
+        config: SyncConfig,
+        receivers: int,
+        wrap: Callable[[Transport], Transport] | None = None,
+    ) -> None:
+        """``wrap``: what the lane's group is used through (over one group: ``SendLane``)."""
         self.commands = Commands()
         self.plane = ClientPlane(self.commands, receivers, config)
         self.commands.plane = self.plane
-        self.pusher = Pusher(self.plane, config)
+        self.pusher = Pusher(self.plane, config, wrap=wrap)
         self._pushes = 0
 
     @property
@@ -213,7 +222,8 @@ class Verdicts:
         report. Said for it (unless it reported first), so that rank 0's verdict comes now
         rather than at the push's deadline."""
         try:
-            self._store.compare_set(f"{push}/{sender}", "", json.dumps({"error": why}))
+            report = json.dumps({"error": why, "gone": True})
+            self._store.compare_set(f"{push}/{sender}", "", report)
         except RuntimeError as exc:  # rank 0 is gone too: nobody to tell
             logger.debug("cannot report sender %d's death: %s", sender, exc)
 
@@ -238,18 +248,63 @@ class Verdicts:
         return dict(json.loads(self._store.get(key)))
 
 
-def lane_config(config: SyncConfig) -> SyncConfig:
+def lane_config(config: SyncConfig, one_group: bool = False) -> SyncConfig:
     """How each lane of a push from several senders runs: a group of its own rendezvous (the
     lanes form at once), every member a rank of it, over Gloo -- K NCCL communicators driven
-    from K threads on one GPU may deadlock (docs/many-senders.md: the NCCL design, not built)."""
-    if config.backend == "nccl":
+    from K threads on one GPU may deadlock (docs/many-senders.md). ``one_group``: the lanes'
+    buckets go over one group of every rank instead (``form_one_group``), on the backend
+    ``config`` names, and each lane's own Gloo group only votes."""
+    if config.backend == "nccl" and not one_group:
         raise ValueError(
             "a push from several senders runs its lanes over Gloo (CUDA tensors go through the "
-            "host); leave SyncConfig.backend unset or 'gloo'"
+            "host); leave SyncConfig.backend unset or 'gloo', or move the buckets over one "
+            "group (JobSync(one_group=True))"
         )
     return config.model_copy(
         update={"group_mode": "standalone", "same_host": "group", "backend": "gloo"}
     )
+
+
+def form_one_group(
+    config: SyncConfig, group: dist.ProcessGroup | None, device: torch.device
+) -> TorchGroup:
+    """The group every rank of ``group`` (a torch.distributed group: the job's) moves the
+    lanes' buckets over (``transport.rounds``), its senders first, then the receiving ranks, in
+    ``group``'s order: made by all of them at once, rank 0 holding the rendezvous. On
+    ``config.backend`` ("nccl": each rank on its current GPU; else Gloo, on the host);
+    ``device`` is where ``group``'s backend takes the rendezvous address."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    listener = None
+    if rank == 0:
+        at = (
+            config.master_addr
+            if config.interface is None
+            else address_of_interface(config.interface)
+        )
+        listener = bind_listener(at)
+    try:
+        here = (
+            (str(listener.getsockname()[0]), int(listener.getsockname()[1])) if listener else None
+        )
+        ((address, port),) = share_endpoints(here, 1, group, device)
+        nccl = config.backend == "nccl"
+        spec = GroupSpec(
+            group_id=f"{port:016x}",  # the group's own store: no other group to tell it from
+            address=address,
+            port=port,
+            world_size=world,
+            rank=rank,
+            backend="nccl" if nccl else "gloo",
+            mode="standalone",
+            rendezvous_timeout_s=config.rendezvous_timeout_s,
+            collective_timeout_s=config.collective_timeout_s,
+        )
+        on = torch.device("cuda", torch.cuda.current_device()) if nccl else None
+        return TorchGroup.join(spec, listener, device=on)
+    except BaseException:
+        if listener is not None:
+            listener.close()
+        raise
 
 
 class Senders:
@@ -433,8 +488,12 @@ def push_share(
             except Exception as exc:
                 try:
                     verdicts.settle(push, sender, {"error": first_line(exc)}, deadline)
-                except SenderFailedError as others:  # this lane's own error says more
-                    logger.debug("push %d failed: %s", push, others)
+                except SenderFailedError as others:
+                    if sender not in others.senders:
+                        # Not to blame: the group broke under this lane (over one group a
+                        # sender's death fails every round); the verdict names who broke it.
+                        raise others from exc
+                    logger.debug("push %d failed: %s", push, others)  # its own error says more
                 raise
         landed = {"nbytes": result.nbytes, "buckets": result.buckets, "wire": result.wire_bytes}
         sums = verdicts.settle(push, sender, landed, deadline)
@@ -503,11 +562,22 @@ class Lanes:
         slot: int,
         device: Callable[[], torch.device],
         timeout_s: float,
+        rounds: Rounds | None = None,
     ) -> None:
-        """``timeout_s`` bounds dialling each sender's store."""
+        """``timeout_s`` bounds dialling each sender's store. ``rounds``: the lanes' buckets
+        come over one group, taken in its rounds (each lane's own group then only votes)."""
         self.endpoints = list(endpoints)
+        self.rounds = rounds
         self.inbound = [
-            Inbound(address, port, slot, device, timeout_s) for address, port in endpoints
+            Inbound(
+                address,
+                port,
+                slot,
+                device,
+                timeout_s,
+                functools.partial(rounds.lane, sender) if rounds is not None else None,
+            )
+            for sender, (address, port) in enumerate(endpoints)
         ]
         self.verdicts = Verdicts(
             dist.PrefixStore(VERDICTS, self.inbound[0].raw_store), len(endpoints)
@@ -536,8 +606,12 @@ class Lanes:
         # From the first byte the lanes land apart: this member holds neither the version it
         # held nor, until every lane commits, a whole one (as a one-sender receiver's state).
         base, self.held, self.full = self.full, None, None
+        if self.rounds is not None:
+            self.rounds.begin(active)
         with ThreadPoolExecutor(len(active), thread_name_prefix="weight-sync-lane") as pool:
-            calls = {s: pool.submit(lane.receive, wait_s, push) for s, lane in active.items()}
+            calls = {
+                s: pool.submit(self._lane, s, lane, wait_s, push) for s, lane in active.items()
+            }
             outcomes = {s: _outcome(call) for s, call in calls.items()}
         try:
             self.held = self._settle(outcomes, assembly, push, member)
@@ -547,6 +621,18 @@ class Lanes:
         self.error, self.full = None, base if assembly.layout.partial else self.held
         self.last = _together([lane.member.receiver.status().last for lane in active.values()])
         return self.held
+
+    def _lane(self, sender: int, lane: Inbound, wait_s: float, push: int) -> int:
+        """One lane's receive, on its thread; over one group its rounds go on without it after."""
+        try:
+            version = lane.receive(wait_s, push)
+        except BaseException:
+            if self.rounds is not None:
+                self.rounds.done(sender, failed=True)
+            raise
+        if self.rounds is not None:
+            self.rounds.done(sender)
+        return version
 
     def _settle(
         self,
@@ -563,19 +649,21 @@ class Lanes:
                 self.verdicts.report_for(push, sender, why)
         if failed:
             assembly.forget()
-            if len(failed) == len(outcomes) and len({str(e) for e in failed.values()}) == 1:
+            gone = [sender for sender in failed if self.inbound[sender].sender_gone]
+            same = len({str(e) for e in failed.values()}) == 1
+            if not gone and len(failed) == len(outcomes) and same:
                 raise next(iter(failed.values()))  # the same on every lane: refused, called off
             lanes = "; ".join(f"rank {s}: {first_line(e)}" for s, e in failed.items())
             why = (
                 f"{member} holds no version: the lanes of trainer ranks {sorted(failed)} did not "
                 f"commit here -- {lanes}"
             )
-            gone = any(self.inbound[sender].sender_gone for sender in failed)
             if not gone and all(isinstance(e, TransportError) for e in failed.values()):
                 # Every sender is alive and its lane's collective failed here: a member of the
                 # lanes' groups died (the senders name it), not a sender.
                 raise TransportError(f"{why} (a receiving rank left mid-push?)")
-            raise SenderFailedError(why, sorted(failed))
+            # Over one group a sender's death fails every lane's rounds: the gone are to blame.
+            raise SenderFailedError(why, gone or sorted(failed))
         versions = [version for version, _ in outcomes.values()]
         held = agreed(versions)
         if held is None:
@@ -624,12 +712,16 @@ class Inbound:
         slot: int,
         device: Callable[[], torch.device],
         timeout_s: float,
+        wrap: Callable[[Transport], Transport] | None = None,
     ) -> None:
+        """``wrap``: what the lane's group is used through (over one group: ``ReceiveLane``)."""
         self.slot = slot
         self.raw_store = open_store(address, port, 1, timeout_s, None)
         self.store = dist.PrefixStore(PREFIX, self.raw_store)
         self.sender_gone = False  # its store closed: the sender's process died or left
-        self.member = StoreMember(Receiver(device), expecting(lambda: None), lambda: Loader(_unset))
+        self.member = StoreMember(
+            Receiver(device, wrap), expecting(lambda: None), lambda: Loader(_unset)
+        )
         self._next = 0  # the next command's number
 
     def receive(self, wait_s: float, push: int | None = None) -> int:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -95,10 +95,12 @@ class Pusher:
         config: SyncConfig | None = None,
         observer: PushObserver | None = None,
         first_version: int = 1,
+        wrap: Callable[[Transport], Transport] | None = None,
     ) -> None:
         """``first_version``: the lowest version this pusher may use (a caller that replaces its
         pusher passes the old one's ``next_version``: versions never repeat, even where every
-        member restarted and remembers none)."""
+        member restarted and remembers none). ``wrap``: what each group formed is used through
+        (a lane of several senders over one group: ``transport.rounds.SendLane``)."""
         if config is not None and not isinstance(config, SyncConfig):
             raise TypeError(f"config must be a SyncConfig, got {type(config).__name__}")
         self._plane = plane
@@ -109,6 +111,7 @@ class Pusher:
         self._roster = Roster(plane, self._config.rpc_timeout_s)
         self._observer = observer
         self._group: Transport | None = None
+        self._wrap = wrap
         self._planner: PushPlanner | None = None  # made with the first group (needs its device)
         self._sender: Sender | None = None  # of the current group: keeps its staging buffers
         self._routes: list[
@@ -526,9 +529,9 @@ class Pusher:
             self._ipc_refused = True
             return self._ensure_group(tensors, deadline)
         self._routes = formed.routes
-        self._group = formed.group
+        self._group = self._wrap(formed.group) if self._wrap is not None else formed.group
         self._wire.reached(formed.far)
-        return formed.group
+        return self._group
 
     def _probed(self, infos: list[MemberInfo]) -> None:
         """Take in the members' answers to a probe: what they hold, how they commit, and which

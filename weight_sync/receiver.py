@@ -76,10 +76,17 @@ class Receiver:
     actor's status concurrency group); it only reads attributes that are replaced whole.
     """
 
-    def __init__(self, device: torch.device | Callable[[], torch.device] | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device | Callable[[], torch.device] | None = None,
+        wrap: Callable[[Transport], Transport] | None = None,
+    ) -> None:
         # Where this member receives: its weights' device (a callable is asked when a group
         # forms: a worker's model may not exist yet when its Receiver is made). None: the CPU.
+        # ``wrap``: what each group joined is used through (a lane of several senders over one
+        # group: ``transport.rounds.ReceiveLane``).
         self._device = device
+        self._wrap = wrap
         self._state = ReceiveState()
         self._inbound = Inbound()  # this Receiver's receive streams and reusable unpacker
         self._transport: Transport | None = None
@@ -166,7 +173,8 @@ class Receiver:
     def join(self, spec: GroupSpec, max_metadata_bytes: int) -> None:
         self.leave()
         self._max_metadata_bytes = max_metadata_bytes
-        self._transport = _join(spec, self.device)
+        transport = _join(spec, self.device)
+        self._transport = self._wrap(transport) if self._wrap is not None else transport
 
     def join_json(self, spec_json: str, max_metadata_bytes: int, rank_offset: int = 0) -> None:
         """Join the group described by ``spec_json`` as it arrived (bounded, validated), as

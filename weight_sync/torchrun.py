@@ -39,6 +39,7 @@ committed it there.
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import os
 import time
@@ -64,6 +65,7 @@ from weight_sync.lanes import (
     Outbound,
     Verdicts,
     before_any_byte,
+    form_one_group,
     gather_rows,
     lane_config,
     push_share,
@@ -75,7 +77,9 @@ from weight_sync.result import PushResult
 from weight_sync.send.checks import StateDict
 from weight_sync.send.lanes import Share, called_off, share_of
 from weight_sync.send.sharded import control_device
+from weight_sync.transport import TorchGroup
 from weight_sync.transport.rendezvous import open_store
+from weight_sync.transport.rounds import Rounds, SendLane
 
 __all__ = ["JobSync", "LaunchEnv", "launch_env"]
 
@@ -132,6 +136,12 @@ class JobSync:
     ``senders``: how many ranks send, ranks ``0..senders-1``. One (the default): rank 0 pushes
     its state dict whole. More: the ranks of a sharded trainer (FSDP2, tensor parallel), each
     pushing the blocks of its own shards at once over a lane of its own; see the module doc.
+
+    ``one_group`` (with several senders): every lane's buckets go over one group of every rank,
+    point to point, each receiving rank taking them in rounds (``transport.rounds``), rather
+    than over a Gloo group per lane -- the design for NCCL (``SyncConfig(backend="nccl")``,
+    which needs it), where K communicators on one GPU may deadlock. A push that fails midway
+    leaves that group aborted: the pushes after it fail too; make a new ``JobSync``.
     """
 
     def __init__(
@@ -140,6 +150,7 @@ class JobSync:
         *,
         senders: int = 1,
         init_method: str | None = None,
+        one_group: bool = False,
     ) -> None:
         if config is not None and not isinstance(config, SyncConfig):
             raise TypeError(f"config must be a SyncConfig, got {type(config).__name__}")
@@ -165,9 +176,13 @@ class JobSync:
                 )
             mode = "standalone"
         self.config = config.model_copy(update={"group_mode": mode, "same_host": "group"})
+        if one_group and senders == 1:
+            raise ValueError("one_group is for several senders; one sender already has one group")
+        buckets = self.config  # with one_group, the backend the buckets travel on
         if senders > 1:
-            self.config = lane_config(self.config)
+            self.config = lane_config(self.config, one_group)  # the lanes' own groups: Gloo
         self.senders = senders
+        self._one_group: TorchGroup | None = None  # one_group: every lane's buckets go over it
         self._out: Outbound | None = None  # a sender's lane
         self._lanes: Lanes | None = None  # a receiving rank's, one per sender
         self._control: dist.ProcessGroup | None = None  # several senders: every rank, Gloo
@@ -185,14 +200,23 @@ class JobSync:
                     f"a job of {self.world_size} ranks, {senders} of them sending, has nobody to "
                     "push to: launch more ranks, or name fewer senders"
                 )
+            wrap = None  # a sender's: its lane's buckets over the one group
+            rounds = None  # a receiving rank's: its lanes' buckets from it, in rounds
+            if one_group:
+                group = self._one_group = form_one_group(buckets, None, control_device(None))
+                if self.rank < senders:
+                    receivers = range(senders, self.world_size)
+                    wrap = functools.partial(SendLane, group=group, receivers=receivers)
+                else:
+                    rounds = Rounds(group, range(senders))
             if self.rank < senders:
-                self._out = Outbound(self.config, self.world_size - senders)
+                self._out = Outbound(self.config, self.world_size - senders, wrap)
             mine = self._out.address if self._out else None
             endpoints = share_endpoints(mine, senders, None, control_device(None))
             if self.rank >= senders:
                 slot = self.rank - senders + 1
                 self._lanes = Lanes(
-                    endpoints, slot, lambda: self._device, self.config.rendezvous_timeout_s
+                    endpoints, slot, lambda: self._device, self.config.rendezvous_timeout_s, rounds
                 )
             if senders > 1:
                 self._control = dist.new_group(backend="gloo", timeout=_timeout(self.config))
@@ -244,6 +268,9 @@ class JobSync:
         if self._lanes is not None:
             self._lanes.close()
         self._lanes, self._verdicts = None, None
+        if self._one_group is not None:
+            self._one_group.close()
+            self._one_group = None
         if self._owns_world and dist.is_initialized():
             self._owns_world = False
             dist.destroy_process_group()
@@ -323,6 +350,12 @@ class JobSync:
         if (model is None) == (load_weights is None):
             raise ValueError("pass a model, or a load_weights callable, not both")
         self._device = module_device(model) if model is not None else CPU
+        group = self._one_group
+        if group is not None and group.is_nccl and self._device not in (CPU, group.device):
+            raise ValueError(
+                f"this rank's model is on {self._device}, its one NCCL group on {group.device}: "
+                "call torch.cuda.set_device on the model's GPU before making the JobSync"
+            )
         wait_s = timeout_s if timeout_s is not None else self.config.push_timeout_s
         if self.senders == 1:
             self._lanes.inbound[0].member.retarget(*_target(model, load_weights))

@@ -27,6 +27,9 @@ Scenarios:
   rank 0's error names rank 1;
 * ``kill_receiver`` -- the same, but the last rank dies (the receiver that put the tensor
   together): every sender's error names it, and the other receiving rank claims no version.
+
+``SCENARIO+one_group``: the same, every lane's buckets over one group of every rank
+(``JobSync(one_group=True)``, ``transport.rounds``).
 """
 
 from __future__ import annotations
@@ -80,19 +83,25 @@ def full_digests(model: torch.nn.Module, dtype: torch.dtype | None = None) -> di
 
 def run(scenario: str, senders: int, out: Path, device: str = "cpu") -> None:
     """``device``: where the senders train ("cuda": sender r on GPU r, FSDP2 over NCCL; the
-    receiving ranks stay on the host)."""
+    receiving ranks stay on the host, but over one group, which is then NCCL's, every rank r
+    holds its model on GPU r)."""
+    scenario, _, option = scenario.partition("+")
+    one_group = option == "one_group"
+    on_gpus = device == "cuda" and one_group  # every rank on a GPU of its own
+    if on_gpus:
+        torch.cuda.set_device(dist.get_rank())  # the one group's NCCL rank takes the current GPU
     big, renamed = scenario.startswith("kill"), scenario == "rename"
     cast = torch.bfloat16 if scenario == "cast" else None
     config = SyncConfig(push_timeout_s=TIMEOUT_S, bucket_bytes=1 << 20,
-                        cast_dtype="bfloat16" if cast else None)  # fmt: skip
-    sync = JobSync(config, senders=senders)
+                        cast_dtype="bfloat16" if cast else None,
+                        backend="nccl" if on_gpus else "auto")  # fmt: skip
+    sync = JobSync(config, senders=senders, one_group=one_group)
     rank, world = sync.rank, sync.world_size
     loads = rank == world - 1  # this receiver takes whole tensors through load_weights
     model = make_model(big)
     record: dict[str, Any] = {"rank": rank, "versions": [], "errors": [], "digests": []}
-    where = (
-        torch.device(device, rank) if device == "cuda" and sync.is_sender else torch.device("cpu")
-    )
+    gpu = device == "cuda" and (sync.is_sender or on_gpus)
+    where = torch.device(device, rank) if gpu else torch.device("cpu")
     if where.type == "cuda":
         torch.cuda.set_device(where)
     # The senders' group: new_group is collective over the job, so every rank makes it; only
@@ -115,8 +124,10 @@ def run(scenario: str, senders: int, out: Path, device: str = "cpu") -> None:
         else:
             fully_shard(model, mesh=DeviceMesh.from_group(trainers, device))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    elif cast is not None:
-        model.to(cast)
+    else:
+        model.to(where)  # a receiving rank: the host, or its GPU over one NCCL group
+        if cast is not None:
+            model.to(cast)
     if scenario == "refuse":
         _refusals(sync, model, record)
     if scenario == "partial":

@@ -47,18 +47,25 @@ def _assert_steps(reports: list[dict[str, Any]]) -> None:
         assert report["held"] == 3 and report["digests"] == senders["digests"]
 
 
-def test_two_senders_to_two_receivers(tmp_path: Path) -> None:
-    context = _spawn("steps", tmp_path, senders=2, world_size=4)
+# "+one_group": the lanes' buckets over one group of every rank, each receiving rank taking
+# them in rounds (``JobSync(one_group=True)``), rather than over a Gloo group per lane.
+ONE_GROUP_TOO = pytest.mark.parametrize("over", ["", "+one_group"], ids=["lanes", "one_group"])
+
+
+@ONE_GROUP_TOO
+def test_two_senders_to_two_receivers(tmp_path: Path, over: str) -> None:
+    context = _spawn(f"steps{over}", tmp_path, senders=2, world_size=4)
     _join_all(context, LAUNCH_S)
     assert [p.exitcode for p in context.processes] == [0] * 4
     _assert_steps(_reports(tmp_path, range(4)))
 
 
-def test_fsdp_over_tensor_parallelism_four_senders(tmp_path: Path) -> None:
+@ONE_GROUP_TOO
+def test_fsdp_over_tensor_parallelism_four_senders(tmp_path: Path, over: str) -> None:
     """FSDP2 over tensor parallelism on a (2, 2) mesh: the column-parallel layer's rows are
     split by both mesh dimensions (``_StridedShard``), the row-parallel one's by one each; every
     sender pushes its own shards and both receiving ranks hold the gathered model."""
-    context = _spawn("tp", tmp_path, senders=4, world_size=6)
+    context = _spawn(f"tp{over}", tmp_path, senders=4, world_size=6)
     _join_all(context, LAUNCH_S)
     assert [p.exitcode for p in context.processes] == [0] * 6
     reports = _reports(tmp_path, range(6))
@@ -136,10 +143,11 @@ def test_the_fsdp_example_under_torchrun(ranks: int, senders: int, tp: int) -> N
     assert f"{serving} serving ranks hold version 3, bit for bit: True" in done.stdout, done.stdout
 
 
-def test_refusals_before_any_byte_then_pushes_land(tmp_path: Path) -> None:
+@ONE_GROUP_TOO
+def test_refusals_before_any_byte_then_pushes_land(tmp_path: Path, over: str) -> None:
     """A sender refusing its own shards, then a receiver refusing the layout: each raises on
     every rank before any byte moves (no rank holds a version), and the next pushes land."""
-    context = _spawn("refuse", tmp_path, senders=2, world_size=4)
+    context = _spawn(f"refuse{over}", tmp_path, senders=2, world_size=4)
     _join_all(context, LAUNCH_S)
     assert [p.exitcode for p in context.processes] == [0] * 4
     reports = _reports(tmp_path, range(4))
@@ -191,3 +199,18 @@ def test_a_receiving_rank_killed_mid_push(tmp_path: Path) -> None:
     assert lost["type"] == "TransportError" and lost["senders"] is None, lost  # no sender blamed
     assert lost["seconds"] < sharded_job.TIMEOUT_S + 5
     assert survivor["versions"] == [1, None] and survivor["held"] is None
+
+
+def test_a_sender_killed_mid_push_over_one_group(tmp_path: Path) -> None:
+    """Over one group a round holds every lane's bucket, so sender 1's death fails the other
+    lane's rounds too: still every surviving rank names rank 1 alone within the push's bound,
+    and no receiving rank claims version 2."""
+    context = _spawn("kill_sender+one_group", tmp_path, senders=2, world_size=4)
+    _join_all(context, LAUNCH_S)
+    assert [p.exitcode for p in context.processes] == [0, 9, 0, 0]
+    for report in _reports(tmp_path, (0, 2, 3)):
+        (error,) = report["errors"]
+        assert error["type"] == "SenderFailedError" and error["senders"] == [1], error
+        assert error["seconds"] < sharded_job.TIMEOUT_S + 5, error
+        assert report["versions"] == [1, None], report
+        assert report["held"] == (1 if report["rank"] == 0 else None), report

@@ -52,6 +52,11 @@ def test_a_share_proposes_past_its_own_version_and_names_its_digest() -> None:
          None),
         ({0: {"nbytes": 3, "buckets": 1, "wire": 3}, 1: None}, [1]),  # never reported: dead
         ({0: {"error": "WorkerFailedError: worker 1"}, 1: {"error": "x"}}, [0, 1]),
+        # Over one group a dead sender's rounds fail the other lane too: the dead one is blamed.
+        ({0: {"error": "TransportError: x"}, 1: {"error": "its process is gone", "gone": True}},
+         [1]),
+        ({0: {"error": "TransportError: x"}, 1: None, 2: {"nbytes": 1, "buckets": 1, "wire": 1}},
+         [1]),
     ],
 )  # fmt: skip
 def test_judge_table(reports: dict, failed: list[int] | None) -> None:
@@ -119,6 +124,15 @@ def test_lanes_run_over_gloo_in_groups_of_their_own(given: dict, backend: str | 
         return
     config = lane_config(SyncConfig(**given))
     assert (config.backend, config.group_mode, config.same_host) == (backend, "standalone", "group")
+
+
+def test_over_one_group_nccl_is_taken_and_the_lanes_vote_over_gloo() -> None:
+    from weight_sync import JobSync, SyncConfig
+    from weight_sync.lanes import lane_config
+
+    assert lane_config(SyncConfig(backend="nccl"), one_group=True).backend == "gloo"
+    with pytest.raises(ValueError, match="one_group is for several senders"):
+        JobSync(one_group=True)  # refused before any group is made
 
 
 @pytest.mark.parametrize(("replicas", "refused"), [(1, False), (2, True)])

@@ -216,18 +216,21 @@ def called_off(senders: list[tuple[int, ...]]) -> str | None:
 
 def judge(reports: Mapping[int, dict[str, Any] | None]) -> dict[str, Any]:
     """Rank 0's verdict on a push from many senders, from every sender's report (None: it
-    sent none in time -- it died or hung)."""
+    sent none in time -- it died or hung; ``"gone"``: a member saw its process go). Blamed:
+    the senders gone or silent where there are any -- over one group their death fails the
+    other lanes too, which are not to blame -- else every sender whose lane failed."""
     failed = {
         rank: "sent no report: it died or hung -- check it" if report is None else report["error"]
         for rank, report in reports.items()
         if report is None or "error" in report
     }
     if failed:
+        gone = [rank for rank, report in reports.items() if report is None or report.get("gone")]
         return {
             "failed": "no member claims the push: trainer ranks "
             f"{sorted(failed)} did not land their lanes -- "
             + "; ".join(f"rank {rank}: {why}" for rank, why in failed.items()),
-            "senders": sorted(failed),
+            "senders": sorted(gone or failed),
         }
     landed = [report for report in reports.values() if report is not None]
     return {key: sum(report[key] for report in landed) for key in ("nbytes", "buckets", "wire")}

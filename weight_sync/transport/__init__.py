@@ -5,7 +5,8 @@ for the workers on the trainer's host), ``cuda_ipc`` (the CUDA ring: the trainer
 the workers on that GPU), both speaking the protocol of ``ring``, ``Fanout`` (the trainer's end
 of several at once) and ``Relay`` (a member of the group passing the push on to the others of its
 host through a host ring of its own); ``rounds`` (several senders' buckets over one group,
-point to point: the data plane of the NCCL design for pushes from many senders). Knows nothing
+point to point, and the lanes' transports over it: the NCCL design for pushes from many
+senders). Knows nothing
 of Ray: membership arrives as a
 ``GroupSpec``; everything here runs in plain processes, which is how the tests exercise it.
 """

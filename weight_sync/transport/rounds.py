@@ -13,16 +13,27 @@ every sender in it has sent its bucket.
 Over Gloo the same code runs as plain tagged sends and receives (no coalescing, no risk of
 deadlock), which is how it is tested on CPU. Pure but for the group it is handed: what a bucket
 holds, and when a push commits, are the caller's.
+
+``send`` and ``receive`` move buckets a caller has in hand. The lanes of a push, each an
+ordinary push on a thread of its own, hand theirs one at a time through ``Transport.broadcast``;
+``SendLane`` and ``ReceiveLane`` are those lanes' transports over one group, and ``Rounds`` is
+a receiving rank's scheduler across its lanes' threads: it posts round k once every lane still
+in the push has handed its k-th buffer -- ``schedule``'s order, without knowing the counts
+before (a lane that is ``done`` drops out of the later rounds).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from weight_sync.errors import SyncTimeoutError, TransportError, WeightSyncError
+from weight_sync.metadata import VOTE_AGREED
+from weight_sync.transport.base import Transport
 from weight_sync.transport.torch_group import TorchGroup, TorchWork
 
 logger = logging.getLogger(__name__)
@@ -113,3 +124,263 @@ def receive(
         if k + depth < len(rounds):
             flight.append(post(k + depth))
     logger.debug("rank %d received %d rounds from %d lanes", group.rank, len(rounds), len(lanes))
+
+
+class _LaneEnd:
+    """What a lane over one group keeps of its own small group (``lane``): its rank, its votes
+    and leaving it. Its bytes are the one group's (the subclasses')."""
+
+    def __init__(self, lane: Transport) -> None:
+        self._lane = lane
+        self.tally_is_final = lane.tally_is_final
+
+    @property
+    def rank(self) -> int:
+        return self._lane.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._lane.world_size
+
+    def vote(self, code: int, timeout_s: float | None = None) -> int:
+        return self._lane.vote(code, timeout_s)
+
+    def tally(self, code: int, timeout_s: float | None = None) -> int:
+        return self._lane.tally(code, timeout_s)
+
+    def announce(self, code: int, timeout_s: float | None = None) -> int:
+        return self._lane.announce(code, timeout_s)
+
+    def close(self) -> None:
+        self._lane.close()
+
+
+class SendLane(_LaneEnd):
+    """A sender's lane over one group: each bucket the lane's push broadcasts goes instead to
+    every rank of ``receivers`` in ``group`` as one batch (as ``send`` sends it); the rest is
+    the lane's own group's, so the protocol above runs unchanged. ``group`` is not the lane's
+    to close: every lane shares it."""
+
+    def __init__(self, lane: Transport, group: TorchGroup, receivers: Sequence[int]) -> None:
+        if not receivers:
+            raise ValueError("a sender needs at least one receiving rank")
+        super().__init__(lane)
+        self._group, self._receivers = group, list(receivers)
+
+    @property
+    def device(self) -> torch.device:
+        return self._group.device
+
+    def broadcast(
+        self, tensor: torch.Tensor, src: int, timeout_s: float | None = None
+    ) -> TorchWork:
+        if src != self.rank:
+            raise ValueError(
+                f"a sender's lane broadcasts from its own rank ({self.rank}), not {src}"
+            )
+        return self._group.exchange([(tensor, rank) for rank in self._receivers], [], timeout_s)
+
+
+class Rounds:
+    """A receiving rank's rounds across the threads of its lanes (one per sender; ``senders``:
+    each lane's sender, as a rank of ``group``). Each push, ``begin`` names the lanes that take
+    part; each lane's thread then hands its buffers in order (``hand``, through its
+    ``ReceiveLane``) and says when it is ``done``. Round k is posted, as one batch, by whichever
+    thread completes it: once every lane still in the push has handed its k-th buffer -- which
+    is ``schedule``'s round k, since a lane is done only after its last bucket. So every
+    receiving rank posts the same rounds in the same order, and no thread waits on another
+    lane's round but through its own.
+
+    A lane that fails mid-push leaves the group unusable (see ``done``): the group is aborted,
+    and every later push over it fails; a caller forms a new one.
+
+    NCCL: each post orders NCCL's stream after the posting thread's current stream only
+    (``ProcessGroupNCCL::pointToPoint`` -> ``syncStream``), and each lane's receive runs on a
+    stream of its own, so a round posted by one lane's thread would not wait for the kernels
+    another lane queued on a buffer (its unpacking of the bucket the buffer held two rounds
+    before). So ``hand`` records an event on the handing thread's stream, and rounds are posted
+    from a stream of their own that waits on every event of the round."""
+
+    def __init__(self, group: TorchGroup, senders: Sequence[int]) -> None:
+        self.group = group
+        self._senders = list(senders)
+        self._changed = threading.Lock()
+        self._open: set[int] = set()
+        self._handed: dict[int, deque[_Handed]] = {lane: deque() for lane in range(len(senders))}
+        self._posted = 0  # rounds posted this push
+        self._count = dict.fromkeys(self._handed, 0)  # buffers each lane handed this push
+        self._agreed: set[int] = set()  # lanes whose members agreed to this push: bytes follow
+        self._stream = torch.cuda.Stream(group.device) if group.is_nccl else None
+
+    def lane(self, index: int, lane: Transport) -> ReceiveLane:
+        """Lane ``index``'s transport, its votes on ``lane`` (its own small group)."""
+        if not 0 <= index < len(self._senders):
+            raise ValueError(f"no lane {index}: this rank takes {len(self._senders)} lanes")
+        return ReceiveLane(self, index, lane)
+
+    def begin(self, lanes: Iterable[int]) -> None:
+        """A push, over ``lanes`` (the others send nothing in it)."""
+        with self._changed:
+            assert not any(self._handed.values()), "a push began before the last one ended"
+            self._open, self._posted = set(lanes), 0
+            self._count = dict.fromkeys(self._handed, 0)
+            self._agreed = set()
+
+    def agreed(self, lane: int) -> None:
+        """``lane``'s members agreed to the push (its vote before any byte): its sender sends
+        its buckets, which this rank must take or abort (see ``done``)."""
+        with self._changed:
+            self._agreed.add(lane)
+
+    def hand(self, lane: int, buffer: torch.Tensor, timeout_s: float | None) -> _Handed:
+        """``lane``'s next buffer to receive into; its work completes with its round."""
+        handed = _Handed(buffer, timeout_s if timeout_s is not None else self.group.timeout_s)
+        if self._stream is not None:  # what this lane queued on the buffer, for the post to wait on
+            handed.ready = torch.cuda.Event()
+            handed.ready.record(torch.cuda.current_stream(self.group.device))
+        with self._changed:
+            if lane not in self._open:
+                raise WeightSyncError(f"lane {lane} handed a bucket outside a push it is part of")
+            self._handed[lane].append(handed)
+            self._count[lane] += 1
+            self._post_ready()
+        return handed
+
+    def done(self, lane: int, failed: bool = False) -> None:
+        """``lane`` hands nothing more this push: the later rounds go on without it. A lane
+        that ``failed`` once its members agreed to the push (its sender sends), or that leaves a
+        buffer unposted, aborts the group: its sender's later buckets would match no receive
+        here (on NCCL, the rounds of this rank would no longer be its peers'), so every rank is
+        told now rather than at its bound. One refused before any byte leaves it whole."""
+        with self._changed:
+            if lane not in self._open:
+                return
+            self._open.discard(lane)
+            stranded, self._handed[lane] = self._handed[lane], deque()
+            sending = lane in self._agreed or self._count[lane] > 0
+            if stranded or (failed and sending):
+                self.group.abort(f"lane {lane} ended mid-push on rank {self.group.rank}")
+                for handed in stranded:
+                    handed.fail(TransportError("the lane ended before its round was posted"))
+            self._post_ready()
+
+    def _post_ready(self) -> None:
+        """Post every round whose buffers are all in (under the lock)."""
+        while self._open and all(self._handed[lane] for lane in self._open):
+            present = sorted(self._open)
+            batch = [self._handed[lane].popleft() for lane in present]
+            senders = [self._senders[lane] for lane in present]
+            bound = max(handed.timeout_s for handed in batch)
+            receives = [(h.buffer, s) for h, s in zip(batch, senders, strict=True)]
+            try:
+                work = self._post(batch, receives, bound)
+            except Exception as exc:  # the group aborted itself, or this round was refused
+                self.group.abort(f"posting round {self._posted + 1} failed: {exc}")
+                failure = (
+                    exc
+                    if isinstance(exc, WeightSyncError)
+                    else TransportError(f"posting a round failed: {exc}")
+                )
+                for handed in batch:
+                    handed.fail(failure)
+                continue
+            posted = _Round(work)
+            for handed in batch:
+                handed.posted(posted)
+            self._posted += 1
+            logger.debug(
+                "rank %d posted round %d: lanes %s", self.group.rank, self._posted, present
+            )
+
+    def _post(
+        self, batch: list[_Handed], receives: list[tuple[torch.Tensor, int]], bound: float
+    ) -> TorchWork:
+        if self._stream is None:
+            return self.group.exchange([], receives, bound)
+        with torch.cuda.stream(self._stream):  # NCCL's stream then waits on it (see the class)
+            for handed in batch:
+                assert handed.ready is not None
+                self._stream.wait_event(handed.ready)
+            return self.group.exchange([], receives, bound)
+
+
+class _Round:
+    """A posted round, waited on by the threads of every lane in it: one at a time, since a
+    ``TorchWork`` lets go of its handle to the first waiter (the others then get its outcome)."""
+
+    def __init__(self, work: TorchWork) -> None:
+        self._work = work
+        self._lock = threading.Lock()
+
+    def wait(self) -> None:
+        with self._lock:
+            self._work.wait()
+
+    def after(self) -> None:
+        with self._lock:
+            self._work.after()
+
+
+class _Handed:
+    """A buffer handed to ``Rounds``: a ``Work`` once its round is posted. Until then a wait
+    waits for the round's other lanes, as long as the round's own bound."""
+
+    def __init__(self, buffer: torch.Tensor, timeout_s: float) -> None:
+        self.buffer, self.timeout_s = buffer, timeout_s
+        self.ready: torch.cuda.Event | None = None  # NCCL: the handing stream's work on it
+        self._ready = threading.Event()
+        self._round: _Round | None = None
+        self._error: WeightSyncError | None = None
+
+    def posted(self, round_: _Round) -> None:
+        self._round = round_
+        self._ready.set()
+
+    def fail(self, error: WeightSyncError) -> None:
+        self._error = error
+        self._ready.set()
+
+    def wait(self) -> None:
+        self._posted().wait()
+
+    def after(self) -> None:
+        self._posted().after()
+
+    def _posted(self) -> _Round:
+        if not self._ready.wait(self.timeout_s):
+            raise SyncTimeoutError(
+                f"the round of a bucket was not posted in {self.timeout_s:.0f} s: another lane "
+                "of this rank did not hand its bucket (its sender stalled?) -- check the senders"
+            )
+        if self._error is not None:
+            raise self._error
+        assert self._round is not None
+        return self._round
+
+
+class ReceiveLane(_LaneEnd):
+    """A receiving rank's end of one lane over one group: each bucket the lane's receive takes
+    is handed to the rank's ``Rounds``; the rest is the lane's own group's."""
+
+    def __init__(self, rounds: Rounds, index: int, lane: Transport) -> None:
+        super().__init__(lane)
+        self._rounds, self._index = rounds, index
+
+    @property
+    def device(self) -> torch.device:
+        return self._rounds.group.device
+
+    def broadcast(self, tensor: torch.Tensor, src: int, timeout_s: float | None = None) -> _Handed:
+        if src == self.rank:
+            raise ValueError("a receiving rank's lane takes buckets; it broadcasts none")
+        return self._rounds.hand(self._index, tensor, timeout_s)
+
+    def vote(self, code: int, timeout_s: float | None = None) -> int:
+        verdict = super().vote(code, timeout_s)
+        if verdict == VOTE_AGREED:  # before the bytes: the sender sends (after them: no matter)
+            self._rounds.agreed(self._index)
+        return verdict
+
+    def close(self) -> None:
+        self._rounds.done(self._index, failed=True)  # left mid-push: see ``Rounds.done``
+        super().close()

@@ -503,6 +503,11 @@ class TorchGroup:
         """The op ``seq`` completed, and with it every op posted before it (stream order)."""
         self._done_through = max(self._done_through, seq)
 
+    @property
+    def timeout_s(self) -> float:
+        """The bound of an op posted without one (the spec's ``collective_timeout_s``)."""
+        return self._timeout.total_seconds()
+
     def abort(self, reason: str = "it aborted") -> None:
         """Leave on a failure path: abort the group (never finalise: that would wait for work in
         flight) and tell the peers through the store, so they stop at once. Returns within
