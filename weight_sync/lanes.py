@@ -58,7 +58,7 @@ from weight_sync.store_plane import (
     ClientPlane,
     StoreMember,
 )
-from weight_sync.transport import TorchGroup, address_of_interface, bind_listener
+from weight_sync.transport import TorchGroup, bind_listener, listen_address
 from weight_sync.transport.base import Transport
 from weight_sync.transport.rendezvous import open_store
 from weight_sync.transport.rounds import Rounds
@@ -276,12 +276,7 @@ def form_one_group(
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     listener = None
     if rank == 0:
-        at = (
-            config.master_addr
-            if config.interface is None
-            else address_of_interface(config.interface)
-        )
-        listener = bind_listener(at)
+        listener = bind_listener(listen_address(config.master_addr, config.interface))
     try:
         here = (
             (str(listener.getsockname()[0]), int(listener.getsockname()[1])) if listener else None

@@ -43,7 +43,7 @@ from weight_sync.metadata import (
 )
 from weight_sync.receiver import Check, Loader, Receiver
 from weight_sync.transport import teardown
-from weight_sync.transport.rendezvous import address_of_interface, bind_listener, open_store
+from weight_sync.transport.rendezvous import bind_listener, listen_address, open_store
 
 logger = logging.getLogger(__name__)
 
@@ -212,11 +212,7 @@ class ClientPlane:
         self._workers = workers
         self._timeout_s = config.rendezvous_timeout_s
         self._max_metadata_bytes = config.max_metadata_bytes
-        address = (
-            config.master_addr
-            if config.interface is None
-            else address_of_interface(config.interface)
-        )
+        address = listen_address(config.master_addr, config.interface)
         listener = bind_listener(address)
         self._address, self._port = address, listener.getsockname()[1]
         self._mailbox = _Mailbox(

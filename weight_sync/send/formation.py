@@ -39,9 +39,9 @@ from weight_sync.transport import (
     Fanout,
     TorchGroup,
     Transport,
-    address_of_interface,
     bind_listener,
     cuda_ipc,
+    listen_address,
     shm,
 )
 from weight_sync.transport.ring import RingUnavailableError
@@ -100,11 +100,7 @@ def form_group(
     kinds, writers = _open_rings(config, group_id, list(routes.routes), infos, send_device)
     remote = sum(info.ranks for info, kind in zip(infos, kinds, strict=True) if kind == "group")
     try:
-        address = (
-            config.master_addr
-            if config.interface is None
-            else address_of_interface(config.interface)
-        )
+        address = listen_address(config.master_addr, config.interface)
         listener = bind_listener(address) if remote else None
     except BaseException:
         _close_all(list(writers.values()), None)

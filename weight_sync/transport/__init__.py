@@ -15,7 +15,7 @@ from weight_sync.transport import cuda_ipc, ring, rounds, shm
 from weight_sync.transport.base import Transport, Work
 from weight_sync.transport.fanout import Fanout
 from weight_sync.transport.relay import Relay
-from weight_sync.transport.rendezvous import address_of_interface, bind_listener
+from weight_sync.transport.rendezvous import address_of_interface, bind_listener, listen_address
 from weight_sync.transport.torch_group import TorchGroup
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "address_of_interface",
     "bind_listener",
     "cuda_ipc",
+    "listen_address",
     "ring",
     "rounds",
     "shm",

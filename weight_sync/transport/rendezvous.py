@@ -88,3 +88,10 @@ def address_of_interface(name: str) -> str:
                 f"interfaces here: {known}"
             ) from exc
     return socket.inet_ntoa(reply[20:24])
+
+
+def listen_address(master_addr: str, interface: str | None) -> str:
+    """Where a trainer listens for its members: ``interface``'s address when the config names
+    one (``SyncConfig.interface``), else ``master_addr`` (loopback unless the user names
+    another)."""
+    return master_addr if interface is None else address_of_interface(interface)

@@ -60,7 +60,7 @@ from weight_sync.metadata import BackendName, dtype_name
 from weight_sync.result import PushResult
 from weight_sync.send.checks import Rename, StateDict, check_state_dict, wire_dtype
 from weight_sync.send.sharded import ShardedSource
-from weight_sync.transport.rendezvous import address_of_interface, bind_listener
+from weight_sync.transport.rendezvous import bind_listener, listen_address
 from weight_sync.transport.torch_group import TorchGroup, TorchWork
 from weight_sync.versions import (
     NO_VERSION,
@@ -410,11 +410,7 @@ class SGLangPusher:
         # A trainer that died mid-push left a session open: SGLang refuses to begin another.
         self._quietly("end_weight_update", {}, _QUICK_S)
         config = self.config
-        address = (
-            config.master_addr
-            if config.interface is None
-            else address_of_interface(config.interface)
-        )
+        address = listen_address(config.master_addr, config.interface)
         listener = bind_listener(address)
         name = f"weight_sync_{secrets.token_hex(6)}"
         timeout_s = deadline.left(config.rendezvous_timeout_s)
