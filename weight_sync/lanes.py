@@ -50,7 +50,7 @@ from weight_sync.receive.assembly import Assembly, agreed
 from weight_sync.receiver import Loader, Receiver, expecting
 from weight_sync.result import PushResult
 from weight_sync.send.checks import Rename, StateDict
-from weight_sync.send.lanes import Share, called_off, judge, row_tensor, share_of
+from weight_sync.send.lanes import Share, blame, called_off, judge, row_tensor, share_of
 from weight_sync.store_plane import (
     KEPT_PUSHES,
     MAX_REPLY_CHARS,
@@ -61,7 +61,7 @@ from weight_sync.store_plane import (
 from weight_sync.transport import TorchGroup, bind_listener, listen_address
 from weight_sync.transport.base import Transport
 from weight_sync.transport.rendezvous import open_store
-from weight_sync.transport.rounds import Rounds
+from weight_sync.transport.rounds import Rounds, SendLane
 
 logger = logging.getLogger(__name__)
 
@@ -265,15 +265,24 @@ def lane_config(config: SyncConfig, one_group: bool = False) -> SyncConfig:
     )
 
 
+Invite = Callable[[list[GroupSpec]], Callable[[], None]]
+
+
 def form_one_group(
-    config: SyncConfig, group: dist.ProcessGroup | None, device: torch.device
+    config: SyncConfig,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    invite: Invite | None = None,
+    members: int = 0,
 ) -> TorchGroup:
-    """The group every rank of ``group`` (a torch.distributed group: the job's) moves the
-    lanes' buckets over (``transport.rounds``), its senders first, then the receiving ranks, in
-    ``group``'s order: made by all of them at once, rank 0 holding the rendezvous. On
-    ``config.backend`` ("nccl": each rank on its current GPU; else Gloo, on the host);
-    ``device`` is where ``group``'s backend takes the rendezvous address."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    """The group every rank of ``group`` (a torch.distributed group: the job's, or the
+    senders') moves the lanes' buckets over (``transport.rounds``), in ``group``'s order, then
+    ``members`` processes outside it (Ray workers): made by all of them at once, rank 0 holding
+    the rendezvous. ``invite`` (rank 0, with ``members``) asks those to join, as the ranks the
+    specs it is given name, and returns what waits for their answers once the group formed.
+    On ``config.backend`` ("nccl": each rank of ``group`` on its current GPU; else Gloo, on the
+    host); ``device`` is where ``group``'s backend takes the rendezvous address."""
+    rank, ranks = dist.get_rank(group), dist.get_world_size(group)
     listener = None
     if rank == 0:
         listener = bind_listener(listen_address(config.master_addr, config.interface))
@@ -287,19 +296,31 @@ def form_one_group(
             group_id=f"{port:016x}",  # the group's own store: no other group to tell it from
             address=address,
             port=port,
-            world_size=world,
+            world_size=ranks + members,
             rank=rank,
             backend="nccl" if nccl else "gloo",
             mode="standalone",
             rendezvous_timeout_s=config.rendezvous_timeout_s,
             collective_timeout_s=config.collective_timeout_s,
         )
+        answers = None
+        if invite is not None and rank == 0 and members:
+            answers = invite(
+                [spec.model_copy(update={"rank": r}) for r in range(ranks, spec.world_size)]
+            )
         on = torch.device("cuda", torch.cuda.current_device()) if nccl else None
-        return TorchGroup.join(spec, listener, device=on)
+        formed = TorchGroup.join(spec, listener, device=on)
     except BaseException:
         if listener is not None:
             listener.close()
         raise
+    if answers is not None:
+        try:
+            answers()
+        except BaseException:
+            formed.close()
+            raise
+    return formed
 
 
 class Senders:
@@ -308,7 +329,10 @@ class Senders:
     agreement runs over, this rank's lane, and the verdicts in rank 0's store. Made on every
     rank of ``group`` (the trainers' torch.distributed group; None: the default group) at once,
     a collective; ``members(config)`` is asked on rank 0 only. ``owner`` names the caller's
-    class in what it tells a caller to change."""
+    class in what it tells a caller to change. ``invite``: the lanes' buckets go over one group
+    of the senders and the members (``form_one_group``, which asks the members to join through
+    it, each a rank past the senders' in member order, with the senders' ``endpoints``: the
+    lanes to take those buckets), on ``config``'s backend."""
 
     def __init__(
         self,
@@ -316,6 +340,8 @@ class Senders:
         group: dist.ProcessGroup | None,
         members: Callable[[SyncConfig], int],
         owner: str,
+        invite: Callable[[list[GroupSpec], list[tuple[str, int]]], Callable[[], None]]
+        | None = None,
     ) -> None:
         if config is not None and not isinstance(config, SyncConfig):
             raise TypeError(f"config must be a SyncConfig, got {type(config).__name__}")
@@ -324,7 +350,8 @@ class Senders:
                 f"a {owner} needs the trainers' torch.distributed group; call "
                 "init_process_group on every trainer rank first"
             )
-        self.config = lane_config(config or SyncConfig())
+        given = config or SyncConfig()
+        self.config = lane_config(given, one_group=invite is not None)
         self.rank, self.senders = dist.get_rank(group), dist.get_world_size(group)
         ranks = dist.get_process_group_ranks(group) if group is not None else None
         timeout = datetime.timedelta(seconds=self.config.push_timeout_s)
@@ -336,12 +363,22 @@ class Senders:
             ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
         )
         self.members = self.from_rank_0(lambda: members(self.config))
-        self.out = Outbound(self.config, self.members)
-        self.endpoints = share_endpoints(self.out.address, self.senders, self.control, CPU)
-        store = open_store(*self.endpoints[0], 1, self.config.rendezvous_timeout_s, None)
-        # Rank 0's store: the verdicts, and whatever else its members answer there.
-        self.store = dist.PrefixStore(VERDICTS, store)
-        self.verdicts = Verdicts(self.store, self.senders)
+        self.one_group: TorchGroup | None = None  # with ``invite``: every lane's buckets
+        wrap = self._over_one_group if invite is not None else None  # once the lane forms
+        self.out = Outbound(self.config, self.members, wrap)
+        try:
+            self.endpoints = share_endpoints(self.out.address, self.senders, self.control, CPU)
+            store = open_store(*self.endpoints[0], 1, self.config.rendezvous_timeout_s, None)
+            # Rank 0's store: the verdicts, and whatever else its members answer there.
+            self.store = dist.PrefixStore(VERDICTS, store)
+            self.verdicts = Verdicts(self.store, self.senders)
+            if invite is not None:
+                endpoints = self.endpoints  # the lanes the members take the buckets for
+                ask: Invite = lambda specs: invite(specs, endpoints)
+                self.one_group = form_one_group(given, self.control, CPU, ask, self.members)
+        except BaseException:
+            self.close()
+            raise
         self.pushes = 0
 
     def from_rank_0(self, value: Callable[[], int]) -> int:
@@ -457,6 +494,13 @@ class Senders:
 
     def close(self) -> None:
         self.out.close()
+        if self.one_group is not None:
+            self.one_group.close()
+
+    def _over_one_group(self, lane: Transport) -> Transport:
+        assert self.one_group is not None, "the one group forms before any push"
+        receivers = range(self.senders, self.senders + self.members)
+        return SendLane(lane, self.one_group, receivers)
 
 
 def push_share(
@@ -648,17 +692,17 @@ class Lanes:
             same = len({str(e) for e in failed.values()}) == 1
             if not gone and len(failed) == len(outcomes) and same:
                 raise next(iter(failed.values()))  # the same on every lane: refused, called off
-            lanes = "; ".join(f"rank {s}: {first_line(e)}" for s, e in failed.items())
+            reasons = {sender: first_line(error) for sender, error in failed.items()}
+            blamed, tail = blame(reasons, gone)
             why = (
-                f"{member} holds no version: the lanes of trainer ranks {sorted(failed)} did not "
-                f"commit here -- {lanes}"
+                f"{member} holds no version: the lanes of trainer ranks {blamed} did not commit "
+                f"here{tail}"
             )
             if not gone and all(isinstance(e, TransportError) for e in failed.values()):
                 # Every sender is alive and its lane's collective failed here: a member of the
                 # lanes' groups died (the senders name it), not a sender.
                 raise TransportError(f"{why} (a receiving rank left mid-push?)")
-            # Over one group a sender's death fails every lane's rounds: the gone are to blame.
-            raise SenderFailedError(why, gone or sorted(failed))
+            raise SenderFailedError(why, blamed)
         versions = [version for version, _ in outcomes.values()]
         held = agreed(versions)
         if held is None:
@@ -692,8 +736,11 @@ class Lanes:
         )
 
     def close(self) -> None:
+        """Leave every lane, and the one group their buckets came over (if they did)."""
         for lane in self.inbound:
             lane.member.shutdown()
+        if self.rounds is not None:
+            self.rounds.group.close()
 
 
 class Inbound:

@@ -6,6 +6,7 @@ specifics are in tests/gpu/test_nccl.py."""
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 import time
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from tests.distributed.harness import RankContext, run_ranks
-from weight_sync.errors import SyncTimeoutError
+from weight_sync.errors import SyncTimeoutError, WeightSyncError
 from weight_sync.transport import TorchGroup
 
 pytestmark = pytest.mark.timeout(120)
@@ -165,3 +166,38 @@ def test_a_process_forms_a_new_group_after_an_aborted_one() -> None:
     assert 1.0 <= member["timed_out_after_s"] < 1.5, member
     assert member["digest"] == trainer["digest"]
     assert member["vote"] == trainer["vote"] == 2
+
+
+def failed_exchange_kept_rank(ctx: RankContext) -> dict:
+    """Rank 0 sends rank 2 a bucket rank 2 never takes; rank 1 dies, which fails rank 2's
+    receive from it while rank 2 waits on it, and the group aborts there. Rank 2 keeps the
+    error, as a lane keeps its failure until its sender's push ends: its traceback must not
+    keep the group's connections open, or rank 0's send waits out its 30 s bound rather than
+    failing as rank 2 leaves it."""
+    group = TorchGroup.join(ctx.spec("standalone", collective_timeout_s=LONG_S), ctx.listener(0))
+    started = time.monotonic()
+    if ctx.rank == 1:
+        time.sleep(1.0)
+        os._exit(9)
+    kept: list[BaseException] = []
+    try:
+        if ctx.rank == 0:
+            group.exchange([(torch.ones(1 << 16, dtype=torch.uint8), 2)], []).wait()
+        else:
+            group.exchange([], [(torch.empty(1 << 16, dtype=torch.uint8), 1)]).wait()
+        what = "returned"
+    except WeightSyncError as exc:
+        kept.append(exc)
+        what = type(exc).__name__
+    ended = time.monotonic() - started
+    if ctx.rank == 2:
+        time.sleep(8)  # alive, the error kept, while rank 0 waits
+    group.close()
+    return {"what": what, "seconds": ended}
+
+
+def test_an_error_kept_after_a_failed_exchange_does_not_hold_the_group_open() -> None:
+    trainer, _, member = run_ranks(failed_exchange_kept_rank, 3, expect_dead={1})
+    assert member["what"] == "TransportError", member
+    assert trainer["what"] == "TransportError", trainer
+    assert trainer["seconds"] < 5, trainer  # not rank 2 leaving at 9 s, nor the 30 s bound

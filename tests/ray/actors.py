@@ -383,11 +383,11 @@ class ShardedTrainer:
     def push_sharded(self) -> Any:
         return push_sharded(self.model.state_dict(), self.updater)
 
-    def lanes_setup(self, workers: list, **config: Any) -> None:
+    def lanes_setup(self, workers: list, one_group: bool = False, **config: Any) -> None:
         """Every rank: a LaneUpdater over the same workers (a collective)."""
         from weight_sync.actors.lanes import LaneUpdater
 
-        self.lanes = LaneUpdater(workers, SyncConfig(**config))
+        self.lanes = LaneUpdater(workers, SyncConfig(**config), one_group=one_group)
 
     def lanes_push(
         self,

@@ -38,10 +38,22 @@ def lanes(request: pytest.FixtureRequest) -> Iterator[tuple[list, list]]:
             ray.kill(actor)
 
 
+# Each case also over one group of the senders and the workers, the lanes' buckets taken in
+# rounds (``LaneUpdater(one_group=True)``), rather than over a Gloo group per lane.
+ONE_GROUP = {"one_group": True}
+LANES_AND_ONE_GROUP = pytest.mark.parametrize(
+    "lanes",
+    [((False, False), {}), ((False, False), ONE_GROUP)],
+    ids=["lanes", "one_group"],
+    indirect=True,
+)
+
+
 def on_all(ranks: list, method: str, *args: object) -> list:
     return ray.get([getattr(rank, method).remote(*args) for rank in ranks], timeout=TIMEOUT)
 
 
+@LANES_AND_ONE_GROUP
 def test_every_rank_pushes_its_shards_and_workers_hold_the_whole_model(
     lanes: tuple[list, list],
 ) -> None:
@@ -100,7 +112,12 @@ def test_a_partial_push_completes_the_version_the_workers_hold(lanes: tuple[list
     assert [(s.version, s.full_version) for s in statuses] == [(2, 1), (2, 1)]
 
 
-@pytest.mark.parametrize("lanes", [((False, True), {})], indirect=True)
+@pytest.mark.parametrize(
+    "lanes",
+    [((False, True), {}), ((False, True), ONE_GROUP)],
+    ids=["lanes", "one_group"],
+    indirect=True,
+)
 def test_a_worker_whose_model_does_not_fit_refuses_before_any_byte(
     lanes: tuple[list, list],
 ) -> None:
@@ -113,6 +130,7 @@ def test_a_worker_whose_model_does_not_fit_refuses_before_any_byte(
     assert ray.get([w.weights_version.remote() for w in workers], timeout=TIMEOUT) == [None, None]
 
 
+@LANES_AND_ONE_GROUP
 def test_a_sender_that_dies_is_named_and_no_worker_claims_the_version(
     lanes: tuple[list, list],
 ) -> None:
@@ -132,7 +150,13 @@ def test_a_sender_that_dies_is_named_and_no_worker_claims_the_version(
 
 
 @pytest.mark.parametrize(
-    "lanes", [((False, False), {"bucket_bytes": 1024, "direct_min_bytes": None})], indirect=True
+    "lanes",
+    [
+        ((False, False), {"bucket_bytes": 1024, "direct_min_bytes": None}),
+        ((False, False), {"bucket_bytes": 1024, "direct_min_bytes": None, **ONE_GROUP}),
+    ],
+    ids=["lanes", "one_group"],
+    indirect=True,
 )
 def test_a_sender_that_dies_while_its_bytes_flow_is_named_and_no_worker_claims_the_version(
     lanes: tuple[list, list],
@@ -170,3 +194,25 @@ def test_a_worker_failing_after_the_lanes_fails_the_push_on_every_rank(
     assert "see rank 0's error" in said, said
     ray.get(workers[1].fail_after_lanes.remote(False), timeout=TIMEOUT)
     assert [r.version for r in on_all(ranks, "lanes_push")] == [3, 3]
+
+
+@ray.remote(num_cpus=0)
+class Plain:
+    """An actor that is no ``WeightSyncWorker`` (as a ``VLLMEngine`` is not)."""
+
+    def ping(self) -> bool:
+        return True
+
+
+def test_one_group_takes_only_workers_that_can_join_it() -> None:
+    """Refused in the constructor, before any group or collective: an engine's workers cannot
+    join one group yet."""
+    from weight_sync.actors import LaneUpdater
+
+    plain = Plain.remote()
+    try:
+        assert ray.get(plain.ping.remote(), timeout=TIMEOUT)
+        with pytest.raises(ValueError, match="one_group takes WeightSyncWorker actors"):
+            LaneUpdater([plain], one_group=True)
+    finally:
+        ray.kill(plain)

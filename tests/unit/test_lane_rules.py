@@ -10,7 +10,7 @@ import pytest
 
 from weight_sync.lanes import _together
 from weight_sync.metadata import ReceiveReport
-from weight_sync.send.lanes import Share, called_off, judge, row_tensor
+from weight_sync.send.lanes import Share, blame, called_off, judge, row_tensor
 from weight_sync.send.sharded import takes_host_tensors
 
 A, B = (1, 2, 3, 4), (5, 6, 7, 8)  # two layout digests, as four words
@@ -65,8 +65,22 @@ def test_judge_table(reports: dict, failed: list[int] | None) -> None:
         assert verdict == {"nbytes": 8, "buckets": 3, "wire": 8}
     else:
         assert verdict["senders"] == failed and "no member claims" in verdict["failed"]
+        assert f"trainer ranks {failed} did not land" in verdict["failed"]  # the blamed lead
         if reports.get(1) is None:
             assert "died or hung" in verdict["failed"]
+
+
+@pytest.mark.parametrize(
+    ("failed", "gone", "blamed", "tail"),
+    [
+        ({0: "a", 1: "b"}, [], [0, 1], " -- rank 0: a; rank 1: b"),
+        # The gone lead, even past a long reason of a lane that failed with them.
+        ({0: "x" * 600, 1: "gone"}, [1], [1], f" (those of [0] failed with them) -- rank 1: gone; rank 0: {'x' * 600}"),
+        ({2: "gone", 0: "b"}, [2], [2], " (those of [0] failed with them) -- rank 2: gone; rank 0: b"),
+    ],
+)  # fmt: skip
+def test_blame_table(failed: dict, gone: list[int], blamed: list[int], tail: str) -> None:
+    assert blame(failed, gone) == (blamed, tail)
 
 
 @pytest.mark.parametrize(

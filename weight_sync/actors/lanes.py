@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
@@ -39,7 +39,7 @@ from weight_sync.config import SyncConfig
 from weight_sync.deadline import Deadline
 from weight_sync.errors import WeightSyncError, WorkerFailedError, first_line
 from weight_sync.lanes import Senders
-from weight_sync.metadata import MemberInfo
+from weight_sync.metadata import GroupSpec, MemberInfo
 from weight_sync.result import PushResult
 from weight_sync.send.checks import Rename, StateDict
 
@@ -52,7 +52,13 @@ class LaneUpdater:
 
     Made on every rank of ``group`` (the trainers' torch.distributed group, default: the default
     group) at once: a collective. Its ranks ``0..n-1`` are the senders; the DTensors pushed must
-    lie on meshes of them (see docs/many-senders.md)."""
+    lie on meshes of them (see docs/many-senders.md).
+
+    ``one_group``: every lane's buckets go over one group of the senders and the workers, point
+    to point, each worker taking them in rounds (``transport.rounds``), rather than over a Gloo
+    group per lane -- the design for NCCL (``SyncConfig(backend="nccl")``, which needs it). It
+    takes ``WeightSyncWorker`` actors (not yet ``VLLMEngine``s). A push that fails midway leaves
+    that group aborted: the pushes after it fail too; make a new ``LaneUpdater``."""
 
     def __init__(
         self,
@@ -60,14 +66,25 @@ class LaneUpdater:
         config: SyncConfig | None = None,
         *,
         group: dist.ProcessGroup | None = None,
+        one_group: bool = False,
     ) -> None:
         if not workers:
             raise ValueError("a LaneUpdater needs at least one worker")
+        if one_group and not all(_has_method(w, "_weight_sync_lanes_join") for w in workers):
+            raise ValueError(
+                "one_group takes WeightSyncWorker actors: a VLLMEngine's workers cannot join "
+                "one group yet; leave one_group unset (Gloo lanes)"
+            )
         self._workers = list(workers)
+        self._one_group = one_group
         self._slots: list[int] = []  # rank 0: each worker's first member slot (1-based)
         self._sent = 0  # rank 0: the highest version any worker was ever sent
         self._lanes = Senders(
-            config, group, lambda given: self._probe(given.rpc_timeout_s), "LaneUpdater"
+            config,
+            group,
+            lambda given: self._probe(given.rpc_timeout_s),
+            "LaneUpdater",
+            self._invite if one_group else None,
         )
         self._lanes.out.pusher.spent(self._lanes.from_rank_0(lambda: self._sent))
         self.config = self._lanes.config
@@ -165,9 +182,36 @@ class LaneUpdater:
                 f"a worker did not answer ({first_line(exc)})", list(range(len(self._workers)))
             ) from exc
         ranks = [info.ranks for info in infos]
+        if self._one_group and any(count != 1 for count in ranks):
+            raise ValueError(
+                f"one_group takes workers of one member each; these bring {ranks} members: "
+                "leave one_group unset"
+            )
         self._slots = [1 + sum(ranks[:index]) for index in range(len(ranks))]
         self._sent = max(info.highest_version for info in infos)
         return sum(ranks)
+
+    def _invite(
+        self, specs: list[GroupSpec], endpoints: list[tuple[str, int]]
+    ) -> Callable[[], None]:
+        """Rank 0: every worker joins the one group as the rank its spec names (one member
+        each: see ``_probe``), its lanes from the senders at ``endpoints`` to take their buckets
+        over it; returns what waits for their joins once the senders' formed."""
+        calls = [
+            worker._weight_sync_lanes_join.remote(spec.model_dump_json(), endpoints, slot)
+            for spec, slot, worker in zip(specs, self._slots, self._workers, strict=True)
+        ]
+
+        def joined() -> None:
+            try:  # they formed with the senders: their answers are on the way
+                ray.get(calls, timeout=specs[0].rendezvous_timeout_s)
+            except Exception as exc:
+                raise WorkerFailedError(
+                    f"a worker did not join the one group ({first_line(exc)})",
+                    list(range(len(self._workers))),
+                ) from exc
+
+        return joined
 
     def _check_workers(
         self, layout: BlockLayout, version: int, started: float
@@ -224,3 +268,12 @@ class LaneUpdater:
             logger.info(
                 "push %d: workers %s failed too: %s", self._lanes.pushes, sorted(failed), failed
             )
+
+
+def _has_method(actor: ActorHandle, name: str) -> bool:
+    """Whether ``actor``'s class defines ``name`` (a handle raises on any other)."""
+    try:
+        getattr(actor, name)
+    except AttributeError:
+        return False
+    return True

@@ -20,6 +20,7 @@ from weight_sync.checksums import state_dict_digests
 from weight_sync.devices import CPU, module_device
 from weight_sync.lanes import Lanes
 from weight_sync.metadata import (
+    GroupSpec,
     MemberInfo,
     PrepareReply,
     PushReply,
@@ -29,6 +30,8 @@ from weight_sync.metadata import (
 )
 from weight_sync.receive.assembly import Assembly, layout_of_push, past_sent
 from weight_sync.receiver import Check, Receiver, expecting
+from weight_sync.transport import TorchGroup
+from weight_sync.transport.rounds import Rounds
 
 SYNC_GROUP = "weight_sync"  # the protocol's calls; one at a time
 STATUS_GROUP = "weight_sync_status"  # health: answers while a push runs
@@ -209,9 +212,8 @@ class WeightSyncWorker:
         committed."""
         endpoints = [(str(address), int(port)) for address, port in endpoints]
         lanes = self.__dict__.get("_weight_sync_lanes")
-        if lanes is None or lanes.endpoints != endpoints:
-            if lanes is not None:
-                lanes.close()
+        if lanes is None or lanes.endpoints != endpoints:  # new senders, over Gloo lanes
+            self._weight_sync_drop_lanes()
             lanes = self._weight_sync_lanes = Lanes(
                 endpoints, slot, self.weight_sync_device, min(wait_s, 60.0)
             )
@@ -221,7 +223,40 @@ class WeightSyncWorker:
         assert layout is not None, "the trainer checks the layout with every worker first"
         return lanes.receive(self._weight_sync_assembly(layout), push, wait_s, f"worker {slot - 1}")
 
+    def _weight_sync_lanes_join(
+        self,
+        spec_json: str,
+        endpoints: list[tuple[str, int]],
+        slot: int,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Join the one group the lanes of the senders at ``endpoints`` move their buckets over
+        (``LaneUpdater(one_group=True)``), as the rank ``spec_json`` names, while they do;
+        this worker's lanes from them (one per sender) take their buckets from it, in rounds."""
+        spec = GroupSpec.model_validate_json(spec_json)
+        device = self.weight_sync_device() if spec.backend == "nccl" else None
+        endpoints = [(str(address), int(port)) for address, port in endpoints]
+        self._weight_sync_drop_lanes()
+        group = TorchGroup.join(spec, None, device)
+        try:
+            self._weight_sync_lanes = Lanes(
+                endpoints,
+                slot,
+                self.weight_sync_device,
+                spec.rendezvous_timeout_s,
+                Rounds(group, range(len(endpoints))),  # the senders: the group's first ranks
+            )
+        except BaseException:
+            group.close()
+            raise
+
     # -- internals -----------------------------------------------------------------------------
+
+    def _weight_sync_drop_lanes(self) -> None:
+        """Leave the lanes of earlier senders, if any (and the one group they came over)."""
+        lanes = self.__dict__.pop("_weight_sync_lanes", None)
+        if lanes is not None:
+            lanes.close()
 
     def _weight_sync_state(self) -> Receiver:
         # Tolerates a subclass that forgot super().__init__().

@@ -226,14 +226,26 @@ def judge(reports: Mapping[int, dict[str, Any] | None]) -> dict[str, Any]:
     }
     if failed:
         gone = [rank for rank, report in reports.items() if report is None or report.get("gone")]
+        blamed, why = blame(failed, gone)
         return {
-            "failed": "no member claims the push: trainer ranks "
-            f"{sorted(failed)} did not land their lanes -- "
-            + "; ".join(f"rank {rank}: {why}" for rank, why in failed.items()),
-            "senders": sorted(gone or failed),
+            "failed": f"no member claims the push: trainer ranks {blamed} did not land their "
+            f"lanes{why}",
+            "senders": blamed,
         }
     landed = [report for report in reports.values() if report is not None]
     return {key: sum(report[key] for report in landed) for key in ("nbytes", "buckets", "wire")}
+
+
+def blame(failed: Mapping[int, str], gone: Sequence[int]) -> tuple[list[int], str]:
+    """Who is to blame for the lanes that ``failed`` (sender -> why): the ``gone`` senders
+    where there are any -- over one group their death fails the other lanes too, which are not
+    to blame -- else every failed one; and the tail of a message saying so, with each lane's
+    reason, the blamed ones' first (a reason is cut at 500 characters, a Gloo error alone takes
+    300 of them)."""
+    blamed = sorted(gone) if gone else sorted(failed)
+    others = sorted(set(failed) - set(blamed))
+    reasons = "; ".join(f"rank {rank}: {failed[rank]}" for rank in blamed + others)
+    return blamed, (f" (those of {others} failed with them)" if others else "") + f" -- {reasons}"
 
 
 def row_tensor(values: list[int], digest: bytes) -> torch.Tensor:

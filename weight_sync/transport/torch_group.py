@@ -228,6 +228,7 @@ class _GlooBatch:
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         if not self._done:
             deadline = time.monotonic() + self._bound_s
+            work: dist.Work | None = None
             try:
                 for work in self._works:
                     left = max(deadline - time.monotonic(), 1e-3)
@@ -236,7 +237,10 @@ class _GlooBatch:
                 self._failure = exc
             finally:
                 self._done = True
-                self._works = []  # a live Gloo work keeps its connections open
+                # A live Gloo work keeps its connections open, and a peer's send to this rank
+                # then waits out its bound: none may outlive this wait, not even as this
+                # frame's ``work``, which the failure's traceback keeps.
+                self._works, work = [], None
         if self._failure is not None:
             raise self._failure
         return True
