@@ -258,30 +258,32 @@ def lane_config(config: SyncConfig, one_group: bool = False) -> SyncConfig:
         raise ValueError(
             "a push from several senders runs its lanes over Gloo (CUDA tensors go through the "
             "host); leave SyncConfig.backend unset or 'gloo', or move the buckets over one "
-            "group (JobSync(one_group=True))"
+            "group (JobSync or LaneUpdater with one_group=True)"
         )
     return config.model_copy(
         update={"group_mode": "standalone", "same_host": "group", "backend": "gloo"}
     )
 
 
-Invite = Callable[[list[GroupSpec]], Callable[[], None]]
+# Rank 0 asks the members to join one group, each as the rank its spec names, with the senders'
+# endpoints (the lanes that take its buckets); returns what waits for their answers.
+Invite = Callable[[list[GroupSpec], list[tuple[str, int]]], Callable[[], None]]
 
 
 def form_one_group(
     config: SyncConfig,
     group: dist.ProcessGroup | None,
     device: torch.device,
-    invite: Invite | None = None,
+    invite: Callable[[list[GroupSpec]], object] | None = None,
     members: int = 0,
 ) -> TorchGroup:
     """The group every rank of ``group`` (a torch.distributed group: the job's, or the
     senders') moves the lanes' buckets over (``transport.rounds``), in ``group``'s order, then
     ``members`` processes outside it (Ray workers): made by all of them at once, rank 0 holding
     the rendezvous. ``invite`` (rank 0, with ``members``) asks those to join, as the ranks the
-    specs it is given name, and returns what waits for their answers once the group formed.
-    On ``config.backend`` ("nccl": each rank of ``group`` on its current GPU; else Gloo, on the
-    host); ``device`` is where ``group``'s backend takes the rendezvous address."""
+    specs it is given name, before rank 0 joins. On ``config.backend`` ("nccl": each rank of
+    ``group`` on its current GPU; else Gloo, on the host); ``device`` is where ``group``'s
+    backend takes the rendezvous address."""
     rank, ranks = dist.get_rank(group), dist.get_world_size(group)
     listener = None
     if rank == 0:
@@ -303,24 +305,14 @@ def form_one_group(
             rendezvous_timeout_s=config.rendezvous_timeout_s,
             collective_timeout_s=config.collective_timeout_s,
         )
-        answers = None
         if invite is not None and rank == 0 and members:
-            answers = invite(
-                [spec.model_copy(update={"rank": r}) for r in range(ranks, spec.world_size)]
-            )
+            invite([spec.model_copy(update={"rank": r}) for r in range(ranks, spec.world_size)])
         on = torch.device("cuda", torch.cuda.current_device()) if nccl else None
-        formed = TorchGroup.join(spec, listener, device=on)
+        return TorchGroup.join(spec, listener, device=on)
     except BaseException:
         if listener is not None:
             listener.close()
         raise
-    if answers is not None:
-        try:
-            answers()
-        except BaseException:
-            formed.close()
-            raise
-    return formed
 
 
 class Senders:
@@ -340,8 +332,7 @@ class Senders:
         group: dist.ProcessGroup | None,
         members: Callable[[SyncConfig], int],
         owner: str,
-        invite: Callable[[list[GroupSpec], list[tuple[str, int]]], Callable[[], None]]
-        | None = None,
+        invite: Invite | None = None,
     ) -> None:
         if config is not None and not isinstance(config, SyncConfig):
             raise TypeError(f"config must be a SyncConfig, got {type(config).__name__}")
@@ -373,9 +364,7 @@ class Senders:
             self.store = dist.PrefixStore(VERDICTS, store)
             self.verdicts = Verdicts(self.store, self.senders)
             if invite is not None:
-                endpoints = self.endpoints  # the lanes the members take the buckets for
-                ask: Invite = lambda specs: invite(specs, endpoints)
-                self.one_group = form_one_group(given, self.control, CPU, ask, self.members)
+                self._form_one_group(given, invite)
         except BaseException:
             self.close()
             raise
@@ -496,6 +485,24 @@ class Senders:
         self.out.close()
         if self.one_group is not None:
             self.one_group.close()
+
+    def _form_one_group(self, config: SyncConfig, invite: Invite) -> None:
+        """Form the one group with the members, then tell every sender whether each member
+        joined it: one may fail after the group formed (a sender's store it cannot reach), and
+        the senders must not go on without it, waiting on each other, while rank 0 raises."""
+        answers: list[Callable[[], None]] = []  # rank 0: what waits for the members' joins
+
+        def ask(specs: list[GroupSpec]) -> None:
+            answers.append(invite(specs, self.endpoints))
+
+        self.one_group = form_one_group(config, self.control, CPU, ask, self.members)
+
+        def joined() -> int:
+            for wait in answers:
+                wait()
+            return 0
+
+        self.from_rank_0(joined)
 
     def _over_one_group(self, lane: Transport) -> Transport:
         assert self.one_group is not None, "the one group forms before any push"

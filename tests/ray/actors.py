@@ -323,6 +323,16 @@ class LMWorker(WeightSyncWorker):
         a worker that fails after its bytes landed (fault injection)."""
         self._fail_after_lanes = on
 
+    def fail_after_join(self) -> None:
+        """From now, joining one group raises once joined: a worker that fails after the group
+        formed with it (fault injection)."""
+        self._fail_after_join = True
+
+    def _weight_sync_lanes_join(self, *args: Any, **kwargs: Any) -> None:
+        super()._weight_sync_lanes_join(*args, **kwargs)
+        if getattr(self, "_fail_after_join", False):
+            raise RuntimeError("failed once it had joined the one group (fault injection)")
+
     def _weight_sync_lanes_receive(self, *args: Any, **kwargs: Any) -> int | None:
         held = super()._weight_sync_lanes_receive(*args, **kwargs)
         if getattr(self, "_fail_after_lanes", False):

@@ -4,6 +4,7 @@ shards at once; the workers put every tensor together in their models."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -194,6 +195,45 @@ def test_a_worker_failing_after_the_lanes_fails_the_push_on_every_rank(
     assert "see rank 0's error" in said, said
     ray.get(workers[1].fail_after_lanes.remote(False), timeout=TIMEOUT)
     assert [r.version for r in on_all(ranks, "lanes_push")] == [3, 3]
+
+
+def test_a_worker_failing_once_the_one_group_formed_fails_every_sender_at_once() -> None:
+    """Worker 1 raises once it joined the one group: rank 0 names it, and rank 1, whose own
+    join went through, raises with it rather than waiting for rank 0 until its bound."""
+    workers = [LMWorker.remote(fused=False) for _ in range(2)]
+    ranks = [ShardedTrainer.remote(rank, 2) for rank in range(2)]
+    try:
+        ray.get(workers[1].fail_after_join.remote(), timeout=TIMEOUT)
+        port = ray.get(ranks[0].port.remote(), timeout=TIMEOUT)
+        ray.get([rank.setup.remote(port, None) for rank in ranks], timeout=TIMEOUT)
+        started = time.monotonic()
+        setups = [rank.lanes_setup.remote(workers, one_group=True) for rank in ranks]
+        errors = []
+        for setup in setups:
+            with pytest.raises(ray.exceptions.RayTaskError) as raised:
+                ray.get(setup, timeout=TIMEOUT)
+            errors.append(str(raised.value))
+        assert time.monotonic() - started < 60  # not the 900 s push_timeout_s of rank 1's wait
+        assert "WorkerFailedError" in errors[0] and "did not join the one group" in errors[0]
+        assert "rank 0 failed before the push" in errors[1], errors[1]
+    finally:
+        for actor in [*ranks, *workers]:
+            ray.kill(actor)
+
+
+def test_a_worker_without_the_one_group_refuses_a_push_over_it() -> None:
+    """A worker asked to take a push over one group it holds none of (restarted, or another
+    updater's lanes took their place) refuses it, rather than listening on lanes of its own
+    while the senders send over the group."""
+    worker = LMWorker.remote(fused=False)
+    try:
+        call = worker._weight_sync_lanes_receive.remote(
+            [("127.0.0.1", 1)], 1, 1, 1, 1.0, one_group=True
+        )
+        with pytest.raises(ray.exceptions.RayTaskError, match="holds no one group"):
+            ray.get(call, timeout=TIMEOUT)
+    finally:
+        ray.kill(worker)
 
 
 @ray.remote(num_cpus=0)

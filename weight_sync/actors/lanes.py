@@ -70,7 +70,7 @@ class LaneUpdater:
     ) -> None:
         if not workers:
             raise ValueError("a LaneUpdater needs at least one worker")
-        if one_group and not all(_has_method(w, "_weight_sync_lanes_join") for w in workers):
+        if one_group and not all(hasattr(w, "_weight_sync_lanes_join") for w in workers):
             raise ValueError(
                 "one_group takes WeightSyncWorker actors: a VLLMEngine's workers cannot join "
                 "one group yet; leave one_group unset (Gloo lanes)"
@@ -86,7 +86,11 @@ class LaneUpdater:
             "LaneUpdater",
             self._invite if one_group else None,
         )
-        self._lanes.out.pusher.spent(self._lanes.from_rank_0(lambda: self._sent))
+        try:
+            self._lanes.out.pusher.spent(self._lanes.from_rank_0(lambda: self._sent))
+        except BaseException:
+            self._lanes.close()
+            raise
         self.config = self._lanes.config
         self.rank, self.senders = self._lanes.rank, self._lanes.senders
         self._held: list[str | None] = [None] * len(self._workers)  # rank 0: layouts they hold
@@ -131,6 +135,7 @@ class LaneUpdater:
             return PushResult(self._committed, 0, 0, 0.0)
         calls: list[Any] = []
         if self.rank == 0:
+            over = {"one_group": True} if self._one_group else {}  # a VLLMEngine takes no such
             calls = [
                 worker._weight_sync_lanes_receive.remote(
                     self._lanes.endpoints,
@@ -138,6 +143,7 @@ class LaneUpdater:
                     self._lanes.pushes,
                     chosen,
                     self._lanes.wait_s(started),
+                    **over,
                 )
                 for slot, worker in zip(self._slots, self._workers, strict=True)
             ]
@@ -268,12 +274,3 @@ class LaneUpdater:
             logger.info(
                 "push %d: workers %s failed too: %s", self._lanes.pushes, sorted(failed), failed
             )
-
-
-def _has_method(actor: ActorHandle, name: str) -> bool:
-    """Whether ``actor``'s class defines ``name`` (a handle raises on any other)."""
-    try:
-        getattr(actor, name)
-    except AttributeError:
-        return False
-    return True

@@ -18,6 +18,7 @@ import torch
 from weight_sync.blocks import BlockLayout
 from weight_sync.checksums import state_dict_digests
 from weight_sync.devices import CPU, module_device
+from weight_sync.errors import WeightSyncError
 from weight_sync.lanes import Lanes
 from weight_sync.metadata import (
     GroupSpec,
@@ -206,13 +207,22 @@ class WeightSyncWorker:
         version: int,
         wait_s: float,
         timeout_s: float | None = None,
+        one_group: bool = False,
     ) -> int | None:
         """Take push ``push`` (of ``version``) on every lane at once (a thread each), as member
         ``slot`` of each sender's store at ``endpoints``; returns the version every lane
-        committed."""
+        committed. ``one_group``: their buckets come over the one group this worker joined
+        with them (``_weight_sync_lanes_join``)."""
         endpoints = [(str(address), int(port)) for address, port in endpoints]
-        lanes = self.__dict__.get("_weight_sync_lanes")
-        if lanes is None or lanes.endpoints != endpoints:  # new senders, over Gloo lanes
+        lanes: Lanes | None = self.__dict__.get("_weight_sync_lanes")
+        if lanes is not None and lanes.endpoints != endpoints:
+            lanes = None  # from other senders
+        if one_group and (lanes is None or lanes.rounds is None):
+            raise WeightSyncError(
+                "this worker holds no one group with these senders (it restarted, or lanes "
+                "from other senders took its place): make a new LaneUpdater"
+            )
+        if lanes is None:  # new senders, over Gloo lanes
             self._weight_sync_drop_lanes()
             lanes = self._weight_sync_lanes = Lanes(
                 endpoints, slot, self.weight_sync_device, min(wait_s, 60.0)

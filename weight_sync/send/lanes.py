@@ -242,6 +242,7 @@ def blame(failed: Mapping[int, str], gone: Sequence[int]) -> tuple[list[int], st
     to blame -- else every failed one; and the tail of a message saying so, with each lane's
     reason, the blamed ones' first (a reason is cut at 500 characters, a Gloo error alone takes
     300 of them)."""
+    assert set(gone) <= set(failed), (gone, failed)
     blamed = sorted(gone) if gone else sorted(failed)
     others = sorted(set(failed) - set(blamed))
     reasons = "; ".join(f"rank {rank}: {failed[rank]}" for rank in blamed + others)
