@@ -609,9 +609,12 @@ class Lanes:
         device: Callable[[], torch.device],
         timeout_s: float,
         rounds: Rounds | None = None,
+        before: SyncStatus | None = None,
     ) -> None:
         """``timeout_s`` bounds dialling each sender's store. ``rounds``: the lanes' buckets
-        come over one group, taken in its rounds (each lane's own group then only votes)."""
+        come over one group, taken in its rounds (each lane's own group then only votes).
+        ``before``: what this member held through the lanes these replace (other senders'),
+        which it holds until their first push begins."""
         self.endpoints = list(endpoints)
         self.rounds = rounds
         self.inbound = [
@@ -628,11 +631,11 @@ class Lanes:
         self.verdicts = Verdicts(
             dist.PrefixStore(VERDICTS, self.inbound[0].raw_store), len(endpoints)
         )
-        self.held: int | None = None  # the version every lane committed here
-        self.full: int | None = None  # the last of those that covered every tensor
+        # The version every lane committed here; the last of those that covered every tensor.
+        self.held, self.full = (before.version, before.full_version) if before else (None, None)
         self.layout: BlockLayout | None = None  # the last layout this member took
-        self.error: str | None = None  # why the last push failed here, if it did
-        self.last: ReceiveReport | None = None  # the last push every lane committed, together
+        self.error = before.last_error if before else None  # why the last push failed here
+        self.last = before.last if before else None  # the last push every lane committed
 
     def receive(self, assembly: Assembly, push: int, wait_s: float, member: str) -> int | None:
         """Push ``push`` on every lane the layout gives blocks to, each on a thread of its own,

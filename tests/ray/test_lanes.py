@@ -4,6 +4,7 @@ shards at once; the workers put every tensor together in their models."""
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 
@@ -11,6 +12,7 @@ import pytest
 import ray
 
 from tests.ray.actors import LMWorker, ShardedTrainer
+from weight_sync.metadata import GroupSpec
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("ray_cluster")]
 TIMEOUT = 120
@@ -221,10 +223,28 @@ def test_a_worker_failing_once_the_one_group_formed_fails_every_sender_at_once()
             ray.kill(actor)
 
 
+@pytest.mark.parametrize("lanes", [((False, False), ONE_GROUP)], ids=["one_group"], indirect=True)
+def test_a_worker_that_lost_the_one_group_refuses_the_push_before_any_byte(
+    lanes: tuple[list, list],
+) -> None:
+    """A worker whose lanes another updater's took the place of refuses the next push over
+    the one group in its layout check: every rank raises at once, the senders never waiting
+    out their bound on a member that will not answer, and the worker keeps its version."""
+    ranks, workers = lanes
+    assert [r.version for r in on_all(ranks, "lanes_push")] == [1, 1]
+    ray.get(workers[0]._weight_sync_drop_lanes.remote(), timeout=TIMEOUT)
+    started = time.monotonic()
+    (kind, why), (other, _) = on_all(ranks, "lanes_push")
+    assert time.monotonic() - started < 30
+    assert kind == other == "PlanMismatchError", why
+    assert "worker 0: this worker holds no one group with these senders" in why
+    assert ray.get([w.weights_version.remote() for w in workers], timeout=TIMEOUT) == [1, 1]
+
+
 def test_a_worker_without_the_one_group_refuses_a_push_over_it() -> None:
-    """A worker asked to take a push over one group it holds none of (restarted, or another
-    updater's lanes took their place) refuses it, rather than listening on lanes of its own
-    while the senders send over the group."""
+    """The backstop behind the layout check: a worker asked to take a push over one group it
+    holds none of refuses it, rather than listening on lanes of its own while the senders send
+    over the group."""
     worker = LMWorker.remote(fused=False)
     try:
         call = worker._weight_sync_lanes_receive.remote(
@@ -234,6 +254,50 @@ def test_a_worker_without_the_one_group_refuses_a_push_over_it() -> None:
             ray.get(call, timeout=TIMEOUT)
     finally:
         ray.kill(worker)
+
+
+@pytest.mark.parametrize("lanes", [((False, False), ONE_GROUP)], ids=["one_group"], indirect=True)
+def test_a_join_that_comes_too_late_leaves_the_workers_lanes_as_they_were(
+    lanes: tuple[list, list],
+) -> None:
+    """A worker asked to join a one group whose senders gave up (its actor was busy past their
+    rendezvous bound) fails that join and keeps the lanes it holds: the next push lands."""
+    ranks, workers = lanes
+    assert [r.version for r in on_all(ranks, "lanes_push")] == [1, 1]
+    with socket.socket() as nobody:  # bound, never listening: the senders' rendezvous is gone
+        nobody.bind(("127.0.0.1", 0))
+        spec = GroupSpec(group_id="0" * 16, address="127.0.0.1", port=nobody.getsockname()[1],
+                         world_size=4, rank=2, backend="gloo", mode="standalone",
+                         rendezvous_timeout_s=1.0, collective_timeout_s=1.0)  # fmt: skip
+        late = workers[0]._weight_sync_lanes_join.remote(
+            spec.model_dump_json(), [("127.0.0.1", 1), ("127.0.0.1", 2)], 1
+        )
+        with pytest.raises(ray.exceptions.RayTaskError):
+            ray.get(late, timeout=TIMEOUT)
+    assert [r.version for r in on_all(ranks, "lanes_push")] == [2, 2]
+
+
+def test_one_group_over_nccl_refuses_workers_without_a_gpu_of_their_own() -> None:
+    """Asked of the workers as the senders form, before any rendezvous: a worker on the CPU
+    would otherwise fail in the group's rendezvous, and every sender wait out its bound."""
+    workers = [LMWorker.remote(fused=False) for _ in range(2)]
+    ranks = [ShardedTrainer.remote(rank, 2) for rank in range(2)]
+    try:
+        port = ray.get(ranks[0].port.remote(), timeout=TIMEOUT)
+        ray.get([rank.setup.remote(port, None) for rank in ranks], timeout=TIMEOUT)
+        setups = [
+            rank.lanes_setup.remote(workers, one_group=True, backend="nccl") for rank in ranks
+        ]
+        errors = []
+        for setup in setups:
+            with pytest.raises(ray.exceptions.RayTaskError) as raised:
+                ray.get(setup, timeout=TIMEOUT)
+            errors.append(str(raised.value))
+        assert "ValueError" in errors[0] and "worker 0 does not receive on a GPU" in errors[0]
+        assert "rank 0 failed" in errors[1], errors[1]
+    finally:
+        for actor in [*ranks, *workers]:
+            ray.kill(actor)
 
 
 @ray.remote(num_cpus=0)

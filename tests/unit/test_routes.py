@@ -13,7 +13,13 @@ from weight_sync.devices import CPU, module_device, push_device
 from weight_sync.errors import TransportError
 from weight_sync.metadata import MemberInfo
 from weight_sync.send.formation import _choose_mode
-from weight_sync.send.routes import ROUTE_WORDS, Route, choose_routes, describe_routes
+from weight_sync.send.routes import (
+    ROUTE_WORDS,
+    Route,
+    choose_routes,
+    describe_routes,
+    members_nccl_problem,
+)
 
 HERE, THERE, OTHER_NS = "boot-a/net:[1]", "boot-b/net:[1]", "boot-a/net:[2]"
 G0, G1, G2, G3 = "GPU-0000", "GPU-1111", "GPU-2222", "GPU-3333"
@@ -84,6 +90,26 @@ def test_an_explicit_nccl_that_cannot_work_is_refused_naming_who(
     with pytest.raises(TransportError, match=says):
         choose_routes(backend="nccl", same_host="shm", trainer_gpu=trainer_gpu, trainer_host=HERE,
                       infos=members)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("members", "says"),
+    [
+        ([member(HERE, G0), member(THERE, G1)], None),
+        # No ring stands in for a worker on a GPU already taken: each one is a rank.
+        ([member(HERE, G0), member(HERE, G0)], "workers 0 and 1 share GPU GPU-0000"),
+        ([member(HERE, G1, G1, ranks=2)], "worker 0 has two ranks on GPU"),
+        ([member(HERE, G1), member(HERE)], "worker 1 does not receive on a GPU"),
+        ([member(HERE, G1, ranks=2)], "worker 0 does not receive on a GPU"),
+        ([], None),
+    ],
+)  # fmt: skip
+def test_which_members_one_nccl_group_can_take(members: list[MemberInfo], says: str | None) -> None:
+    problem = members_nccl_problem(members)
+    if says is None:
+        assert problem is None
+    else:
+        assert problem is not None and says in problem
 
 
 def test_the_host_key_of_a_platform_without_rings_puts_nobody_on_one() -> None:

@@ -42,6 +42,7 @@ from weight_sync.lanes import Senders
 from weight_sync.metadata import GroupSpec, MemberInfo
 from weight_sync.result import PushResult
 from weight_sync.send.checks import Rename, StateDict
+from weight_sync.send.routes import members_nccl_problem
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,9 @@ class LaneUpdater:
                 "one group yet; leave one_group unset (Gloo lanes)"
             )
         self._workers = list(workers)
-        self._one_group = one_group
+        self._over_one_group = one_group
+        # NCCL members must each hold a GPU of their own: asked of the workers in ``_probe``.
+        self._nccl = one_group and isinstance(config, SyncConfig) and config.backend == "nccl"
         self._slots: list[int] = []  # rank 0: each worker's first member slot (1-based)
         self._sent = 0  # rank 0: the highest version any worker was ever sent
         self._lanes = Senders(
@@ -135,7 +138,7 @@ class LaneUpdater:
             return PushResult(self._committed, 0, 0, 0.0)
         calls: list[Any] = []
         if self.rank == 0:
-            over = {"one_group": True} if self._one_group else {}  # a VLLMEngine takes no such
+            over = {"one_group": True} if self._over_one_group else {}  # no VLLMEngine's kwarg
             calls = [
                 worker._weight_sync_lanes_receive.remote(
                     self._lanes.endpoints,
@@ -188,10 +191,16 @@ class LaneUpdater:
                 f"a worker did not answer ({first_line(exc)})", list(range(len(self._workers)))
             ) from exc
         ranks = [info.ranks for info in infos]
-        if self._one_group and any(count != 1 for count in ranks):
+        if self._over_one_group and any(count != 1 for count in ranks):
             raise ValueError(
                 f"one_group takes workers of one member each; these bring {ranks} members: "
                 "leave one_group unset"
+            )
+        problem = members_nccl_problem(infos) if self._nccl else None
+        if problem is not None:  # else they would fail in the rendezvous, at its bound
+            raise ValueError(
+                f"one_group over NCCL cannot take these workers: {problem}; give each worker a "
+                "GPU of its own, or leave SyncConfig.backend unset (Gloo)"
             )
         self._slots = [1 + sum(ranks[:index]) for index in range(len(ranks))]
         self._sent = max(info.highest_version for info in infos)
@@ -225,12 +234,14 @@ class LaneUpdater:
         """Rank 0: every worker checks the layout against its model (sent to those that do not
         hold it). Returns each refusing worker's problems."""
         deadline = Deadline(self.config.push_timeout_s, "the workers' layout checks", started)
+        over = {"one_group": self._lanes.endpoints} if self._over_one_group else {}
         calls = [
             worker._weight_sync_lanes_check.remote(
                 None if held == layout.digest else layout.wire,
                 layout.digest,
                 version,
                 self.config.max_metadata_bytes,
+                **over,
             )
             for worker, held in zip(self._workers, self._held, strict=True)
         ]

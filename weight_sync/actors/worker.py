@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -89,9 +89,9 @@ class WeightSyncWorker:
         stats. Answers during a push when the actor was made with ``remote_worker``. After a
         push from many senders (``LaneUpdater``), it speaks for every lane together: the
         version every lane committed, their buckets summed, the least advanced lane's phase."""
-        lanes = self.__dict__.get("_weight_sync_lanes")
-        if lanes is not None and self.__dict__.get("_weight_sync_by_lanes"):
-            return lanes.status()
+        if self.__dict__.get("_weight_sync_by_lanes"):
+            lanes = self.__dict__.get("_weight_sync_lanes")
+            return lanes.status() if lanes is not None else self._weight_sync_lanes_left
         return self._weight_sync_state().status()
 
     # -- helpers users may call or override ------------------------------------------------------
@@ -186,10 +186,15 @@ class WeightSyncWorker:
         version: int,
         max_metadata_bytes: int,
         timeout_s: float | None = None,
+        one_group: list[tuple[str, int]] | None = None,
     ) -> list[str]:
         """What this worker cannot take of the push (its layout; ``version``, which must be
         past every version it was sent) -- empty: all of it --, checked before any byte moves;
-        ``layout_json`` is None where the trainer believes this worker holds it already."""
+        ``layout_json`` is None where the trainer believes this worker holds it already.
+        ``one_group``: the endpoints of the senders whose buckets come over the one group this
+        worker must hold with them."""
+        if one_group is not None and (missing := self._weight_sync_lacks_group(one_group)):
+            return [missing]
         held = self.__dict__.get("_weight_sync_layout")
         layout = layout_of_push(layout_json, digest, held, max_metadata_bytes)
         if isinstance(layout, str):
@@ -213,19 +218,17 @@ class WeightSyncWorker:
         ``slot`` of each sender's store at ``endpoints``; returns the version every lane
         committed. ``one_group``: their buckets come over the one group this worker joined
         with them (``_weight_sync_lanes_join``)."""
-        endpoints = [(str(address), int(port)) for address, port in endpoints]
+        if one_group and (missing := self._weight_sync_lacks_group(endpoints)):
+            raise WeightSyncError(missing)  # checked before the push too: a backstop
+        endpoints = _endpoints(endpoints)
         lanes: Lanes | None = self.__dict__.get("_weight_sync_lanes")
         if lanes is not None and lanes.endpoints != endpoints:
             lanes = None  # from other senders
-        if one_group and (lanes is None or lanes.rounds is None):
-            raise WeightSyncError(
-                "this worker holds no one group with these senders (it restarted, or lanes "
-                "from other senders took its place): make a new LaneUpdater"
-            )
         if lanes is None:  # new senders, over Gloo lanes
+            before = self._weight_sync_by_lanes_status()
             self._weight_sync_drop_lanes()
             lanes = self._weight_sync_lanes = Lanes(
-                endpoints, slot, self.weight_sync_device, min(wait_s, 60.0)
+                endpoints, slot, self.weight_sync_device, min(wait_s, 60.0), None, before
             )
         self._weight_sync_by_lanes = True
         self._weight_sync_state().saw(version)  # spent here from now, landed or not
@@ -245,27 +248,50 @@ class WeightSyncWorker:
         this worker's lanes from them (one per sender) take their buckets from it, in rounds."""
         spec = GroupSpec.model_validate_json(spec_json)
         device = self.weight_sync_device() if spec.backend == "nccl" else None
-        endpoints = [(str(address), int(port)) for address, port in endpoints]
-        self._weight_sync_drop_lanes()
+        endpoints = _endpoints(endpoints)
+        # Joined before the earlier lanes are left: a join that comes too late (this actor was
+        # busy past the senders' rendezvous bound) fails, and leaves those lanes as they were.
         group = TorchGroup.join(spec, None, device)
         try:
-            self._weight_sync_lanes = Lanes(
+            lanes = Lanes(
                 endpoints,
                 slot,
                 self.weight_sync_device,
                 spec.rendezvous_timeout_s,
                 Rounds(group, range(len(endpoints))),  # the senders: the group's first ranks
+                self._weight_sync_by_lanes_status(),
             )
         except BaseException:
             group.close()
             raise
+        self._weight_sync_drop_lanes()
+        self._weight_sync_lanes = lanes
 
     # -- internals -----------------------------------------------------------------------------
 
+    def _weight_sync_lacks_group(self, endpoints: Sequence[tuple[str, int]]) -> str | None:
+        """Why this worker cannot take a push over the one group of the senders at
+        ``endpoints``, if it cannot: it would listen on lanes of its own while they send over
+        the group, and they would wait out their bound."""
+        lanes: Lanes | None = self.__dict__.get("_weight_sync_lanes")
+        if lanes is None or lanes.rounds is None or lanes.endpoints != _endpoints(endpoints):
+            return (
+                "this worker holds no one group with these senders (it restarted, or lanes "
+                "from other senders took its place): make a new LaneUpdater"
+            )
+        return None
+
+    def _weight_sync_by_lanes_status(self) -> SyncStatus | None:
+        """What this worker holds through lanes (None: through one sender's pushes, or
+        nothing): the lanes that take their place hold it too until their first push."""
+        return self.sync_status() if self.__dict__.get("_weight_sync_by_lanes") else None
+
     def _weight_sync_drop_lanes(self) -> None:
-        """Leave the lanes of earlier senders, if any (and the one group they came over)."""
+        """Leave the lanes of earlier senders, if any (and the one group they came over); what
+        they landed here stays this worker's status."""
         lanes = self.__dict__.pop("_weight_sync_lanes", None)
         if lanes is not None:
+            self._weight_sync_lanes_left = lanes.status()
             lanes.close()
 
     def _weight_sync_state(self) -> Receiver:
@@ -369,3 +395,9 @@ def _in_group(method: Callable[..., Any], group: str) -> Callable[..., Any]:
     del in_group.__wrapped__  # type: ignore[attr-defined]
     in_group.__ray_concurrency_group__ = group  # type: ignore[attr-defined]
     return in_group
+
+
+def _endpoints(given: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
+    """The senders' store endpoints as a lane compares them (Ray may hand tuples back as
+    lists)."""
+    return [(str(address), int(port)) for address, port in given]

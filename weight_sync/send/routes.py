@@ -140,16 +140,38 @@ def _nccl_problem(
                     "neither an NCCL group nor a ring can reach it"
                 )
             continue  # it takes a ring, not the group
-        if len(info.gpus) != info.ranks:
-            return f"worker {index} does not receive on a GPU"
-        for gpu in info.gpus:
-            if gpu in owners:
-                other = owners[gpu]
-                who = (
-                    f"worker {index} has two ranks on GPU {gpu}"
-                    if other == index
-                    else f"workers {other} and {index} share GPU {gpu}"
-                )
-                return f"{who}, and NCCL refuses two ranks on one device"
-            owners[gpu] = index
+        problem = _claim_gpus(owners, index, info)
+        if problem is not None:
+            return problem
+    return None
+
+
+def members_nccl_problem(infos: Sequence[MemberInfo]) -> str | None:
+    """Why these members cannot all be ranks of one NCCL group -- one of them does not receive
+    on a GPU, or two ranks would share one -- or None if they can. For a group they join as
+    ranks of their own (``LaneUpdater(one_group=True)``), where no ring stands in for a member
+    on a GPU already taken."""
+    owners: dict[str, int | None] = {}
+    for index, info in enumerate(infos):
+        problem = _claim_gpus(owners, index, info)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _claim_gpus(owners: dict[str, int | None], index: int, info: MemberInfo) -> str | None:
+    """Add member ``index``'s GPUs to ``owners`` (GPU -> the member on it; None: the trainer);
+    why it cannot, if it cannot."""
+    if len(info.gpus) != info.ranks:
+        return f"worker {index} does not receive on a GPU"
+    for gpu in info.gpus:
+        if gpu in owners:
+            other = owners[gpu]
+            who = (
+                f"worker {index} has two ranks on GPU {gpu}"
+                if other == index
+                else f"workers {other} and {index} share GPU {gpu}"
+            )
+            return f"{who}, and NCCL refuses two ranks on one device"
+        owners[gpu] = index
     return None
