@@ -168,23 +168,29 @@ def test_a_process_forms_a_new_group_after_an_aborted_one() -> None:
     assert member["vote"] == trainer["vote"] == 2
 
 
-def failed_exchange_kept_rank(ctx: RankContext) -> dict:
+def failed_exchange_kept_rank(ctx: RankContext, when: str) -> dict:
     """Rank 0 sends rank 2 a bucket rank 2 never takes; rank 1 dies, which fails rank 2's
-    receive from it while rank 2 waits on it, and the group aborts there. Rank 2 keeps the
-    error, as a lane keeps its failure until its sender's push ends: its traceback must not
-    keep the group's connections open, or rank 0's send waits out its 30 s bound rather than
-    failing as rank 2 leaves it."""
+    receive from it -- ``when`` "waiting": while rank 2 waits on it; "posting": as rank 2 posts
+    it, in a batch after a receive from rank 0 that is posted -- and the group aborts there.
+    Rank 2 keeps the error, as a lane keeps its failure until its sender's push ends: its
+    traceback must not keep the group's connections open, or rank 0's send waits out its 30 s
+    bound rather than failing as rank 2 leaves it."""
     group = TorchGroup.join(ctx.spec("standalone", collective_timeout_s=LONG_S), ctx.listener(0))
     started = time.monotonic()
     if ctx.rank == 1:
-        time.sleep(1.0)
+        time.sleep(1.0 if when == "waiting" else 0.0)
         os._exit(9)
     kept: list[BaseException] = []
     try:
         if ctx.rank == 0:
-            group.exchange([(torch.ones(1 << 16, dtype=torch.uint8), 2)], []).wait()
-        else:
+            buckets = [(torch.ones(1 << 16, dtype=torch.uint8), 2) for _ in range(2)]
+            group.exchange(buckets, []).wait()
+        elif when == "waiting":
             group.exchange([], [(torch.empty(1 << 16, dtype=torch.uint8), 1)]).wait()
+        else:
+            time.sleep(1.0)  # rank 1 is gone: its receive fails as it is posted
+            takes = [(torch.empty(1 << 16, dtype=torch.uint8), peer) for peer in (0, 1)]
+            group.exchange([], takes).wait()
         what = "returned"
     except WeightSyncError as exc:
         kept.append(exc)
@@ -196,8 +202,9 @@ def failed_exchange_kept_rank(ctx: RankContext) -> dict:
     return {"what": what, "seconds": ended}
 
 
-def test_an_error_kept_after_a_failed_exchange_does_not_hold_the_group_open() -> None:
-    trainer, _, member = run_ranks(failed_exchange_kept_rank, 3, expect_dead={1})
+@pytest.mark.parametrize("when", ["waiting", "posting"])
+def test_an_error_kept_after_a_failed_exchange_does_not_hold_the_group_open(when: str) -> None:
+    trainer, _, member = run_ranks(failed_exchange_kept_rank, 3, when, expect_dead={1})
     assert member["what"] == "TransportError", member
     assert trainer["what"] == "TransportError", trainer
     assert trainer["seconds"] < 5, trainer  # not rank 2 leaving at 9 s, nor the 30 s bound

@@ -59,6 +59,7 @@ import socket
 import struct
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -422,8 +423,13 @@ class TorchGroup:
         def start(pg: _GroupHandle) -> dist.Work:
             backend = cast(Any, self._backend(pg))
             if not self.is_nccl:
-                works = [backend.send([t], peer, 0) for t, peer in sends]
-                works += [backend.recv([t], peer, 0) for t, peer in receives]
+                # Loops, not comprehensions: a comprehension is a function of its own (3.11)
+                # whose closure holds ``backend`` past a failed post (see ``_post``).
+                works = []
+                for tensor, peer in sends:
+                    works.append(backend.send([tensor], peer, 0))
+                for tensor, peer in receives:
+                    works.append(backend.recv([tensor], peer, 0))
                 return cast(dist.Work, _GlooBatch(works, timeout.total_seconds()))
             # The backend's own binding takes no device (only ProcessGroup's does): NCCL reads
             # the current one, and keeps the open group in a thread-local count, so start, ops
@@ -553,7 +559,13 @@ class TorchGroup:
                 self._works.add(handle)
                 self._last = weakref.ref(handle)
                 return handle
+        del pg
         self._abort(f"posting a collective failed: {failure}", tell_peers=True)
+        # The failure's traceback holds the frames that posted it, and in them the group and
+        # the ops posted before the one that failed: Gloo's connections stay open while those
+        # live, so a peer's send to this rank would wait out its bound -- for as long as a
+        # lane keeps the error, or until a garbage collection finds the frame's cycle.
+        traceback.clear_frames(failure.__traceback__)
         raise _collective_error(failure, timeout) from failure
 
     def _settle(self, handle: TorchWork, work: dist.Work) -> None:
