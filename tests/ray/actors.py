@@ -340,6 +340,20 @@ class LMWorker(WeightSyncWorker):
         return held
 
 
+@remote_worker(num_cpus=0)
+class BusyLMWorker(WeightSyncWorker):
+    """A TinyLM worker made with ``remote_worker`` whose own methods may keep its default group
+    busy, as an engine generating does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.set_num_threads(1)
+        self.model = TinyLM(fused=False, seed=1)
+
+    def busy(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
 @ray.remote(num_cpus=0)
 class ShardedTrainer:
     """One rank of a data-parallel trainer whose TinyLM is sharded with FSDP2 over Gloo; rank 0

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import ray
 
-from tests.ray.actors import LMWorker, ShardedTrainer
+from tests.ray.actors import BusyLMWorker, LMWorker, ShardedTrainer
 from weight_sync.metadata import GroupSpec
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("ray_cluster")]
@@ -275,6 +275,27 @@ def test_a_join_that_comes_too_late_leaves_the_workers_lanes_as_they_were(
         with pytest.raises(ray.exceptions.RayTaskError):
             ray.get(late, timeout=TIMEOUT)
     assert [r.version for r in on_all(ranks, "lanes_push")] == [2, 2]
+
+
+def test_a_worker_busy_with_its_own_methods_joins_the_one_group_meanwhile() -> None:
+    """Joining touches no weight: on a worker made with ``remote_worker`` it runs beside the
+    actor's own methods, not after them (the senders' rendezvous would time out first)."""
+    workers = [BusyLMWorker.remote() for _ in range(2)]
+    ranks = [ShardedTrainer.remote(rank, 2) for rank in range(2)]
+    try:
+        port = ray.get(ranks[0].port.remote(), timeout=TIMEOUT)
+        ray.get([rank.setup.remote(port, None) for rank in ranks], timeout=TIMEOUT)
+        ray.get([worker.weights_version.remote() for worker in workers], timeout=TIMEOUT)
+        busy = workers[0].busy.remote(60)
+        started = time.monotonic()
+        setups = [rank.lanes_setup.remote(workers, one_group=True) for rank in ranks]
+        ray.get(setups, timeout=45)
+        assert time.monotonic() - started < 45  # not after the 60 s the worker is busy
+        assert not ray.wait([busy], timeout=0)[0]  # still busy: the join went beside it
+        on_all(ranks, "lanes_close")
+    finally:
+        for actor in [*ranks, *workers]:
+            ray.kill(actor)
 
 
 def test_one_group_over_nccl_refuses_workers_without_a_gpu_of_their_own() -> None:

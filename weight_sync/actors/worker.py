@@ -51,6 +51,9 @@ _METHOD_GROUPS = {
     "_weight_sync_cancel": SYNC_GROUP,
     "_weight_sync_leave": SYNC_GROUP,
     "_weight_sync_lanes_check": SYNC_GROUP,
+    # Forms a group, touching no weight: it must not wait for the actor's own methods (the
+    # senders' rendezvous is bounded), unlike the lanes' receives, which write the model.
+    "_weight_sync_lanes_join": SYNC_GROUP,
 }
 
 
