@@ -256,6 +256,22 @@ def test_a_worker_without_the_one_group_refuses_a_push_over_it() -> None:
         ray.kill(worker)
 
 
+@LANES_AND_ONE_GROUP
+def test_closing_the_senders_has_the_workers_let_go_of_their_lanes(
+    lanes: tuple[list, list],
+) -> None:
+    """``LaneUpdater.close`` on rank 0 has every worker leave the lanes (and the one group):
+    no group held past the senders, the version they landed still reported."""
+    ranks, workers = lanes
+    assert [r.version for r in on_all(ranks, "lanes_push")] == [1, 1]
+    before = ray.get([w.sync_status.remote() for w in workers], timeout=TIMEOUT)
+    assert all(status.in_group for status in before)
+    on_all(ranks, "lanes_close")
+    after = ray.get([w.sync_status.remote() for w in workers], timeout=TIMEOUT)
+    assert [(s.in_group, s.version, s.full_version) for s in after] == [(False, 1, 1)] * 2
+    assert [s.last for s in after] == [s.last for s in before]
+
+
 @pytest.mark.parametrize("lanes", [((False, False), ONE_GROUP)], ids=["one_group"], indirect=True)
 def test_a_join_that_comes_too_late_leaves_the_workers_lanes_as_they_were(
     lanes: tuple[list, list],

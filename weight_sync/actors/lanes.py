@@ -166,10 +166,15 @@ class LaneUpdater:
         return result
 
     def close(self) -> None:
-        """Leave: the workers' lanes from this rank end. Idempotent."""
-        if not self._closed:
-            self._closed = True
-            self._lanes.close()
+        """Leave: the workers' lanes from this rank end; rank 0 has the workers let go of
+        the lanes from every sender (and of the one group), within ``rpc_timeout_s``.
+        Idempotent; never raises over a worker gone."""
+        if self._closed:
+            return
+        self._closed = True
+        self._lanes.close()
+        if self.rank == 0:
+            self._release_workers()
 
     def __enter__(self) -> Self:
         return self
@@ -205,6 +210,20 @@ class LaneUpdater:
         self._slots = [1 + sum(ranks[:index]) for index in range(len(ranks))]
         self._sent = max(info.highest_version for info in infos)
         return sum(ranks)
+
+    def _release_workers(self) -> None:
+        """Rank 0: every worker lets go of the lanes from these senders, unless lanes from
+        other senders took their place (a ``VLLMEngine``'s workers keep theirs until their
+        next lanes call)."""
+        calls = [
+            worker._weight_sync_lanes_leave.remote(self._lanes.endpoints)
+            for worker in self._workers
+            if hasattr(worker, "_weight_sync_lanes_leave")
+        ]
+        try:
+            ray.get(calls, timeout=self.config.rpc_timeout_s)
+        except Exception as exc:  # leaving must not fail over a worker already gone
+            logger.warning("workers did not let go of the lanes: %s", first_line(exc))
 
     def _invite(
         self, specs: list[GroupSpec], endpoints: list[tuple[str, int]]

@@ -51,9 +51,10 @@ _METHOD_GROUPS = {
     "_weight_sync_cancel": SYNC_GROUP,
     "_weight_sync_leave": SYNC_GROUP,
     "_weight_sync_lanes_check": SYNC_GROUP,
-    # Forms a group, touching no weight: it must not wait for the actor's own methods (the
-    # senders' rendezvous is bounded), unlike the lanes' receives, which write the model.
+    # Form and leave groups, touching no weight: they must not wait for the actor's own
+    # methods (the senders' rendezvous is bounded), unlike the lanes' receives, which write.
     "_weight_sync_lanes_join": SYNC_GROUP,
+    "_weight_sync_lanes_leave": SYNC_GROUP,
 }
 
 
@@ -270,6 +271,16 @@ class WeightSyncWorker:
         self._weight_sync_drop_lanes()
         self._weight_sync_lanes = lanes
 
+    def _weight_sync_lanes_leave(
+        self, endpoints: list[tuple[str, int]], timeout_s: float | None = None
+    ) -> None:
+        """The senders at ``endpoints`` left (``LaneUpdater.close``): let go of their lanes,
+        and of the one group they came over, unless lanes from other senders took their
+        place. What the lanes landed stays this worker's status."""
+        lanes: Lanes | None = self.__dict__.get("_weight_sync_lanes")
+        if lanes is not None and lanes.endpoints == _endpoints(endpoints):
+            self._weight_sync_drop_lanes()
+
     # -- internals -----------------------------------------------------------------------------
 
     def _weight_sync_lacks_group(self, endpoints: Sequence[tuple[str, int]]) -> str | None:
@@ -294,7 +305,7 @@ class WeightSyncWorker:
         they landed here stays this worker's status."""
         lanes = self.__dict__.pop("_weight_sync_lanes", None)
         if lanes is not None:
-            self._weight_sync_lanes_left = lanes.status()
+            self._weight_sync_lanes_left = lanes.status().model_copy(update={"in_group": False})
             lanes.close()
 
     def _weight_sync_state(self) -> Receiver:
