@@ -369,6 +369,7 @@ class Senders:
             self.close()
             raise
         self.pushes = 0
+        self._given, self._invite = given, invite
 
     def from_rank_0(self, value: Callable[[], int]) -> int:
         """``value()`` (never negative) on rank 0, on every sender; where it raises there, it
@@ -485,6 +486,23 @@ class Senders:
         self.out.close()
         if self.one_group is not None:
             self.one_group.close()
+
+    def renew_one_group(self, needed: bool) -> None:
+        """Every sender at once, before a push over the one group: where any of them says it is
+        ``needed`` (its last push failed: the group may be aborted, or a member may have lost
+        it), leave it and form a new one, every member rejoining, and have every lane form its
+        own group again over the members' new lanes. One small all-reduce otherwise."""
+        assert self._invite is not None
+        flag = torch.tensor([int(needed or self.one_group is None)])  # None: forming it failed
+        before_any_byte(lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control))
+        if not int(flag):
+            return
+        logger.info("forming the one group again after a failed push")
+        self.out.pusher.regroup()
+        group, self.one_group = self.one_group, None
+        if group is not None:
+            group.close()
+        self._form_one_group(self._given, self._invite)
 
     def _form_one_group(self, config: SyncConfig, invite: Invite) -> None:
         """Form the one group with the members, then tell every sender whether each member
@@ -613,8 +631,8 @@ class Lanes:
     ) -> None:
         """``timeout_s`` bounds dialling each sender's store. ``rounds``: the lanes' buckets
         come over one group, taken in its rounds (each lane's own group then only votes).
-        ``before``: what this member held through the lanes these replace (other senders'),
-        which it holds until their first push begins."""
+        ``before``: what this member held as these lanes were made (through lanes they
+        replace, or one sender's pushes), which it holds until their first push begins."""
         self.endpoints = list(endpoints)
         self.rounds = rounds
         self.inbound = [

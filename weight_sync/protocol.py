@@ -225,6 +225,12 @@ class Pusher:
                 self._closed = True
                 self._teardown()
 
+    def regroup(self) -> None:
+        """Leave the group now; the next push forms a new one over the members (they changed:
+        a lane's members rejoined over a new one group)."""
+        with self._lock:
+            self._close_group()
+
     # -- one push ------------------------------------------------------------------------------
 
     def _push(

@@ -181,16 +181,19 @@ def failed_exchange_kept_rank(ctx: RankContext, when: str) -> dict:
         time.sleep(1.0 if when == "waiting" else 0.0)
         os._exit(9)
     kept: list[BaseException] = []
+    where = "post"  # where it failed, if it did
     try:
         if ctx.rank == 0:
             buckets = [(torch.ones(1 << 16, dtype=torch.uint8), 2) for _ in range(2)]
-            group.exchange(buckets, []).wait()
+            work = group.exchange(buckets, [])
         elif when == "waiting":
-            group.exchange([], [(torch.empty(1 << 16, dtype=torch.uint8), 1)]).wait()
+            work = group.exchange([], [(torch.empty(1 << 16, dtype=torch.uint8), 1)])
         else:
             time.sleep(1.0)  # rank 1 is gone: its receive fails as it is posted
             takes = [(torch.empty(1 << 16, dtype=torch.uint8), peer) for peer in (0, 1)]
-            group.exchange([], takes).wait()
+            work = group.exchange([], takes)
+        where = "wait"
+        work.wait()
         what = "returned"
     except WeightSyncError as exc:
         kept.append(exc)
@@ -199,12 +202,13 @@ def failed_exchange_kept_rank(ctx: RankContext, when: str) -> dict:
     if ctx.rank == 2:
         time.sleep(8)  # alive, the error kept, while rank 0 waits
     group.close()
-    return {"what": what, "seconds": ended}
+    return {"what": what, "where": where, "seconds": ended}
 
 
 @pytest.mark.parametrize("when", ["waiting", "posting"])
 def test_an_error_kept_after_a_failed_exchange_does_not_hold_the_group_open(when: str) -> None:
     trainer, _, member = run_ranks(failed_exchange_kept_rank, 3, when, expect_dead={1})
     assert member["what"] == "TransportError", member
+    assert member["where"] == when[:4], member
     assert trainer["what"] == "TransportError", trainer
     assert trainer["seconds"] < 5, trainer  # not rank 2 leaving at 9 s, nor the 30 s bound

@@ -93,19 +93,23 @@ def test_an_explicit_nccl_that_cannot_work_is_refused_naming_who(
 
 
 @pytest.mark.parametrize(
-    ("members", "says"),
+    ("trainer_gpu", "members", "says"),
     [
-        ([member(HERE, G0), member(THERE, G1)], None),
+        (G2, [member(HERE, G0), member(THERE, G1)], None),
         # No ring stands in for a worker on a GPU already taken: each one is a rank.
-        ([member(HERE, G0), member(HERE, G0)], "workers 0 and 1 share GPU GPU-0000"),
-        ([member(HERE, G1, G1, ranks=2)], "worker 0 has two ranks on GPU"),
-        ([member(HERE, G1), member(HERE)], "worker 1 does not receive on a GPU"),
-        ([member(HERE, G1, ranks=2)], "worker 0 does not receive on a GPU"),
-        ([], None),
+        (None, [member(HERE, G0), member(HERE, G0)], "workers 0 and 1 share GPU GPU-0000"),
+        (None, [member(HERE, G1, G1, ranks=2)], "worker 0 has two ranks on GPU"),
+        (None, [member(HERE, G1), member(HERE)], "worker 1 does not receive on a GPU"),
+        (None, [member(HERE, G1, ranks=2)], "worker 0 does not receive on a GPU"),
+        (G0, [], None),
+        # Rank 0's GPU, where it is known: a worker there would be its second rank.
+        (G0, [member(HERE, G1), member(HERE, G0)], "worker 1 is on the trainer's GPU GPU-0000"),
     ],
 )  # fmt: skip
-def test_which_members_one_nccl_group_can_take(members: list[MemberInfo], says: str | None) -> None:
-    problem = members_nccl_problem(members)
+def test_which_members_one_nccl_group_can_take(
+    trainer_gpu: str | None, members: list[MemberInfo], says: str | None
+) -> None:
+    problem = members_nccl_problem(members, trainer_gpu)
     if says is None:
         assert problem is None
     else:

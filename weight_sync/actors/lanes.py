@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
+import torch
 import torch.distributed as dist
 from ray.actor import ActorHandle
 from typing_extensions import Self
@@ -37,6 +38,7 @@ from typing_extensions import Self
 from weight_sync.blocks import BlockLayout
 from weight_sync.config import SyncConfig
 from weight_sync.deadline import Deadline
+from weight_sync.devices import gpu_uuid
 from weight_sync.errors import WeightSyncError, WorkerFailedError, first_line
 from weight_sync.lanes import Senders
 from weight_sync.metadata import GroupSpec, MemberInfo
@@ -58,8 +60,9 @@ class LaneUpdater:
     ``one_group``: every lane's buckets go over one group of the senders and the workers, point
     to point, each worker taking them in rounds (``transport.rounds``), rather than over a Gloo
     group per lane -- the design for NCCL (``SyncConfig(backend="nccl")``, which needs it). It
-    takes ``WeightSyncWorker`` actors (not yet ``VLLMEngine``s). A push that fails midway leaves
-    that group aborted: the pushes after it fail too; make a new ``LaneUpdater``."""
+    takes ``WeightSyncWorker`` actors (not yet ``VLLMEngine``s). A push that fails may leave
+    that group aborted, or a worker without it (restarted): the push after it forms the group
+    again first, every worker rejoining."""
 
     def __init__(
         self,
@@ -79,7 +82,9 @@ class LaneUpdater:
         self._workers = list(workers)
         self._over_one_group = one_group
         # NCCL members must each hold a GPU of their own: asked of the workers in ``_probe``.
-        self._nccl = one_group and isinstance(config, SyncConfig) and config.backend == "nccl"
+        self._one_nccl_group = (
+            one_group and isinstance(config, SyncConfig) and config.backend == "nccl"
+        )
         self._slots: list[int] = []  # rank 0: each worker's first member slot (1-based)
         self._sent = 0  # rank 0: the highest version any worker was ever sent
         self._lanes = Senders(
@@ -99,6 +104,7 @@ class LaneUpdater:
         self._held: list[str | None] = [None] * len(self._workers)  # rank 0: layouts they hold
         self._committed = 0
         self._closed = False
+        self._failed = False  # the last push failed: over one group, the next forms it again
 
     @property
     def version(self) -> int:
@@ -124,7 +130,19 @@ class LaneUpdater:
         ``WorkerFailedError`` where workers' receives failed (named on rank 0)."""
         if self._closed:
             raise WeightSyncError("this LaneUpdater is closed")
+        try:
+            return self._push(state_dict, rename, version, partial)
+        except WeightSyncError:  # a runtime failure, on every rank (a caller's error is not)
+            self._failed = True
+            raise
+
+    def _push(
+        self, state_dict: StateDict, rename: Rename | None, version: int | None, partial: bool
+    ) -> PushResult:
         started = time.monotonic()
+        if self._over_one_group:
+            self._lanes.renew_one_group(self._failed)
+            self._failed = False
         share, chosen = self._lanes.agree(
             state_dict,
             rename,
@@ -201,7 +219,7 @@ class LaneUpdater:
                 f"one_group takes workers of one member each; these bring {ranks} members: "
                 "leave one_group unset"
             )
-        problem = members_nccl_problem(infos) if self._nccl else None
+        problem = members_nccl_problem(infos, _current_gpu()) if self._one_nccl_group else None
         if problem is not None:  # else they would fail in the rendezvous, at its bound
             raise ValueError(
                 f"one_group over NCCL cannot take these workers: {problem}; give each worker a "
@@ -304,3 +322,10 @@ class LaneUpdater:
             logger.info(
                 "push %d: workers %s failed too: %s", self._lanes.pushes, sorted(failed), failed
             )
+
+
+def _current_gpu() -> str | None:
+    """The UUID of the GPU this rank sends from over NCCL (its current one), if it has one."""
+    if not torch.cuda.is_available():
+        return None
+    return gpu_uuid(torch.device("cuda", torch.cuda.current_device()))

@@ -94,8 +94,12 @@ class WeightSyncWorker:
         push from many senders (``LaneUpdater``), it speaks for every lane together: the
         version every lane committed, their buckets summed, the least advanced lane's phase."""
         if self.__dict__.get("_weight_sync_by_lanes"):
-            lanes = self.__dict__.get("_weight_sync_lanes")
-            return lanes.status() if lanes is not None else self._weight_sync_lanes_left
+            lanes: Lanes | None = self.__dict__.get("_weight_sync_lanes")
+            left: SyncStatus | None = self.__dict__.get("_weight_sync_lanes_left")
+            if lanes is not None:
+                return lanes.status()
+            if left is not None:  # they were left; what they landed is what it holds
+                return left
         return self._weight_sync_state().status()
 
     # -- helpers users may call or override ------------------------------------------------------
@@ -229,10 +233,10 @@ class WeightSyncWorker:
         if lanes is not None and lanes.endpoints != endpoints:
             lanes = None  # from other senders
         if lanes is None:  # new senders, over Gloo lanes
-            before = self._weight_sync_by_lanes_status()
+            before = self.sync_status()
             self._weight_sync_drop_lanes()
             lanes = self._weight_sync_lanes = Lanes(
-                endpoints, slot, self.weight_sync_device, min(wait_s, 60.0), None, before
+                endpoints, slot, self.weight_sync_device, min(wait_s, 60.0), before=before
             )
         self._weight_sync_by_lanes = True
         self._weight_sync_state().saw(version)  # spent here from now, landed or not
@@ -263,7 +267,7 @@ class WeightSyncWorker:
                 self.weight_sync_device,
                 spec.rendezvous_timeout_s,
                 Rounds(group, range(len(endpoints))),  # the senders: the group's first ranks
-                self._weight_sync_by_lanes_status(),
+                before=self.sync_status(),
             )
         except BaseException:
             group.close()
@@ -291,21 +295,18 @@ class WeightSyncWorker:
         if lanes is None or lanes.rounds is None or lanes.endpoints != _endpoints(endpoints):
             return (
                 "this worker holds no one group with these senders (it restarted, or lanes "
-                "from other senders took its place): make a new LaneUpdater"
+                "from other senders took its place); their next push forms the group again"
             )
         return None
 
-    def _weight_sync_by_lanes_status(self) -> SyncStatus | None:
-        """What this worker holds through lanes (None: through one sender's pushes, or
-        nothing): the lanes that take their place hold it too until their first push."""
-        return self.sync_status() if self.__dict__.get("_weight_sync_by_lanes") else None
-
     def _weight_sync_drop_lanes(self) -> None:
         """Leave the lanes of earlier senders, if any (and the one group they came over); what
-        they landed here stays this worker's status."""
-        lanes = self.__dict__.pop("_weight_sync_lanes", None)
+        they landed here stays this worker's status (set first: a status call may come from
+        another thread meanwhile)."""
+        lanes = self.__dict__.get("_weight_sync_lanes")
         if lanes is not None:
-            self._weight_sync_lanes_left = lanes.status().model_copy(update={"in_group": False})
+            self._weight_sync_lanes_left = _left_behind(lanes.status())
+            del self.__dict__["_weight_sync_lanes"]
             lanes.close()
 
     def _weight_sync_state(self) -> Receiver:
@@ -415,3 +416,20 @@ def _endpoints(given: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
     """The senders' store endpoints as a lane compares them (Ray may hand tuples back as
     lists)."""
     return [(str(address), int(port)) for address, port in given]
+
+
+def _left_behind(status: SyncStatus) -> SyncStatus:
+    """What a worker holds once it left its lanes: in no group; where it left them mid-push
+    (their receive still running: the trainer gave up on it), no version."""
+    if status.phase == "idle":
+        return status.model_copy(update={"in_group": False})
+    return status.model_copy(
+        update={
+            "in_group": False,
+            "phase": "idle",
+            "pushing": None,
+            "version": None,
+            "dirty": True,
+            "last_error": "it left its lanes mid-push",
+        }
+    )

@@ -146,12 +146,12 @@ def _nccl_problem(
     return None
 
 
-def members_nccl_problem(infos: Sequence[MemberInfo]) -> str | None:
-    """Why these members cannot all be ranks of one NCCL group -- one of them does not receive
-    on a GPU, or two ranks would share one -- or None if they can. For a group they join as
-    ranks of their own (``LaneUpdater(one_group=True)``), where no ring stands in for a member
-    on a GPU already taken."""
-    owners: dict[str, int | None] = {}
+def members_nccl_problem(infos: Sequence[MemberInfo], trainer_gpu: str | None = None) -> str | None:
+    """Why these members cannot all be ranks of one NCCL group beside a trainer rank on
+    ``trainer_gpu`` -- one of them does not receive on a GPU, or two ranks would share one --
+    or None if they can. For a group they join as ranks of their own
+    (``LaneUpdater(one_group=True)``), where no ring stands in for a member on a GPU taken."""
+    owners: dict[str, int | None] = {trainer_gpu: None} if trainer_gpu is not None else {}
     for index, info in enumerate(infos):
         problem = _claim_gpus(owners, index, info)
         if problem is not None:
@@ -167,11 +167,12 @@ def _claim_gpus(owners: dict[str, int | None], index: int, info: MemberInfo) -> 
     for gpu in info.gpus:
         if gpu in owners:
             other = owners[gpu]
-            who = (
-                f"worker {index} has two ranks on GPU {gpu}"
-                if other == index
-                else f"workers {other} and {index} share GPU {gpu}"
-            )
+            if other is None:
+                who = f"worker {index} is on the trainer's GPU {gpu}"
+            elif other == index:
+                who = f"worker {index} has two ranks on GPU {gpu}"
+            else:
+                who = f"workers {other} and {index} share GPU {gpu}"
             return f"{who}, and NCCL refuses two ranks on one device"
         owners[gpu] = index
     return None

@@ -423,7 +423,7 @@ class TorchGroup:
         def start(pg: _GroupHandle) -> dist.Work:
             backend = cast(Any, self._backend(pg))
             if not self.is_nccl:
-                # Loops, not comprehensions: a comprehension is a function of its own (3.11)
+                # Loops, not comprehensions: a comprehension is a function of its own (<= 3.11)
                 # whose closure holds ``backend`` past a failed post (see ``_post``).
                 works = []
                 for tensor, peer in sends:
@@ -559,13 +559,15 @@ class TorchGroup:
                 self._works.add(handle)
                 self._last = weakref.ref(handle)
                 return handle
-        del pg
-        self._abort(f"posting a collective failed: {failure}", tell_peers=True)
         # The failure's traceback holds the frames that posted it, and in them the group and
         # the ops posted before the one that failed: Gloo's connections stay open while those
         # live, so a peer's send to this rank would wait out its bound -- for as long as a
-        # lane keeps the error, or until a garbage collection finds the frame's cycle.
+        # lane keeps the error, or until a garbage collection finds the frame's cycle. Let go
+        # before the abort, so that the group's last reference is the abort's (its destructor
+        # waits for its ops: on the abort's thread, not this one).
+        del pg
         traceback.clear_frames(failure.__traceback__)
+        self._abort(f"posting a collective failed: {failure}", tell_peers=True)
         raise _collective_error(failure, timeout) from failure
 
     def _settle(self, handle: TorchWork, work: dist.Work) -> None:
