@@ -67,6 +67,7 @@ logger = logging.getLogger(__name__)
 
 COMMAND = "cmd/"  # + sequence number: the n-th step a sender asked of its members
 FLOOR = f"{COMMAND}floor"  # the first command still in the store: the older ones are deleted
+BEGIN = f"{COMMAND}begin/"  # + push number: the sequence number of the push's ``begin``
 CLOSE = "close"
 VERDICTS = "lanes/"  # + push/sender: how each lane ended; + push/verdict: rank 0's verdict
 LONGEST_WAIT_S = 86400.0  # one store wait; a longer deadline waits again
@@ -137,7 +138,8 @@ class Commands:
     def __init__(self) -> None:
         self.plane: ClientPlane | None = None  # the plane this client serves: set once it exists
         self._next = 0
-        self._starts: deque[int] = deque()  # the first command of each push still in the store
+        # Each push still in the store: its number, and the sequence number of its first command.
+        self._starts: deque[tuple[int, int]] = deque()
         self._lock = threading.Lock()
 
     def post(self, op: str, arg: dict[str, Any], new_push: bool = False) -> None:
@@ -148,11 +150,13 @@ class Commands:
         assert self.plane is not None, "the plane comes first"
         with self._lock:
             if new_push:
-                self._starts.append(self._next)
+                self._starts.append((int(arg["push"]), self._next))
                 if len(self._starts) > KEPT_PUSHES:
-                    gone, floor = self._starts.popleft(), self._starts[0]
+                    (push, gone), (_, floor) = self._starts.popleft(), self._starts[0]
                     self.plane.post(FLOOR, str(floor))
-                    self.plane.forget([f"{COMMAND}{number}" for number in range(gone, floor)])
+                    keys = [f"{COMMAND}{number}" for number in range(gone, floor)]
+                    self.plane.forget([*keys, f"{BEGIN}{push}"])
+                self.plane.post(f"{BEGIN}{arg['push']}", str(self._next))
             self.plane.post(f"{COMMAND}{self._next}", json.dumps({"op": op, "arg": arg}))
             self._next += 1
 
@@ -487,22 +491,24 @@ class Senders:
         if self.one_group is not None:
             self.one_group.close()
 
-    def renew_one_group(self, needed: bool) -> None:
+    def renew_one_group(self, needed: bool) -> bool:
         """Every sender at once, before a push over the one group: where any of them says it is
         ``needed`` (its last push failed: the group may be aborted, or a member may have lost
         it), leave it and form a new one, every member rejoining, and have every lane form its
-        own group again over the members' new lanes. One small all-reduce otherwise."""
+        own group again over the members' new lanes. One small all-reduce otherwise. Returns
+        whether it formed the group again."""
         assert self._invite is not None
         flag = torch.tensor([int(needed or self.one_group is None)])  # None: forming it failed
         before_any_byte(lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control))
         if not int(flag):
-            return
+            return False
         logger.info("forming the one group again after a failed push")
         self.out.pusher.regroup()
         group, self.one_group = self.one_group, None
         if group is not None:
             group.close()
         self._form_one_group(self._given, self._invite)
+        return True
 
     def _form_one_group(self, config: SyncConfig, invite: Invite) -> None:
         """Form the one group with the members, then tell every sender whether each member
@@ -802,6 +808,8 @@ class Inbound:
         asked for push 4 does not take 3, sent late, for it."""
         deadline = Deadline(wait_s, "waiting for the sender's push")
         self._skip_deleted()
+        if push is not None:  # straight to its begin: the steps before it may be deleted as read
+            self._next = max(self._next, int(self._wait_for(f"{BEGIN}{push}", deadline, None)))
         began = False
         committed: int | None = None
         failure: WeightSyncError | None = None
@@ -861,6 +869,25 @@ class Inbound:
             member.shutdown()
         return None
 
+    def _wait_for(self, key: str, deadline: Deadline, failure: WeightSyncError | None) -> str:
+        """``key``'s value in the sender's store once it is there, within ``deadline``; raises
+        ``failure`` (what this rank saw first), else ``TransportError``, if the sender is gone."""
+        while True:
+            wait = datetime.timedelta(seconds=deadline.left(LONGEST_WAIT_S))  # raises once spent
+            try:
+                self.store.wait([key], wait)
+                return str(self.store.get(key).decode())
+            except dist.DistStoreError:
+                continue  # timed out: the next ``left`` raises if the deadline is spent
+            except RuntimeError as exc:  # DistNetworkError: the store's process is gone
+                self.sender_gone = True
+                if failure is not None:
+                    raise failure from None  # what this rank saw first: the sender left mid-push
+                raise TransportError(
+                    f"the sender's store stopped answering ({first_line(exc)}); it died or left "
+                    "-- check it"
+                ) from exc
+
     def _ended(
         self, arg: dict[str, Any], committed: int | None, failure: WeightSyncError | None
     ) -> int:
@@ -890,23 +917,7 @@ class Inbound:
         step of every push), and a dead sender closes the connection, which ends the wait at
         once. It is not sliced: each wait that times out makes c10d log two warnings, so only
         the last one, at the deadline, may."""
-        key = f"{COMMAND}{self._next}"
-        while True:
-            wait = datetime.timedelta(seconds=deadline.left(LONGEST_WAIT_S))  # raises once spent
-            try:
-                self.store.wait([key], wait)
-                raw = self.store.get(key).decode()
-                break
-            except dist.DistStoreError:
-                continue  # timed out: the next ``left`` raises if the deadline is spent
-            except RuntimeError as exc:  # DistNetworkError: the store's process is gone
-                self.sender_gone = True
-                if failure is not None:
-                    raise failure from None  # what this rank saw first: the sender left mid-push
-                raise TransportError(
-                    f"the sender's store stopped answering ({first_line(exc)}); it died or left "
-                    "-- check it"
-                ) from exc
+        raw = self._wait_for(f"{COMMAND}{self._next}", deadline, failure)
         self._next += 1
         if len(raw) > MAX_REPLY_CHARS:
             raise WeightSyncError(f"a command of {len(raw)} bytes exceeds {MAX_REPLY_CHARS}")

@@ -16,7 +16,7 @@ from weight_sync import SyncConfig
 from weight_sync.deadline import Deadline
 from weight_sync.devices import CPU
 from weight_sync.errors import WeightSyncError
-from weight_sync.lanes import COMMAND, FLOOR, Inbound, Outbound, Senders, Verdicts
+from weight_sync.lanes import BEGIN, COMMAND, FLOOR, Inbound, Outbound, Senders, Verdicts
 from weight_sync.store_plane import PREFIX
 from weight_sync.transport import bind_listener
 from weight_sync.transport.rendezvous import open_store
@@ -25,9 +25,12 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _post(store: dist.Store, frames: list[tuple[str, dict]]) -> None:
-    """A sender's commands, as ``lanes.Commands`` posts them (its store, the plane's prefix)."""
+    """A sender's commands, as ``lanes.Commands`` posts them (its store, the plane's prefix):
+    each push's ``begin`` named under ``BEGIN`` too."""
     plane = dist.PrefixStore(PREFIX, store)
     for number, (op, arg) in enumerate(frames):
+        if op == "begin":
+            plane.set(f"{BEGIN}{arg['push']}", str(number))
         plane.set(f"{COMMAND}{number}", json.dumps({"op": op, "arg": arg}))
 
 
@@ -74,11 +77,40 @@ def test_old_pushes_leave_the_store_and_a_member_far_behind_skips_them() -> None
     try:
         assert int(store.get(FLOOR)) == 6  # pushes 4 and 5: commands 6 to 9
         assert [store.check([f"{COMMAND}{n}"]) for n in range(10)] == [False] * 6 + [True] * 4
+        assert [store.check([f"{BEGIN}{push}"]) for push in range(1, 6)] == [False] * 3 + [True] * 2
         with pytest.raises(WeightSyncError, match="push 4 called off by the test"):
             lane.receive(10, push=4)  # this member's next command was 0, deleted long ago
     finally:
         lane.member.shutdown()
         out.close()
+
+
+def test_a_member_new_to_a_lane_goes_straight_to_the_push_it_is_asked_for() -> None:
+    """A member that joins a sender with history (a worker whose lanes were made again) reads
+    from the push it is asked for, not from the floor: the sender deletes older commands as it
+    begins each push, and a member still reading them then would wait for a key that never
+    comes back (here: pushes 1 and 2 deleted after the floor was read, which still says 0)."""
+    listener = bind_listener("127.0.0.1")
+    port = listener.getsockname()[1]
+    store = open_store("127.0.0.1", port, 1, 30, listener)
+    _post(store, [
+        ("begin", {"push": 1}),
+        ("end", {"push": 1, "error": "push 1 called off by the test"}),
+        ("begin", {"push": 2}),
+        ("end", {"push": 2, "error": "push 2 called off by the test"}),
+        ("begin", {"push": 3}),
+        ("end", {"push": 3, "error": "push 3 called off by the test"}),
+    ])  # fmt: skip
+    plane = dist.PrefixStore(PREFIX, store)
+    for number in range(4):
+        plane.delete_key(f"{COMMAND}{number}")
+    lane = Inbound("127.0.0.1", port, 1, lambda: CPU, 30)
+    try:
+        with pytest.raises(WeightSyncError, match="push 3 called off by the test"):
+            lane.receive(10, push=3)
+    finally:
+        lane.member.shutdown()
+        del lane, store
 
 
 def test_rank_0_deletes_the_reports_of_settled_pushes() -> None:

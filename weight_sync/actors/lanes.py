@@ -44,6 +44,7 @@ from weight_sync.lanes import Senders
 from weight_sync.metadata import GroupSpec, MemberInfo
 from weight_sync.result import PushResult
 from weight_sync.send.checks import Rename, StateDict
+from weight_sync.send.lanes import Share
 from weight_sync.send.routes import members_nccl_problem
 
 logger = logging.getLogger(__name__)
@@ -139,10 +140,10 @@ class LaneUpdater:
     def _push(
         self, state_dict: StateDict, rename: Rename | None, version: int | None, partial: bool
     ) -> PushResult:
-        started = time.monotonic()
-        if self._over_one_group:
-            self._lanes.renew_one_group(self._failed)
-            self._failed = False
+        if self._over_one_group and self._lanes.renew_one_group(self._failed):
+            self._held = [None] * len(self._workers)  # their new lanes: checked afresh
+        self._failed = False
+        started = time.monotonic()  # after the renewal, bounded by its own rendezvous
         share, chosen = self._lanes.agree(
             state_dict,
             rename,
@@ -150,6 +151,13 @@ class LaneUpdater:
             lambda layout, v: self._check_workers(layout, v, started),
             partial,
         )
+        try:
+            return self._send(share, chosen, started)
+        except BaseException:  # once agreed, whatever failed may have left the group aborted
+            self._failed = True
+            raise
+
+    def _send(self, share: Share, chosen: int, started: float) -> PushResult:
         assert share.layout is not None
         if not share.layout.blocks:  # no tensor has an element: nothing moves, as one sender
             logger.info("empty state dict: nothing to push (version stays %d)", self._committed)
