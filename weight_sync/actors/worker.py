@@ -201,7 +201,9 @@ class WeightSyncWorker:
         ``layout_json`` is None where the trainer believes this worker holds it already.
         ``one_group``: the endpoints of the senders whose buckets come over the one group this
         worker must hold with them."""
-        if one_group is not None and (missing := self._weight_sync_lacks_group(one_group)):
+        if one_group is not None and (
+            missing := _no_group(self._weight_sync_lanes_from(one_group))
+        ):
             return [missing]
         held = self.__dict__.get("_weight_sync_layout")
         layout = layout_of_push(layout_json, digest, held, max_metadata_bytes)
@@ -226,17 +228,18 @@ class WeightSyncWorker:
         ``slot`` of each sender's store at ``endpoints``; returns the version every lane
         committed. ``one_group``: their buckets come over the one group this worker joined
         with them (``_weight_sync_lanes_join``)."""
-        if one_group and (missing := self._weight_sync_lacks_group(endpoints)):
+        lanes = self._weight_sync_lanes_from(endpoints)
+        if one_group and (missing := _no_group(lanes)):
             raise WeightSyncError(missing)  # checked before the push too: a backstop
-        endpoints = _endpoints(endpoints)
-        lanes: Lanes | None = self.__dict__.get("_weight_sync_lanes")
-        if lanes is not None and lanes.endpoints != endpoints:
-            lanes = None  # from other senders
         if lanes is None:  # new senders, over Gloo lanes
             before = self.sync_status()
             self._weight_sync_drop_lanes()
             lanes = self._weight_sync_lanes = Lanes(
-                endpoints, slot, self.weight_sync_device, min(wait_s, 60.0), before=before
+                _endpoints(endpoints),
+                slot,
+                self.weight_sync_device,
+                min(wait_s, 60.0),
+                before=before,
             )
         self._weight_sync_by_lanes = True
         self._weight_sync_state().saw(version)  # spent here from now, landed or not
@@ -281,23 +284,16 @@ class WeightSyncWorker:
         """The senders at ``endpoints`` left (``LaneUpdater.close``): let go of their lanes,
         and of the one group they came over, unless lanes from other senders took their
         place. What the lanes landed stays this worker's status."""
-        lanes: Lanes | None = self.__dict__.get("_weight_sync_lanes")
-        if lanes is not None and lanes.endpoints == _endpoints(endpoints):
+        if self._weight_sync_lanes_from(endpoints) is not None:
             self._weight_sync_drop_lanes()
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _weight_sync_lacks_group(self, endpoints: Sequence[tuple[str, int]]) -> str | None:
-        """Why this worker cannot take a push over the one group of the senders at
-        ``endpoints``, if it cannot: it would listen on lanes of its own while they send over
-        the group, and they would wait out their bound."""
+    def _weight_sync_lanes_from(self, endpoints: Sequence[tuple[str, int]]) -> Lanes | None:
+        """This worker's lanes, if they are from the senders at ``endpoints`` (else None: it
+        has none, or other senders' took their place)."""
         lanes: Lanes | None = self.__dict__.get("_weight_sync_lanes")
-        if lanes is None or lanes.rounds is None or lanes.endpoints != _endpoints(endpoints):
-            return (
-                "this worker holds no one group with these senders (it restarted, or lanes "
-                "from other senders took its place); their next push forms the group again"
-            )
-        return None
+        return lanes if lanes is not None and lanes.endpoints == _endpoints(endpoints) else None
 
     def _weight_sync_drop_lanes(self) -> None:
         """Leave the lanes of earlier senders, if any (and the one group they came over); what
@@ -416,6 +412,18 @@ def _endpoints(given: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
     """The senders' store endpoints as a lane compares them (Ray may hand tuples back as
     lists)."""
     return [(str(address), int(port)) for address, port in given]
+
+
+def _no_group(lanes: Lanes | None) -> str | None:
+    """Why a worker holding ``lanes`` (its lanes from some senders, if any) cannot take a push
+    over their one group, if it cannot: it would listen on lanes of its own while they send
+    over the group, and they would wait out their bound."""
+    if lanes is None or lanes.rounds is None:
+        return (
+            "this worker holds no one group with these senders (it restarted, or lanes "
+            "from other senders took its place); their next push forms the group again"
+        )
+    return None
 
 
 def _left_behind(status: SyncStatus) -> SyncStatus:
