@@ -47,6 +47,13 @@ def module_device(module: torch.nn.Module) -> torch.device:
     return CPU
 
 
+def current_gpu() -> torch.device:
+    """This thread's current GPU, with its index: where a rank of a group made over NCCL
+    without a model to say where (the one group, a group of NCCL alone) has its tensors. The
+    caller set it (``torch.cuda.set_device``); it is per thread (see the module doc)."""
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def gpu_uuid(device: torch.device) -> str | None:
     """The UUID of ``device``'s physical GPU, or None for the CPU."""
     if device.type != "cuda":

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from weight_sync.blocks import BlockLayout
 from weight_sync.config import SyncConfig
 from weight_sync.deadline import Deadline
-from weight_sync.devices import CPU
+from weight_sync.devices import CPU, current_gpu
 from weight_sync.errors import (
     PlanMismatchError,
     SenderFailedError,
@@ -73,6 +73,9 @@ VERDICTS = "lanes/"  # + push/sender: how each lane ended; + push/verdict: rank 
 LONGEST_WAIT_S = 86400.0  # one store wait; a longer deadline waits again
 _LINGER_S = 1.0  # a sender keeps its store this long after posting close
 _PHASES = typing.get_args(Phase)  # a push's phases in the order it goes through them
+# A member's answer to a layout check over one group it holds none of (it restarted, or lanes
+# from other senders took its place): the senders form the group again before their next push.
+NO_ONE_GROUP = "this worker holds no one group with these senders"
 _ENDPOINT_BYTES = 256  # a sender's store address, as JSON, in one fixed-size all-gather
 
 
@@ -290,12 +293,14 @@ def form_one_group(
     backend takes the rendezvous address."""
     rank, ranks = dist.get_rank(group), dist.get_world_size(group)
     listener = None
+    here: tuple[str, int] | Exception | None = None
     if rank == 0:
-        listener = bind_listener(listen_address(config.master_addr, config.interface))
+        try:
+            listener = bind_listener(listen_address(config.master_addr, config.interface))
+            here = (str(listener.getsockname()[0]), int(listener.getsockname()[1]))
+        except Exception as exc:  # raised once the others know, not left to wait for rank 0
+            here = exc
     try:
-        here = (
-            (str(listener.getsockname()[0]), int(listener.getsockname()[1])) if listener else None
-        )
         ((address, port),) = share_endpoints(here, 1, group, device)
         nccl = config.backend == "nccl"
         spec = GroupSpec(
@@ -311,7 +316,7 @@ def form_one_group(
         )
         if invite is not None and rank == 0 and members:
             invite([spec.model_copy(update={"rank": r}) for r in range(ranks, spec.world_size)])
-        on = torch.device("cuda", torch.cuda.current_device()) if nccl else None
+        on = current_gpu() if nccl else None
         return TorchGroup.join(spec, listener, device=on)
     except BaseException:
         if listener is not None:
@@ -357,12 +362,18 @@ class Senders:
         self.control = dist.new_group(
             ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
         )
-        self.members = self.from_rank_0(lambda: members(self.config))
         self.one_group: TorchGroup | None = None  # with ``invite``: every lane's buckets
-        wrap = self._over_one_group if invite is not None else None  # once the lane forms
-        self.out = Outbound(self.config, self.members, wrap)
+        out: Outbound | None = None
         try:
-            self.endpoints = share_endpoints(self.out.address, self.senders, self.control, CPU)
+            self.members = self.from_rank_0(lambda: members(self.config))
+            wrap = self._over_one_group if invite is not None else None  # once the lane forms
+            mine: tuple[str, int] | Exception
+            try:
+                out = self.out = Outbound(self.config, self.members, wrap)
+                mine = out.address
+            except Exception as exc:  # raised once the others know (see share_endpoints)
+                mine = exc
+            self.endpoints = share_endpoints(mine, self.senders, self.control, CPU)
             store = open_store(*self.endpoints[0], 1, self.config.rendezvous_timeout_s, None)
             # Rank 0's store: the verdicts, and whatever else its members answer there.
             self.store = dist.PrefixStore(VERDICTS, store)
@@ -370,7 +381,7 @@ class Senders:
             if invite is not None:
                 self._form_one_group(given, invite)
         except BaseException:
-            self.close()
+            self._close(out)
             raise
         self.pushes = 0
         self._given, self._invite = given, invite
@@ -487,9 +498,20 @@ class Senders:
         )
 
     def close(self) -> None:
-        self.out.close()
+        self._close(self.out)
+
+    def _close(self, out: Outbound | None) -> None:
+        """Leave the lane (``out``), the one group and the senders' control group, whatever of
+        them formed: each rank its own end, nothing collective."""
+        if out is not None:
+            out.close()
         if self.one_group is not None:
             self.one_group.close()
+        if dist.is_initialized():  # the job may have ended its world first: gone with it
+            try:
+                dist.destroy_process_group(self.control)
+            except (RuntimeError, ValueError) as exc:  # already destroyed
+                logger.debug("the senders' control group: %s", exc)
 
     def renew_one_group(self, needed: bool) -> bool:
         """Every sender at once, before a push over the one group: where any of them says it is
@@ -601,23 +623,33 @@ def before_any_byte(run: Callable[[], object]) -> None:
 
 
 def share_endpoints(
-    endpoint: tuple[str, int] | None,
+    endpoint: tuple[str, int] | Exception | None,
     senders: int,
     group: dist.ProcessGroup | None,
     device: torch.device,
 ) -> list[tuple[str, int]]:
     """The senders' store addresses, on every rank of ``group`` (its ranks ``0..senders-1``
     being the senders): each rank gives its own (a sender) or None, all gathered (no pickle: JSON
-    in byte tensors of fixed size, on ``device``, which the group's backend takes)."""
+    in byte tensors of fixed size, on ``device``, which the group's backend takes). A sender
+    that could not listen gives its error instead, which it raises once the others know: they
+    raise ``TransportError`` at once rather than wait for it at their bound."""
     mine = torch.zeros(_ENDPOINT_BYTES, dtype=torch.uint8, device=device)
-    if endpoint is not None:
+    if isinstance(endpoint, tuple):
         raw = json.dumps(list(endpoint)).encode()
         mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(rows, mine, group=group)
+    if isinstance(endpoint, Exception):
+        raise endpoint
     endpoints = []
-    for row in rows[:senders]:
-        address, port = json.loads(bytes(row.cpu().tolist()).rstrip(b"\0").decode())
+    for sender, row in enumerate(rows[:senders]):
+        raw = bytes(row.cpu().tolist()).rstrip(b"\0")
+        if not raw:
+            raise TransportError(
+                f"trainer rank {sender} could not listen for its lane (see its error); nothing "
+                "was sent"
+            )
+        address, port = json.loads(raw.decode())
         endpoints.append((str(address), int(port)))
     return endpoints
 
@@ -648,7 +680,7 @@ class Lanes:
                 slot,
                 device,
                 timeout_s,
-                functools.partial(rounds.lane, sender) if rounds is not None else None,
+                (rounds, sender) if rounds is not None else None,
             )
             for sender, (address, port) in enumerate(endpoints)
         ]
@@ -788,13 +820,16 @@ class Inbound:
         slot: int,
         device: Callable[[], torch.device],
         timeout_s: float,
-        wrap: Callable[[Transport], Transport] | None = None,
+        over: tuple[Rounds, int] | None = None,
     ) -> None:
-        """``wrap``: what the lane's group is used through (over one group: ``ReceiveLane``)."""
+        """``over``: the lane's buckets come over one group, taken in these rounds as this
+        lane (its own group then only votes: ``ReceiveLane``)."""
         self.slot = slot
         self.raw_store = open_store(address, port, 1, timeout_s, None)
         self.store = dist.PrefixStore(PREFIX, self.raw_store)
         self.sender_gone = False  # its store closed: the sender's process died or left
+        self._over = over
+        wrap = functools.partial(over[0].lane, over[1]) if over is not None else None
         self.member = StoreMember(
             Receiver(device, wrap), expecting(lambda: None), lambda: Loader(_unset)
         )
@@ -860,6 +895,11 @@ class Inbound:
         elif op == "start":
             member.start()
         elif op == "update":
+            # Every member accepted the push: over one group, its sender sends to this rank
+            # now, so this lane ending before its last round aborts the group -- the sender
+            # and the others told at once, not at their bound (``Rounds.done``).
+            if self._over is not None:
+                self._over[0].agreed(self._over[1])
             member.receive(int(arg["version"]))
         elif op == "finish":
             version = member.pushing

@@ -153,12 +153,15 @@ class StoreMember:
         self._answer(f"prepared/{request.version}/{self._slot}", prepare)
 
     def receive(self, version: int) -> None:
-        self._answer(
-            f"received/{version}/{self._slot}",
-            lambda: self.receiver.receive(
-                version, self._loader(), self._destinations()
-            ).model_dump_json(),
-        )
+        def receive() -> str:
+            try:
+                loader, destinations = self._loader(), self._destinations()
+            except BaseException:  # as a receive that fails: the senders are about to send,
+                self.receiver.leave()  # and leaving makes them fail now, not at their bound
+                raise
+            return self.receiver.receive(version, loader, destinations).model_dump_json()
+
+        self._answer(f"received/{version}/{self._slot}", receive)
 
     def finish(self) -> bool:
         """Commit the push, or drop it: the trainer's verdict, once every member received it.
@@ -233,6 +236,7 @@ class ClientPlane:
         return self._address, self._port
 
     def probe(self, timeout_s: float) -> list[Future[MemberInfo]]:
+        self._mailbox.abandon("the members were asked to join afresh")
         self._epoch += 1
         info = {
             "address": self._address,
@@ -262,6 +266,7 @@ class ClientPlane:
     ) -> list[Future[PrepareReply]]:
         # Workers fetch the plan from the store when they lack it, so none asks for it.
         assert list(members) == list(range(self._workers)), "every worker prepares at once"
+        self._mailbox.abandon("a later push began")
         if plan.digest not in self._plans:
             self._mailbox.post(f"plan/{plan.digest}", plan.wire)
             self._plans.append(plan.digest)
@@ -399,13 +404,23 @@ class _Mailbox:
                 self._thread = teardown.start("weight-sync-replies", self._poll, self.close)
         return future
 
+    def abandon(self, why: str) -> None:
+        """Give up on every answer still awaited: a push begins only once the last one ended,
+        so an answer a member never gave (it died, the push failed elsewhere) is nobody's to
+        wait for, and the poller would look for it under the lock every post takes, forever."""
+        with self._lock:
+            self._give_up(why)
+
     def close(self) -> None:
         """Stop polling and drop the store (the trainer's listening socket goes with it)."""
         with self._lock:
             self._closed, self._store = True, None
-            for future in self._pending.values():
-                resolve(future, error=WeightSyncError("the weight-transfer engine was shut down"))
-            self._pending.clear()
+            self._give_up("the weight-transfer engine was shut down")
+
+    def _give_up(self, why: str) -> None:
+        for future in self._pending.values():
+            resolve(future, error=WeightSyncError(why))
+        self._pending.clear()
 
     def _poll(self) -> None:
         backoff = Backoff(*_POLL_S)

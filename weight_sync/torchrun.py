@@ -209,9 +209,13 @@ class JobSync:
                     wrap = functools.partial(SendLane, group=group, receivers=receivers)
                 else:
                     rounds = Rounds(group, range(senders))
+            mine: tuple[str, int] | Exception | None = None
             if self.rank < senders:
-                self._out = Outbound(self.config, self.world_size - senders, wrap)
-            mine = self._out.address if self._out else None
+                try:
+                    self._out = Outbound(self.config, self.world_size - senders, wrap)
+                    mine = self._out.address
+                except Exception as exc:  # raised once the others know (see share_endpoints)
+                    mine = exc
             endpoints = share_endpoints(mine, senders, None, control_device(None))
             if self.rank >= senders:
                 slot = self.rank - senders + 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import time
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from tests.distributed.harness import RankContext, run_ranks
 from weight_sync import SyncConfig
 from weight_sync.deadline import Deadline
 from weight_sync.devices import CPU
-from weight_sync.errors import WeightSyncError
+from weight_sync.errors import TransportError, WeightSyncError
 from weight_sync.lanes import BEGIN, COMMAND, FLOOR, Inbound, Outbound, Senders, Verdicts
 from weight_sync.store_plane import PREFIX
 from weight_sync.transport import bind_listener
@@ -158,3 +159,29 @@ def test_the_senders_group_forms_among_the_trainer_ranks_alone() -> None:
         assert results[rank] == {
             "rank": rank - 1, "senders": 2, "endpoints": 2, "members": 1, "word": 7, "total": 6,
         }  # fmt: skip
+
+
+def _a_sender_cannot_listen(ctx: RankContext) -> tuple[str, str, float]:
+    """Two trainer ranks make a ``Senders``; rank 1's lane cannot listen (an address that is
+    not this host's)."""
+    store = open_store("127.0.0.1", ctx.ports()[0], ctx.world_size, 30, ctx.listener(0))
+    dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=ctx.world_size,
+                            timeout=datetime.timedelta(seconds=30))  # fmt: skip
+    address = "127.0.0.1" if ctx.rank == 0 else "192.0.2.1"  # TEST-NET-1: on no host
+    started = time.monotonic()
+    try:
+        Senders(SyncConfig(master_addr=address, push_timeout_s=60), None, lambda _: 1, "the test")
+    except Exception as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - started
+    finally:
+        dist.destroy_process_group()
+    return "nothing", "", time.monotonic() - started
+
+
+def test_a_sender_that_cannot_listen_fails_every_sender_at_once() -> None:
+    """Each sender's own error, and the others told before they wait for its endpoint: not
+    at the senders' bound (60 s here)."""
+    (kind, why, took), (own, own_why, own_took) = run_ranks(_a_sender_cannot_listen, 2)
+    assert kind == TransportError.__name__ and "trainer rank 1 could not listen" in why, why
+    assert own == TransportError.__name__ and "192.0.2.1" in own_why, own_why
+    assert took < 20 and own_took < 20, (took, own_took)

@@ -323,6 +323,26 @@ class LMWorker(WeightSyncWorker):
         a worker that fails after its bytes landed (fault injection)."""
         self._fail_after_lanes = on
 
+    def fail_before_bytes(self, sender: int | None) -> None:
+        """From now, the lane from ``sender`` (None: no lane) fails here as its bytes are about
+        to flow -- its push accepted, its sender sending -- before it takes one (fault
+        injection: a worker that cannot take what it agreed to)."""
+        self._fail_before_bytes = sender
+
+    def _weight_sync_assembly(self, layout: Any) -> Any:
+        assembly = super()._weight_sync_assembly(layout)
+        failing = getattr(self, "_fail_before_bytes", None)
+        if failing is not None:
+            where = assembly.destinations
+
+            def destinations(sender: int) -> Any:
+                if sender == failing:
+                    raise RuntimeError("failed as its bytes were to flow (fault injection)")
+                return where(sender)
+
+            assembly.destinations = destinations
+        return assembly
+
     def fail_after_join(self) -> None:
         """From now, joining one group raises once joined: a worker that fails after the group
         formed with it (fault injection)."""
@@ -438,6 +458,11 @@ class ShardedTrainer:
 
     def lanes_close(self) -> None:
         self.lanes.close()
+
+    def lanes_one_group(self) -> str | None:
+        """The id of the one group this rank's lanes send over (a new one once it re-forms)."""
+        group = self.lanes._lanes.one_group
+        return None if group is None else group._spec.group_id
 
     def full_digests(self) -> dict[str, str]:
         """Every rank must call this at once (it gathers)."""

@@ -124,11 +124,16 @@ def test_a_partial_push_completes_the_version_the_workers_hold(lanes: tuple[list
 def test_a_worker_whose_model_does_not_fit_refuses_before_any_byte(
     lanes: tuple[list, list],
 ) -> None:
+    """Refused on every rank before any byte, push after push. Over one group, the group stays
+    as it is: a refusal leaves it whole (forming it again would cost a rendezvous each time)."""
     ranks, workers = lanes
     before = ray.get([w.weight_sync_digests.remote() for w in workers], timeout=TIMEOUT)
-    (kind, why), (other, _) = on_all(ranks, "lanes_push")
-    assert kind == other == "PlanMismatchError", why
-    assert "worker 1: unknown tensor 'q_proj.weight'" in why  # rank 0 names the worker
+    group = on_all(ranks, "lanes_one_group")
+    for _ in range(2):
+        (kind, why), (other, _) = on_all(ranks, "lanes_push")
+        assert kind == other == "PlanMismatchError", why
+        assert "worker 1: unknown tensor 'q_proj.weight'" in why  # rank 0 names the worker
+    assert on_all(ranks, "lanes_one_group") == group
     assert ray.get([w.weight_sync_digests.remote() for w in workers], timeout=TIMEOUT) == before
     assert ray.get([w.weights_version.remote() for w in workers], timeout=TIMEOUT) == [None, None]
 
@@ -201,6 +206,33 @@ def test_a_worker_failing_after_the_lanes_fails_the_push_on_every_rank(
     assert [r.version for r in on_all(ranks, "lanes_push")] == [3, 3]
 
 
+@LANES_AND_ONE_GROUP
+def test_a_worker_that_fails_as_the_bytes_begin_fails_the_push_at_once(
+    lanes: tuple[list, list],
+) -> None:
+    """Worker 1 accepted the push, then its lane from rank 1 fails as rank 1's bytes are about
+    to flow, before it takes one: every rank raises at once, not at the push's bound (rank 1's
+    sends to it would otherwise wait for a receive that never comes), no worker claims the
+    version, and the next push lands (over one group, forming it again first)."""
+    ranks, workers = lanes
+    on_all(ranks, "lanes_push")
+    ray.get(workers[1].fail_before_bytes.remote(1), timeout=TIMEOUT)
+    on_all(ranks, "step")
+    started = time.monotonic()
+    (kind, why), (other, said) = on_all(ranks, "lanes_push")
+    assert time.monotonic() - started < 30  # the push's bound is 900 s
+    # Rank 1's lane names the worker. Rank 0's landed, and rank 0 names the lane that did not
+    # (over one group, its own lane failed with it, the group aborted: it names the worker).
+    assert other == "WorkerFailedError" and "worker 1: " in said and "fault injection" in said
+    assert kind in ("SenderFailedError", "TransportError") and "[1]" in why, why
+    assert ray.get([w.weights_version.remote() for w in workers], timeout=TIMEOUT)[1] != 2
+    ray.get(workers[1].fail_before_bytes.remote(None), timeout=TIMEOUT)
+    results = on_all(ranks, "lanes_push")
+    assert results[0].version == results[1].version == 3, results
+    want = on_all(ranks, "full_digests")[0]
+    assert ray.get([w.weight_sync_digests.remote() for w in workers], timeout=TIMEOUT) == [want] * 2
+
+
 def test_a_worker_failing_once_the_one_group_formed_fails_every_sender_at_once() -> None:
     """Worker 1 raises once it joined the one group: rank 0 names it, and rank 1, whose own
     join went through, raises with it rather than waiting for rank 0 until its bound."""
@@ -242,8 +274,10 @@ def test_a_worker_that_lost_the_one_group_refuses_the_push_and_the_next_forms_it
     assert kind == other == "PlanMismatchError", why
     assert "worker 0: this worker holds no one group with these senders" in why
     assert ray.get([w.weights_version.remote() for w in workers], timeout=TIMEOUT) == [1, 1]
+    group = on_all(ranks, "lanes_one_group")
     on_all(ranks, "step")
     results = on_all(ranks, "lanes_push")
+    assert on_all(ranks, "lanes_one_group") != group  # formed again: every worker rejoined
     assert results[0].version == results[1].version > 1, results
     want = on_all(ranks, "full_digests")[0]
     assert ray.get([w.weight_sync_digests.remote() for w in workers], timeout=TIMEOUT) == [want] * 2

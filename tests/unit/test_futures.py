@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 
 from weight_sync import SyncConfig
+from weight_sync.errors import WeightSyncError
 from weight_sync.futures import joined, resolve
-from weight_sync.metadata import SyncStatus, WorkerReply
+from weight_sync.metadata import ReceiveReport, SyncStatus, WorkerReply
 from weight_sync.store_plane import ClientPlane
 
 
@@ -99,4 +100,26 @@ def test_a_commit_is_over_only_once_the_client_has_labelled_the_version() -> Non
         assert client.labelled == "1"
     finally:
         client.release.set()
+        plane.close()
+
+
+@pytest.mark.timeout(60)
+def test_answers_a_member_never_gave_are_given_up_when_the_members_are_asked_again() -> None:
+    """A push whose second member never answered (it died): once the trainer asks anew, that
+    answer is nobody's to wait for, and the plane stops looking for it -- else each failed push
+    would leave keys the plane polls for, under the lock every message takes, for good."""
+    client = _LabellingClient()
+    plane = ClientPlane(client, 2, SyncConfig())
+    try:
+        first, second = plane.receive(1, atomic=True, timeout_s=10)
+        report = ReceiveReport(version=1, nbytes=0, buckets=0, seconds=0.0)
+        status = SyncStatus(version=1, dirty=False, phase="idle")
+        reply = WorkerReply(value=report.model_dump_json(), status=status)
+        plane.post("received/1/1", reply.model_dump_json())  # member 1 answers; member 2 never
+        assert first.result(timeout=10) == report
+        plane.probe(timeout_s=10)
+        with pytest.raises(WeightSyncError, match="asked to join afresh"):
+            second.result(timeout=10)
+        assert sorted(plane._mailbox._pending) == ["info/1/1", "info/1/2"]  # the new asks only
+    finally:
         plane.close()

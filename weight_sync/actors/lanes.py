@@ -38,9 +38,14 @@ from typing_extensions import Self
 from weight_sync.blocks import BlockLayout
 from weight_sync.config import SyncConfig
 from weight_sync.deadline import Deadline
-from weight_sync.devices import gpu_uuid
-from weight_sync.errors import WeightSyncError, WorkerFailedError, first_line
-from weight_sync.lanes import Senders
+from weight_sync.devices import current_gpu, gpu_uuid
+from weight_sync.errors import (
+    PlanMismatchError,
+    WeightSyncError,
+    WorkerFailedError,
+    first_line,
+)
+from weight_sync.lanes import NO_ONE_GROUP, Senders
 from weight_sync.metadata import GroupSpec, MemberInfo
 from weight_sync.result import PushResult
 from weight_sync.send.checks import Rename, StateDict
@@ -106,6 +111,7 @@ class LaneUpdater:
         self._committed = 0
         self._closed = False
         self._failed = False  # the last push failed: over one group, the next forms it again
+        self._lost_group = False  # rank 0: a worker answered the last check without the group
 
     @property
     def version(self) -> int:
@@ -133,6 +139,9 @@ class LaneUpdater:
             raise WeightSyncError("this LaneUpdater is closed")
         try:
             return self._push(state_dict, rename, version, partial)
+        except PlanMismatchError:  # refused before any byte: the group is whole ...
+            self._failed = self._lost_group  # ... unless a worker lacks it (rank 0 knows)
+            raise
         except WeightSyncError:  # a runtime failure, on every rank (a caller's error is not)
             self._failed = True
             raise
@@ -300,6 +309,7 @@ class LaneUpdater:
                 list(range(len(self._workers))),
             ) from exc
         self._held = [layout.digest if not problems else None for problems in answers]
+        self._lost_group = any(p.startswith(NO_ONE_GROUP) for ps in answers for p in ps)
         return {index: list(problems) for index, problems in enumerate(answers) if problems}
 
     def _blame_workers(self, calls: Sequence[Any], error: Exception | None, started: float) -> None:
@@ -336,4 +346,4 @@ def _current_gpu() -> str | None:
     """The UUID of the GPU this rank sends from over NCCL (its current one), if it has one."""
     if not torch.cuda.is_available():
         return None
-    return gpu_uuid(torch.device("cuda", torch.cuda.current_device()))
+    return gpu_uuid(current_gpu())

@@ -19,7 +19,7 @@ from weight_sync.blocks import BlockLayout
 from weight_sync.checksums import state_dict_digests
 from weight_sync.devices import CPU, module_device
 from weight_sync.errors import WeightSyncError
-from weight_sync.lanes import Lanes
+from weight_sync.lanes import NO_ONE_GROUP, Lanes
 from weight_sync.metadata import (
     GroupSpec,
     MemberInfo,
@@ -420,8 +420,8 @@ def _no_group(lanes: Lanes | None) -> str | None:
     over the group, and they would wait out their bound."""
     if lanes is None or lanes.rounds is None:
         return (
-            "this worker holds no one group with these senders (it restarted, or lanes "
-            "from other senders took its place); their next push forms the group again"
+            f"{NO_ONE_GROUP} (it restarted, or lanes from other senders took its place); "
+            "their next push forms the group again"
         )
     return None
 

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from weight_sync.devices import current_gpu
 from weight_sync.errors import WeightSyncError
 from weight_sync.metadata import DTYPES, dtype_name
 from weight_sync.result import PushResult
@@ -253,7 +254,7 @@ def control_device(group: dist.ProcessGroup | None) -> torch.device:
     GPU (a group of NCCL alone, under whatever name: ``nccl``, ``cuda:nccl``)."""
     if takes_host_tensors(dist.get_backend_config(group)):
         return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
+    return current_gpu()
 
 
 def takes_host_tensors(backend_config: str) -> bool:
