@@ -65,6 +65,20 @@ class FlakyWorker(ZooWorker.__ray_actor_class__):  # type: ignore[name-defined]
     def fail_next_push(self, after_calls: int) -> None:
         self.fail_after = after_calls
 
+    def fail_destinations(self, after_calls: int) -> None:
+        """``weight_sync_destinations`` raises once, after ``after_calls`` more calls: a user's
+        hook that fails as a push's bytes are about to flow (its one call in a push in one
+        call; the second, at the receive, of a push prepared first)."""
+        self.destinations_after = after_calls
+
+    def weight_sync_destinations(self) -> Any:
+        after = getattr(self, "destinations_after", None)
+        if after is not None:
+            self.destinations_after = None if after == 0 else after - 1
+            if after == 0:
+                raise RuntimeError("injected weight_sync_destinations failure")
+        return super().weight_sync_destinations()
+
     def fail_next_commit(self) -> None:
         """The next commit raises once every worker has received: in its own call, or at the
         end of a push in one call."""

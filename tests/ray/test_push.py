@@ -169,6 +169,36 @@ def test_a_worker_failing_mid_push_leaves_no_one_claiming_the_version(ray_cluste
             ray.kill(actor)
 
 
+@pytest.mark.parametrize("after_calls", [0, 1], ids=["in_one_call", "at_the_receive"])
+def test_a_worker_whose_hook_fails_as_the_bytes_begin_fails_the_push_at_once(
+    ray_cluster: None, after_calls: int
+) -> None:
+    """A worker's ``weight_sync_destinations`` raises as the bytes are about to flow -- in a
+    push in one call (the steady state), or at the receive of a push prepared first (a new
+    group's first): the worker leaves the group first, so the trainer and the others, about to
+    vote or broadcast with it, fail at once rather than at the collective bound; it is named,
+    no one claims the version, and the next push lands."""
+    workers = [FlakyWorker.remote(seed=300 + i) for i in range(3)]
+    trainer = Trainer.remote(workers, collective_timeout_s=60, rpc_timeout_s=60)
+    try:
+        first = ray.get(trainer.push_zoo.remote(1), timeout=TIMEOUT)
+        if after_calls:  # a failed push forms a new group: its first push is prepared first
+            ray.get(workers[0].fail_next_push.remote(0), timeout=TIMEOUT)
+            with pytest.raises(WorkerFailedError):
+                ray.get(trainer.push_zoo.remote(2), timeout=TIMEOUT)
+        ray.get(workers[1].fail_destinations.remote(after_calls), timeout=TIMEOUT)
+        kind, took = ray.get(trainer.timed_push_zoo.remote(3), timeout=TIMEOUT)
+        assert kind == "WorkerFailedError" and took < 30, (kind, took)  # the bound is 60 s
+        versions, _ = state(workers)
+        assert versions[1] is None or versions[1] <= first.version
+        again = ray.get(trainer.push_zoo.remote(4), timeout=TIMEOUT)
+        assert state(workers) == ([again.version] * 3, [state_dict_digests(zoo(4, big=BIG))] * 3)
+    finally:
+        ray.get(trainer.close.remote(), timeout=TIMEOUT)
+        for actor in [trainer, *workers]:
+            ray.kill(actor)
+
+
 GOOD_DIGEST = "0" * 64
 
 
