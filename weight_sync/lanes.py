@@ -501,17 +501,15 @@ class Senders:
         self._close(self.out)
 
     def _close(self, out: Outbound | None) -> None:
-        """Leave the lane (``out``), the one group and the senders' control group, whatever of
-        them formed: each rank its own end, nothing collective."""
+        """Leave the lane (``out``) and the one group, whatever of them formed. The senders'
+        control group stays registered with torch.distributed: a group made with
+        ``use_local_synchronization`` is named from its ranks and the count of groups alive on
+        this rank, so destroying one would name a later group like one still alive (refused),
+        or -- destroyed on some ranks only -- differently from rank to rank (a hang)."""
         if out is not None:
             out.close()
         if self.one_group is not None:
             self.one_group.close()
-        if dist.is_initialized():  # the job may have ended its world first: gone with it
-            try:
-                dist.destroy_process_group(self.control)
-            except (RuntimeError, ValueError) as exc:  # already destroyed
-                logger.debug("the senders' control group: %s", exc)
 
     def renew_one_group(self, needed: bool) -> bool:
         """Every sender at once, before a push over the one group: where any of them says it is

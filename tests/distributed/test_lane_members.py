@@ -185,3 +185,28 @@ def test_a_sender_that_cannot_listen_fails_every_sender_at_once() -> None:
     assert kind == TransportError.__name__ and "trainer rank 1 could not listen" in why, why
     assert own == TransportError.__name__ and "192.0.2.1" in own_why, own_why
     assert took < 20 and own_took < 20, (took, own_took)
+
+
+def _senders_after_one_closed(ctx: RankContext) -> int:
+    """Two ``Senders`` on the same ranks (two pools of workers), the first closed, then a
+    third made: its control group must be named apart from the second's, still alive."""
+    store = open_store("127.0.0.1", ctx.ports()[0], ctx.world_size, 30, ctx.listener(0))
+    dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=ctx.world_size,
+                            timeout=datetime.timedelta(seconds=30))  # fmt: skip
+    config = SyncConfig(push_timeout_s=30)
+    first = Senders(config, None, lambda _: 1, "the test")
+    second = Senders(config, None, lambda _: 1, "the test")
+    first.close()
+    third = Senders(config, None, lambda _: 1, "the test")
+    try:
+        return second.from_rank_0(lambda: 3) + third.from_rank_0(lambda: 4)
+    finally:
+        second.close()
+        third.close()
+        dist.destroy_process_group()
+
+
+def test_senders_made_after_others_closed_form_their_own_group() -> None:
+    """A closed ``Senders`` leaves its control group registered: unregistering it would name
+    the next group made from these ranks like one still alive ("already created")."""
+    assert run_ranks(_senders_after_one_closed, 2, timeout_s=60) == [7, 7]

@@ -139,8 +139,7 @@ class LaneUpdater:
             raise WeightSyncError("this LaneUpdater is closed")
         try:
             return self._push(state_dict, rename, version, partial)
-        except PlanMismatchError:  # refused before any byte: the group is whole ...
-            self._failed = self._lost_group  # ... unless a worker lacks it (rank 0 knows)
+        except PlanMismatchError:  # a refusal: ``_push`` says whether the group needs forming
             raise
         except WeightSyncError:  # a runtime failure, on every rank (a caller's error is not)
             self._failed = True
@@ -153,13 +152,17 @@ class LaneUpdater:
             self._held = [None] * len(self._workers)  # their new lanes: checked afresh
         self._failed = False
         started = time.monotonic()  # after the renewal, bounded by its own rendezvous
-        share, chosen = self._lanes.agree(
-            state_dict,
-            rename,
-            version,
-            lambda layout, v: self._check_workers(layout, v, started),
-            partial,
-        )
+        try:
+            share, chosen = self._lanes.agree(
+                state_dict,
+                rename,
+                version,
+                lambda layout, v: self._check_workers(layout, v, started),
+                partial,
+            )
+        except PlanMismatchError:  # refused before any byte: the group is whole ...
+            self._failed = self._lost_group  # ... unless a worker lacks it (rank 0 knows)
+            raise
         try:
             return self._send(share, chosen, started)
         except BaseException:  # once agreed, whatever failed may have left the group aborted

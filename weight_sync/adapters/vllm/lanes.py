@@ -122,7 +122,11 @@ class VLLMLaneServers:
         self._closed = False
         # Every worker joins, and says the highest version it was ever sent (by any trainer):
         # this trainer's versions go on past it.
-        self._lanes.out.pusher.spent(self._lanes.from_rank_0(self._join))
+        try:
+            self._lanes.out.pusher.spent(self._lanes.from_rank_0(self._join))
+        except BaseException:
+            self._lanes.close()
+            raise
         logger.info("sender %d of %d, to %d vLLM worker(s)", self.rank, self.senders, self.members)
 
     @property
