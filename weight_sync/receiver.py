@@ -16,6 +16,7 @@ import socket
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -67,6 +68,8 @@ __all__ = [
 ]
 
 _MAX_SPEC_CHARS = 4096
+
+_T = TypeVar("_T")
 
 
 class Receiver:
@@ -193,6 +196,17 @@ class Receiver:
         self._state.drop()
         if transport is not None:
             transport.close()
+
+    def or_leave(self, hook: Callable[[], _T]) -> _T:
+        """``hook()``, run as a push's bytes are about to flow (the model's: where they land);
+        where it raises, this receiver leaves the group first, as a receive that fails does --
+        its peers, about to vote or broadcast with it, fail at once rather than wait for it
+        until their bound."""
+        try:
+            return hook()
+        except BaseException:
+            self.leave()
+            raise
 
     # -- one push ----------------------------------------------------------------------------
 

@@ -154,12 +154,9 @@ class StoreMember:
 
     def receive(self, version: int) -> None:
         def receive() -> str:
-            try:
-                loader, destinations = self._loader(), self._destinations()
-            except BaseException:  # as a receive that fails: the senders are about to send,
-                self.receiver.leave()  # and leaving makes them fail now, not at their bound
-                raise
-            return self.receiver.receive(version, loader, destinations).model_dump_json()
+            receiver = self.receiver
+            loader, destinations = receiver.or_leave(lambda: (self._loader(), self._destinations()))
+            return receiver.receive(version, loader, destinations).model_dump_json()
 
         self._answer(f"received/{version}/{self._slot}", receive)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import ray
 import torch
@@ -33,8 +33,6 @@ from weight_sync.receive.assembly import Assembly, layout_of_push, past_sent
 from weight_sync.receiver import Check, Receiver, expecting
 from weight_sync.transport import TorchGroup
 from weight_sync.transport.rounds import Rounds
-
-_T = TypeVar("_T")
 
 SYNC_GROUP = "weight_sync"  # the protocol's calls; one at a time
 STATUS_GROUP = "weight_sync_status"  # health: answers while a push runs
@@ -166,18 +164,18 @@ class WeightSyncWorker:
 
     def _weight_sync_push(self, request_json: str, timeout_s: float | None = None) -> PushReply:
         self._weight_sync_by_lanes = False
-        check, destinations, own = self._weight_sync_or_leave(self._weight_sync_targets)
-        return self._weight_sync_state().push(
-            request_json, check, self.load_weights, destinations, own
-        )
+        state = self._weight_sync_state()
+        check, destinations, own = state.or_leave(self._weight_sync_targets)  # the user's hooks
+        return state.push(request_json, check, self.load_weights, destinations, own)
 
     def _weight_sync_cancel(self, version: int, timeout_s: float | None = None) -> None:
         self._weight_sync_state().cancel(version)
 
     def _weight_sync_receive(self, version: int, timeout_s: float | None = None) -> ReceiveReport:
         self._weight_sync_by_lanes = False
-        destinations = self._weight_sync_or_leave(self.weight_sync_destinations)
-        return self._weight_sync_state().receive(version, self.load_weights, destinations)
+        state = self._weight_sync_state()
+        destinations = state.or_leave(self.weight_sync_destinations)
+        return state.receive(version, self.load_weights, destinations)
 
     def _weight_sync_commit(self, version: int, timeout_s: float | None = None) -> None:
         state = self._weight_sync_state()
@@ -325,16 +323,6 @@ class WeightSyncWorker:
         ):
             return expecting(lambda: destinations), destinations, True
         return expecting(self.weight_sync_expected), destinations, False
-
-    def _weight_sync_or_leave(self, hook: Callable[[], _T]) -> _T:
-        """``hook()`` (the user's, as a push's bytes are about to flow); where it raises, this
-        worker leaves the group first, as a receive that fails does: its peers, about to vote
-        or broadcast with it, then fail at once rather than wait for it until their bound."""
-        try:
-            return hook()
-        except BaseException:
-            self._weight_sync_state().leave()
-            raise
 
     def _weight_sync_assembly(self, layout: BlockLayout) -> Assembly:
         """Where a push from many senders lands: in this worker's destinations, or put
