@@ -686,10 +686,21 @@ class Lanes:
             dist.PrefixStore(VERDICTS, self.inbound[0].raw_store), len(endpoints)
         )
         # The version every lane committed here; the last of those that covered every tensor.
-        self.held, self.full = (before.version, before.full_version) if before else (None, None)
+        self.held: int | None = None
+        self.full: int | None = None
         self.layout: BlockLayout | None = None  # the last layout this member took
-        self.error = before.last_error if before else None  # why the last push failed here
-        self.last = before.last if before else None  # the last push every lane committed
+        self.error: str | None = None  # why the last push failed here
+        self.last: ReceiveReport | None = None  # the last push every lane committed
+        if before is not None:
+            self.adopt(before)
+
+    def adopt(self, status: SyncStatus) -> None:
+        """Pushes reached this member's model by another route (one sender's), which reports
+        ``status``: hold what it says; no lane's bytes are a delta base any more."""
+        self.held, self.full = status.version, status.full_version
+        self.error, self.last = status.last_error, status.last
+        for lane in self.inbound:
+            lane.member.receiver.adopt(status)
 
     def receive(self, assembly: Assembly, push: int, wait_s: float, member: str) -> int | None:
         """Push ``push`` on every lane the layout gives blocks to, each on a thread of its own,

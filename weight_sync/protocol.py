@@ -198,7 +198,7 @@ class Pusher:
         if not isinstance(state_dict, ShardedSource):
             entries = check_state_dict(state_dict, self._config, rename, transform)
             return self._push(entries, entries.tensors, partial, False, started, version)
-        source, version = state_dict, None
+        source, pushed = state_dict, None
         if not source.is_sender:
             raise ValueError("this rank does not send: call serve() on its ShardedSource")
         try:
@@ -213,10 +213,10 @@ class Pusher:
                 raise nonfinite_error(cast)
             gathering = source.gathering(entries.tensors)
             result = self._push(entries, gathering, partial, True, started, version)
-            version = result.version
+            pushed = result.version
             return result
         finally:
-            source.finish(version)
+            source.finish(pushed)
 
     def close(self) -> None:
         """Leave the group on every member and here. Idempotent; the members keep their weights."""

@@ -124,6 +124,15 @@ class Receiver:
         have receivers of their own): a later trainer starts above it here too."""
         self._state.highest_version = max(self._state.highest_version, version)
 
+    def adopt(self, status: SyncStatus) -> None:
+        """Pushes reached the model this receiver loads by another route (one sender's and
+        many senders' pushes into the same worker each have receivers of their own), and that
+        route reports ``status``: from now on this receiver holds what it says -- the
+        versions a partial push is checked against -- and its bytes are no delta base (a
+        delta built on one would land on weights it was not built on)."""
+        self._state.adopt(status)
+        self._state.highest_version = max(self._state.highest_version, status.version or 0)
+
     @property
     def delta_base(self) -> str | None:
         """The trainer's base (see weight_sync.delta) these weights are bit for bit, if any."""

@@ -431,12 +431,34 @@ class ShardedTrainer:
             with torch.no_grad():
                 self.model.adapter.weight.to_local()[0, 0] = float("nan")
 
-    def push(self) -> tuple[Any, int]:
-        """(PushResult on rank 0 / version elsewhere, peak gathered bytes on rank 0)."""
-        source = ShardedSource(self.model.state_dict())
+    def push(
+        self, version: int | None = None, only: list[str] | None = None, whole: bool = False
+    ) -> tuple[Any, int]:
+        """(PushResult on rank 0 / version elsewhere, peak gathered bytes on rank 0); ``only``:
+        these tensors, as a partial push; ``whole``: gathered whole on every rank first (a
+        state dict of plain tensors: deltas can apply), not bucket by bucket."""
+        state = self.model.state_dict()
+        if only is not None:
+            state = {name: state[name] for name in only}
+        if whole:
+            state = {name: tensor.full_tensor() for name, tensor in state.items()}
+            if self.updater is None:
+                return version, 0
+            return self.updater.push(state, partial=only is not None, version=version), 0
+        source = ShardedSource(state)
         if self.updater is None:
             return source.serve(), 0
-        return self.updater.push(source), source.peak_gathered_bytes
+        result = self.updater.push(source, partial=only is not None, version=version)
+        return result, source.peak_gathered_bytes
+
+    def keep(self) -> None:
+        """Remember this rank's shards as they are (``restore`` puts them back)."""
+        self.kept = {n: t.to_local().clone() for n, t in self.model.state_dict().items()}
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for name, tensor in self.model.state_dict().items():
+                tensor.to_local().copy_(self.kept[name])
 
     def push_sharded(self) -> Any:
         return push_sharded(self.model.state_dict(), self.updater)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import ray
@@ -399,3 +400,87 @@ def test_one_group_takes_only_workers_that_can_join_it() -> None:
             LaneUpdater([plain], one_group=True)
     finally:
         ray.kill(plain)
+
+
+def test_pushes_from_one_sender_and_from_many_into_the_same_workers_build_on_each_other() -> None:
+    """Rank 0 also pushes alone (a ``WeightUpdater`` over the same workers, deltas on), between
+    pushes from both ranks: each kind of push is checked against what the other left. A delta
+    built on what rank 0 pushed before the lanes' push does not land on the lanes' weights
+    (the trainer's weights are put back as they were then: that delta would be empty and the
+    workers would keep the lanes' bytes); a partial push completes the last full push of
+    either kind."""
+    workers = [LMWorker.remote(fused=False) for _ in range(2)]
+    ranks = [ShardedTrainer.remote(rank, 2) for rank in range(2)]
+    try:
+        port = ray.get(ranks[0].port.remote(), timeout=TIMEOUT)
+        ray.get(
+            [
+                rank.setup.remote(port, workers if i == 0 else None, delta="always")
+                for i, rank in enumerate(ranks)
+            ],
+            timeout=TIMEOUT,
+        )
+        ray.get(
+            [rank.lanes_setup.remote(workers, delta="always") for rank in ranks], timeout=TIMEOUT
+        )
+
+        def alone(version: int, only: list[str] | None = None, whole: bool = True) -> Any:
+            """Rank 0's one-sender push (``whole``: of tensors gathered first; else rank 1
+            serves its gathers); its result."""
+            calls = [rank.push.remote(version, only, whole) for rank in ranks]
+            result, _ = ray.get(calls[0], timeout=TIMEOUT)  # its error first, if it failed
+            ray.get(calls[1], timeout=TIMEOUT)
+            assert result.version == version, result
+            return result
+
+        def together(version: int, *only: list[str]) -> Any:
+            pushed = on_all(ranks, "lanes_push", version, False, *only)
+            assert [getattr(r, "version", r) for r in pushed] == [version] * 2, pushed
+            return pushed[0]
+
+        def holds(version: int, full: int, rest: dict | None = None) -> dict:
+            """The workers hold the trainer's weights (``rest``: those of a partial push; the
+            other tensors as ``rest`` says), as ``version`` completing ``full``."""
+            want = on_all(ranks, "full_digests")[0]
+            if rest is not None:
+                want = {n: want[n] if n in only else rest[n] for n in want}
+            got = ray.get([w.weight_sync_digests.remote() for w in workers], timeout=TIMEOUT)
+            assert got == [want, want]
+            statuses = ray.get([w.sync_status.remote() for w in workers], timeout=TIMEOUT)
+            assert [(s.version, s.full_version) for s in statuses] == [(version, full)] * 2
+            return want
+
+        only = ["adapter.weight", "adapter.bias"]
+        # A trainer whose ranks push both ways labels each push (its step): neither pusher
+        # counts the other's versions.
+        on_all(ranks, "step")
+        assert not alone(1).delta
+        holds(1, 1)
+        on_all(ranks, "step")
+        on_all(ranks, "keep")
+        assert alone(2).delta  # the workers held its base: what a delta builds on
+        holds(2, 2)
+        on_all(ranks, "step")
+        together(3)
+        holds(3, 3)
+        on_all(ranks, "restore")  # the weights of version 2 again: nothing changed since it
+        assert not alone(4).delta  # the workers hold no base of it any more
+        rest = holds(4, 4)
+        on_all(ranks, "step")
+        together(5, only)
+        holds(5, 4, rest)  # the rest as version 4 left it
+        on_all(ranks, "step")
+        on_all(ranks, "keep")
+        assert together(6).delta  # each lane's receivers held its base
+        rest = holds(6, 6)
+        on_all(ranks, "step")
+        alone(7, only, whole=False)  # gathered bucket by bucket, as labelled
+        holds(7, 6, rest)
+        on_all(ranks, "restore")  # version 6's weights: the other way round
+        assert not together(8).delta
+        holds(8, 8)
+    finally:
+        for rank in ranks:
+            ray.get([rank.lanes_close.remote(), rank.close.remote()], timeout=TIMEOUT)
+        for actor in [*ranks, *workers]:
+            ray.kill(actor)

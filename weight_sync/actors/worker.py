@@ -241,11 +241,19 @@ class WeightSyncWorker:
                 min(wait_s, 60.0),
                 before=before,
             )
+        elif not self.__dict__.get("_weight_sync_by_lanes"):  # one sender pushed since
+            lanes.adopt(self.sync_status())
         self._weight_sync_by_lanes = True
-        self._weight_sync_state().saw(version)  # spent here from now, landed or not
+        single = self._weight_sync_state()
+        single.saw(version)  # spent here from now, landed or not
         layout = self.__dict__.get("_weight_sync_layout")
         assert layout is not None, "the trainer checks the layout with every worker first"
-        return lanes.receive(self._weight_sync_assembly(layout), push, wait_s, f"worker {slot - 1}")
+        try:
+            return lanes.receive(
+                self._weight_sync_assembly(layout), push, wait_s, f"worker {slot - 1}"
+            )
+        finally:  # what a later push from one sender is checked against
+            single.adopt(lanes.status())
 
     def _weight_sync_lanes_join(
         self,

@@ -149,6 +149,18 @@ class ReceiveState:
         done, total = self._progress
         self._progress = (done + 1, total)
 
+    def adopt(self, status: SyncStatus) -> None:
+        """The model took pushes by another route, which now reports ``status``: hold what it
+        says (versions, last push, last error); whatever base these bytes were, they are not
+        it any more."""
+        self.version, self.full_version, self.dirty = (
+            status.version,
+            status.full_version,
+            status.dirty,
+        )
+        self.delta_base = None
+        self._last, self._last_error = status.last, status.last_error
+
     def touch(self) -> None:
         """The model is about to change: until a commit, this worker holds no version."""
         self.version, self.full_version, self.dirty, self.delta_base = None, None, True, None

@@ -413,14 +413,17 @@ class LaneMember:
         whole: list[tuple[str, torch.Tensor]] = []
         assembly = Assembly(self._layout, None, whole.extend)
         self._single.saw(version)  # spent here from now, landed or not: never sent again
-        held = self.lanes.receive(assembly, push, wait_s, name)
         try:
-            with self._target.reload():
-                self._target.load(whole)
-        except Exception as exc:
-            why = f"{name} received every lane but its engine did not load them: {first_line(exc)}"
-            self.lanes.lost(why)
-            raise WeightSyncError(why) from exc
+            held = self.lanes.receive(assembly, push, wait_s, name)
+            try:
+                with self._target.reload():
+                    self._target.load(whole)
+            except Exception as exc:
+                why = f"{name} received every lane but its engine did not load them: {first_line(exc)}"
+                self.lanes.lost(why)
+                raise WeightSyncError(why) from exc
+        finally:  # what a later push from one sender is checked against
+            self._single.adopt(self.lanes.status())
         assert held == version, (held, version)
         return held
 
