@@ -706,7 +706,8 @@ class Lanes:
         """Push ``push`` on every lane the layout gives blocks to, each on a thread of its own,
         landing where ``assembly`` says. Returns the version every lane committed, or raises:
         the lanes' common error (a refusal, a push called off), else ``SenderFailedError``
-        naming the senders whose lanes did not commit here (``member`` names this one). A
+        naming the senders whose lanes did not commit here (``member`` names this one); where
+        no lane's byte reached the model (refused, called off), the version held stays. A
         layout with no block (no tensor has an element) moves nothing: the version stays."""
         active = {s: lane for s, lane in enumerate(self.inbound) if assembly.layout.sent_by(s)}
         if not active:  # no tensor has an element: nothing moves, the version stays
@@ -719,7 +720,7 @@ class Lanes:
             )
         # From the first byte the lanes land apart: this member holds neither the version it
         # held nor, until every lane commits, a whole one (as a one-sender receiver's state).
-        base, self.held, self.full = self.full, None, None
+        held, base, self.held, self.full = self.held, self.full, None, None
         if self.rounds is not None:
             self.rounds.begin(active)
         with ThreadPoolExecutor(len(active), thread_name_prefix="weight-sync-lane") as pool:
@@ -731,6 +732,11 @@ class Lanes:
             self.held = self._settle(outcomes, assembly, push, member)
         except Exception as exc:
             self.error = first_line(exc)
+            if not any(
+                version is not None or active[sender].member.receiver.dirty
+                for sender, (version, _) in outcomes.items()
+            ):  # no lane committed, nor wrote a byte into the model
+                self.held, self.full = held, base
             raise
         self.error, self.full = None, base if assembly.layout.partial else self.held
         self.last = _together([lane.member.receiver.status().last for lane in active.values()])

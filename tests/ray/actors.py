@@ -343,6 +343,23 @@ class LMWorker(WeightSyncWorker):
         injection: a worker that cannot take what it agreed to)."""
         self._fail_before_bytes = sender
 
+    def fail_assembly(self, on: bool) -> None:
+        """From now (``on``), where a push from many senders lands cannot be had as its lanes
+        are about to begin (after the layout was checked against it): a user's hook that fails
+        on its second call of a push (fault injection)."""
+        self._fail_assembly = on
+
+    def _weight_sync_lanes_receive(self, *args: Any, **kwargs: Any) -> int | None:
+        if getattr(self, "_fail_assembly", False):
+            self.weight_sync_destinations = _injected_failure  # type: ignore[method-assign]
+        try:
+            held = super()._weight_sync_lanes_receive(*args, **kwargs)
+        finally:
+            self.__dict__.pop("weight_sync_destinations", None)
+        if getattr(self, "_fail_after_lanes", False):
+            raise RuntimeError("failed once every lane had committed (fault injection)")
+        return held
+
     def _weight_sync_assembly(self, layout: Any) -> Any:
         assembly = super()._weight_sync_assembly(layout)
         failing = getattr(self, "_fail_before_bytes", None)
@@ -367,11 +384,9 @@ class LMWorker(WeightSyncWorker):
         if getattr(self, "_fail_after_join", False):
             raise RuntimeError("failed once it had joined the one group (fault injection)")
 
-    def _weight_sync_lanes_receive(self, *args: Any, **kwargs: Any) -> int | None:
-        held = super()._weight_sync_lanes_receive(*args, **kwargs)
-        if getattr(self, "_fail_after_lanes", False):
-            raise RuntimeError("failed once every lane had committed (fault injection)")
-        return held
+
+def _injected_failure() -> Any:
+    raise RuntimeError("its model is not there (fault injection)")
 
 
 @remote_worker(num_cpus=0)

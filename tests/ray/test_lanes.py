@@ -234,6 +234,34 @@ def test_a_worker_that_fails_as_the_bytes_begin_fails_the_push_at_once(
     assert ray.get([w.weight_sync_digests.remote() for w in workers], timeout=TIMEOUT) == [want] * 2
 
 
+@LANES_AND_ONE_GROUP
+def test_a_worker_whose_weights_cannot_be_had_as_its_lanes_begin_refuses_the_push(
+    lanes: tuple[list, list],
+) -> None:
+    """Worker 1's ``weight_sync_destinations`` raises on its second call of a push, as its
+    lanes are about to begin (the first checked the layout): its lanes refuse the push, so
+    every rank raises at once (before, the senders waited for answers that never came, until
+    their rpc bound), nothing moved anywhere, and the next push lands."""
+    ranks, workers = lanes
+    on_all(ranks, "lanes_push")
+    before = ray.get([w.weight_sync_digests.remote() for w in workers], timeout=TIMEOUT)
+    ray.get(workers[1].fail_assembly.remote(True), timeout=TIMEOUT)
+    on_all(ranks, "step")
+    started = time.monotonic()
+    refused = on_all(ranks, "lanes_push")
+    assert time.monotonic() - started < 30, refused  # the rpc bound is 120 s
+    for kind, why in refused:
+        assert kind == "PlanMismatchError" and "worker 1: " in why, why
+        assert "its weights could not be had" in why and "fault injection" in why, why
+    assert ray.get([w.weight_sync_digests.remote() for w in workers], timeout=TIMEOUT) == before
+    assert ray.get([w.weights_version.remote() for w in workers], timeout=TIMEOUT) == [1, 1]
+    ray.get(workers[1].fail_assembly.remote(False), timeout=TIMEOUT)
+    results = on_all(ranks, "lanes_push")
+    assert [r.version for r in results] == [3, 3], results
+    want = on_all(ranks, "full_digests")[0]
+    assert ray.get([w.weight_sync_digests.remote() for w in workers], timeout=TIMEOUT) == [want] * 2
+
+
 def test_a_worker_failing_once_the_one_group_formed_fails_every_sender_at_once() -> None:
     """Worker 1 raises once it joined the one group: rank 0 names it, and rank 1, whose own
     join went through, raises with it rather than waiting for rank 0 until its bound."""

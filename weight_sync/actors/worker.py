@@ -18,7 +18,7 @@ import torch
 from weight_sync.blocks import BlockLayout
 from weight_sync.checksums import state_dict_digests
 from weight_sync.devices import CPU, module_device
-from weight_sync.errors import WeightSyncError
+from weight_sync.errors import WeightSyncError, first_line
 from weight_sync.lanes import NO_ONE_GROUP, Lanes
 from weight_sync.metadata import (
     GroupSpec,
@@ -29,7 +29,7 @@ from weight_sync.metadata import (
     SyncStatus,
     TensorMeta,
 )
-from weight_sync.receive.assembly import Assembly, layout_of_push, past_sent
+from weight_sync.receive.assembly import Assembly, Refusal, layout_of_push, past_sent
 from weight_sync.receiver import Check, Receiver, expecting
 from weight_sync.transport import TorchGroup
 from weight_sync.transport.rounds import Rounds
@@ -249,9 +249,12 @@ class WeightSyncWorker:
         layout = self.__dict__.get("_weight_sync_layout")
         assert layout is not None, "the trainer checks the layout with every worker first"
         try:
-            return lanes.receive(
-                self._weight_sync_assembly(layout), push, wait_s, f"worker {slot - 1}"
-            )
+            assembly = self._weight_sync_assembly(layout)  # the user's hooks, called again
+        except Exception as exc:
+            why = f"its weights could not be had ({type(exc).__name__}: {first_line(exc)})"
+            assembly = Refusal(layout, why)
+        try:
+            return lanes.receive(assembly, push, wait_s, f"worker {slot - 1}")
         finally:  # what a later push from one sender is checked against
             single.adopt(lanes.status())
 

@@ -159,3 +159,21 @@ def agreed(versions: Sequence[int | None]) -> int | None:
     one, else none (a push that landed on some lanes only is not held)."""
     first = versions[0] if versions else None
     return first if all(v == first for v in versions) else None
+
+
+class Refusal(Assembly):
+    """A push a member cannot take after all, found as its lanes were about to begin (the
+    target it checked the layout against could not be had again: a user's hook raised): every
+    lane refuses it at its prepare, ``why``, so nothing moves anywhere and each sender learns
+    why at once -- rather than waiting for answers that would never come."""
+
+    def __init__(self, layout: BlockLayout, why: str) -> None:
+        super().__init__(layout, None, _refused)
+        self._why = why
+
+    def check(self, sender: int) -> Check:
+        return lambda plan, partial: [self._why]
+
+
+def _refused(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    raise AssertionError("a refused push loads nothing")
