@@ -721,6 +721,7 @@ class Lanes:
         # From the first byte the lanes land apart: this member holds neither the version it
         # held nor, until every lane commits, a whole one (as a one-sender receiver's state).
         held, base, self.held, self.full = self.held, self.full, None, None
+        versions = {sender: lane.member.receiver.version for sender, lane in active.items()}
         if self.rounds is not None:
             self.rounds.begin(active)
         with ThreadPoolExecutor(len(active), thread_name_prefix="weight-sync-lane") as pool:
@@ -732,10 +733,10 @@ class Lanes:
             self.held = self._settle(outcomes, assembly, push, member)
         except Exception as exc:
             self.error = first_line(exc)
-            if not any(
-                version is not None or active[sender].member.receiver.dirty
-                for sender, (version, _) in outcomes.items()
-            ):  # no lane committed, nor wrote a byte into the model
+            if all(
+                lane.member.receiver.version == versions[sender] and not lane.member.receiver.dirty
+                for sender, lane in active.items()
+            ):  # no lane committed (a lane may commit and then fail), nor wrote a byte
                 self.held, self.full = held, base
             raise
         self.error, self.full = None, base if assembly.layout.partial else self.held

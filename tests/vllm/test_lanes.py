@@ -70,6 +70,11 @@ def test_every_rank_pushes_its_shards_into_both_engines(
     # Every lane's part of the last push, as one: each worker took both senders' buckets.
     assert status.last is not None and status.last.version == seen[-1], status
     assert status.buckets_done == status.buckets_total == status.last.buckets >= RANKS, status
+    assert status.in_group, status
+    ray.get([rank.close.remote() for rank in sharded], timeout=TIMEOUT)  # rank 0: workers leave
+    for engine in (qwen2, tp2):  # every worker let go of its lanes, keeping what they landed
+        left = ray.get(engine.sync_status.remote(), timeout=TIMEOUT)
+        assert (left.in_group, left.version, left.full_version) == (False, seen[-1], seen[-1])
 
 
 def test_a_refusal_changes_nothing_and_a_dead_rank_leaves_no_version(

@@ -251,10 +251,9 @@ class LaneUpdater:
 
     def _release_workers(self) -> None:
         """Rank 0: every worker lets go of the lanes from these senders, unless lanes from
-        other senders took their place (a ``VLLMEngine``'s workers keep theirs until their
-        next lanes call)."""
+        other senders took their place."""
         calls = [
-            worker._weight_sync_lanes_leave.remote(self._lanes.endpoints)
+            worker._weight_sync_lanes_leave.remote(self._lanes.endpoints, self.config.rpc_timeout_s)
             for worker in self._workers
             if hasattr(worker, "_weight_sync_lanes_leave")
         ]

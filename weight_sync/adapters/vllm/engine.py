@@ -248,6 +248,13 @@ class VLLMEngine:
             await self._settle()
         return self._version
 
+    async def _weight_sync_lanes_leave(
+        self, endpoints: list[list[Any]], timeout_s: float | None = None
+    ) -> None:
+        """The senders at ``endpoints`` left (``LaneUpdater.close``): every worker lets go of
+        their lanes, unless lanes from other senders took their place."""
+        await self._call("weight_sync_lanes_leave", timeout_s, endpoints)
+
     # -- internals ---------------------------------------------------------------------------
 
     async def _call(self, method: str, timeout_s: float | None, *args: Any) -> list[Any]:

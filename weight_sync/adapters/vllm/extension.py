@@ -98,6 +98,18 @@ class WeightSyncExtension:
 
         return self._weight_sync_reply(receive)
 
+    def weight_sync_lanes_leave(self, endpoints: list[list[Any]]) -> str:
+        """The senders at ``endpoints`` left: let go of their lanes, unless other senders' took
+        their place. What they landed stays this worker's status: its one-sender receiver took
+        it over after each of their pushes."""
+        member = self.__dict__.get("_weight_sync_lane_member")
+
+        def leave() -> None:
+            if member is not None and member.leave(endpoints):
+                self._weight_sync_by_lanes = False
+
+        return self._weight_sync_reply(leave)
+
     # -- internals -----------------------------------------------------------------------------
 
     def _weight_sync_reply(self, step: Callable[[], Any]) -> str:

@@ -375,12 +375,20 @@ class LaneMember:
     def connect(self, endpoints: Sequence[Sequence[Any]], slot: int, timeout_s: float) -> None:
         """Follow the lanes of the senders whose stores are at ``endpoints``, as member
         ``slot`` of each (dialled again only when either changed)."""
-        joined = ([(str(host), int(port)) for host, port in endpoints], slot)
+        joined = (_addresses(endpoints), slot)
         if joined == self._joined:
             return
         self.close()
         self.lanes = Lanes(joined[0], slot, lambda: self._single.device, timeout_s)
         self._joined = joined
+
+    def leave(self, endpoints: Sequence[Sequence[Any]]) -> bool:
+        """The senders at ``endpoints`` left: let go of their lanes, unless lanes from other
+        senders took their place (then False)."""
+        if self._joined is None or self._joined[0] != _addresses(endpoints):
+            return False
+        self.close()
+        return True
 
     def holds(self, digest: str) -> bool:
         return self._layout is not None and self._layout.digest == digest
@@ -413,6 +421,9 @@ class LaneMember:
         whole: list[tuple[str, torch.Tensor]] = []
         assembly = Assembly(self._layout, None, whole.extend)
         self._single.saw(version)  # spent here from now, landed or not: never sent again
+        # What one sender's pushes left since the lanes' last push, if any (the lanes keep no
+        # delta base to lose here: they hand whole tensors to a reload, never write in place).
+        self.lanes.adopt(self._single.status())
         try:
             held = self.lanes.receive(assembly, push, wait_s, name)
             try:
@@ -498,3 +509,8 @@ class StoreLaneMember:
         if len(value) > limit:
             raise WeightSyncError(f"control message {key!r} of {len(value)} bytes exceeds {limit}")
         return str(value)
+
+
+def _addresses(endpoints: Sequence[Sequence[Any]]) -> list[tuple[str, int]]:
+    """Senders' stores as given over JSON (lists), as ``Lanes`` names them."""
+    return [(str(host), int(port)) for host, port in endpoints]
