@@ -652,6 +652,26 @@ def share_endpoints(
     return endpoints
 
 
+def formed_everywhere(
+    failure: Exception | None, what: str, group: dist.ProcessGroup | None, device: torch.device
+) -> None:
+    """Every rank of ``group`` at once, after a step each took on its own (``what``, as the
+    others' error words it): a rank whose step failed gives its ``failure``, which it raises
+    once the others know; they raise ``TransportError`` naming it, rather than wait for it
+    at their next collective's bound. One small all-reduce (on ``device``, which the group's
+    backend takes)."""
+    failed = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=device)
+    failed[dist.get_rank(group)] = int(failure is not None)
+    before_any_byte(lambda: dist.all_reduce(failed, group=group))
+    if failure is not None:
+        raise failure
+    ranks = failed.nonzero().flatten().tolist()
+    if ranks:
+        raise TransportError(
+            f"rank(s) {ranks} could not {what} (see their errors); nothing was sent"
+        )
+
+
 class Lanes:
     """A member's lanes from ``endpoints`` (each sender's store, in sender order), as member
     ``slot`` (1-based) of each."""

@@ -66,6 +66,7 @@ from weight_sync.lanes import (
     Verdicts,
     before_any_byte,
     form_one_group,
+    formed_everywhere,
     gather_rows,
     lane_config,
     push_share,
@@ -217,11 +218,20 @@ class JobSync:
                 except Exception as exc:  # raised once the others know (see share_endpoints)
                     mine = exc
             endpoints = share_endpoints(mine, senders, None, control_device(None))
+            failure: Exception | None = None
             if self.rank >= senders:
                 slot = self.rank - senders + 1
-                self._lanes = Lanes(
-                    endpoints, slot, lambda: self._device, self.config.rendezvous_timeout_s, rounds
-                )
+                try:
+                    self._lanes = Lanes(
+                        endpoints,
+                        slot,
+                        lambda: self._device,
+                        self.config.rendezvous_timeout_s,
+                        rounds,
+                    )
+                except Exception as exc:  # raised once the others know: they do not wait for it
+                    failure = exc
+            formed_everywhere(failure, "follow the senders' lanes", None, control_device(None))
             if senders > 1:
                 self._control = dist.new_group(backend="gloo", timeout=_timeout(self.config))
                 if self.rank < senders:

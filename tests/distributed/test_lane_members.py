@@ -187,6 +187,43 @@ def test_a_sender_that_cannot_listen_fails_every_sender_at_once() -> None:
     assert took < 20 and own_took < 20, (took, own_took)
 
 
+def _a_receiving_rank_cannot_follow(ctx: RankContext) -> tuple[str, str, float]:
+    """A job of two senders and two receiving ranks makes a ``JobSync``; rank 3 cannot follow
+    the senders' lanes (fault injection: dialling their stores raises there)."""
+    import weight_sync.torchrun as torchrun
+
+    store = open_store("127.0.0.1", ctx.ports()[0], ctx.world_size, 30, ctx.listener(0))
+    dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=ctx.world_size,
+                            timeout=datetime.timedelta(seconds=60))  # fmt: skip
+    if ctx.rank == 3:
+
+        def cannot(*args: object, **kwargs: object) -> None:
+            raise TransportError("the senders' stores are out of reach (fault injection)")
+
+        torchrun.Lanes = cannot  # type: ignore[assignment,misc]
+    started = time.monotonic()
+    try:
+        sync = torchrun.JobSync(SyncConfig(rendezvous_timeout_s=60), senders=2)
+    except Exception as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - started
+    finally:
+        dist.destroy_process_group()
+    sync.close()
+    return "nothing", "", time.monotonic() - started
+
+
+def test_a_receiving_rank_that_cannot_follow_the_lanes_fails_every_rank_at_once() -> None:
+    """Rank 3 raises its own error; every other rank a ``TransportError`` naming it, before
+    the job's next collective would have waited for it (60 s here)."""
+    results = run_ranks(_a_receiving_rank_cannot_follow, 4)
+    *others, (own, own_why, own_took) = results
+    assert own == TransportError.__name__ and "fault injection" in own_why, own_why
+    for kind, why, took in others:
+        assert kind == TransportError.__name__ and "rank(s) [3] could not follow" in why, why
+        assert took < 20, results
+    assert own_took < 20, results
+
+
 def _senders_after_one_closed(ctx: RankContext) -> int:
     """Two ``Senders`` on the same ranks (two pools of workers), the first closed, then a
     third made: its control group must be named apart from the second's, still alive."""
