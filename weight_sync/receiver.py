@@ -131,7 +131,7 @@ class Receiver:
         versions a partial push is checked against -- and its bytes are no delta base (a
         delta built on one would land on weights it was not built on)."""
         self._state.adopt(status)
-        self._state.highest_version = max(self._state.highest_version, status.version or 0)
+        self.saw(status.version or 0)
 
     @property
     def delta_base(self) -> str | None:
