@@ -61,7 +61,7 @@ from weight_sync.store_plane import (
 from weight_sync.transport import TorchGroup, bind_listener, listen_address
 from weight_sync.transport.base import Transport
 from weight_sync.transport.rendezvous import open_store
-from weight_sync.transport.rounds import Rounds, SendLane
+from weight_sync.transport.rounds import Rounds, Route, SendLane, routes_over
 
 logger = logging.getLogger(__name__)
 
@@ -363,6 +363,7 @@ class Senders:
             ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
         )
         self.one_group: TorchGroup | None = None  # with ``invite``: every lane's buckets
+        self.routes: list[Route] = []  # and each lane's way to the members over it
         out: Outbound | None = None
         try:
             self.members = self.from_rank_0(lambda: members(self.config))
@@ -540,6 +541,7 @@ class Senders:
             answers.append(invite(specs, self.endpoints))
 
         self.one_group = form_one_group(config, self.control, CPU, ask, self.members)
+        self.routes = routes_over(self.one_group, self.senders)
 
         def joined() -> int:
             for wait in answers:
@@ -550,8 +552,7 @@ class Senders:
 
     def _over_one_group(self, lane: Transport) -> Transport:
         assert self.one_group is not None, "the one group forms before any push"
-        receivers = range(self.senders, self.senders + self.members)
-        return SendLane(lane, self.one_group, receivers)
+        return SendLane(lane, self.one_group, self.routes[self.rank].targets)
 
 
 def push_share(

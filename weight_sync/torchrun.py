@@ -80,7 +80,7 @@ from weight_sync.send.lanes import Share, called_off, share_of
 from weight_sync.send.sharded import control_device
 from weight_sync.transport import TorchGroup
 from weight_sync.transport.rendezvous import open_store
-from weight_sync.transport.rounds import Rounds, SendLane
+from weight_sync.transport.rounds import Rounds, SendLane, routes_over
 
 __all__ = ["JobSync", "LaunchEnv", "launch_env"]
 
@@ -205,11 +205,12 @@ class JobSync:
             rounds = None  # a receiving rank's: its lanes' buckets from it, in rounds
             if one_group:
                 group = self._one_group = form_one_group(buckets, None, control_device(None))
+                routes = routes_over(group, senders)
                 if self.rank < senders:
-                    receivers = range(senders, self.world_size)
+                    receivers = routes[self.rank].targets
                     wrap = functools.partial(SendLane, group=group, receivers=receivers)
                 else:
-                    rounds = Rounds(group, range(senders))
+                    rounds = Rounds(group, range(senders), routes)
             mine: tuple[str, int] | Exception | None = None
             if self.rank < senders:
                 try:

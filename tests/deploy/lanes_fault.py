@@ -1,8 +1,9 @@
 """Run inside node 0 of a three-node cluster (``tests/deploy/test_shaped_links.py``): a sharded
 trainer of two ranks, rank 0 on node 0 and rank 1 on node 1 (FSDP2 over Gloo across the link),
-each with a ``LaneUpdater`` over the same two workers on node 2. Three pushes after Adam steps,
-each checked bit for bit against the model gathered on the ranks; then rank 1 dies once the
-senders agreed on a fourth push. Prints what every push did as one ``RESULT {json}`` line.
+each with a ``LaneUpdater`` over the same two workers on node 2 (``one_group``: over one group,
+each lane entering node 2 at one worker, which relays it to the other). Three pushes after Adam
+steps, each checked bit for bit against the model gathered on the ranks; then rank 1 dies once
+the senders agreed on a fourth push. Prints what every push did as one ``RESULT {json}`` line.
 Classes are defined here, in ``__main__``, so Ray ships them by value."""
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class Rank:
         assert self.listener is not None
         return self.address, self.listener.getsockname()[1]
 
-    def setup(self, master: tuple[str, int], workers: list) -> None:
+    def setup(self, master: tuple[str, int], workers: list, one_group: bool) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -62,7 +63,12 @@ class Rank:
         fully_shard(self.model, mesh=init_device_mesh("cpu", (self.world_size,)))
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-2)
         config = SyncConfig(interface=NODE_LINK, push_timeout_s=TIMEOUT_S)
-        self.lanes = LaneUpdater(workers, config)
+        self.lanes = LaneUpdater(workers, config, one_group=one_group)
+
+    def targets(self) -> list[int]:
+        """The ranks of the one group this rank's lane sends to (none: lanes of their own)."""
+        senders = self.lanes._lanes
+        return list(senders.routes[senders.rank].targets) if senders.routes else []
 
     def step(self, step: int) -> None:
         tokens = torch.randint(0, 300, (4, 9), generator=torch.Generator().manual_seed(step))
@@ -104,12 +110,13 @@ class Worker(WeightSyncWorker):
         return state_dict_digests(dict(self.model.state_dict()))
 
 
-def main(address: str) -> int:
+def main(address: str, one_group: bool) -> int:
     ray.init(address=address)
     workers = [Worker.options(resources={node_resource(2): 1}).remote() for _ in range(2)]
     ranks = [Rank.options(resources={node_resource(r): 1}).remote(r, 2) for r in range(2)]
     master = ray.get(ranks[0].endpoint.remote(), timeout=TIMEOUT_S)
-    ray.get([rank.setup.remote(master, workers) for rank in ranks], timeout=TIMEOUT_S)
+    ray.get([rank.setup.remote(master, workers, one_group) for rank in ranks], timeout=TIMEOUT_S)
+    targets = ray.get([rank.targets.remote() for rank in ranks], timeout=TIMEOUT_S)
     pushes = []
     for step in range(3):
         ray.get([rank.step.remote(step) for rank in ranks], timeout=TIMEOUT_S)
@@ -122,9 +129,10 @@ def main(address: str) -> int:
     calls = [ranks[0].push.remote(), ranks[1].push.remote(die=True)]
     death = ray.get(calls[0], timeout=2 * TIMEOUT_S)
     held = ray.get([w.weights_version.remote() for w in workers], timeout=TIMEOUT_S)
-    print("RESULT " + json.dumps({"pushes": pushes, "death": death, "held_after": held}))
+    print("RESULT " + json.dumps({"targets": targets, "pushes": pushes, "death": death,
+                                  "held_after": held}))  # fmt: skip
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1], sys.argv[2:] == ["one_group"]))

@@ -71,12 +71,17 @@ def test_a_follower_killed_mid_push_is_named_and_the_rest_go_on() -> None:
 
 
 @pytest.mark.timeout(360)
-def test_a_sharded_trainer_across_nodes_pushes_from_every_rank_and_a_dead_one_is_named() -> None:
+@pytest.mark.parametrize("over", ["lanes", "one_group"])
+def test_a_sharded_trainer_across_nodes_pushes_from_every_rank_and_a_dead_one_is_named(
+    over: str,
+) -> None:
     """``LaneUpdater`` across real interfaces: trainer ranks on two nodes (FSDP2 over Gloo across
     the link), two workers on a third. Three pushes after Adam steps land bit for bit; then rank
     1 dies once the senders agreed: rank 0 names it within the push's bound and neither worker
-    claims the version (rank 0's lane may have landed)."""
-    result = _driven(ShapedCluster(3, None), "lanes_fault", timeout=240)
+    claims the version (rank 0's lane may have landed). Over one group each lane enters the
+    workers' node once, at a worker of its own, which relays it to the other."""
+    result = _driven(ShapedCluster(3, None), "lanes_fault", timeout=240, args=[over])
+    assert result["targets"] == ([[2], [3]] if over == "one_group" else [[], []]), result
     for version, push in enumerate(result["pushes"], start=1):
         assert [o.get("version") for o in push["outcomes"]] == [version] * 2, push
         assert push["exact"] == [True, True] and push["held"] == [version] * 2, push
@@ -86,7 +91,9 @@ def test_a_sharded_trainer_across_nodes_pushes_from_every_rank_and_a_dead_one_is
     assert result["held_after"] == [None, None], result
 
 
-def _driven(cluster: ShapedCluster, module: str, timeout: float) -> dict[str, Any]:
+def _driven(
+    cluster: ShapedCluster, module: str, timeout: float, args: list[str] | None = None
+) -> dict[str, Any]:
     """Run ``tests.deploy.<module>`` inside node 0 of ``cluster`` (skipped where namespaces
     cannot be made); what its ``RESULT {json}`` line says."""
     try:
@@ -95,7 +102,8 @@ def _driven(cluster: ShapedCluster, module: str, timeout: float) -> dict[str, An
         pytest.skip(str(exc))
     with cluster:
         done = cluster.run(0, [sys.executable, "-m", f"tests.deploy.{module}",
-                               cluster.plan.address], timeout=timeout, check=False)  # fmt: skip
+                               cluster.plan.address, *(args or [])], timeout=timeout,
+                          check=False)  # fmt: skip
     output = done.stdout + done.stderr
     found = re.search(r"^RESULT (.*)$", done.stdout, re.MULTILINE)
     assert done.returncode == 0 and found, output[-4000:]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -108,6 +109,80 @@ def test_a_frozen_sender_costs_the_receivers_their_bound_and_no_more() -> None:
         assert outcome in ("SyncTimeoutError", "TransportError"), (rank, results[rank])
         assert elapsed < 3 * bound + 5, (rank, results[rank])
     assert any(results[rank][0] == "SyncTimeoutError" for rank in (2, 3)), results
+
+
+def relay_rank(
+    ctx: RankContext,
+    counts: list[int],
+    hosts: str,
+    fault: str | None = None,
+    backend: str = "gloo",
+) -> tuple[str, float]:
+    """As ``rounds_rank``, over the routes of ``hosts`` (a letter per rank: ranks of one letter
+    share a host), each receiving rank taking its lanes as a push's lanes do: through
+    ``Rounds``, a thread per lane, each waiting for its bucket before it hands the next. With
+    ``fault="die"`` the last sender dies after its first bucket. NCCL: rank r on GPU r."""
+    senders = len(counts)
+    paths = rounds.routes(senders, list(hosts))
+    spec = ctx.spec("standalone", collective_timeout_s=30, backend=backend)
+    device = torch.device("cuda", ctx.rank) if backend == "nccl" else torch.device("cpu")
+    group = TorchGroup.join(spec, ctx.listener(0), device)
+    started = time.monotonic()
+    try:
+        if ctx.rank < senders:
+            lane = ctx.rank
+            made = [
+                bucket(lane, k, n).to(device) for k, n in enumerate(sizes_of(lane, counts[lane]))
+            ]
+            if fault == "die" and lane == senders - 1:
+                rounds.send(group, made[:1], paths[lane].targets)
+                os._exit(9)
+            assert rounds.send(group, made, paths[lane].targets) == counts[lane]
+        else:
+            taking = rounds.Rounds(group, range(senders), paths)
+            taking.begin(range(senders))
+
+            def take(lane: int) -> None:
+                try:
+                    for k, size in enumerate(sizes_of(lane, counts[lane])):
+                        buffer = torch.empty(size, dtype=torch.uint8, device=device)
+                        taking.hand(lane, buffer, None).wait()
+                        assert torch.equal(buffer.cpu(), bucket(lane, k, size)), (lane, k)
+                except BaseException:
+                    taking.done(lane, failed=True)
+                    raise
+                taking.done(lane)
+
+            with ThreadPoolExecutor(senders) as pool:
+                for call in [pool.submit(take, lane) for lane in range(senders)]:
+                    call.result()
+        group.vote(0)
+    except WeightSyncError as exc:
+        return type(exc).__name__, time.monotonic() - started
+    finally:
+        group.close()
+    return "done", time.monotonic() - started
+
+
+@pytest.mark.parametrize(
+    ("counts", "hosts"),
+    [
+        ([3, 2], "abccc"),  # ranks 2 and 3 relay to each other, and both to rank 4
+        ([2, 0, 3], "abcdd"),  # a lane with no buckets; lanes 0 and 2 enter at rank 3
+        ([2, 2], "abccd"),  # two receiving hosts: rank 4, alone on its own, takes it straight
+        ([2, 3], "acccd"),  # lane 0 relayed on host c; lane 1 straight to its own host's ranks
+    ],
+)
+def test_relayed_lanes_reach_every_receiving_rank_bit_exact(counts: list[int], hosts: str) -> None:
+    results = run_ranks(relay_rank, len(hosts), counts, hosts)
+    assert [outcome for outcome, _ in results] == ["done"] * len(hosts)
+
+
+def test_a_sender_that_dies_mid_push_fails_every_rank_it_was_relayed_to() -> None:
+    results = run_ranks(relay_rank, 5, [3, 3], "abccc", "die", timeout_s=90, expect_dead={1})
+    for rank in (2, 3, 4):  # within the bound (30 s), whether relayed to or not
+        outcome, elapsed = results[rank]
+        assert outcome in ("TransportError", "SyncTimeoutError") and elapsed < 25, results
 
 
 def refusals(ctx: RankContext) -> list[str]:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.distributed.harness import run_ranks
-from tests.distributed.test_rounds import rounds_rank
+from tests.distributed.test_rounds import relay_rank, rounds_rank
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,3 +32,14 @@ def test_two_senders_to_every_receiver_over_one_nccl_group(
         pytest.skip(f"needs {world} GPUs, one per rank")
     results = run_ranks(rounds_rank, world, counts, None, 60, "nccl", timeout_s=240)
     assert [outcome for outcome, _ in results] == ["done"] * world
+
+
+def test_two_receiving_ranks_relaying_to_each_other_over_one_nccl_group() -> None:
+    """Hosts named in the test (all four GPUs are on one machine): each lane enters the
+    receivers' host at a rank of its own, which relays it to the other in the second batch of
+    the same round -- two coalesced batches a round, each rank sending to the rank it receives
+    from. Needs four GPUs."""
+    if torch.cuda.device_count() < 4:
+        pytest.skip("needs four GPUs, one per rank")
+    results = run_ranks(relay_rank, 4, [3, 2], "abcc", None, "nccl", timeout_s=240)
+    assert [outcome for outcome, _ in results] == ["done"] * 4

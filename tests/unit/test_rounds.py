@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from weight_sync.errors import SyncTimeoutError, TransportError, WeightSyncError
-from weight_sync.transport.rounds import Rounds, schedule
+from weight_sync.transport.rounds import Rounds, Route, routes, schedule
 
 
 @pytest.mark.parametrize(
@@ -43,6 +43,61 @@ def test_a_negative_count_is_refused() -> None:
         schedule([2, -1])
 
 
+@pytest.mark.parametrize(
+    ("senders", "hosts", "expected"),
+    [
+        # Every rank on one host (these tests' machines): every lane straight to every rank.
+        (2, "aaaa", [((2, 3), {2: 0, 3: 0}), ((2, 3), {2: 1, 3: 1})]),
+        # The receiving ranks on a host of their own: each lane enters at another rank, which
+        # relays it to the rest (here: ranks 2 and 3 relay to each other).
+        (2, "abcc", [((2,), {2: 0, 3: 2}), ((3,), {2: 3, 3: 1})]),
+        (2, "aabb", [((2,), {2: 0, 3: 2}), ((3,), {2: 3, 3: 1})]),  # one trainer host
+        (1, "abbb", [((1,), {1: 0, 2: 1, 3: 1})]),  # one sender: into the host once
+        (
+            3,
+            "abcddd",
+            [((3,), {3: 0, 4: 3, 5: 3}), ((4,), {3: 4, 4: 1, 5: 4}), ((5,), {3: 5, 4: 5, 5: 2})],
+        ),
+        # More lanes than ranks on the host: lane 2 enters where lane 0 did.
+        (3, "aaabb", [((3,), {3: 0, 4: 3}), ((4,), {3: 4, 4: 1}), ((3,), {3: 2, 4: 3})]),
+        # Two receiving hosts: once into each; a host of one rank takes it straight.
+        (2, "abccd", [((2, 4), {2: 0, 3: 2, 4: 0}), ((3, 4), {2: 3, 3: 1, 4: 1})]),
+        # A sender on a host with receiving ranks: straight to those, relayed elsewhere.
+        (
+            2,
+            "abaabb",
+            [((2, 3, 4), {2: 0, 3: 0, 4: 0, 5: 4}), ((3, 4, 5), {2: 3, 3: 1, 4: 1, 5: 1})],
+        ),
+    ],
+)
+def test_routes_table(
+    senders: int, hosts: str, expected: list[tuple[tuple[int, ...], dict[int, int]]]
+) -> None:
+    assert routes(senders, list(hosts)) == [Route(targets, via) for targets, via in expected]
+
+
+def test_routes_reach_every_receiving_rank_once_per_lane_and_cross_each_host_once() -> None:
+    chance = random.Random(0)
+    for _ in range(200):
+        senders, receivers = chance.randint(1, 6), chance.randint(1, 9)
+        hosts = [chance.choice("abcd") for _ in range(senders + receivers)]
+        for lane, route in enumerate(routes(senders, hosts)):
+            assert sorted(route.via) == list(range(senders, senders + receivers))
+            for rank, source in route.via.items():  # from the sender, or one hop from it
+                assert source == lane or route.via[source] == lane, (hosts, lane, rank)
+                assert source == lane or hosts[source] == hosts[rank]
+            crossing = [hosts[r] for r in route.targets if hosts[r] != hosts[lane]]
+            assert len(crossing) == len(set(crossing))  # into another host once
+            relayed = [r for r in route.via if route.via[r] != lane]
+            assert sorted(r for t in route.targets for r in route.forwards(t)) == sorted(relayed)
+
+
+@pytest.mark.parametrize(("senders", "ranks"), [(0, 3), (3, 3), (4, 3)])
+def test_routes_need_a_sender_and_a_receiving_rank(senders: int, ranks: int) -> None:
+    with pytest.raises(ValueError, match="cannot have"):
+        routes(senders, ["a"] * ranks)
+
+
 class _FakeGroup:
     """Records the batches ``Rounds`` posts (pure: no process group)."""
 
@@ -50,10 +105,11 @@ class _FakeGroup:
 
     def __init__(self) -> None:
         self.batches: list[list[tuple[int, int]]] = []  # per round: (sender rank, buffer size)
+        self.sends: list[list[tuple[int, int]]] = []  # per batch: (receiving rank, size)
         self.aborted: list[str] = []
 
     def exchange(self, sends: list, receives: list, timeout_s: float | None) -> object:
-        assert not sends
+        self.sends.append([(rank, buffer.numel()) for buffer, rank in sends])
         self.batches.append([(rank, buffer.numel()) for buffer, rank in receives])
         return _DoneWork()
 
@@ -110,6 +166,7 @@ def test_rounds_are_posted_in_schedule_order_however_the_lanes_hand_in(
         for k, present in enumerate(schedule(counts))
     ]
     assert group.batches == expected and not group.aborted
+    assert not any(group.sends)
     for works in handed.values():
         for work in works:
             work.wait()  # every buffer's round was posted
@@ -171,3 +228,52 @@ def test_a_round_a_lane_never_completes_times_out_and_outside_a_push_is_refused(
         rounds.hand(0, _buffer(0, 0), 0.05).wait()
     with pytest.raises(ValueError, match="no lane 2"):
         rounds.lane(2, None)  # type: ignore[arg-type]
+
+
+class _RelayingGroup(_FakeGroup):
+    rank = 3  # of "abcc": lane 0 relayed from rank 2, lane 1 sent here and relayed to rank 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waited: list[int] = []  # the batches waited on, in order
+
+    def exchange(self, sends: list, receives: list, timeout_s: float | None) -> object:
+        super().exchange(sends, receives, timeout_s)
+        return _CountedWork(self, len(self.batches) - 1)
+
+
+class _CountedWork(_DoneWork):
+    def __init__(self, group: _RelayingGroup, index: int) -> None:
+        self.group, self.index = group, index
+
+    def wait(self) -> None:
+        self.group.waited.append(self.index)
+
+    def after(self) -> None:
+        self.wait()
+
+
+def test_a_relaying_rank_takes_its_lanes_then_sends_them_on_and_takes_what_is_relayed() -> None:
+    """Over Gloo the second batch of a round is posted only once the first is in: it sends the
+    buffers the first received into."""
+    group = _RelayingGroup()
+    rounds = Rounds(group, [0, 1], routes(2, list("abcc")))  # type: ignore[arg-type]
+    rounds.begin([0, 1])
+    zero, one = rounds.hand(0, _buffer(0, 0), None), rounds.hand(1, _buffer(1, 0), None)
+    assert group.batches == [[(1, 101)]] and group.sends == [[]]  # lane 1 from its sender
+    zero.wait()  # the first to wait posts the second batch
+    assert group.batches == [[(1, 101)], [(2, 1)]]  # lane 0 from rank 2, which relays it
+    assert group.sends == [[], [(2, 101)]]  # lane 1 on to rank 2
+    assert group.waited == [0, 1]
+    one.wait()
+    assert group.waited == [0, 1, 0, 1] and len(group.batches) == 2 and not group.aborted
+
+
+def test_a_rank_that_only_takes_relayed_lanes_posts_one_batch_a_round() -> None:
+    group = _FakeGroup()
+    group.rank = 4  # of "abccc": lanes 0 and 1 both relayed to it
+    rounds = Rounds(group, [0, 1], routes(2, list("abccc")))  # type: ignore[arg-type]
+    rounds.begin([0, 1])
+    rounds.hand(0, _buffer(0, 0), None)
+    rounds.hand(1, _buffer(1, 0), None).wait()
+    assert group.batches == [[(2, 1), (3, 101)]] and group.sends == [[]]

@@ -32,7 +32,7 @@ from weight_sync.metadata import (
 from weight_sync.receive.assembly import Assembly, Refusal, layout_of_push, past_sent
 from weight_sync.receiver import Check, Receiver, expecting
 from weight_sync.transport import TorchGroup
-from weight_sync.transport.rounds import Rounds
+from weight_sync.transport.rounds import Rounds, routes_over
 
 SYNC_GROUP = "weight_sync"  # the protocol's calls; one at a time
 STATUS_GROUP = "weight_sync_status"  # health: answers while a push runs
@@ -275,12 +275,14 @@ class WeightSyncWorker:
         # busy past the senders' rendezvous bound) fails, and leaves those lanes as they were.
         group = TorchGroup.join(spec, None, device)
         try:
+            senders = range(len(endpoints))  # the group's first ranks
+            rounds = Rounds(group, senders, routes_over(group, len(senders)))
             lanes = Lanes(
                 endpoints,
                 slot,
                 self.weight_sync_device,
                 spec.rendezvous_timeout_s,
-                Rounds(group, range(len(endpoints))),  # the senders: the group's first ranks
+                rounds,
                 before=self.sync_status(),
             )
         except BaseException:

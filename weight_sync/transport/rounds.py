@@ -14,6 +14,10 @@ Over Gloo the same code runs as plain tagged sends and receives (no coalescing, 
 deadlock), which is how it is tested on CPU. Pure but for the group it is handed: what a bucket
 holds, and when a push commits, are the caller's.
 
+Across hosts a receiving rank relays (``routes``): a lane enters another host at one of its
+receiving ranks, a different one for each lane, which forwards each bucket to the others there,
+so each sender's bucket crosses its link once per host, not once per receiving rank.
+
 ``send`` and ``receive`` move buckets a caller has in hand. The lanes of a push, each an
 ordinary push on a thread of its own, hand theirs one at a time through ``Transport.broadcast``;
 ``SendLane`` and ``ReceiveLane`` are those lanes' transports over one group, and ``Rounds`` is
@@ -24,16 +28,21 @@ before (a lane that is ``done`` drops out of the later rounds).
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 
 import torch
 
 from weight_sync.errors import SyncTimeoutError, TransportError, WeightSyncError
 from weight_sync.metadata import VOTE_AGREED
 from weight_sync.transport.base import Transport
+from weight_sync.transport.shm import host_key
 from weight_sync.transport.torch_group import TorchGroup, TorchWork
 
 logger = logging.getLogger(__name__)
@@ -50,6 +59,63 @@ def schedule(counts: Sequence[int]) -> list[tuple[int, ...]]:
         raise ValueError(f"a lane cannot have a negative number of buckets: {list(counts)}")
     rounds = max(counts, default=0)
     return [tuple(lane for lane, count in enumerate(counts) if count > k) for k in range(rounds)]
+
+
+@dataclass(frozen=True)
+class Route:
+    """One lane's way to every receiving rank of one group: its sender sends each bucket to
+    ``targets``; receiving rank r takes it from ``via[r]``, the sender or the rank that relays
+    the lane on r's host."""
+
+    targets: tuple[int, ...]
+    via: Mapping[int, int]
+
+    def forwards(self, rank: int) -> list[int]:
+        """The ranks ``rank`` relays this lane's buckets to, in rank order."""
+        return sorted(r for r, source in self.via.items() if source == rank and r != rank)
+
+
+def routes(senders: int, hosts: Sequence[str]) -> list[Route]:
+    """Each lane's ``Route`` over a group whose ranks ``0..senders-1`` send and the others
+    receive, ``hosts[r]`` naming rank r's host. On its sender's own host a lane goes to every
+    receiving rank directly (a GPU's fan-out over NVLink costs less than a relay's extra hop);
+    on another host of several receiving ranks it enters at one, the ``lane mod R``-th of its R
+    (in rank order), which relays it to the others. The entries differ by lane, so K senders
+    cross K links into a host (one per GPU's NIC, on rails), not one: a single entry per host
+    would cap the push at that entry's link, no faster than one sender. Pure: every rank derives
+    the same routes from the same hosts."""
+    if not 0 < senders < len(hosts):
+        raise ValueError(
+            f"a group of {len(hosts)} ranks cannot have {senders} senders and a receiving rank"
+        )
+    on: dict[str, list[int]] = {}
+    for rank in range(senders, len(hosts)):
+        on.setdefault(hosts[rank], []).append(rank)
+    lanes = []
+    for lane in range(senders):
+        via: dict[int, int] = {}
+        for host, ranks in on.items():
+            entry = ranks[lane % len(ranks)]
+            for rank in ranks:
+                via[rank] = lane if host == hosts[lane] or rank == entry else entry
+        targets = tuple(sorted(rank for rank, source in via.items() if source == lane))
+        lanes.append(Route(targets, via))
+    return lanes
+
+
+def routes_over(group: TorchGroup, senders: int, timeout_s: float | None = None) -> list[Route]:
+    """``routes`` of ``group`` from every rank's host (``shm.host_key``: one kernel and one
+    network namespace), shared by one all-reduce: every rank of ``group`` calls it at once,
+    right after joining. A rank with no key is a host of its own: nothing is relayed to it."""
+    key = host_key()
+    mine = (
+        int.from_bytes(hashlib.blake2b(key.encode(), digest_size=7).digest(), "big") + 1
+        if key
+        else 0
+    )
+    keys = group.share(mine, timeout_s)
+    hosts = [f"{value:014x}" if value else f"rank {rank}" for rank, value in enumerate(keys)]
+    return routes(senders, hosts)
 
 
 def send(
@@ -199,11 +265,34 @@ class Rounds:
     stream of its own, so a round posted by one lane's thread would not wait for the kernels
     another lane queued on a buffer (its unpacking of the bucket the buffer held two rounds
     before). So ``hand`` records an event on the handing thread's stream, and rounds are posted
-    from a stream of their own that waits on every event of the round."""
+    from a stream of their own that waits on every event of the round.
 
-    def __init__(self, group: TorchGroup, senders: Sequence[int]) -> None:
+    Relayed (``routes``): where this rank relays, round k is two batches. The first takes the
+    buckets of the lanes whose sender sends to this rank; the second relays those to the rest
+    of this host and takes the lanes relayed to this rank (in the first, two ranks relaying to
+    each other would each wait for the other's second). A batch cannot send what it receives;
+    two need no copy and no count of a lane's buckets in advance: bucket k is relayed in round
+    k, from the lane's own buffer, before the lane has it back. NCCL runs the second after the
+    first on the group's stream (and the rounds' stream waits on the first's end, to be sure).
+    Gloo reads a send's buffer as it is posted, so there the second is posted once the first is
+    waited on, by the first of the round's lanes to wait for it: every lane waits for each of
+    its buckets (or fails, and aborts the group), and waits for round k before round k + 1, so
+    the second batches go out in round order."""
+
+    def __init__(
+        self, group: TorchGroup, senders: Sequence[int], routes: Sequence[Route] | None = None
+    ) -> None:
+        """``routes``: each lane's (``routes_over``); None: every lane straight from its
+        sender, nothing relayed."""
+        if routes is not None and len(routes) != len(senders):
+            raise ValueError(f"{len(routes)} routes for {len(senders)} lanes")
         self.group = group
         self._senders = list(senders)
+        # Where each lane's buckets come from here (its sender, or the rank that relays it on
+        # this host) and whom this rank relays them to.
+        here = group.rank
+        self._source = self._senders if routes is None else [r.via[here] for r in routes]
+        self._forwards = [r.forwards(here) for r in routes] if routes else [[] for _ in senders]
         self._changed = threading.Lock()
         self._open: set[int] = set()
         self._handed: dict[int, deque[_Handed]] = {lane: deque() for lane in range(len(senders))}
@@ -269,22 +358,14 @@ class Rounds:
         while self._open and all(self._handed[lane] for lane in self._open):
             present = sorted(self._open)
             batch = [self._handed[lane].popleft() for lane in present]
-            senders = [self._senders[lane] for lane in present]
             bound = max(handed.timeout_s for handed in batch)
-            receives = [(h.buffer, s) for h, s in zip(batch, senders, strict=True)]
             try:
-                work = self._post(batch, receives, bound)
+                posted = self._post(present, batch, bound)
             except Exception as exc:  # the group aborted itself, or this round was refused
-                self.group.abort(f"posting round {self._posted + 1} failed: {exc}")
-                failure = (
-                    exc
-                    if isinstance(exc, WeightSyncError)
-                    else TransportError(f"posting a round failed: {exc}")
-                )
+                failure = self._failed(f"posting round {self._posted + 1}", exc)
                 for handed in batch:
                     handed.fail(failure)
                 continue
-            posted = _Round(work)
             for handed in batch:
                 handed.posted(posted)
             self._posted += 1
@@ -292,33 +373,93 @@ class Rounds:
                 "rank %d posted round %d: lanes %s", self.group.rank, self._posted, present
             )
 
-    def _post(
-        self, batch: list[_Handed], receives: list[tuple[torch.Tensor, int]], bound: float
+    def _failed(self, what: str, exc: Exception) -> WeightSyncError:
+        """Abort the group (``what`` failed, on this rank's side of a round) and say why."""
+        self.group.abort(f"{what} failed: {exc}")
+        if isinstance(exc, WeightSyncError):
+            return exc
+        return TransportError(f"{what} failed: {exc}")
+
+    def _post(self, present: list[int], batch: list[_Handed], bound: float) -> _Round:
+        """Round ``present`` (its lanes, in order; ``batch``: their buffers): one batch, or two
+        where this rank relays (see the class)."""
+        direct: list[tuple[torch.Tensor, int]] = []
+        relayed: list[tuple[torch.Tensor, int]] = []
+        forwards: list[tuple[torch.Tensor, int]] = []
+        for lane, handed in zip(present, batch, strict=True):
+            source = self._source[lane]
+            if source != self._senders[lane]:
+                relayed.append((handed.buffer, source))
+                continue
+            direct.append((handed.buffer, source))
+            forwards += [(handed.buffer, rank) for rank in self._forwards[lane]]
+        with self._posting():
+            if self._stream is not None:
+                for handed in batch:
+                    assert handed.ready is not None
+                    self._stream.wait_event(handed.ready)
+            if not forwards:  # nothing taken here is sent on: one batch
+                return _Round(self.group.exchange([], direct + relayed, bound))
+            first = self.group.exchange([], direct, bound)
+            if self._stream is None:
+                return _Round(first, functools.partial(self._relay, forwards, relayed, bound))
+            first.after()  # the rounds' stream waits for the first batch's end
+            return _Round(first, second=self.group.exchange(forwards, relayed, bound))
+
+    def _posting(self) -> AbstractContextManager[object]:
+        # NCCL: on the rounds' stream, which NCCL's stream then waits on (see the class).
+        return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+
+    def _relay(
+        self,
+        forwards: list[tuple[torch.Tensor, int]],
+        relayed: list[tuple[torch.Tensor, int]],
+        bound: float,
     ) -> TorchWork:
-        if self._stream is None:
-            return self.group.exchange([], receives, bound)
-        with torch.cuda.stream(self._stream):  # NCCL's stream then waits on it (see the class)
-            for handed in batch:
-                assert handed.ready is not None
-                self._stream.wait_event(handed.ready)
-            return self.group.exchange([], receives, bound)
+        """Gloo: a round's second batch, once its first is in."""
+        try:
+            return self.group.exchange(forwards, relayed, bound)
+        except Exception as exc:
+            raise self._failed(f"relaying round {self._posted}", exc) from exc
 
 
 class _Round:
     """A posted round, waited on by the threads of every lane in it: one at a time, since a
-    ``TorchWork`` lets go of its handle to the first waiter (the others then get its outcome)."""
+    ``TorchWork`` lets go of its handle to the first waiter (the others then get its outcome).
+    A relayed round has a ``second`` batch: posted with the first (NCCL), or by ``then`` once
+    the first is waited on (Gloo)."""
 
-    def __init__(self, work: TorchWork) -> None:
-        self._work = work
+    def __init__(
+        self,
+        work: TorchWork,
+        then: Callable[[], TorchWork] | None = None,
+        second: TorchWork | None = None,
+    ) -> None:
+        self._works = [work] if second is None else [work, second]
+        self._then = then
+        self._failure: WeightSyncError | None = None
         self._lock = threading.Lock()
 
     def wait(self) -> None:
-        with self._lock:
-            self._work.wait()
+        self._each(lambda work: work.wait())
 
     def after(self) -> None:
+        self._each(lambda work: work.after())
+
+    def _each(self, step: Callable[[TorchWork], None]) -> None:
         with self._lock:
-            self._work.after()
+            if self._failure is not None:
+                raise self._failure
+            try:
+                step(self._works[0])
+                if self._then is not None:
+                    then, self._then = self._then, None
+                    self._works.append(then())
+                for work in self._works[1:]:
+                    step(work)
+            except WeightSyncError as exc:
+                self._failure = exc
+                raise
 
 
 class _Handed:

@@ -470,6 +470,20 @@ class TorchGroup:
     def announce(self, code: int, timeout_s: float | None = None) -> int:
         return code
 
+    def share(self, value: int, timeout_s: float | None = None) -> list[int]:
+        """Every rank's ``value`` (0 to 2**62), in rank order, on every rank: one all-reduce,
+        each rank filling its own slot."""
+        if not 0 <= value < 2**62:
+            raise ValueError(f"a shared value is between 0 and 2**62, not {value}")
+        timeout = self._bound(timeout_s)
+        values = torch.zeros(self.world_size, dtype=torch.int64, device=self._device)
+        values[self.rank] = value
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
+        options.timeout = self._timeout  # a backstop, as in broadcast
+        self._post(lambda pg: pg.allreduce([values], options), timeout).wait()
+        return [int(v) for v in values.tolist()]
+
     def close(self) -> None:
         """Leave the group. With nothing in flight and no wait running, cleanly (``shutdown``);
         otherwise as ``abort`` does, never waiting on the op in flight. Idempotent, and safe to
