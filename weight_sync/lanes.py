@@ -541,7 +541,11 @@ class Senders:
             answers.append(invite(specs, self.endpoints))
 
         self.one_group = form_one_group(config, self.control, CPU, ask, self.members)
-        self.routes = routes_over(self.one_group, self.senders)
+        failure: Exception | None = None
+        try:
+            self.routes = routes_over(self.one_group, self.senders)
+        except Exception as exc:  # raised once the others know, not left to wait for this rank
+            failure = exc
 
         def joined() -> int:
             for wait in answers:
@@ -549,6 +553,7 @@ class Senders:
             return 0
 
         self.from_rank_0(joined)
+        formed_everywhere(failure, "learn the one group's routes", self.control, CPU)
 
     def _over_one_group(self, lane: Transport) -> Transport:
         assert self.one_group is not None, "the one group forms before any push"

@@ -39,7 +39,6 @@ committed it there.
 from __future__ import annotations
 
 import datetime
-import functools
 import logging
 import os
 import time
@@ -72,6 +71,7 @@ from weight_sync.lanes import (
     push_share,
     share_endpoints,
 )
+from weight_sync.metadata import SyncStatus
 from weight_sync.receive.assembly import Assembly
 from weight_sync.receiver import Loader, expecting
 from weight_sync.result import PushResult
@@ -79,8 +79,9 @@ from weight_sync.send.checks import StateDict
 from weight_sync.send.lanes import Share, called_off, share_of
 from weight_sync.send.sharded import control_device
 from weight_sync.transport import TorchGroup
+from weight_sync.transport.base import Transport
 from weight_sync.transport.rendezvous import open_store
-from weight_sync.transport.rounds import Rounds, SendLane, routes_over
+from weight_sync.transport.rounds import Rounds, Route, SendLane, routes_over
 
 __all__ = ["JobSync", "LaunchEnv", "launch_env"]
 
@@ -184,6 +185,9 @@ class JobSync:
             self.config = lane_config(self.config, one_group)  # the lanes' own groups: Gloo
         self.senders = senders
         self._one_group: TorchGroup | None = None  # one_group: every lane's buckets go over it
+        self._buckets = buckets if one_group else None  # and the config it is formed with
+        self._routes: list[Route] = []  # each lane's way over it
+        self._renew = False  # this rank's last push failed once the bytes began
         self._out: Outbound | None = None  # a sender's lane
         self._lanes: Lanes | None = None  # a receiving rank's, one per sender
         self._control: dist.ProcessGroup | None = None  # several senders: every rank, Gloo
@@ -202,15 +206,9 @@ class JobSync:
                     "push to: launch more ranks, or name fewer senders"
                 )
             wrap = None  # a sender's: its lane's buckets over the one group
-            rounds = None  # a receiving rank's: its lanes' buckets from it, in rounds
             if one_group:
-                group = self._one_group = form_one_group(buckets, None, control_device(None))
-                routes = routes_over(group, senders)
-                if self.rank < senders:
-                    receivers = routes[self.rank].targets
-                    wrap = functools.partial(SendLane, group=group, receivers=receivers)
-                else:
-                    rounds = Rounds(group, range(senders), routes)
+                self._form_one_group()
+                wrap = self._over_one_group if self.rank < senders else None
             mine: tuple[str, int] | Exception | None = None
             if self.rank < senders:
                 try:
@@ -220,16 +218,10 @@ class JobSync:
                     mine = exc
             endpoints = share_endpoints(mine, senders, None, control_device(None))
             failure: Exception | None = None
+            self._endpoints = endpoints
             if self.rank >= senders:
-                slot = self.rank - senders + 1
                 try:
-                    self._lanes = Lanes(
-                        endpoints,
-                        slot,
-                        lambda: self._device,
-                        self.config.rendezvous_timeout_s,
-                        rounds,
-                    )
+                    self._lanes = self._follow(None)
                 except Exception as exc:  # raised once the others know: they do not wait for it
                     failure = exc
             formed_everywhere(failure, "follow the senders' lanes", None, control_device(None))
@@ -293,6 +285,68 @@ class JobSync:
     def __enter__(self) -> Self:
         return self
 
+    def _form_one_group(self) -> None:
+        """Every rank at once: the one group every lane's buckets go over, and their routes."""
+        assert self._buckets is not None
+        self._one_group = form_one_group(self._buckets, None, control_device(None))
+        self._routes = routes_over(self._one_group, self.senders)
+
+    def _over_one_group(self, lane: Transport) -> Transport:
+        """A sender's lane, each time it forms: its buckets over the one group of the moment."""
+        assert self._one_group is not None, "the one group forms before any push"
+        return SendLane(lane, self._one_group, self._routes[self.rank].targets)
+
+    def _follow(self, before: SyncStatus | None) -> Lanes:
+        """A receiving rank's lanes from every sender (over the one group, if there is one)."""
+        rounds = None
+        if self._one_group is not None:
+            rounds = Rounds(self._one_group, range(self.senders), self._routes)
+        return Lanes(
+            self._endpoints,
+            self.rank - self.senders + 1,
+            lambda: self._device,
+            self.config.rendezvous_timeout_s,
+            rounds,
+            before=before,
+        )
+
+    def _renew_one_group(self) -> None:
+        """Every rank at once, as a push begins over one group: where any rank's last push
+        failed once its bytes began (the group is then aborted, or may be), leave the group
+        and form it again, every receiving rank following the senders' lanes anew (keeping
+        the version it holds), before the push's agreement. One small all-reduce otherwise."""
+        assert self._control is not None
+        flag = torch.tensor([int(self._renew or self._one_group is None)])
+        before_any_byte(lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._control))
+        if not int(flag):
+            return
+        logger.info("rank %d: forming the one group again after a failed push", self.rank)
+        self._renew = True  # until every rank has it again
+        group, self._one_group = self._one_group, None
+        if group is not None:
+            group.close()
+        self._form_one_group()
+        lanes, failure = None, None
+        if self._out is not None:
+            self._out.pusher.regroup()  # the lane forms again, over the new group
+        else:
+            assert self._lanes is not None
+            try:
+                lanes = self._follow(self._lanes.status())
+            except Exception as exc:  # raised once the others know (see formed_everywhere)
+                failure = exc
+        try:
+            formed_everywhere(failure, "follow the senders' lanes anew", self._control, CPU)
+        except BaseException:
+            if lanes is not None:
+                lanes.close()
+            raise
+        if lanes is not None:
+            old, self._lanes = self._lanes, lanes
+            assert old is not None
+            old.close()  # after: its group is gone already, and its status is the new lanes'
+        self._renew = False
+
     def __exit__(self, *exc: object) -> None:
         self.close()
 
@@ -319,22 +373,28 @@ class JobSync:
             self.last_result = self._out.push(state_dict, options)
             return self.last_result
         started = time.monotonic()
+        if self._buckets is not None:
+            self._renew_one_group()
         self._pushes += 1
         share, version = self._agree_as_sender(state_dict, options)
         assert self._verdicts is not None and share.layout is not None
         if not share.layout.blocks:  # no tensor has an element: nothing moves, as one sender
             logger.info("empty state dict: nothing to push (version stays %d)", self._committed)
             return PushResult(self._committed, 0, 0, 0.0)
-        self.last_result = push_share(
-            self._out,
-            share,
-            version,
-            self._verdicts,
-            self._pushes,
-            self.rank,
-            started,
-            self.config.push_timeout_s,
-        )
+        try:
+            self.last_result = push_share(
+                self._out,
+                share,
+                version,
+                self._verdicts,
+                self._pushes,
+                self.rank,
+                started,
+                self.config.push_timeout_s,
+            )
+        except WeightSyncError:
+            self._renew = True
+            raise
         self._committed = self.last_result.version
         return self.last_result
 
@@ -375,9 +435,15 @@ class JobSync:
         if self.senders == 1:
             self._lanes.inbound[0].member.retarget(*_target(model, load_weights))
             return self._lanes.inbound[0].receive(wait_s)
+        if self._buckets is not None:
+            self._renew_one_group()
         self._pushes += 1
         assembly = self._agree_as_receiver(model, load_weights)
-        held = self._lanes.receive(assembly, self._pushes, wait_s, f"rank {self.rank}")
+        try:
+            held = self._lanes.receive(assembly, self._pushes, wait_s, f"rank {self.rank}")
+        except WeightSyncError:
+            self._renew = True
+            raise
         if held is None:  # an empty push, before any other
             raise WeightSyncError("the push was empty, and this rank holds no version yet")
         return held

@@ -120,7 +120,8 @@ def relay_rank(
 ) -> tuple[str, float]:
     """As ``rounds_rank``, over the routes of ``hosts`` (a letter per rank: ranks of one letter
     share a host), each receiving rank taking its lanes as a push's lanes do: through
-    ``Rounds``, a thread per lane, each waiting for its bucket before it hands the next. With
+    ``Rounds``, a thread per lane, each waiting for its bucket before it hands the next (with
+    ``fault="ahead"``: handing the next first, as an atomic push's receive does). With
     ``fault="die"`` the last sender dies after its first bucket. NCCL: rank r on GPU r."""
     senders = len(counts)
     paths = rounds.routes(senders, list(hosts))
@@ -144,10 +145,15 @@ def relay_rank(
 
             def take(lane: int) -> None:
                 try:
-                    for k, size in enumerate(sizes_of(lane, counts[lane])):
-                        buffer = torch.empty(size, dtype=torch.uint8, device=device)
-                        taking.hand(lane, buffer, None).wait()
-                        assert torch.equal(buffer.cpu(), bucket(lane, k, size)), (lane, k)
+                    sizes = sizes_of(lane, counts[lane])
+                    buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
+                    ahead = int(fault == "ahead")
+                    works = [taking.hand(lane, b, None) for b in buffers[:ahead]]
+                    for k, size in enumerate(sizes):
+                        if k + ahead < len(sizes):
+                            works.append(taking.hand(lane, buffers[k + ahead], None))
+                        works[k].wait()
+                        assert torch.equal(buffers[k].cpu(), bucket(lane, k, size)), (lane, k)
                 except BaseException:
                     taking.done(lane, failed=True)
                     raise
@@ -173,8 +179,11 @@ def relay_rank(
         ([2, 3], "acccd"),  # lane 0 relayed on host c; lane 1 straight to its own host's ranks
     ],
 )
-def test_relayed_lanes_reach_every_receiving_rank_bit_exact(counts: list[int], hosts: str) -> None:
-    results = run_ranks(relay_rank, len(hosts), counts, hosts)
+@pytest.mark.parametrize("ahead", [False, True], ids=["in_turn", "ahead"])
+def test_relayed_lanes_reach_every_receiving_rank_bit_exact(
+    counts: list[int], hosts: str, ahead: bool
+) -> None:
+    results = run_ranks(relay_rank, len(hosts), counts, hosts, "ahead" if ahead else None)
     assert [outcome for outcome, _ in results] == ["done"] * len(hosts)
 
 

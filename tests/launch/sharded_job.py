@@ -26,7 +26,10 @@ Scenarios:
   a first tensor together, every lane had begun): no receiving rank may claim version 2, and
   rank 0's error names rank 1;
 * ``kill_receiver`` -- the same, but the last rank dies (the receiver that put the tensor
-  together): every sender's error names it, and the other receiving rank claims no version.
+  together): every sender's error names it, and the other receiving rank claims no version;
+* ``fail_load`` -- the last rank's ``load_weights`` raises in the second push, as its first
+  bytes land: the push fails on every rank, and the third lands (over one group, which the
+  failure aborted, once every rank formed it again).
 
 ``SCENARIO+one_group``: the same, every lane's buckets over one group of every rank
 (``JobSync(one_group=True)``, ``transport.rounds``).
@@ -152,6 +155,8 @@ def run(scenario: str, senders: int, out: Path, device: str = "cpu") -> None:
         try:
             if renamed and sync.is_sender:  # the receivers' names: the trainer's, under "inner."
                 version = sync.push(model.state_dict(), rename=lambda n: f"inner.{n}").version
+            elif loads and scenario == "fail_load" and step == 1:
+                version = sync.receive(load_weights=_fail_to_load)
             elif loads:  # in the second push of kill_sender, says when a first tensor is whole
                 marker = landed if big and step == 1 else None
                 version = sync.receive(load_weights=_load_and_say(loaded, marker))
@@ -257,6 +262,10 @@ def _die_once(landed: Path) -> None:
         os._exit(9)
 
     threading.Thread(target=watch, daemon=True).start()
+
+
+def _fail_to_load(weights: Any) -> None:
+    raise RuntimeError("this engine cannot load its weights")
 
 
 def _load_and_say(loaded: dict[str, torch.Tensor], landed: Path | None) -> Any:

@@ -162,6 +162,25 @@ def test_refusals_before_any_byte_then_pushes_land(tmp_path: Path, over: str) ->
     _assert_steps(reports)
 
 
+@ONE_GROUP_TOO
+def test_a_push_that_failed_on_a_receiving_rank_is_followed_by_one_that_lands(
+    tmp_path: Path, over: str
+) -> None:
+    """The last rank's load_weights raises as the second push's bytes land: every rank raises
+    (over one group the failure aborts it), none holds version 2, and the third push lands on
+    every rank bit for bit: over one group, every rank forms the group again first."""
+    context = _spawn(f"fail_load{over}", tmp_path, senders=2, world_size=4)
+    _join_all(context, LAUNCH_S)
+    assert [p.exitcode for p in context.processes] == [0] * 4
+    reports = _reports(tmp_path, range(4))
+    for report in reports:
+        (error,) = report["errors"]
+        assert error["step"] == 1 and error["seconds"] < sharded_job.TIMEOUT_S, report
+        assert report["versions"] == [1, None, 3] and report["held"] == 3, report
+        assert report["digests"][2] == reports[0]["digests"][2], report
+    assert "cannot load its weights" in reports[3]["errors"][0]["message"], reports[3]
+
+
 def test_a_sender_killed_mid_push(tmp_path: Path) -> None:
     """Sender 1 dies once a receiver has put a first tensor together: rank 0 names it within
     the push's bound, and no receiving rank claims the version (the other lane landed)."""

@@ -277,3 +277,23 @@ def test_a_rank_that_only_takes_relayed_lanes_posts_one_batch_a_round() -> None:
     rounds.hand(0, _buffer(0, 0), None)
     rounds.hand(1, _buffer(1, 0), None).wait()
     assert group.batches == [[(2, 1), (3, 101)]] and group.sends == [[]]
+
+
+class _RelayRefusingGroup(_RelayingGroup):
+    def exchange(self, sends: list, receives: list, timeout_s: float | None) -> object:
+        if sends:
+            raise ValueError("rank 2 is gone")
+        return super().exchange(sends, receives, timeout_s)
+
+
+def test_a_relay_that_cannot_be_posted_aborts_the_group_and_fails_its_round_for_every_lane() -> (
+    None
+):
+    group = _RelayRefusingGroup()
+    rounds = Rounds(group, [0, 1], routes(2, list("abcc")))  # type: ignore[arg-type]
+    rounds.begin([0, 1])
+    handed = [rounds.hand(lane, _buffer(lane, 0), None) for lane in (0, 1)]
+    for work in handed:
+        with pytest.raises(TransportError, match="relaying round 1 failed: rank 2 is gone"):
+            work.wait()
+    assert len(group.aborted) == 1

@@ -105,8 +105,9 @@ def routes(senders: int, hosts: Sequence[str]) -> list[Route]:
 
 def routes_over(group: TorchGroup, senders: int, timeout_s: float | None = None) -> list[Route]:
     """``routes`` of ``group`` from every rank's host (``shm.host_key``: one kernel and one
-    network namespace), shared by one all-reduce: every rank of ``group`` calls it at once,
-    right after joining. A rank with no key is a host of its own: nothing is relayed to it."""
+    network namespace), shared by one all-reduce, then every pair of ranks they join connected
+    (``connect``): every rank of ``group`` calls it at once, right after joining. A rank with
+    no key is a host of its own: nothing is relayed to it."""
     key = host_key()
     mine = (
         int.from_bytes(hashlib.blake2b(key.encode(), digest_size=7).digest(), "big") + 1
@@ -115,7 +116,23 @@ def routes_over(group: TorchGroup, senders: int, timeout_s: float | None = None)
     )
     keys = group.share(mine, timeout_s)
     hosts = [f"{value:014x}" if value else f"rank {rank}" for rank, value in enumerate(keys)]
-    return routes(senders, hosts)
+    lanes = routes(senders, hosts)
+    connect(group, lanes, timeout_s)
+    return lanes
+
+
+def connect(group: TorchGroup, lanes: Sequence[Route], timeout_s: float | None = None) -> None:
+    """One byte over every pair of ranks ``lanes`` join, each way it goes, as one batch on
+    every rank. NCCL connects a pair of ranks at their first transfer, blocking the posting
+    thread until the peer posts too; here that is now, before any round, rather than inside a
+    round's post while a bucket is in flight (and, for a relay, under ``Rounds``' lock)."""
+    here = group.rank
+    to = {rank for route in lanes for rank, source in route.via.items() if source == here}
+    of = {route.via[here] for route in lanes if here in route.via}
+    byte = functools.partial(torch.zeros, 1, dtype=torch.uint8, device=group.device)
+    sends, receives = [(byte(), r) for r in sorted(to)], [(byte(), r) for r in sorted(of)]
+    if sends or receives:
+        group.exchange(sends, receives, timeout_s).wait()
 
 
 def send(
@@ -270,14 +287,17 @@ class Rounds:
     Relayed (``routes``): where this rank relays, round k is two batches. The first takes the
     buckets of the lanes whose sender sends to this rank; the second relays those to the rest
     of this host and takes the lanes relayed to this rank (in the first, two ranks relaying to
-    each other would each wait for the other's second). A batch cannot send what it receives;
+    each other would each wait for the other's second). Over NCCL a rank that takes lanes
+    relayed to it and lanes straight from their senders takes them in two batches too, so that
+    every batch's peers are in the same phase as it. A batch cannot send what it receives;
     two need no copy and no count of a lane's buckets in advance: bucket k is relayed in round
     k, from the lane's own buffer, before the lane has it back. NCCL runs the second after the
     first on the group's stream (and the rounds' stream waits on the first's end, to be sure).
-    Gloo reads a send's buffer as it is posted, so there the second is posted once the first is
-    waited on, by the first of the round's lanes to wait for it: every lane waits for each of
-    its buckets (or fails, and aborts the group), and waits for round k before round k + 1, so
-    the second batches go out in round order."""
+    Gloo may read a send's buffer from the moment it is posted, so there the second is posted
+    once the first is waited on, by the first of the round's lanes to wait for it. Each lane
+    waits for each of its buckets (or fails, and aborts the group), and for round k before
+    round k + 1, so the second batches go out in round order: a caller that waited out of
+    order would swap buckets between two ranks of a host."""
 
     def __init__(
         self, group: TorchGroup, senders: Sequence[int], routes: Sequence[Route] | None = None
@@ -398,11 +418,14 @@ class Rounds:
                 for handed in batch:
                     assert handed.ready is not None
                     self._stream.wait_event(handed.ready)
-            if not forwards:  # nothing taken here is sent on: one batch
+            nccl = self._stream is not None
+            if not forwards and not (nccl and direct and relayed):
                 return _Round(self.group.exchange([], direct + relayed, bound))
             first = self.group.exchange([], direct, bound)
-            if self._stream is None:
-                return _Round(first, functools.partial(self._relay, forwards, relayed, bound))
+            if not nccl:
+                number = self._posted + 1
+                relay = functools.partial(self._relay, number, forwards, relayed, bound)
+                return _Round(first, relay)
             first.after()  # the rounds' stream waits for the first batch's end
             return _Round(first, second=self.group.exchange(forwards, relayed, bound))
 
@@ -412,15 +435,16 @@ class Rounds:
 
     def _relay(
         self,
+        number: int,
         forwards: list[tuple[torch.Tensor, int]],
         relayed: list[tuple[torch.Tensor, int]],
         bound: float,
     ) -> TorchWork:
-        """Gloo: a round's second batch, once its first is in."""
+        """Gloo: round ``number``'s second batch, once its first is in."""
         try:
             return self.group.exchange(forwards, relayed, bound)
         except Exception as exc:
-            raise self._failed(f"relaying round {self._posted}", exc) from exc
+            raise self._failed(f"relaying round {number}", exc) from exc
 
 
 class _Round:
