@@ -285,6 +285,9 @@ class JobSync:
     def __enter__(self) -> Self:
         return self
 
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def _form_one_group(self) -> None:
         """Every rank at once: the one group every lane's buckets go over, and their routes."""
         assert self._buckets is not None
@@ -346,9 +349,6 @@ class JobSync:
             assert old is not None
             old.close()  # after: its group is gone already, and its status is the new lanes'
         self._renew = False
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # -- the senders ---------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -29,6 +30,40 @@ def bucket(lane: int, k: int, size: int) -> torch.Tensor:
     return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator)
 
 
+def ended(group: TorchGroup, run: Callable[[], None]) -> tuple[str, float]:
+    """``run`` this rank's part, then vote as a push ends (nobody leaves while another still
+    receives), and leave ``group``: how the rank ended and how long it took."""
+    started = time.monotonic()
+    try:
+        run()
+        group.vote(0)
+    except WeightSyncError as exc:
+        return type(exc).__name__, time.monotonic() - started
+    finally:
+        group.close()
+    return "done", time.monotonic() - started
+
+
+def send_lane(
+    group: TorchGroup,
+    counts: list[int],
+    receivers: Sequence[int],
+    device: torch.device,
+    fault: str | None = None,
+    timeout_s: float = 30,
+) -> None:
+    """A sender's part (its lane: its rank): its buckets to ``receivers``. The last sender,
+    with ``fault``, dies (``"die"``) or freezes (``"freeze"``) after its first bucket."""
+    lane = group.rank
+    made = [bucket(lane, k, n).to(device) for k, n in enumerate(sizes_of(lane, counts[lane]))]
+    if fault in ("die", "freeze") and lane == len(counts) - 1:
+        rounds.send(group, made[:1], receivers)
+        if fault == "die":
+            os._exit(9)
+        time.sleep(timeout_s + 30)  # frozen: the receivers' bound ends their wait
+    assert rounds.send(group, made, receivers) == counts[lane]
+
+
 def rounds_rank(
     ctx: RankContext,
     counts: list[int],
@@ -44,19 +79,10 @@ def rounds_rank(
     spec = ctx.spec("standalone", collective_timeout_s=timeout_s, backend=backend)
     device = torch.device("cuda", ctx.rank) if backend == "nccl" else torch.device("cpu")
     group = TorchGroup.join(spec, ctx.listener(0), device)
-    started = time.monotonic()
-    try:
+
+    def run() -> None:
         if ctx.rank < senders:
-            lane = ctx.rank
-            made = [
-                bucket(lane, k, n).to(device) for k, n in enumerate(sizes_of(lane, counts[lane]))
-            ]
-            if fault is not None and lane == senders - 1:
-                rounds.send(group, made[:1], receivers)
-                if fault == "die":
-                    os._exit(9)
-                time.sleep(timeout_s + 30)  # frozen: the receivers' bound ends their wait
-            assert rounds.send(group, made, receivers) == counts[lane]
+            send_lane(group, counts, receivers, device, fault, timeout_s)
         else:
             lanes = [(s, sizes_of(s, count)) for s, count in enumerate(counts)]
             landed: list[tuple[int, int]] = []
@@ -69,12 +95,8 @@ def rounds_rank(
             # Landed round by round, in lane order within a round.
             assert landed == [(s, k) for k, present in enumerate(rounds.schedule(counts))
                               for s in present]  # fmt: skip
-        group.vote(0)  # as a push ends: nobody leaves while another still receives
-    except WeightSyncError as exc:
-        return type(exc).__name__, time.monotonic() - started
-    finally:
-        group.close()
-    return "done", time.monotonic() - started
+
+    return ended(group, run)
 
 
 @pytest.mark.parametrize(
@@ -128,17 +150,10 @@ def relay_rank(
     spec = ctx.spec("standalone", collective_timeout_s=30, backend=backend)
     device = torch.device("cuda", ctx.rank) if backend == "nccl" else torch.device("cpu")
     group = TorchGroup.join(spec, ctx.listener(0), device)
-    started = time.monotonic()
-    try:
+
+    def run() -> None:
         if ctx.rank < senders:
-            lane = ctx.rank
-            made = [
-                bucket(lane, k, n).to(device) for k, n in enumerate(sizes_of(lane, counts[lane]))
-            ]
-            if fault == "die" and lane == senders - 1:
-                rounds.send(group, made[:1], paths[lane].targets)
-                os._exit(9)
-            assert rounds.send(group, made, paths[lane].targets) == counts[lane]
+            send_lane(group, counts, paths[ctx.rank].targets, device, fault)
         else:
             taking = rounds.Rounds(group, range(senders), paths)
             taking.begin(range(senders))
@@ -162,12 +177,8 @@ def relay_rank(
             with ThreadPoolExecutor(senders) as pool:
                 for call in [pool.submit(take, lane) for lane in range(senders)]:
                     call.result()
-        group.vote(0)
-    except WeightSyncError as exc:
-        return type(exc).__name__, time.monotonic() - started
-    finally:
-        group.close()
-    return "done", time.monotonic() - started
+
+    return ended(group, run)
 
 
 @pytest.mark.parametrize(
