@@ -143,7 +143,7 @@ class JobSync:
     point to point, each receiving rank taking them in rounds (``transport.rounds``), rather
     than over a Gloo group per lane -- the design for NCCL (``SyncConfig(backend="nccl")``,
     which needs it), where K communicators on one GPU may deadlock. A push that fails midway
-    leaves that group aborted: the pushes after it fail too; make a new ``JobSync``.
+    leaves that group aborted; every rank forms it again as the next push begins.
     """
 
     def __init__(
@@ -207,7 +207,8 @@ class JobSync:
                 )
             wrap = None  # a sender's: its lane's buckets over the one group
             if one_group:
-                self._form_one_group()
+                failure = self._form_one_group()
+                formed_everywhere(failure, "connect the one group", None, control_device(None))
                 wrap = self._over_one_group if self.rank < senders else None
             mine: tuple[str, int] | Exception | None = None
             if self.rank < senders:
@@ -217,7 +218,7 @@ class JobSync:
                 except Exception as exc:  # raised once the others know (see share_endpoints)
                     mine = exc
             endpoints = share_endpoints(mine, senders, None, control_device(None))
-            failure: Exception | None = None
+            failure = None
             self._endpoints = endpoints
             if self.rank >= senders:
                 try:
@@ -288,11 +289,17 @@ class JobSync:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _form_one_group(self) -> None:
-        """Every rank at once: the one group every lane's buckets go over, and their routes."""
+    def _form_one_group(self) -> Exception | None:
+        """Every rank at once: the one group every lane's buckets go over, and their routes.
+        Returns what failed in connecting them, to be raised once every rank knows (the pairs
+        they join connect point to point: a pair that cannot fails its two ranks only)."""
         assert self._buckets is not None
         self._one_group = form_one_group(self._buckets, None, control_device(None))
-        self._routes = routes_over(self._one_group, self.senders)
+        try:
+            self._routes = routes_over(self._one_group, self.senders)
+        except Exception as exc:
+            return exc
+        return None
 
     def _over_one_group(self, lane: Transport) -> Transport:
         """A sender's lane, each time it forms: its buckets over the one group of the moment."""
@@ -328,18 +335,18 @@ class JobSync:
         group, self._one_group = self._one_group, None
         if group is not None:
             group.close()
-        self._form_one_group()
-        lanes, failure = None, None
+        failure = self._form_one_group()
+        lanes = None
         if self._out is not None:
             self._out.pusher.regroup()  # the lane forms again, over the new group
-        else:
+        elif failure is None:
             assert self._lanes is not None
             try:
                 lanes = self._follow(self._lanes.status())
             except Exception as exc:  # raised once the others know (see formed_everywhere)
                 failure = exc
         try:
-            formed_everywhere(failure, "follow the senders' lanes anew", self._control, CPU)
+            formed_everywhere(failure, "form the one group again", self._control, CPU)
         except BaseException:
             if lanes is not None:
                 lanes.close()
@@ -372,9 +379,9 @@ class JobSync:
         if self.senders == 1:
             self.last_result = self._out.push(state_dict, options)
             return self.last_result
-        started = time.monotonic()
         if self._buckets is not None:
             self._renew_one_group()
+        started = time.monotonic()  # the push's bound counts from here, as on Ray
         self._pushes += 1
         share, version = self._agree_as_sender(state_dict, options)
         assert self._verdicts is not None and share.layout is not None
@@ -392,7 +399,7 @@ class JobSync:
                 started,
                 self.config.push_timeout_s,
             )
-        except WeightSyncError:
+        except BaseException:  # once agreed: whatever failed may have left the group aborted
             self._renew = True
             raise
         self._committed = self.last_result.version
@@ -441,7 +448,7 @@ class JobSync:
         assembly = self._agree_as_receiver(model, load_weights)
         try:
             held = self._lanes.receive(assembly, self._pushes, wait_s, f"rank {self.rank}")
-        except WeightSyncError:
+        except BaseException:  # once agreed: whatever failed may have left the group aborted
             self._renew = True
             raise
         if held is None:  # an empty push, before any other

@@ -152,6 +152,7 @@ def relay_rank(
     group = TorchGroup.join(spec, ctx.listener(0), device)
 
     def run() -> None:
+        rounds.connect(group, paths)  # every pair the routes join, each way, as one batch
         if ctx.rank < senders:
             send_lane(group, counts, paths[ctx.rank].targets, device, fault)
         else:
