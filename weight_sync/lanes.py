@@ -585,9 +585,12 @@ def push_share(
                 try:
                     verdicts.settle(push, sender, {"error": first_line(exc)}, deadline)
                 except SenderFailedError as others:
-                    if sender not in others.senders:
-                        # Not to blame: the group broke under this lane (over one group a
-                        # sender's death fails every round); the verdict names who broke it.
+                    if sender not in others.senders or (
+                        type(exc) is TransportError and len(others.senders) > 1
+                    ):
+                        # Not to blame, or no more than the others: the group broke under
+                        # this lane (over one group a sender's death, or a member's failure
+                        # on another lane, fails every round); the verdict names who broke it.
                         raise others from exc
                     logger.debug("push %d failed: %s", push, others)  # its own error says more
                 raise
