@@ -402,7 +402,8 @@ class Rounds:
 
     def _post(self, present: list[int], batch: list[_Handed], bound: float) -> _Round:
         """Round ``present`` (its lanes, in order; ``batch``: their buffers): one batch, or two
-        where this rank relays (see the class)."""
+        where this rank relays, or over NCCL takes lanes both straight and relayed (see the
+        class)."""
         direct: list[tuple[torch.Tensor, int]] = []
         relayed: list[tuple[torch.Tensor, int]] = []
         forwards: list[tuple[torch.Tensor, int]] = []
