@@ -24,7 +24,7 @@ export RAY_USAGE_STATS_ENABLED=0
 } > "$out/environment.txt" 2>&1
 cat "$out/environment.txt"
 
-python -m pytest tests/gpu -m gpu -v -p no:cacheprovider --junitxml="$out/tests.xml" 2>&1 | tee "$out/tests.txt"
+python -m pytest tests/gpu -m gpu -v -p no:cacheprovider -o addopts="-ra" --junitxml="$out/tests.xml" 2>&1 | tee "$out/tests.txt"
 tests=${PIPESTATUS[0]}
 python benchmarks/gpu.py --out "$out" "$@" 2>&1 | tee "$out/bench.txt"
 bench=${PIPESTATUS[0]}

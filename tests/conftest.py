@@ -7,19 +7,34 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests import shm_leftovers
+from tests import scheduling, shm_leftovers
 
 REPO = Path(__file__).resolve().parents[1]
+_SHM_BEFORE = pytest.StashKey[set[str]]()
 _SHM_REMOVED = pytest.StashKey[list[str]]()
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _engine_shm_leftovers(request: pytest.FixtureRequest) -> Iterator[None]:
+def _is_xdist_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not _is_xdist_worker(session.config):
+        session.config.stash[_SHM_BEFORE] = shm_leftovers.entries()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
     """Remove what vLLM and SGLang engines left in /dev/shm during the run (see
-    tests/shm_leftovers.py); the session's summary names them."""
-    before = shm_leftovers.entries()
-    yield
-    request.config.stash[_SHM_REMOVED] = shm_leftovers.remove_new(before)
+    tests/shm_leftovers.py), once every worker is done; the summary names them."""
+    before = session.config.stash.get(_SHM_BEFORE, None)
+    if before is not None:
+        session.config.stash[_SHM_REMOVED] = shm_leftovers.remove_new(before)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent where it is not installed
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Groups of tests sharing processes, longest first, engines bounded (tests/scheduling.py)."""
+    return scheduling.make_scheduler(config, log)
 
 
 def pytest_terminal_summary(
@@ -41,14 +56,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[None]:
-    """One local Ray cluster for every Ray test (starting one costs seconds on 2 cores)."""
+    """One local Ray cluster for every Ray test of this worker (starting one costs seconds on 2
+    cores); each xdist worker starts its own (``address="local"``: never one found running)."""
     # Actor classes defined in test modules are imported by reference in the workers.
     import ray  # here, not at the top: the GPU suite runs where Ray is not installed
 
     paths = [str(REPO), os.environ.get("PYTHONPATH", "")]
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=True)
     try:
         yield
     finally:

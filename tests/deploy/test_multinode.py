@@ -68,13 +68,14 @@ def test_job_submitted_to_a_two_node_cluster(cluster: ShapedCluster) -> None:
     assert report["routes"] == expected and set(expected) == {"shm", "group", "relay"}, report
     assert re.search(rf"group listens on {re.escape(trainer_ip)}\b", output), output[-4000:]
     trainer_node = next(node.index for node in cluster.plan.nodes if node.ip == trainer_ip)
-    pushed = 0.0
-    for _ in range(30):  # Ray exports custom metrics every few seconds
+    pushed, version = 0.0, None
+    for _ in range(30):  # Ray exports custom metrics every few seconds, not all in one round
         text = metrics(cluster, trainer_node)
         found = re.findall(r"^ray_weight_sync_push_bytes_total\{[^}]*\} (\S+)$", text, re.MULTILINE)
         pushed = sum(float(value) for value in found)
-        if pushed:
+        version = re.search(r"^ray_weight_sync_version\{[^}]*\} 3\.0$", text, re.MULTILINE)
+        if pushed and version:
             break
         time.sleep(1)
     assert pushed == 3 * 8_000_000 + 3 * 4 * 4096, "weight_sync metrics missing from Prometheus"
-    assert re.search(r"^ray_weight_sync_version\{[^}]*\} 3\.0$", text, re.MULTILINE)
+    assert version, text[-3000:]

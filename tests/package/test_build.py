@@ -62,10 +62,17 @@ def test_the_wheel_carries_the_license_the_type_hints_and_the_metadata(dist: Pat
     assert sdist.stat().st_size > 0
 
 
+def package_files(archive_names: list[str]) -> set[str]:
+    """The package's own files (pip also records the bytecode it compiles on install)."""
+    return {n for n in archive_names if n.startswith("weight_sync/") and "__pycache__" not in n}
+
+
 @pytest.mark.parametrize("kind", ["wheel", "sdist"])
 def test_each_installs_into_a_fresh_venv_and_runs_the_demo(
     dist: Path, kind: str, tmp_path: Path
 ) -> None:
+    """The wheel runs the demo; the sdist must install the very files the wheel holds (so the
+    wheel's demo speaks for it too: a demo of its own cost CI another Ray cluster)."""
     [artifact] = dist.glob("weight_sync-*.whl" if kind == "wheel" else "weight_sync-*.tar.gz")
     venv = tmp_path / "venv"
     run([sys.executable, "-m", "venv", str(venv)], cwd=tmp_path)
@@ -81,6 +88,15 @@ def test_each_installs_into_a_fresh_venv_and_runs_the_demo(
     assert run([str(venv / "bin" / "weight-sync"), "--version"], cwd=tmp_path).strip() == (
         "weight-sync 0.1.0"
     )
+    if kind == "sdist":
+        installed = run([str(python), "-c", "from importlib.metadata import files; "
+                         "print('\\n'.join(str(f) for f in files('weight_sync')))"], cwd=tmp_path)
+        [wheel] = dist.glob("weight_sync-*.whl")
+        with zipfile.ZipFile(wheel) as archive:
+            wheel_files = package_files(archive.namelist())
+        assert package_files(installed.split()) == wheel_files
+        assert len(wheel_files) > 50, wheel_files  # the whole package, not a stub
+        return
     out, err = run_both([str(venv / "bin" / "weight-sync"), *DEMO], cwd=tmp_path)
     assert "verified: 2/2 workers hold version 2" in out and "-- OK" in out, out
     assert "Started a local Ray instance" not in out + err, err  # quiet: the demo's output only

@@ -144,6 +144,8 @@ def test_worker_killed_or_frozen_mid_broadcast_is_named_dropped_and_replaced(
 
     replacement = SlowWorker.remote(seed=399)
     fleet.workers.append(replacement)
+    # Up first: its process start (seconds on 2 busy cores) is no part of the push's rpc bound.
+    ray.get(replacement.pid.remote(), timeout=TIMEOUT)
     ray.get(fleet.trainer.add_workers.remote([replacement]), timeout=TIMEOUT)
     assert_next_push_lands(fleet, [*survivors, replacement], seed=4)  # full weights to the newcomer
 

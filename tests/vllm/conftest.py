@@ -1,7 +1,7 @@
 """Real vLLM engines (the CPU build) as Ray actors, shared by the tests of this folder.
 
 Starting one costs 40-80 s of the 2 cores here (three processes, each importing vLLM), so the
-engines start together, once per session, and tests push whatever they need into them: every
+engines start together, once for this folder, and tests push whatever they need into them: every
 test begins with a full push of its own, never relying on what an earlier one left behind.
 """
 
@@ -41,7 +41,7 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     }
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped once the folder is done: others need the memory
 def engines(ray_cluster: None, model_dirs: dict[str, str]) -> Iterator[dict[str, object]]:
     """qwen2: offline LLM, float32, tied embeddings; llama: AsyncLLM, float32, untied;
     qwen2_tp2_bf16: offline LLM, bfloat16, tensor parallelism 2 (one worker per core); native:

@@ -1,7 +1,7 @@
 """Real ``vllm serve`` processes (the CPU build), shared by the tests of this folder; no Ray.
 
 The trainer is the test process itself: a ``transformers`` model pushed with ``VLLMServers``
-over HTTP. Two servers start together once per session (``local_servers``) (each costs 40-80 s of the 2 cores
+over HTTP. Two servers start together once for this folder (``local_servers``) (each costs 40-80 s of the 2 cores
 here: three processes, each importing vLLM); every test begins with a full push of its own and
 never relies on what an earlier one left. A test that kills a server starts it again at the same
 URL before it ends (``Servers.restart``).
@@ -28,7 +28,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return save(QWEN2, tmp_path_factory.mktemp("models") / "qwen2", seed=0)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped once the folder is done: others need the memory
 def servers(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     logs = Path(os.environ.get("WEIGHT_SYNC_SERVE_LOGS") or tmp_path_factory.mktemp("logs"))
     logs.mkdir(parents=True, exist_ok=True)
