@@ -17,7 +17,7 @@ alone would sit out. Three rules decide who runs what:
   killed engine actors.)
 
 ``pick`` is the pure rule, tested as a table (tests/unit/test_scheduling.py); ``make_scheduler``
-puts it into xdist's group scheduler.
+puts it into xdist's scope scheduler.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ from typing import Any
 
 # Folders whose tests share processes started once for the folder: one group each.
 SHARED_FOLDERS = ("vllm", "vllm_serve", "sglang", "deploy", "no_ray")
-# Groups that start inference engines (GBs each): at most MAX_ENGINE_GROUPS at once.
-ENGINE_GROUPS = frozenset({"vllm", "vllm_serve", "sglang", "no_ray"})
+# Groups that start inference engines (GBs each; all but the namespace clusters): at most
+# MAX_ENGINE_GROUPS at once.
+ENGINE_GROUPS = frozenset(SHARED_FOLDERS) - {"deploy"}
 MAX_ENGINE_GROUPS = 2
 # Seconds each group took in one run (2026-12-02, 4 workers on 2 cores, so inflated alike);
 # only their order matters. A group not listed counts as DEFAULT_SECONDS.
