@@ -32,19 +32,18 @@ SHARED_FOLDERS = ("vllm", "vllm_serve", "sglang", "deploy", "no_ray")
 # MAX_ENGINE_GROUPS at once.
 ENGINE_GROUPS = frozenset(SHARED_FOLDERS) - {"deploy"}
 MAX_ENGINE_GROUPS = 2
-# Seconds each group took in one run (2026-12-02, 4 workers on 2 cores, so inflated alike);
-# only their order matters. A group not listed counts as DEFAULT_SECONDS.
+# Seconds each group took in one run on one process (2026-12-02, ``-n 0``, the launch modules
+# measured again once their ranks were forked); only their order matters. A group not listed
+# counts as DEFAULT_SECONDS.
 SECONDS = {
-    "vllm_serve": 1357, "sglang": 1325, "vllm": 1019,
-    "tests/ray/test_lanes.py": 636, "tests/launch/test_many_senders.py": 476,
-    "tests/ray/test_push.py": 353, "tests/ray/test_faults.py": 326, "deploy": 297,
-    "tests/launch/test_launchers.py": 244, "tests/ray/test_delta.py": 209,
-    "tests/package/test_build.py": 192, "no_ray": 178, "tests/ray/test_bench.py": 82,
-    "tests/ray/test_rlhf.py": 74, "tests/ray/test_round_trips.py": 70,
-    "tests/unit/test_delta_scan.py": 61, "tests/distributed/test_group_abort.py": 56,
-    "tests/ray/test_mapping.py": 43, "tests/ray/test_sharded.py": 39,
-    "tests/distributed/test_exit.py": 34, "tests/distributed/test_gpu_bench_harness.py": 28,
-    "tests/ray/test_demo.py": 25, "tests/distributed/test_groups.py": 24,
+    "vllm_serve": 186, "vllm": 166, "tests/ray/test_faults.py": 159, "sglang": 155,
+    "tests/ray/test_lanes.py": 121, "deploy": 120, "no_ray": 72,
+    "tests/launch/test_launchers.py": 65, "tests/launch/test_many_senders.py": 53,
+    "tests/distributed/test_group_abort.py": 53, "tests/distributed/test_exit.py": 34,
+    "tests/package/test_build.py": 30, "tests/ray/test_delta.py": 28, "tests/ray/test_push.py": 28,
+    "tests/distributed/test_groups.py": 24, "tests/distributed/test_gpu_bench_harness.py": 16,
+    "tests/ray/test_rlhf.py": 15, "tests/ray/test_bench.py": 11, "tests/ray/test_demo.py": 10,
+    "tests/distributed/test_rounds.py": 10, "tests/ray/test_sharded.py": 9,
 }  # fmt: skip
 DEFAULT_SECONDS = 5
 

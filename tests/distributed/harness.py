@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from tests import forked
 from weight_sync.checksums import state_dict_digests
 from weight_sync.metadata import GroupSpec, PrepareRequest, SyncPlan, TensorMeta
 from weight_sync.receiver import Receiver, expecting
@@ -91,16 +92,6 @@ def _entry(
         results.put((rank, False, traceback.format_exc()))
 
 
-def _context() -> mp.context.BaseContext:
-    """Ranks fork from a server that imported torch and weight_sync once (a spawned rank pays
-    seconds of imports on 2 cores), and never from pytest's own process, whose threads a fork
-    would copy in whatever state they are."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "weight_sync.receiver",
-                                "weight_sync.send.sender", "tests.zoo"])  # fmt: skip
-    return ctx
-
-
 def run_ranks(
     target: Target,
     world_size: int,
@@ -111,7 +102,7 @@ def run_ranks(
     """Results by rank; raises AssertionError with the rank's traceback if any rank failed.
     Ranks in ``expect_dead`` (killed or frozen on purpose) are not waited for; their result is
     None."""
-    ctx = _context()
+    ctx = forked.context()
     ports, results = ctx.Queue(), ctx.Queue()
     group_id = secrets.token_hex(8)
     procs = [

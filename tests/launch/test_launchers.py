@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch.multiprocessing as mp
 
+from tests import forked
 from tests.conftest import REPO
 from tests.launch import job
 
@@ -114,10 +115,14 @@ def test_mpirun_three_ranks(tmp_path: Path) -> None:
     _assert_steps(_reports(tmp_path, range(3)))
 
 
-def _spawn(scenario: str, out: Path, world_size: int = 4) -> mp.ProcessContext:
-    context = mp.start_processes(job.spawned, args=(world_size, scenario, str(out), str(out / "store")),
-                                 nprocs=world_size, join=False, start_method="spawn")  # fmt: skip
-    return context
+def _spawn(scenario: str, out: Path, world_size: int = 4, fork: bool = True) -> mp.ProcessContext:
+    """``job.spawned`` on ``world_size`` ranks: forked from tests/forked.py's server, or (``fork``
+    false) started by ``mp.spawn``'s own start method, exactly as a user's launch."""
+    args = (world_size, scenario, str(out), str(out / "store"))
+    if fork:
+        return forked.start(job.spawned, args, world_size)
+    return mp.start_processes(job.spawned, args=args, nprocs=world_size, join=False,
+                              start_method="spawn")  # fmt: skip
 
 
 def _join_all(context: mp.ProcessContext, timeout_s: float) -> None:
@@ -133,7 +138,7 @@ def _join_all(context: mp.ProcessContext, timeout_s: float) -> None:
 
 
 def test_mp_spawn_steps(tmp_path: Path) -> None:
-    context = _spawn("steps", tmp_path)
+    context = _spawn("steps", tmp_path, fork=False)
     _join_all(context, LAUNCH_S)
     assert [p.exitcode for p in context.processes] == [0, 0, 0, 0]
     _assert_steps(_reports(tmp_path, range(4)))

@@ -1,6 +1,6 @@
-"""A sharded trainer pushing from every rank: ``JobSync(senders=K)`` over real ``mp.spawn`` and
-``torchrun`` launches of ``sharded_job.py`` (FSDP2 over Gloo on the senders), each rank
-reporting what it saw."""
+"""A sharded trainer pushing from every rank: ``JobSync(senders=K)`` over ranks started as
+``mp.spawn`` starts them (forked by tests/forked.py) and real ``torchrun`` launches of
+``sharded_job.py`` (FSDP2 over Gloo on the senders), each rank reporting what it saw."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch.multiprocessing as mp
 
+from tests import forked
 from tests.conftest import REPO
 from tests.launch import sharded_job
 from tests.launch.test_launchers import BIN, LAUNCH_S, _env, _join_all
@@ -27,12 +28,10 @@ def _reports(out: Path, ranks: range | tuple[int, ...]) -> list[dict[str, Any]]:
 def _spawn(
     scenario: str, out: Path, senders: int, world_size: int, device: str = "cpu"
 ) -> mp.ProcessContext:
-    return mp.start_processes(
+    return forked.start(
         sharded_job.spawned,
-        args=(world_size, scenario, senders, str(out), str(out / "store"), device),
-        nprocs=world_size,
-        join=False,
-        start_method="spawn",
+        (world_size, scenario, senders, str(out), str(out / "store"), device),
+        world_size,
     )
 
 

@@ -1,8 +1,8 @@
 """One rank of a sharded trainer pushing into ``vllm serve`` from every rank: ``VLLMLaneServers``.
 
 Every rank holds the test's ``transformers`` model as DTensors sharded over the trainers' mesh
-(``distribute_tensor``: rank 0's weights, scattered) and pushes its own shards. Run by
-``mp.spawn`` (``spawned``); each rank writes what it saw to ``OUT/rank<r>.json``, and rank 0
+(``distribute_tensor``: rank 0's weights, scattered) and pushes its own shards. Run as
+``mp.spawn`` runs a rank (``spawned``; forked by tests/forked.py); each rank writes what it saw to ``OUT/rank<r>.json``, and rank 0
 the whole state dict of each push that landed to ``OUT/pushed<i>.pt`` (the reference the test
 checks the servers' generations against).
 
@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from tests import forked
 from tests.reference import Trainer
 from tests.vllm.models import QWEN2
 from weight_sync import SyncConfig
@@ -102,13 +102,10 @@ def spawned(index: int, world_size: int, scenario: str, urls: list[str], out: st
 
 
 def run_job(scenario: str, urls: list[str], out: Path, ranks: int = RANKS) -> list[dict[str, Any]]:
-    """Run ``scenario`` on every trainer rank (``mp.spawn``); the records of ranks
+    """Run ``scenario`` on every trainer rank (forked, as ``mp.spawn``'s); the records of ranks
     ``0..ranks-1`` (those that live), the others having exited with 9."""
     out.mkdir(parents=True, exist_ok=True)
-    context = mp.start_processes(
-        spawned, args=(RANKS, scenario, urls, str(out)), nprocs=RANKS, join=False,
-        start_method="spawn",
-    )  # fmt: skip
+    context = forked.start(spawned, (RANKS, scenario, urls, str(out)), RANKS)
     deadline = time.monotonic() + JOB_S
     try:
         for process in context.processes:
