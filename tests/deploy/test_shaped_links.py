@@ -6,6 +6,10 @@ What it proves, from the trainer node's own interface counters: a relayed push
 every far worker a rank of Gloo's binomial tree (``relay=False``) crosses it twice -- and takes
 about twice as long, since the link is the bottleneck. Every push lands bit-exactly on every
 worker, dense and delta. Needs root, iproute2 and tc (skipped elsewhere, with the reason).
+
+Each cluster shape is built once for the module (a build takes 6-9 s of the 2 cores): the two
+shaped nodes for the relay's tests, three unshaped nodes for the sharded trainer's. A test that
+kills a process kills one of its own job's, never a node's; the next test's job starts clean.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,24 +29,42 @@ from weight_sync.bench.netns import NetnsUnavailable, ShapedCluster, check_usabl
 from weight_sync.bench.report import write_links_report
 
 pytestmark = pytest.mark.timeout(240)
+RATE = parse_rate("100mbit")
 
 
-def test_relay_crosses_a_shaped_link_once(tmp_path: Path) -> None:
+def _built(nodes: int, rate: int | None) -> Iterator[ShapedCluster]:
+    """A cluster of this module, built once for the tests that share its shape (skipped where
+    namespaces cannot be made); its namespaces must be gone once it is closed."""
     try:
         check_usable()
     except NetnsUnavailable as exc:
         pytest.skip(str(exc))
-    rate = parse_rate("100mbit")
-    spec = DriveSpec(
-        "S16M", rate, 0.0, 2, ((Layout(2, 3), ("dense", "dense (tree)", "delta"), "links"),)
-    )
-    with ShapedCluster(2, rate) as cluster:
+    with ShapedCluster(nodes, rate) as cluster:
         namespaces = [node.netns for node in cluster.plan.nodes]
-        rows = run_on_cluster(cluster, spec)
+        yield cluster
     listed = subprocess.run(
         ["ip", "netns", "list"], capture_output=True, text=True, check=True
     ).stdout
     assert not any(name in listed for name in namespaces), "namespaces left behind"
+
+
+@pytest.fixture(scope="module")
+def two_shaped_nodes() -> Iterator[ShapedCluster]:
+    """Two nodes, their links shaped to 100 Mbit/s."""
+    yield from _built(2, RATE)
+
+
+@pytest.fixture(scope="module")
+def three_nodes() -> Iterator[ShapedCluster]:
+    """Three nodes, their links unshaped."""
+    yield from _built(3, None)
+
+
+def test_relay_crosses_a_shaped_link_once(two_shaped_nodes: ShapedCluster, tmp_path: Path) -> None:
+    spec = DriveSpec(
+        "S16M", RATE, 0.0, 2, ((Layout(2, 3), ("dense", "dense (tree)", "delta"), "links"),)
+    )
+    rows = run_on_cluster(two_shaped_nodes, spec)
     by_mode = {row.mode: row for row in rows}
     assert set(by_mode) == {"dense", "dense (tree)", "delta"}
     assert all(row.verified for row in rows), "a worker does not hold the trainer's weights"
@@ -57,10 +80,12 @@ def test_relay_crosses_a_shaped_link_once(tmp_path: Path) -> None:
     assert "| 100mbit | dense (tree) |" in report
 
 
-def test_a_follower_killed_mid_push_is_named_and_the_rest_go_on() -> None:
+def test_a_follower_killed_mid_push_is_named_and_the_rest_go_on(
+    two_shaped_nodes: ShapedCluster,
+) -> None:
     """Blame across a relay: the dead follower is the one named and dropped (its relay lost the
     push to it, and is kept); the next push forms a group over the two left, bit-exact."""
-    result = _driven(ShapedCluster(2, parse_rate("100mbit")), "relay_fault", timeout=150)
+    result = _driven(two_shaped_nodes, "relay_fault", timeout=150)
     assert result["routes"] == ["group", "relay", "relay"], result
     failure = result["failure"]
     assert failure["raised"] == "WorkerFailedError", result
@@ -73,14 +98,14 @@ def test_a_follower_killed_mid_push_is_named_and_the_rest_go_on() -> None:
 @pytest.mark.timeout(360)
 @pytest.mark.parametrize("over", ["lanes", "one_group"])
 def test_a_sharded_trainer_across_nodes_pushes_from_every_rank_and_a_dead_one_is_named(
-    over: str,
+    three_nodes: ShapedCluster, over: str
 ) -> None:
     """``LaneUpdater`` across real interfaces: trainer ranks on two nodes (FSDP2 over Gloo across
     the link), two workers on a third. Three pushes after Adam steps land bit for bit; then rank
     1 dies once the senders agreed: rank 0 names it within the push's bound and neither worker
     claims the version (rank 0's lane may have landed). Over one group each lane enters the
     workers' node once, at a worker of its own, which relays it to the other."""
-    result = _driven(ShapedCluster(3, None), "lanes_fault", timeout=240, args=[over])
+    result = _driven(three_nodes, "lanes_fault", timeout=240, args=[over])
     assert result["targets"] == ([[2], [3]] if over == "one_group" else [[], []]), result
     for version, push in enumerate(result["pushes"], start=1):
         assert [o.get("version") for o in push["outcomes"]] == [version] * 2, push
@@ -94,16 +119,11 @@ def test_a_sharded_trainer_across_nodes_pushes_from_every_rank_and_a_dead_one_is
 def _driven(
     cluster: ShapedCluster, module: str, timeout: float, args: list[str] | None = None
 ) -> dict[str, Any]:
-    """Run ``tests.deploy.<module>`` inside node 0 of ``cluster`` (skipped where namespaces
-    cannot be made); what its ``RESULT {json}`` line says."""
-    try:
-        check_usable()
-    except NetnsUnavailable as exc:
-        pytest.skip(str(exc))
-    with cluster:
-        done = cluster.run(0, [sys.executable, "-m", f"tests.deploy.{module}",
-                               cluster.plan.address, *(args or [])], timeout=timeout,
-                          check=False)  # fmt: skip
+    """Run ``tests.deploy.<module>`` inside node 0 of ``cluster``; what its ``RESULT {json}``
+    line says."""
+    done = cluster.run(0, [sys.executable, "-m", f"tests.deploy.{module}",
+                           cluster.plan.address, *(args or [])], timeout=timeout,
+                      check=False)  # fmt: skip
     output = done.stdout + done.stderr
     found = re.search(r"^RESULT (.*)$", done.stdout, re.MULTILINE)
     assert done.returncode == 0 and found, output[-4000:]
