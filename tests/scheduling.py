@@ -32,12 +32,12 @@ SHARED_FOLDERS = ("vllm", "vllm_serve", "sglang", "deploy", "no_ray")
 # MAX_ENGINE_GROUPS at once.
 ENGINE_GROUPS = frozenset(SHARED_FOLDERS) - {"deploy"}
 MAX_ENGINE_GROUPS = 2
-# Seconds each group took in one run on one process (2026-12-02, ``-n 0``, the launch modules
-# measured again once their ranks were forked); only their order matters. A group not listed
-# counts as DEFAULT_SECONDS.
+# Seconds each group took in one run on one process (2026-12-02, ``-n 0``; the launch modules
+# and deploy measured again once their ranks were forked and its clusters shared); only their
+# order matters. A group not listed counts as DEFAULT_SECONDS.
 SECONDS = {
     "vllm_serve": 186, "vllm": 166, "tests/ray/test_faults.py": 159, "sglang": 155,
-    "tests/ray/test_lanes.py": 121, "deploy": 120, "no_ray": 72,
+    "tests/ray/test_lanes.py": 121, "deploy": 84, "no_ray": 72,
     "tests/launch/test_launchers.py": 65, "tests/launch/test_many_senders.py": 53,
     "tests/distributed/test_group_abort.py": 53, "tests/distributed/test_exit.py": 34,
     "tests/package/test_build.py": 30, "tests/ray/test_delta.py": 28, "tests/ray/test_push.py": 28,

@@ -2,9 +2,9 @@
 
 Every rank holds the test's ``transformers`` model as DTensors sharded over the trainers' mesh
 (``distribute_tensor``: rank 0's weights, scattered) and pushes its own shards. Run as
-``mp.spawn`` runs a rank (``spawned``; forked by tests/forked.py); each rank writes what it saw to ``OUT/rank<r>.json``, and rank 0
-the whole state dict of each push that landed to ``OUT/pushed<i>.pt`` (the reference the test
-checks the servers' generations against).
+``mp.spawn`` runs a rank (``spawned``; forked by tests/forked.py); each rank writes what it saw
+to ``OUT/rank<r>.json``, and rank 0 the whole state dict of each push that landed to
+``OUT/pushed<i>.pt`` (the reference the test checks the servers' generations against).
 
 Scenarios:
 
