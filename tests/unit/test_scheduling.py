@@ -34,7 +34,7 @@ def test_a_folder_of_shared_processes_is_one_group_and_any_other_module_its_own(
     [
         # longest first
         (["tests/unit/test_packing.py", "tests/ray/test_lanes.py"], [], "tests/ray/test_lanes.py"),
-        (["vllm", "sglang", "vllm_serve"], [], "vllm_serve"),
+        (["vllm", "sglang", "vllm_serve"], [], "sglang"),
         # an unlisted group counts as short
         (["tests/unit/test_new.py", "tests/ray/test_demo.py"], [], "tests/ray/test_demo.py"),
         # one engine group running: another may start

@@ -7,16 +7,15 @@ test begins with a full push of its own, never relying on what an earlier one le
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import ray
 
-from tests.vllm.models import LLAMA, LONG, QWEN2, engine_options, save
+from tests.vllm.models import LLAMA, LONG, QWEN2, Trainer, engine_options, save
 
 vllm = pytest.importorskip("vllm", reason="the real-vLLM tests need the vllm extra")
 
-from tests.vllm.native_llm import NativeLLM
 from weight_sync.adapters.vllm import RemoteVLLMEngine
 
 READY_S = 600  # engines start together on 2 cores
@@ -46,6 +45,8 @@ def engines(ray_cluster: None, model_dirs: dict[str, str]) -> Iterator[dict[str,
     """qwen2: offline LLM, float32, tied embeddings; llama: AsyncLLM, float32, untied;
     qwen2_tp2_bf16: offline LLM, bfloat16, tensor parallelism 2 (one worker per core); native:
     a plain vllm.LLM with weight_sync as its weight-transfer backend (no VLLMEngine)."""
+    from tests.vllm.native_llm import NativeLLM  # here: it imports vLLM's engine (~3 s)
+
     started = {
         "qwen2": _start(engine_options(model_dirs["qwen2"]), UNBOUND),
         "llama": _start(
@@ -90,3 +91,27 @@ def qwen2_tp2_bf16(engines: dict[str, object]) -> object:
 @pytest.fixture
 def native(engines: dict[str, object]) -> object:
     return engines["native"]
+
+
+@pytest.fixture(scope="package")
+def trainer_of(ray_cluster: None) -> Iterator[Callable[..., object]]:
+    """``trainer_of(config, engines, **options)``: a ``Trainer`` as ``Trainer.remote`` makes it --
+    its own model, optimizer and updater -- in one actor that the folder's tests reuse, started
+    over for each (``renew``). A test that kills its trainer starts one of its own."""
+    held: list = []
+
+    def make(*args: object, **kwargs: object) -> object:
+        if held:
+            try:
+                ray.get(held[0].renew.remote(*args, **kwargs), timeout=120)
+                return held[0]
+            except ray.exceptions.RayError:  # a failed test left it pushing, or gone
+                ray.kill(held.pop())
+        held.append(Trainer.remote(*args, **kwargs))
+        return held[0]
+
+    try:
+        yield make
+    finally:
+        for actor in held:
+            ray.kill(actor)

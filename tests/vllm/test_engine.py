@@ -69,18 +69,17 @@ def largest_difference(engine: Any, trainer: Any) -> float:
 
 
 def close(trainer: Any) -> None:
-    try:
-        ray.get(trainer.close.remote(), timeout=TIMEOUT)
-    finally:
-        ray.kill(trainer)
+    ray.get(trainer.close.remote(), timeout=TIMEOUT)
 
 
 @pytest.mark.parametrize("name", ["qwen2", "llama"])
-def test_every_push_lands_after_an_optimizer_step(name: str, engines: dict[str, Any]) -> None:
+def test_every_push_lands_after_an_optimizer_step(
+    name: str, engines: dict[str, Any], trainer_of: Any
+) -> None:
     """Offline LLM (Qwen2, tied embeddings, q/k/v biases) and AsyncLLM (Llama, untied head):
     the trainer pushes its own names, vLLM stacks q/k/v and gate/up itself."""
     engine = engines[name]
-    trainer = Trainer.remote(QWEN2 if name == "qwen2" else LLAMA, [engine])
+    trainer = trainer_of(QWEN2 if name == "qwen2" else LLAMA, [engine])
     try:
         for _ in range(3):
             ray.get(trainer.step.remote(), timeout=TIMEOUT)
@@ -93,11 +92,11 @@ def test_every_push_lands_after_an_optimizer_step(name: str, engines: dict[str, 
 
 
 @pytest.mark.parametrize("staging", ["stream", "atomic"])
-def test_buckets_far_smaller_than_a_layer(staging: str, qwen2: Any) -> None:
+def test_buckets_far_smaller_than_a_layer(staging: str, qwen2: Any, trainer_of: Any) -> None:
     """4 KiB buckets, everything packed: every layer's tensors span many buckets, and vLLM must
     get one reload for the whole push (a reload per bucket would rebuild layers half-loaded)."""
-    trainer = Trainer.remote(QWEN2, [qwen2], bucket_bytes=4096, direct_min_bytes=None,
-                             staging=staging, checksum=True)  # fmt: skip
+    trainer = trainer_of(QWEN2, [qwen2], bucket_bytes=4096, direct_min_bytes=None,
+                         staging=staging, checksum=True)  # fmt: skip
     try:
         for _ in range(2):
             ray.get(trainer.step.remote(), timeout=TIMEOUT)
@@ -108,12 +107,12 @@ def test_buckets_far_smaller_than_a_layer(staging: str, qwen2: Any) -> None:
         close(trainer)
 
 
-def test_a_prompt_longer_than_a_kv_block_sees_the_new_weights(qwen2: Any) -> None:
+def test_a_prompt_longer_than_a_kv_block_sees_the_new_weights(qwen2: Any, trainer_of: Any) -> None:
     """The first 128 tokens of a long prompt fill a KV block that vLLM caches by prefix; if the
     push did not clear the cache, the next request would reuse keys and values computed with
     the old weights."""
     long_prompts = [[(7 * i + 3) % 500 for i in range(200)], [(11 * i) % 500 for i in range(180)]]
-    trainer = Trainer.remote(QWEN2, [qwen2])
+    trainer = trainer_of(QWEN2, [qwen2])
     try:
         ray.get(trainer.push.remote(), timeout=TIMEOUT)
         assert_matches(qwen2, trainer, long_prompts)  # now their prefixes are cached
@@ -124,8 +123,8 @@ def test_a_prompt_longer_than_a_kv_block_sees_the_new_weights(qwen2: Any) -> Non
         close(trainer)
 
 
-def test_a_partial_push_must_cover_what_vllm_stacks(qwen2: Any) -> None:
-    trainer = Trainer.remote(QWEN2, [qwen2])
+def test_a_partial_push_must_cover_what_vllm_stacks(qwen2: Any, trainer_of: Any) -> None:
+    trainer = trainer_of(QWEN2, [qwen2])
     try:
         first = ray.get(trainer.push.remote(), timeout=TIMEOUT)
         ray.get(trainer.step.remote(), timeout=TIMEOUT)
@@ -144,8 +143,8 @@ def test_a_partial_push_must_cover_what_vllm_stacks(qwen2: Any) -> None:
         close(trainer)
 
 
-def test_a_push_the_engine_cannot_load_changes_nothing(qwen2: Any) -> None:
-    trainer = Trainer.remote(QWEN2, [qwen2])
+def test_a_push_the_engine_cannot_load_changes_nothing(qwen2: Any, trainer_of: Any) -> None:
+    trainer = trainer_of(QWEN2, [qwen2])
     try:
         first = ray.get(trainer.push.remote(), timeout=TIMEOUT)
         ray.get(trainer.step.remote(), timeout=TIMEOUT)
@@ -162,7 +161,9 @@ def test_a_push_the_engine_cannot_load_changes_nothing(qwen2: Any) -> None:
         close(trainer)
 
 
-def test_the_trainer_killed_mid_push_leaves_no_version_until_a_push_repairs_it(qwen2: Any) -> None:
+def test_the_trainer_killed_mid_push_leaves_no_version_until_a_push_repairs_it(
+    qwen2: Any, trainer_of: Any
+) -> None:
     trainer = Trainer.remote(QWEN2, [qwen2], bucket_bytes=4096, direct_min_bytes=None,
                              collective_timeout_s=20, push_timeout_s=60)  # fmt: skip
     try:
@@ -188,7 +189,7 @@ def test_the_trainer_killed_mid_push_leaves_no_version_until_a_push_repairs_it(q
         assert version is None
     finally:
         ray.kill(trainer)
-    repair = Trainer.remote(QWEN2, [qwen2])
+    repair = trainer_of(QWEN2, [qwen2])
     try:
         result = ray.get(repair.push.remote(), timeout=TIMEOUT)
         assert result.version > first.version
@@ -197,11 +198,11 @@ def test_the_trainer_killed_mid_push_leaves_no_version_until_a_push_repairs_it(q
         close(repair)
 
 
-def test_bfloat16_and_tensor_parallel(qwen2_tp2_bf16: Any) -> None:
+def test_bfloat16_and_tensor_parallel(qwen2_tp2_bf16: Any, trainer_of: Any) -> None:
     """fp32 master weights cast to bf16 on the trainer into a bf16 engine whose two workers each
     hold half of every sharded tensor. Reference: the trainer's model in bf16. The tolerance is
     bf16's: two bf16 implementations round differently, by up to ~1e-2 in log-probability."""
-    trainer = Trainer.remote(QWEN2, [qwen2_tp2_bf16], cast_dtype="bfloat16")
+    trainer = trainer_of(QWEN2, [qwen2_tp2_bf16], cast_dtype="bfloat16")
     try:
         for _ in range(2):
             ray.get(trainer.step.remote(), timeout=TIMEOUT)
@@ -215,11 +216,11 @@ def test_bfloat16_and_tensor_parallel(qwen2_tp2_bf16: Any) -> None:
         close(trainer)
 
 
-def test_a_request_in_flight_finishes_with_the_new_weights(llama: Any) -> None:
+def test_a_request_in_flight_finishes_with_the_new_weights(llama: Any, trainer_of: Any) -> None:
     """AsyncLLM, pause_mode='keep': a push lands while a long request is generating; the request
     is frozen, its KV entries dropped with the caches, and it resumes -- recomputed -- with the
     new weights. vLLM's labels say which tokens came from which version."""
-    trainer = Trainer.remote(LLAMA, [llama])
+    trainer = trainer_of(LLAMA, [llama])
     try:
         first = ray.get(trainer.push.remote(), timeout=TIMEOUT)
         ray.get(trainer.step.remote(), timeout=TIMEOUT)

@@ -62,7 +62,9 @@ def test_every_rank_pushes_its_shards_into_both_engines(
         version = results[0].version
         assert [r.version for r in results] == [version] * RANKS and version > before
         assert assert_matches(qwen2, sharded[0]) == version
-        assert assert_matches(tp2, sharded[0], tokens=4, tolerance=BF16, dtype="bfloat16") == version
+        assert (
+            assert_matches(tp2, sharded[0], tokens=4, tolerance=BF16, dtype="bfloat16") == version
+        )
         seen.append(version)
     assert seen == sorted(set(seen))
     status = ray.get(tp2.sync_status.remote(), timeout=TIMEOUT)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import ray
 
-from tests.vllm.models import QWEN2, Trainer
+from tests.vllm.models import QWEN2
 from tests.vllm.test_engine import PROMPTS, TOLERANCE, close, greedy
 from weight_sync import PlanMismatchError
 
@@ -40,8 +40,8 @@ def check(native: Any, trainer: Any) -> str:
     return labels.pop()
 
 
-def test_vllm_weight_transfer_api_pushes_through_weight_sync(native: Any) -> None:
-    trainer = Trainer.remote(QWEN2, [native], vllm_workers=1)
+def test_vllm_weight_transfer_api_pushes_through_weight_sync(native: Any, trainer_of: Any) -> None:
+    trainer = trainer_of(QWEN2, [native], vllm_workers=1)
     try:
         # vLLM's ModuleSource leaves the tied LM head out, and vLLM on CPU keeps a packed copy
         # of it that reloading the embedding would not refresh: refused before any byte moves.
