@@ -19,63 +19,27 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("ray_cluster")]
 TIMEOUT = 120
 
 
-class Senders:
-    """The two trainer ranks (FSDP2 over a Gloo world of two Ray actors), started once and reused
-    by the tests that take ``lanes``: each test makes its own workers and a ``LaneUpdater`` on
-    every rank, closed at its end. Starting the pair costs ~4 s of the 2 cores, a third of such
-    a test. A pair that a test may have left unsound -- a rank killed on purpose, a close that
-    failed, the test itself failed -- is replaced before the next test takes it."""
-
-    def __init__(self) -> None:
-        self._ranks: list = []
-
-    def take(self) -> list:
-        if not self._ranks:
-            ranks = [ShardedTrainer.remote(rank, 2) for rank in range(2)]
-            port = ray.get(ranks[0].port.remote(), timeout=TIMEOUT)
-            ray.get([rank.setup.remote(port, None) for rank in ranks], timeout=TIMEOUT)
-            self._ranks = ranks
-        return self._ranks
-
-    def discard(self) -> None:
-        for rank in self._ranks:
-            ray.kill(rank)
-        self._ranks = []
-
-
-@pytest.fixture(scope="module")
-def senders() -> Iterator[Senders]:
-    held = Senders()
-    try:
-        yield held
-    finally:
-        held.discard()
-
-
 @pytest.fixture
-def lanes(request: pytest.FixtureRequest, senders: Senders) -> Iterator[tuple[list, list]]:
-    """Two trainer ranks with a LaneUpdater each, and two new workers; ``param``: (``fused``:
-    their models stack q, k and v in one tensor, which a trainer's push does not fit; the
+def lanes(request: pytest.FixtureRequest) -> Iterator[tuple[list, list]]:
+    """Two trainer ranks with a LaneUpdater each, and two workers; ``param``: (``fused``: their
+    models stack q, k and v in one tensor, which a trainer's push does not fit; the
     ``SyncConfig`` of every rank)."""
     fused, config = getattr(request, "param", ((False, False), {}))
     workers = [LMWorker.remote(fused=f) for f in fused]
-    ranks = senders.take()
-    failed = request.session.testsfailed
+    ranks = [ShardedTrainer.remote(rank, 2) for rank in range(2)]
+    port = ray.get(ranks[0].port.remote(), timeout=TIMEOUT)
+    ray.get([rank.setup.remote(port, None) for rank in ranks], timeout=TIMEOUT)
+    ray.get([rank.lanes_setup.remote(workers, **config) for rank in ranks], timeout=TIMEOUT)
     try:
-        ray.get([rank.lanes_setup.remote(workers, **config) for rank in ranks], timeout=TIMEOUT)
         yield ranks, workers
-        try:
-            ray.get([rank.lanes_close.remote() for rank in ranks], timeout=TIMEOUT)
-        except ray.exceptions.RayActorError:  # a rank the test killed
-            senders.discard()
-    except BaseException:
-        senders.discard()
-        raise
     finally:
-        if request.session.testsfailed != failed:
-            senders.discard()
-        for worker in workers:
-            ray.kill(worker)
+        for rank in ranks:  # one may have died on purpose
+            try:
+                ray.get([rank.lanes_close.remote(), rank.close.remote()], timeout=TIMEOUT)
+            except ray.exceptions.RayActorError:
+                pass
+        for actor in [*ranks, *workers]:
+            ray.kill(actor)
 
 
 # Each case also over one group of the senders and the workers, the lanes' buckets taken in
@@ -403,26 +367,23 @@ def test_a_join_that_comes_too_late_leaves_the_workers_lanes_as_they_were(
     assert [r.version for r in on_all(ranks, "lanes_push")] == [2, 2]
 
 
-def test_a_worker_busy_with_its_own_methods_joins_the_one_group_meanwhile(
-    senders: Senders,
-) -> None:
+def test_a_worker_busy_with_its_own_methods_joins_the_one_group_meanwhile() -> None:
     """Joining touches no weight: on a worker made with ``remote_worker`` it runs beside the
     actor's own methods, not after them (the senders' rendezvous would time out first)."""
     workers = [BusyLMWorker.remote() for _ in range(2)]
-    ranks = senders.take()
+    ranks = [ShardedTrainer.remote(rank, 2) for rank in range(2)]
     try:
+        port = ray.get(ranks[0].port.remote(), timeout=TIMEOUT)
+        ray.get([rank.setup.remote(port, None) for rank in ranks], timeout=TIMEOUT)
         ray.get([worker.weights_version.remote() for worker in workers], timeout=TIMEOUT)
         busy = workers[0].busy.remote(60)
         setups = [rank.lanes_setup.remote(workers, one_group=True) for rank in ranks]
         ray.get(setups, timeout=45)  # not after the 60 s the worker is busy
         assert not ray.wait([busy], timeout=0)[0]  # still busy: the join went beside it
         on_all(ranks, "lanes_close")
-    except BaseException:
-        senders.discard()
-        raise
     finally:
-        for worker in workers:
-            ray.kill(worker)
+        for actor in [*ranks, *workers]:
+            ray.kill(actor)
 
 
 def test_one_group_over_nccl_refuses_workers_without_a_gpu_of_their_own() -> None:

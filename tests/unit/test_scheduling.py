@@ -38,7 +38,7 @@ def test_a_folder_of_shared_processes_is_one_group_and_any_other_module_its_own(
         # an unlisted group counts as short
         (["tests/unit/test_new.py", "tests/ray/test_demo.py"], [], "tests/ray/test_demo.py"),
         # one engine group running: another may start
-        (["vllm", "tests/ray/test_lanes.py"], ["sglang"], "vllm"),
+        (["vllm", "tests/ray/test_push.py"], ["sglang"], "vllm"),
         # two running: the longest other group instead
         (["vllm", "tests/ray/test_lanes.py"], ["sglang", "vllm_serve"], "tests/ray/test_lanes.py"),
         (["no_ray", "tests/unit/x.py"], ["vllm", "sglang", "tests/ray/test_push.py"],
