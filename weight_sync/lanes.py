@@ -583,7 +583,10 @@ def push_share(
                 result = lane.push(share.lane, {"version": version}, push)
             except Exception as exc:
                 try:
-                    verdicts.settle(push, sender, {"error": first_line(exc)}, deadline)
+                    # A lane that broke naming no one is not to blame beside one that names
+                    # a cause: over one group, the failure of a member on one lane aborts all.
+                    report = {"error": first_line(exc), "broken": type(exc) is TransportError}
+                    verdicts.settle(push, sender, report, deadline)
                 except SenderFailedError as others:
                     if sender not in others.senders or (
                         type(exc) is TransportError and len(others.senders) > 1

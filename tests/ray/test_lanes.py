@@ -17,29 +17,95 @@ from weight_sync.metadata import GroupSpec
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("ray_cluster")]
 TIMEOUT = 120
+RENEW_S = 30  # a worker started over in place; one that takes longer is replaced
+
+
+class Pool:
+    """Actors started once and reused by the tests that take ``lanes``: the two trainer ranks
+    (FSDP2 over a Gloo world of two Ray actors), each test making a ``LaneUpdater`` on every
+    rank, closed at its end; and the workers, each started over in place before a test takes it
+    (``LMWorker.renew``: as a new one would be). A start costs ~4 s of the 2 cores for the pair
+    of ranks, ~1.7 s a worker: most of such a test. What a test may have left unsound -- a rank
+    killed on purpose, a close or a renewal that failed, the test itself failed -- is replaced."""
+
+    def __init__(self) -> None:
+        self._ranks: list = []
+        self._idle: dict[bool, list] = {False: [], True: []}  # workers, by ``fused``
+
+    def ranks(self) -> list:
+        if not self._ranks:
+            ranks = [ShardedTrainer.remote(rank, 2) for rank in range(2)]
+            port = ray.get(ranks[0].port.remote(), timeout=TIMEOUT)
+            ray.get([rank.setup.remote(port, None) for rank in ranks], timeout=TIMEOUT)
+            self._ranks = ranks
+        return self._ranks
+
+    def workers(self, fused: tuple[bool, ...]) -> list:
+        """Workers as ``[LMWorker.remote(fused=f) for f in fused]`` would be."""
+        taken = [self._idle[f].pop() if self._idle[f] else None for f in fused]
+        renewing = [None if w is None else w.renew.remote(f) for w, f in zip(taken, fused)]
+        for i, done in enumerate(renewing):
+            if done is not None:
+                try:
+                    ray.get(done, timeout=RENEW_S)
+                except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+                    ray.kill(taken[i])
+                    taken[i] = None
+        return [LMWorker.remote(fused=f) if w is None else w for w, f in zip(taken, fused)]
+
+    def give_back(self, workers: list, fused: tuple[bool, ...]) -> None:
+        for worker, f in zip(workers, fused, strict=True):
+            self._idle[f].append(worker)
+
+    def drop_ranks(self) -> None:
+        kill(self._ranks)
+        self._ranks = []
+
+    def close(self) -> None:
+        self.drop_ranks()
+        kill([worker for idle in self._idle.values() for worker in idle])
+
+
+def kill(actors: list) -> None:
+    for actor in actors:
+        ray.kill(actor)
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[Pool]:
+    held = Pool()
+    try:
+        yield held
+    finally:
+        held.close()
 
 
 @pytest.fixture
-def lanes(request: pytest.FixtureRequest) -> Iterator[tuple[list, list]]:
-    """Two trainer ranks with a LaneUpdater each, and two workers; ``param``: (``fused``: their
-    models stack q, k and v in one tensor, which a trainer's push does not fit; the
-    ``SyncConfig`` of every rank)."""
+def lanes(request: pytest.FixtureRequest, pool: Pool) -> Iterator[tuple[list, list]]:
+    """Two trainer ranks with a LaneUpdater each, and two workers as new; ``param``:
+    (``fused``: their models stack q, k and v in one tensor, which a trainer's push does not
+    fit; the ``SyncConfig`` of every rank)."""
     fused, config = getattr(request, "param", ((False, False), {}))
-    workers = [LMWorker.remote(fused=f) for f in fused]
-    ranks = [ShardedTrainer.remote(rank, 2) for rank in range(2)]
-    port = ray.get(ranks[0].port.remote(), timeout=TIMEOUT)
-    ray.get([rank.setup.remote(port, None) for rank in ranks], timeout=TIMEOUT)
-    ray.get([rank.lanes_setup.remote(workers, **config) for rank in ranks], timeout=TIMEOUT)
+    workers = pool.workers(fused)
+    ranks = pool.ranks()
+    failed = request.session.testsfailed
+    passed = closed = False
     try:
+        ray.get([rank.lanes_setup.remote(workers, **config) for rank in ranks], timeout=TIMEOUT)
         yield ranks, workers
+        passed = request.session.testsfailed == failed
+        try:
+            ray.get([rank.lanes_close.remote() for rank in ranks], timeout=TIMEOUT)
+            closed = True
+        except ray.exceptions.RayActorError:  # a rank the test killed
+            pass
     finally:
-        for rank in ranks:  # one may have died on purpose
-            try:
-                ray.get([rank.lanes_close.remote(), rank.close.remote()], timeout=TIMEOUT)
-            except ray.exceptions.RayActorError:
-                pass
-        for actor in [*ranks, *workers]:
-            ray.kill(actor)
+        if not (passed and closed):
+            pool.drop_ranks()
+        if passed:  # started over before the next test takes them
+            pool.give_back(workers, fused)
+        else:
+            kill(workers)
 
 
 # Each case also over one group of the senders and the workers, the lanes' buckets taken in
@@ -283,8 +349,7 @@ def test_a_worker_failing_once_the_one_group_formed_fails_every_sender_at_once()
         assert "WorkerFailedError" in errors[0] and "did not join the one group" in errors[0]
         assert "rank 0 failed before the push" in errors[1], errors[1]
     finally:
-        for actor in [*ranks, *workers]:
-            ray.kill(actor)
+        kill([*ranks, *workers])
 
 
 @pytest.mark.parametrize("lanes", [((False, False), ONE_GROUP)], ids=["one_group"], indirect=True)
@@ -367,23 +432,23 @@ def test_a_join_that_comes_too_late_leaves_the_workers_lanes_as_they_were(
     assert [r.version for r in on_all(ranks, "lanes_push")] == [2, 2]
 
 
-def test_a_worker_busy_with_its_own_methods_joins_the_one_group_meanwhile() -> None:
+def test_a_worker_busy_with_its_own_methods_joins_the_one_group_meanwhile(pool: Pool) -> None:
     """Joining touches no weight: on a worker made with ``remote_worker`` it runs beside the
     actor's own methods, not after them (the senders' rendezvous would time out first)."""
     workers = [BusyLMWorker.remote() for _ in range(2)]
-    ranks = [ShardedTrainer.remote(rank, 2) for rank in range(2)]
+    ranks = pool.ranks()
     try:
-        port = ray.get(ranks[0].port.remote(), timeout=TIMEOUT)
-        ray.get([rank.setup.remote(port, None) for rank in ranks], timeout=TIMEOUT)
         ray.get([worker.weights_version.remote() for worker in workers], timeout=TIMEOUT)
         busy = workers[0].busy.remote(60)
         setups = [rank.lanes_setup.remote(workers, one_group=True) for rank in ranks]
         ray.get(setups, timeout=45)  # not after the 60 s the worker is busy
         assert not ray.wait([busy], timeout=0)[0]  # still busy: the join went beside it
         on_all(ranks, "lanes_close")
+    except BaseException:
+        pool.drop_ranks()
+        raise
     finally:
-        for actor in [*ranks, *workers]:
-            ray.kill(actor)
+        kill(workers)
 
 
 def test_one_group_over_nccl_refuses_workers_without_a_gpu_of_their_own() -> None:
@@ -405,8 +470,7 @@ def test_one_group_over_nccl_refuses_workers_without_a_gpu_of_their_own() -> Non
         assert "ValueError" in errors[0] and "worker 0 does not receive on a GPU" in errors[0]
         assert "rank 0 failed" in errors[1], errors[1]
     finally:
-        for actor in [*ranks, *workers]:
-            ray.kill(actor)
+        kill([*ranks, *workers])
 
 
 @ray.remote(num_cpus=0)
@@ -511,5 +575,4 @@ def test_pushes_from_one_sender_and_from_many_into_the_same_workers_build_on_eac
     finally:
         for rank in ranks:
             ray.get([rank.lanes_close.remote(), rank.close.remote()], timeout=TIMEOUT)
-        for actor in [*ranks, *workers]:
-            ray.kill(actor)
+        kill([*ranks, *workers])

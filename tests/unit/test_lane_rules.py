@@ -57,6 +57,14 @@ def test_a_share_proposes_past_its_own_version_and_names_its_digest() -> None:
          [1]),
         ({0: {"error": "TransportError: x"}, 1: None, 2: {"nbytes": 1, "buckets": 1, "wire": 1}},
          [1]),
+        # Over one group a worker failing lane 1 aborts lane 0 under it: lane 1 names a cause.
+        ({0: {"error": "TransportError: x", "broken": True}, 1: {"error": "WorkerFailedError: w"}},
+         [1]),
+        # Every lane broke naming no one: none is more to blame than the others.
+        ({0: {"error": "TransportError: x", "broken": True},
+          1: {"error": "TransportError: y", "broken": True}}, [0, 1]),
+        # A silent sender outranks a lane that named a cause.
+        ({0: {"error": "WorkerFailedError: w"}, 1: None}, [1]),
     ],
 )  # fmt: skip
 def test_judge_table(reports: dict, failed: list[int] | None) -> None:

@@ -216,9 +216,12 @@ def called_off(senders: list[tuple[int, ...]]) -> str | None:
 
 def judge(reports: Mapping[int, dict[str, Any] | None]) -> dict[str, Any]:
     """Rank 0's verdict on a push from many senders, from every sender's report (None: it
-    sent none in time -- it died or hung; ``"gone"``: a member saw its process go). Blamed:
-    the senders gone or silent where there are any -- over one group their death fails the
-    other lanes too, which are not to blame -- else every sender whose lane failed."""
+    sent none in time -- it died or hung; ``"gone"``: a member saw its process go;
+    ``"broken"``: the lane's transport broke and named no one). Blamed: the senders gone or
+    silent where there are any -- over one group their death fails the other lanes too, which
+    are not to blame -- else those whose lane failed naming a cause (a worker, a refusal) where
+    there are any -- over one group a member failing one lane aborts the others under it --
+    else every sender whose lane failed."""
     failed = {
         rank: "sent no report: it died or hung -- check it" if report is None else report["error"]
         for rank, report in reports.items()
@@ -226,7 +229,9 @@ def judge(reports: Mapping[int, dict[str, Any] | None]) -> dict[str, Any]:
     }
     if failed:
         gone = [rank for rank, report in reports.items() if report is None or report.get("gone")]
-        blamed, why = blame(failed, gone)
+        named = [rank for rank, report in reports.items() if report and "error" in report
+                 and not report.get("broken")]  # fmt: skip
+        blamed, why = blame(failed, gone or named)
         return {
             "failed": f"no member claims the push: trainer ranks {blamed} did not land their "
             f"lanes{why}",
@@ -236,14 +241,14 @@ def judge(reports: Mapping[int, dict[str, Any] | None]) -> dict[str, Any]:
     return {key: sum(report[key] for report in landed) for key in ("nbytes", "buckets", "wire")}
 
 
-def blame(failed: Mapping[int, str], gone: Sequence[int]) -> tuple[list[int], str]:
-    """Who is to blame for the lanes that ``failed`` (sender -> why): the ``gone`` senders
-    where there are any -- over one group their death fails the other lanes too, which are not
-    to blame -- else every failed one; and the tail of a message saying so, with each lane's
+def blame(failed: Mapping[int, str], culprits: Sequence[int]) -> tuple[list[int], str]:
+    """Who is to blame for the lanes that ``failed`` (sender -> why): the ``culprits`` where
+    there are any (a gone sender, over one group, fails the other lanes too, which are not to
+    blame) else every failed one; and the tail of a message saying so, with each lane's
     reason, the blamed ones' first (a reason is cut at 500 characters, a Gloo error alone takes
     300 of them)."""
-    assert set(gone) <= set(failed), (gone, failed)
-    blamed = sorted(gone) if gone else sorted(failed)
+    assert set(culprits) <= set(failed), (culprits, failed)
+    blamed = sorted(culprits) if culprits else sorted(failed)
     others = sorted(set(failed) - set(blamed))
     reasons = "; ".join(f"rank {rank}: {failed[rank]}" for rank in blamed + others)
     return blamed, (f" (those of {others} failed with them)" if others else "") + f" -- {reasons}"
