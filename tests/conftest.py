@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,10 +14,20 @@ from tests import scheduling, shm_leftovers
 REPO = Path(__file__).resolve().parents[1]
 _SHM_BEFORE = pytest.StashKey[set[str]]()
 _SHM_REMOVED = pytest.StashKey[list[str]]()
+_IPC = pytest.StashKey[str]()
 
 
 def _is_xdist_worker(config: pytest.Config) -> bool:
     return hasattr(config, "workerinput")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """vLLM's engines listen on ZeroMQ sockets at ``$VLLM_RPC_BASE_PATH/<uuid>`` (default: the
+    temp folder) and leave them there (~85 a run): the run gives them a folder of its own, which
+    every process it starts inherits (xdist's workers too, started after this hook) and which
+    goes at its end."""
+    if not _is_xdist_worker(config) and "VLLM_RPC_BASE_PATH" not in os.environ:
+        os.environ["VLLM_RPC_BASE_PATH"] = config.stash[_IPC] = tempfile.mkdtemp(prefix="ws-ipc-")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -29,6 +41,9 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     before = session.config.stash.get(_SHM_BEFORE, None)
     if before is not None:
         session.config.stash[_SHM_REMOVED] = shm_leftovers.remove_new(before)
+    ipc = session.config.stash.get(_IPC, None)
+    if ipc is not None:
+        shutil.rmtree(ipc, ignore_errors=True)
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent where it is not installed
