@@ -32,16 +32,16 @@ SHARED_FOLDERS = ("vllm", "vllm_serve", "sglang", "deploy", "no_ray")
 # MAX_ENGINE_GROUPS at once.
 ENGINE_GROUPS = frozenset(SHARED_FOLDERS) - {"deploy"}
 MAX_ENGINE_GROUPS = 2
-# Seconds each group took in one run on one process (2026-12-02, ``-n 0``; vllm and test_lanes
-# measured again once their actors were reused); only their order matters. A group not listed
-# counts as DEFAULT_SECONDS.
+# Seconds each group took in one run on one process (2026-12-02, ``-n 0``; vllm, test_lanes,
+# test_faults, test_groups and test_group_abort measured again after their cuts); only their
+# order matters. A group not listed counts as DEFAULT_SECONDS.
 SECONDS = {
-    "vllm_serve": 135, "sglang": 144, "tests/ray/test_faults.py": 153, "vllm": 105,
+    "vllm_serve": 135, "sglang": 144, "tests/ray/test_faults.py": 134, "vllm": 105,
     "deploy": 86, "tests/ray/test_lanes.py": 47, "tests/launch/test_launchers.py": 65,
     "no_ray": 59, "tests/launch/test_many_senders.py": 57,
-    "tests/distributed/test_group_abort.py": 51, "tests/distributed/test_exit.py": 29,
+    "tests/distributed/test_group_abort.py": 41, "tests/distributed/test_exit.py": 29,
     "tests/package/test_build.py": 27, "tests/ray/test_delta.py": 26, "tests/ray/test_push.py": 27,
-    "tests/distributed/test_groups.py": 23, "tests/distributed/test_gpu_bench_harness.py": 12,
+    "tests/distributed/test_groups.py": 11, "tests/distributed/test_gpu_bench_harness.py": 12,
     "tests/ray/test_rlhf.py": 14, "tests/ray/test_bench.py": 11, "tests/ray/test_demo.py": 9,
     "tests/distributed/test_rounds.py": 8, "tests/ray/test_sharded.py": 10,
 }  # fmt: skip

@@ -200,7 +200,7 @@ def failed_exchange_kept_rank(ctx: RankContext, when: str) -> dict:
         what = type(exc).__name__
     ended = time.monotonic() - started
     if ctx.rank == 2:
-        time.sleep(8)  # alive, the error kept, while rank 0 waits
+        time.sleep(3)  # alive, the error kept, while rank 0 waits
     group.close()
     return {"what": what, "where": where, "seconds": ended}
 
@@ -211,4 +211,6 @@ def test_an_error_kept_after_a_failed_exchange_does_not_hold_the_group_open(when
     assert member["what"] == "TransportError", member
     assert member["where"] == when[:4], member
     assert trainer["what"] == "TransportError", trainer
-    assert trainer["seconds"] < 5, trainer  # not rank 2 leaving at 9 s, nor the 30 s bound
+    # Not rank 2 leaving at 4 s, nor the 30 s bound: 1.02-1.04 s beside a 2-process CPU hog
+    # (2026-12-02, eight runs).
+    assert trainer["seconds"] < 2.5, trainer

@@ -193,7 +193,10 @@ def test_group_listens_on_loopback_only(mode: str) -> None:
         assert addresses <= loopback, f"rank {rank} listens on {addresses}"
 
 
-HEARD_WITHIN_S = 8
+# The peers of a failed member hear of it within this, where the collective timeout is 30 s:
+# 0.07-0.16 s beside a 2-process CPU hog (2026-12-02, eight runs), so 2 s keeps a 12x margin;
+# every rank stays alive past it.
+HEARD_WITHIN_S = 2
 
 
 def failing_member_rank(ctx: RankContext, mode: str) -> tuple[str, float]:

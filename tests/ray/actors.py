@@ -153,6 +153,10 @@ class SlowWorker(WeightSyncWorker):
     def pid(self) -> int:
         return os.getpid()
 
+    def set_delay(self, delay_s: float) -> None:
+        """From now, each bucket's load_weights sleeps ``delay_s``."""
+        self.delay_s = delay_s
+
     def hang_in_next_join(self, seconds: float) -> None:
         self.hang_join_s = seconds
 
