@@ -582,15 +582,14 @@ def push_share(
             try:
                 result = lane.push(share.lane, {"version": version}, push)
             except Exception as exc:
+                # Broke naming no one: not to blame beside a lane that names a cause (over one
+                # group, the failure of a member on one lane aborts all).
+                broken = type(exc) is TransportError
                 try:
-                    # A lane that broke naming no one is not to blame beside one that names
-                    # a cause: over one group, the failure of a member on one lane aborts all.
-                    report = {"error": first_line(exc), "broken": type(exc) is TransportError}
+                    report = {"error": first_line(exc), "broken": broken}
                     verdicts.settle(push, sender, report, deadline)
                 except SenderFailedError as others:
-                    if sender not in others.senders or (
-                        type(exc) is TransportError and len(others.senders) > 1
-                    ):
+                    if sender not in others.senders or (broken and len(others.senders) > 1):
                         # Not to blame, or no more than the others: the group broke under
                         # this lane (over one group a sender's death, or a member's failure
                         # on another lane, fails every round); the verdict names who broke it.

@@ -79,7 +79,7 @@ def test_judge_table(reports: dict, failed: list[int] | None) -> None:
 
 
 @pytest.mark.parametrize(
-    ("failed", "gone", "blamed", "tail"),
+    ("failed", "culprits", "blamed", "tail"),
     [
         ({0: "a", 1: "b"}, [], [0, 1], " -- rank 0: a; rank 1: b"),
         # The gone lead, even past a long reason of a lane that failed with them.
@@ -87,8 +87,8 @@ def test_judge_table(reports: dict, failed: list[int] | None) -> None:
         ({2: "gone", 0: "b"}, [2], [2], " (those of [0] failed with them) -- rank 2: gone; rank 0: b"),
     ],
 )  # fmt: skip
-def test_blame_table(failed: dict, gone: list[int], blamed: list[int], tail: str) -> None:
-    assert blame(failed, gone) == (blamed, tail)
+def test_blame_table(failed: dict, culprits: list[int], blamed: list[int], tail: str) -> None:
+    assert blame(failed, culprits) == (blamed, tail)
 
 
 @pytest.mark.parametrize(
