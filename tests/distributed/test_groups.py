@@ -178,6 +178,10 @@ def listening_addresses(pid: int) -> set[str]:
 
 def listeners_rank(ctx: RankContext, mode: str) -> set[str]:
     group = TorchGroup.join(ctx.spec(mode), ctx.listener(0))
+    # One collective before either rank closes: Gloo's join is no barrier, and a rank that
+    # closed as soon as its own join returned once failed its slower peer's, still connecting
+    # ("Connection closed by peer", a fresh-clone run of 2026-12-02).
+    group.vote(1)
     addresses = listening_addresses(os.getpid())
     env_left_behind = "GLOO_SOCKET_IFNAME" in os.environ
     group.close()
