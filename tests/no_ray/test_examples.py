@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("vllm", reason="the no-Ray examples start real vLLM servers (vllm extra)")
 
 from examples.rlhf_loop import main as rlhf_main
-from tests.rlhf_checks import assert_learned
+from tests.rlhf_checks import STEPS, assert_learned
 
 REPO = Path(__file__).resolve().parents[2]
 TORCHRUN_S = 420  # the whole torchrun job: two ranks, one server started, three pushes
@@ -74,9 +74,9 @@ def test_rlhf_loop_learns_from_vllm_servers_without_ray(
 
     ray_before = ray.is_initialized()  # another test module may have started one in-process
     plot = tmp_path / "loop.png"
-    history = rlhf_main(["--engine", "vllm-serve", "--workers", "1", "--steps", "40",
+    history = rlhf_main(["--engine", "vllm-serve", "--workers", "1", "--steps", str(STEPS),
                          "--plot", str(plot), "--window", "5",
                          "--server-logs", str(tmp_path)])  # fmt: skip
     assert ray.is_initialized() == ray_before  # this mode never calls ray.init
     # Every rollout came labelled by vLLM with the trainer's current version: none was stale.
-    assert_learned(capsys.readouterr().out, history, 40, plot)
+    assert_learned(capsys.readouterr().out, history, STEPS, plot)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from examples.rlhf_loop import main
-from tests.rlhf_checks import assert_learned
+from tests.rlhf_checks import STEPS, assert_learned
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("ray_cluster")]
 
@@ -25,7 +25,7 @@ def test_rlhf_loop_learns_on_vllm_engines(
             "--workers",
             "1",
             "--steps",
-            "40",
+            str(STEPS),
             "--plot",
             str(plot),
             "--window",
@@ -33,4 +33,4 @@ def test_rlhf_loop_learns_on_vllm_engines(
         ]
     )
     # Every rollout came labelled by vLLM with the trainer's current version: none was stale.
-    assert_learned(capsys.readouterr().out, history, 40, plot)
+    assert_learned(capsys.readouterr().out, history, STEPS, plot)
