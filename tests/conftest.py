@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import compileall
 import os
 import shutil
 import tempfile
@@ -22,12 +23,20 @@ def _is_xdist_worker(config: pytest.Config) -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """vLLM's engines listen on ZeroMQ sockets at ``$VLLM_RPC_BASE_PATH/<uuid>`` (default: the
-    temp folder) and leave them there (~85 a run): the run gives them a folder of its own, which
-    every process it starts inherits (xdist's workers too, started after this hook) and which
+    """Once, before xdist's workers start: vLLM's engines listen on ZeroMQ sockets at
+    ``$VLLM_RPC_BASE_PATH/<uuid>`` (default: the temp folder) and leave them there (~85 a run):
+    the run gives them a folder of its own, which every process it starts inherits and which
     goes at its end."""
-    if not _is_xdist_worker(config) and "VLLM_RPC_BASE_PATH" not in os.environ:
+    if _is_xdist_worker(config):
+        return
+    if "VLLM_RPC_BASE_PATH" not in os.environ:
         os.environ["VLLM_RPC_BASE_PATH"] = config.stash[_IPC] = tempfile.mkdtemp(prefix="ws-ipc-")
+    # Bytecode for the repository's own code, once (0.3 s): where PYTHONDONTWRITEBYTECODE is set
+    # (as on this VM), each of the ~300 processes the suite starts -- Ray
+    # actors, ranks, engines -- would otherwise compile weight_sync and the tests' modules
+    # again, ~0.25 CPU-s each. pip compiled the installed packages already.
+    for folder in ("weight_sync", "tests", "examples", "benchmarks"):
+        compileall.compile_dir(REPO / folder, quiet=2)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
