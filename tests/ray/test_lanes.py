@@ -33,11 +33,12 @@ class Pool:
         self._idle: dict[bool, list] = {False: [], True: []}  # workers, by ``fused``
 
     def ranks(self) -> list:
+        """The pair, started if there is none (held from the start, so that ``drop_ranks``
+        kills a pair whose setup failed)."""
         if not self._ranks:
-            ranks = [ShardedTrainer.remote(rank, 2) for rank in range(2)]
+            self._ranks = ranks = [ShardedTrainer.remote(rank, 2) for rank in range(2)]
             port = ray.get(ranks[0].port.remote(), timeout=TIMEOUT)
             ray.get([rank.setup.remote(port, None) for rank in ranks], timeout=TIMEOUT)
-            self._ranks = ranks
         return self._ranks
 
     def workers(self, fused: tuple[bool, ...]) -> list:
@@ -87,10 +88,10 @@ def lanes(request: pytest.FixtureRequest, pool: Pool) -> Iterator[tuple[list, li
     fit; the ``SyncConfig`` of every rank)."""
     fused, config = getattr(request, "param", ((False, False), {}))
     workers = pool.workers(fused)
-    ranks = pool.ranks()
     failed = request.session.testsfailed
     passed = closed = False
     try:
+        ranks = pool.ranks()
         ray.get([rank.lanes_setup.remote(workers, **config) for rank in ranks], timeout=TIMEOUT)
         yield ranks, workers
         passed = request.session.testsfailed == failed
@@ -436,8 +437,8 @@ def test_a_worker_busy_with_its_own_methods_joins_the_one_group_meanwhile(pool: 
     """Joining touches no weight: on a worker made with ``remote_worker`` it runs beside the
     actor's own methods, not after them (the senders' rendezvous would time out first)."""
     workers = [BusyLMWorker.remote() for _ in range(2)]
-    ranks = pool.ranks()
     try:
+        ranks = pool.ranks()
         ray.get([worker.weights_version.remote() for worker in workers], timeout=TIMEOUT)
         busy = workers[0].busy.remote(60)
         setups = [rank.lanes_setup.remote(workers, one_group=True) for rank in ranks]
