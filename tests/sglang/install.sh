@@ -120,15 +120,11 @@ zstandard
 ray==$RAY_VERSION
 EOF
 
-# Bytecode: where Python writes it as modules are first imported, pip need not compile every
-# installed file up front (a third of the install's time); where PYTHONDONTWRITEBYTECODE says it
-# must not, pip compiles it all (else every engine would compile what it imports at each start).
-INSTALL=("$VPY" -m pip --disable-pip-version-check install -q)
-[ -z "${PYTHONDONTWRITEBYTECODE:-}" ] && INSTALL+=(--no-compile)
-"${INSTALL[@]}" -c "$TMP_DIR/constraints.txt" -r "$TMP_DIR/requirements.txt"
-"${INSTALL[@]}" --no-deps "sglang==$SGLANG_VERSION" "torchvision==$TORCHVISION_VERSION"
+PIP=("$VPY" -m pip --disable-pip-version-check)
+"${PIP[@]}" install -q -c "$TMP_DIR/constraints.txt" -r "$TMP_DIR/requirements.txt"
+"${PIP[@]}" install -q --no-deps "sglang==$SGLANG_VERSION" "torchvision==$TORCHVISION_VERSION"
 # Our package, editable, without its deps (they are the engine's business here).
-"${INSTALL[@]}" --no-deps -e "$REPO_ROOT"
+"${PIP[@]}" install -q --no-deps -e "$REPO_ROOT"
 
 # Test-environment workaround: guard torchvision's two unguarded fake-op
 # registrations (torchvision::nms, torchvision::qnms), which raise at import
