@@ -41,7 +41,7 @@ from weight_sync.adapters.sglang import (
 )
 from weight_sync.adapters.sglang.client import HTTPEngine
 from weight_sync.http import call
-from weight_sync.server_launcher import start_together
+from weight_sync.server_launcher import start_together, stop_together
 from weight_sync.versions import label_past, label_version, unlabelled
 
 pytestmark = pytest.mark.timeout(900)
@@ -86,8 +86,7 @@ def fleet(sglang: str, models: dict[str, str], logs: Path) -> Iterator[Fleet]:
         try:
             yield held
         finally:  # a server a test restarted is not one start_together started
-            for server in held.running.values():
-                server.stop(timeout_s=30)
+            stop_together(held.running.values(), timeout_s=30)
 
 
 def push(servers: SGLangPusher, trainer: Trainer, **options: Any) -> int:

@@ -21,6 +21,7 @@ vllm = pytest.importorskip("vllm", reason="the vllm-serve tests need the vllm ex
 
 from tests.vllm_serve.helpers import ARGS, READY_S, Servers
 from weight_sync.adapters.vllm.process import local_servers
+from weight_sync.server_launcher import stop_together
 
 
 @pytest.fixture(scope="session")
@@ -40,5 +41,4 @@ def servers(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         try:
             yield held
         finally:  # a server a test restarted is not one local_servers started
-            for server in held.processes:
-                server.stop(timeout_s=60)
+            stop_together(held.processes)

@@ -81,7 +81,7 @@ def local_servers(
     log_dir: str | None = None,
     ready_timeout_s: float = 600,
 ) -> Iterator[list[SGLangServer]]:
-    """``count`` local SGLang servers of ``model``, started together and all stopped on the
+    """``count`` local SGLang servers of ``model``, started together and stopped together on the
     way out, on failure too. ``args``: the flags, or a function of the server's index."""
 
     def start(index: int) -> SGLangServer:

@@ -93,9 +93,9 @@ def local_servers(
     ready_timeout_s: float = 600,
 ) -> Iterator[list[ServerProcess]]:
     """``count`` local servers of ``model``, started together (each spends a minute of a small
-    machine importing vLLM) and all stopped on the way out, on failure too. ``args``: the flags,
-    or a function of the server's index giving them (a seed each). OpenMP threads are left
-    unbound: vLLM's automatic binding would pin every server to the same core."""
+    machine importing vLLM) and stopped together on the way out, on failure too. ``args``: the
+    flags, or a function of the server's index giving them (a seed each). OpenMP threads are
+    left unbound: vLLM's automatic binding would pin every server to the same core."""
 
     def start(index: int) -> ServerProcess:
         flags = args(index) if callable(args) else args
