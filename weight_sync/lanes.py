@@ -42,6 +42,7 @@ from weight_sync.errors import (
     SyncTimeoutError,
     TransportError,
     WeightSyncError,
+    WorkerFailedError,
     first_line,
 )
 from weight_sync.metadata import GroupSpec, Phase, ReceiveReport, SyncStatus
@@ -221,6 +222,14 @@ class Verdicts:
         else:
             verdict = self._wait(f"{push}/verdict", deadline)
         if "failed" in verdict:
+            if outcome.get("broken") and verdict["dead"]:
+                # Workers died or froze mid-push: every lane has them, this one too, which
+                # broke naming no one (from here, the death had not been seen yet).
+                raise WorkerFailedError(
+                    f"worker(s) {verdict['dead']} died or stopped answering mid-push, which "
+                    f"broke this lane too: {verdict['failed']}",
+                    verdict["dead"],
+                )
             raise SenderFailedError(verdict["failed"], verdict["senders"])
         return verdict
 
@@ -586,7 +595,8 @@ def push_share(
                 # group, the failure of a member on one lane aborts all).
                 broken = type(exc) is TransportError
                 try:
-                    report = {"error": first_line(exc), "broken": broken}
+                    dead = exc.dropped if isinstance(exc, WorkerFailedError) else []
+                    report = {"error": first_line(exc), "broken": broken, "dead": dead}
                     verdicts.settle(push, sender, report, deadline)
                 except SenderFailedError as others:
                     if sender not in others.senders or (broken and len(others.senders) > 1):

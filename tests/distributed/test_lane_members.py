@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -16,7 +17,12 @@ from tests.distributed.harness import RankContext, run_ranks
 from weight_sync import SyncConfig
 from weight_sync.deadline import Deadline
 from weight_sync.devices import CPU
-from weight_sync.errors import TransportError, WeightSyncError
+from weight_sync.errors import (
+    SenderFailedError,
+    TransportError,
+    WeightSyncError,
+    WorkerFailedError,
+)
 from weight_sync.lanes import BEGIN, COMMAND, FLOOR, Inbound, Outbound, Senders, Verdicts
 from weight_sync.store_plane import PREFIX
 from weight_sync.transport import bind_listener
@@ -124,6 +130,29 @@ def test_rank_0_deletes_the_reports_of_settled_pushes() -> None:
         assert verdicts.settle(push, 0, outcome, Deadline(10, "the test"))["nbytes"] == push
     held = [store.check([f"{push}/0", f"{push}/verdict"]) for push in range(1, 6)]
     assert held == [False, False, False, True, True]
+
+
+def test_a_lane_broken_by_a_worker_found_dead_on_another_raises_that_worker() -> None:
+    """A receiving worker died mid-push: sender 0's lane found it dead, sender 1's broke first,
+    naming no one. Sender 0 is blamed (its own error says more); sender 1 raises
+    ``WorkerFailedError`` for the dead worker, not a ``SenderFailedError`` blaming rank 0."""
+    listener = bind_listener("127.0.0.1")
+    port = listener.getsockname()[1]
+    store = open_store("127.0.0.1", port, 1, 30, listener)
+    verdicts = Verdicts(store, senders=2)
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(30))
+    of_sender_1 = Verdicts(client, senders=2)  # a store client of its own, as each sender has
+    found = {"error": "WorkerFailedError: push failed on 1 worker(s): worker 1: died",
+             "broken": False, "dead": [1]}  # fmt: skip
+    broken = {"error": "TransportError: a collective failed", "broken": True, "dead": []}
+    with ThreadPoolExecutor(1) as pool:
+        other = pool.submit(of_sender_1.settle, 7, 1, broken, Deadline(10, "the test"))
+        with pytest.raises(SenderFailedError) as blamed:
+            verdicts.settle(7, 0, found, Deadline(10, "the test"))
+        with pytest.raises(WorkerFailedError) as raised:
+            other.result(timeout=10)
+    assert blamed.value.senders == [0]
+    assert raised.value.workers == [1] and "worker 1: died" in str(raised.value)
 
 
 def _one_replica_pushes(ctx: RankContext) -> dict[str, object]:

@@ -46,33 +46,39 @@ def test_a_share_proposes_past_its_own_version_and_names_its_digest() -> None:
 
 
 @pytest.mark.parametrize(
-    ("reports", "failed"),
+    ("reports", "failed", "dead"),
     [
         ({0: {"nbytes": 3, "buckets": 1, "wire": 3}, 1: {"nbytes": 5, "buckets": 2, "wire": 5}},
-         None),
-        ({0: {"nbytes": 3, "buckets": 1, "wire": 3}, 1: None}, [1]),  # never reported: dead
-        ({0: {"error": "WorkerFailedError: worker 1"}, 1: {"error": "x"}}, [0, 1]),
+         None, None),
+        ({0: {"nbytes": 3, "buckets": 1, "wire": 3}, 1: None}, [1], []),  # never reported: dead
+        ({0: {"error": "WorkerFailedError: worker 1"}, 1: {"error": "x"}}, [0, 1], []),
         # Over one group a dead sender's rounds fail the other lane too: the dead one is blamed.
         ({0: {"error": "TransportError: x"}, 1: {"error": "its process is gone", "gone": True}},
-         [1]),
+         [1], []),
         ({0: {"error": "TransportError: x"}, 1: None, 2: {"nbytes": 1, "buckets": 1, "wire": 1}},
-         [1]),
+         [1], []),
         # Over one group a worker failing lane 1 aborts lane 0 under it: lane 1 names a cause.
         ({0: {"error": "TransportError: x", "broken": True}, 1: {"error": "WorkerFailedError: w"}},
-         [1]),
+         [1], []),
         # Every lane broke naming no one: none is more to blame than the others.
         ({0: {"error": "TransportError: x", "broken": True},
-          1: {"error": "TransportError: y", "broken": True}}, [0, 1]),
+          1: {"error": "TransportError: y", "broken": True}}, [0, 1], []),
         # A silent sender outranks a lane that named a cause.
-        ({0: {"error": "WorkerFailedError: w"}, 1: None}, [1]),
+        ({0: {"error": "WorkerFailedError: w", "dead": [2]}, 1: None}, [1], []),
+        # A worker died: lane 0 found it dead, lane 1 broke before it saw the death; the verdict
+        # names the dead worker for the broken lane to raise (the lanes that found it agree).
+        ({0: {"error": "WorkerFailedError: worker 1", "dead": [1]},
+          1: {"error": "TransportError: x", "broken": True, "dead": []},
+          2: {"error": "WorkerFailedError: worker 1, 2", "dead": [2, 1]}}, [0, 2], [1, 2]),
     ],
 )  # fmt: skip
-def test_judge_table(reports: dict, failed: list[int] | None) -> None:
+def test_judge_table(reports: dict, failed: list[int] | None, dead: list[int] | None) -> None:
     verdict = judge(reports)
     if failed is None:
         assert verdict == {"nbytes": 8, "buckets": 3, "wire": 8}
     else:
         assert verdict["senders"] == failed and "no member claims" in verdict["failed"]
+        assert verdict["dead"] == dead
         assert f"trainer ranks {failed} did not land" in verdict["failed"]  # the blamed lead
         if reports.get(1) is None:
             assert "died or hung" in verdict["failed"]

@@ -217,11 +217,13 @@ def called_off(senders: list[tuple[int, ...]]) -> str | None:
 def judge(reports: Mapping[int, dict[str, Any] | None]) -> dict[str, Any]:
     """Rank 0's verdict on a push from many senders, from every sender's report (None: it
     sent none in time -- it died or hung; ``"gone"``: a member saw its process go;
-    ``"broken"``: the lane's transport broke and named no one). Blamed: the senders gone or
-    silent where there are any -- over one group their death fails the other lanes too, which
-    are not to blame -- else those whose lane failed naming a cause (a worker, a refusal) where
-    there are any -- over one group a member failing one lane aborts the others under it --
-    else every sender whose lane failed."""
+    ``"broken"``: the lane's transport broke and named no one; ``"dead"``: the workers the lane
+    found dead or frozen). Blamed: the senders gone or silent where there are any -- over one
+    group their death fails the other lanes too, which are not to blame -- else those whose
+    lane failed naming a cause (a worker, a refusal) where there are any -- over one group a
+    member failing one lane aborts the others under it -- else every sender whose lane failed.
+    The verdict's ``"dead"``: the workers the blamed lanes found dead (each is in every lane:
+    their death broke the lanes that named no one too)."""
     failed = {
         rank: "sent no report: it died or hung -- check it" if report is None else report["error"]
         for rank, report in reports.items()
@@ -232,10 +234,12 @@ def judge(reports: Mapping[int, dict[str, Any] | None]) -> dict[str, Any]:
         named = [rank for rank, report in reports.items() if report and "error" in report
                  and not report.get("broken")]  # fmt: skip
         blamed, why = blame(failed, gone or named)
+        dead = {worker for rank in blamed for worker in (reports[rank] or {}).get("dead", ())}
         return {
             "failed": f"no member claims the push: trainer ranks {blamed} did not land their "
             f"lanes{why}",
             "senders": blamed,
+            "dead": sorted(dead),
         }
     landed = [report for report in reports.values() if report is not None]
     return {key: sum(report[key] for report in landed) for key in ("nbytes", "buckets", "wire")}
