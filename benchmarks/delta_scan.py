@@ -36,13 +36,13 @@ import numpy as np
 import torch
 
 from weight_sync import SyncConfig
-from weight_sync.bench import timing as bench_timing
-from weight_sync.bench.workloads import WORKLOADS
+from weight_sync.tools.bench import timing as bench_timing
+from weight_sync.tools.bench.workloads import WORKLOADS
 from weight_sync.delta.baseline import Baseline
 from weight_sync.delta.layout import delta_layout
-from weight_sync.metadata import SyncPlan
-from weight_sync.packing import Packer, bucket_buffers
-from weight_sync.send.checks import Entries
+from weight_sync.wire.metadata import SyncPlan
+from weight_sync.wire.packing import Packer, bucket_buffers
+from weight_sync.wire.state_dict import Entries
 from weight_sync.send.sender import PushPlanner
 
 

@@ -40,12 +40,12 @@ import gpu_peers  # beside this script (benchmarks/ is on sys.path when it runs)
 import torch
 from gpu_peers import llama_shapes as model_shapes
 
-from weight_sync.bench import timing as bench_timing
+from weight_sync.tools.bench import timing as bench_timing
 from weight_sync.config import SyncConfig
-from weight_sync.devices import sized_for
-from weight_sync.metadata import GroupSpec, PrepareRequest, SyncPlan, TensorMeta
-from weight_sync.planner import direct_threshold, make_plan
-from weight_sync.receiver import Receiver, accept_all
+from weight_sync.transport.devices import sized_for
+from weight_sync.wire.metadata import GroupSpec, PrepareRequest, SyncPlan, TensorMeta
+from weight_sync.wire.planner import direct_threshold, make_plan
+from weight_sync.receive.receiver import Receiver, accept_all
 from weight_sync.send.sender import Sender
 from weight_sync.transport import TorchGroup, bind_listener, cuda_ipc, shm
 

@@ -32,10 +32,10 @@ bench=${PIPESTATUS[0]}
 demo=0 job=0
 if python -c "import ray" 2>/dev/null; then
   # The demo as a user runs it, on the GPUs found; then the cluster job with a 1 GB model.
-  python -c "from weight_sync.cli import main; raise SystemExit(main(['demo', '--device', 'cuda']))" \
+  python -c "from weight_sync.tools.cli import main; raise SystemExit(main(['demo', '--device', 'cuda']))" \
     2>&1 | tee "$out/demo.txt"
   demo=${PIPESTATUS[0]}
-  python -m weight_sync.ray_job --workers 7 --size-mb 1024 --pushes 5 --gpus yes 2>&1 | tee "$out/job.txt"
+  python -m weight_sync.tools.ray_job --workers 7 --size-mb 1024 --pushes 5 --gpus yes 2>&1 | tee "$out/job.txt"
   job=${PIPESTATUS[0]}
 else
   echo "skipped: Ray is not installed here (pip install ray to run the demo and the job)" \

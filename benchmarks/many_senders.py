@@ -1,7 +1,7 @@
 """Pushes from every rank of a sharded trainer against pushes from one, over shaped links.
 
 For each K (``--senders 1,2,4``) a network of network namespaces is built
-(``weight_sync.bench.netns``, no Ray): K trainer nodes, each behind its own link of ``--rate``
+(``weight_sync.tools.bench.netns``, no Ray): K trainer nodes, each behind its own link of ``--rate``
 (one GPU with its own NIC), and one node of ``--receivers`` workers. The workers' node takes
 either K such links (``rails``: one NIC per GPU, as rail-optimised clusters are wired; shaped
 here as one link of K x rate) or a single one (``single``: every design is then bound by that
@@ -75,9 +75,9 @@ def rank_job(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from weight_sync import SyncConfig
-    from weight_sync.blocks import Shard, block_of
-    from weight_sync.checksums import state_dict_digests
-    from weight_sync.torchrun import JobSync
+    from weight_sync.wire.blocks import Shard, block_of
+    from weight_sync.wire.checksums import state_dict_digests
+    from weight_sync.launch.job_sync import JobSync
 
     # The fused delta kernels, loaded now and untimed, as a trainer past its first pushes has
     # them: a delta's copy loads them on a thread of its own (numba's import, 2-3 s of a core)
@@ -158,7 +158,7 @@ def rank_job(args: argparse.Namespace) -> None:
 
 def _workload(name: str) -> Any:
     """W1..W5, or ``S<MB>M``: that many MB of fp32 in 8 MB tensors."""
-    from weight_sync.bench.workloads import WORKLOADS, MiB, synthetic
+    from weight_sync.tools.bench.workloads import WORKLOADS, MiB, synthetic
 
     if name.startswith("S") and name.endswith("M"):
         return synthetic(int(name[1:-1]) * MiB)
@@ -232,7 +232,7 @@ def run_job(
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from weight_sync.bench.netns import ShapedCluster, parse_rate
+    from weight_sync.tools.bench.netns import ShapedCluster, parse_rate
 
     rate = parse_rate(args.rate)
     results = []

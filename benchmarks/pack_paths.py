@@ -20,10 +20,10 @@ from collections.abc import Callable
 import torch
 
 from weight_sync import SyncConfig
-from weight_sync.bench import timing as bench_timing
-from weight_sync.bench.workloads import WORKLOADS
-from weight_sync.packing import Packer, Unpacker, bucket_buffers, staging_slots
-from weight_sync.send.checks import Entries
+from weight_sync.tools.bench import timing as bench_timing
+from weight_sync.tools.bench.workloads import WORKLOADS
+from weight_sync.wire.packing import Packer, Unpacker, bucket_buffers, staging_slots
+from weight_sync.wire.state_dict import Entries
 from weight_sync.send.sender import PushPlanner
 
 

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from weight_sync.metadata import GroupSpec
+from weight_sync.wire.metadata import GroupSpec
 from weight_sync.transport import shm
 
 KIB, MIB = 1 << 10, 1 << 20

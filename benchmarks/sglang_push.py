@@ -31,8 +31,8 @@ import torch
 from weight_sync import SyncConfig
 from weight_sync.adapters.hf import load_model
 from weight_sync.adapters.sglang import SGLangServer, SGLangServers
-from weight_sync.bench import timing as bench_timing
-from weight_sync.http import call
+from weight_sync.tools.bench import timing as bench_timing
+from weight_sync.control.http import call
 
 MODEL = {  # ~26M parameters, 105 MB in float32
     "model_type": "qwen2",

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from weight_sync import SyncConfig, WeightSyncWorker, WeightUpdater
-from weight_sync.checksums import state_dict_digests
+from weight_sync.wire.checksums import state_dict_digests
 from weight_sync.send.sharded import ShardedSource
 from weight_sync.transport.rendezvous import bind_listener, open_store
 

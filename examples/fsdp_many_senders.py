@@ -27,7 +27,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from weight_sync import JobSync, SyncConfig
-from weight_sync.checksums import state_dict_digests
+from weight_sync.wire.checksums import state_dict_digests
 
 
 def build_model() -> torch.nn.Module:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from weight_sync import SyncConfig, WeightSyncWorker, WeightUpdater
-from weight_sync.checksums import state_dict_digests
+from weight_sync.wire.checksums import state_dict_digests
 
 
 def build_model(seed: int) -> nn.Module:

@@ -68,8 +68,8 @@ import torch
 
 from weight_sync import PushResult, SyncConfig, WeightUpdater
 from weight_sync.adapters.hf import Generation, RemoteHFWorker, load_model
-from weight_sync.http import call  # stdlib HTTP, no proxies
-from weight_sync.send.checks import StateDict
+from weight_sync.control.http import call  # stdlib HTTP, no proxies
+from weight_sync.wire.state_dict import StateDict
 
 DIGITS = 10
 SEPARATOR, PAD = 10, 11  # token ids: 0-9 are digits

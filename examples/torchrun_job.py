@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from weight_sync import JobSync, SyncConfig
-from weight_sync.checksums import state_dict_digests
+from weight_sync.wire.checksums import state_dict_digests
 
 
 def build_model() -> torch.nn.Module:

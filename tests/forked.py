@@ -21,8 +21,8 @@ import torch.multiprocessing as mp
 
 # One list for every user: the server starts once per process, with the list set first.
 PRELOAD = [
-    "torch", "torch.distributed", "torch.distributed.fsdp", "weight_sync.receiver",
-    "weight_sync.send.sender", "weight_sync.torchrun", "tests.zoo", "tests.launch.job",
+    "torch", "torch.distributed", "torch.distributed.fsdp", "weight_sync.receive.receiver",
+    "weight_sync.send.sender", "weight_sync.launch.job_sync", "tests.zoo", "tests.launch.job",
     "tests.launch.sharded_job",
 ]  # fmt: skip
 

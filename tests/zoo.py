@@ -10,7 +10,7 @@ import warnings
 
 import torch
 
-from weight_sync.metadata import DTYPES
+from weight_sync.wire.metadata import DTYPES
 
 # complex32 is in the zoo on purpose; torch warns that it is experimental whenever one is made.
 warnings.filterwarnings("ignore", "ComplexHalf support is experimental")

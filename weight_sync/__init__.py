@@ -18,12 +18,12 @@ from weight_sync.errors import (
     WeightSyncError,
     WorkerFailedError,
 )
-from weight_sync.metadata import SyncStatus
 from weight_sync.result import PushResult
+from weight_sync.wire.metadata import SyncStatus
 
 if TYPE_CHECKING:
     from weight_sync.actors import WeightSyncWorker, WeightUpdater, remote_worker
-    from weight_sync.torchrun import JobSync
+    from weight_sync.launch.job_sync import JobSync
 
 # Imported when first used: the Ray glue (the data plane, the protocol and their tests run where
 # Ray is not installed: a GPU machine, a torchrun job), and the launched job's API.
@@ -31,7 +31,7 @@ _LAZY = {
     "WeightSyncWorker": "weight_sync.actors",
     "WeightUpdater": "weight_sync.actors",
     "remote_worker": "weight_sync.actors",
-    "JobSync": "weight_sync.torchrun",
+    "JobSync": "weight_sync.launch.job_sync",
 }
 
 

@@ -1,5 +1,5 @@
 import sys
 
-from weight_sync.cli import main
+from weight_sync.tools.cli import main
 
 sys.exit(main())

@@ -116,7 +116,7 @@ class SyncConfig(BaseModel):
         "'auto': 'world' for a Gloo push when no member has a default group, else 'standalone' "
         "(always for NCCL: a standalone group is aborted without blocking the caller); 'job': "
         "new_group over the default group every member already shares (the ranks of one "
-        "torchrun/mpirun job: weight_sync.torchrun sets it).",
+        "torchrun/mpirun job: weight_sync.launch.job_sync sets it).",
     )
     master_addr: str = Field(
         "127.0.0.1",
@@ -136,7 +136,7 @@ class SyncConfig(BaseModel):
     metrics: bool = Field(
         True,
         description="Export per-push figures through Ray's metrics API (Prometheus); see "
-        "weight_sync.metrics.",
+        "weight_sync.actors.metrics.",
     )
     # One number is enough: the timeouts a caller leaves out are derived from the ones it sets
     # (see _derive_timeouts); the defaults below are what 900 s for a push gives.

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from weight_sync import SyncConfig, WeightSyncWorker
-from weight_sync.bench.netns import NODE_LINK, node_resource
-from weight_sync.checksums import state_dict_digests
+from weight_sync.tools.bench.netns import NODE_LINK, node_resource
+from weight_sync.wire.checksums import state_dict_digests
 from weight_sync.transport import address_of_interface, bind_listener
 from weight_sync.transport.rendezvous import open_store
 

@@ -14,8 +14,8 @@ import ray
 import torch
 
 from weight_sync import SyncConfig, WeightSyncWorker, WeightUpdater
-from weight_sync.bench.netns import NODE_LINK, node_resource
-from weight_sync.checksums import state_dict_digests
+from weight_sync.tools.bench.netns import NODE_LINK, node_resource
+from weight_sync.wire.checksums import state_dict_digests
 from weight_sync.errors import WorkerFailedError
 
 TENSORS, ELEMENTS = 8, 1 << 20  # 32 MB of fp32: ~2.7 s at 100 Mbit/s

@@ -1,5 +1,5 @@
 """A real two-node Ray cluster on this machine: each node in its own network namespace, joined by
-a bridge (``weight_sync.bench.netns.ShapedCluster``, its links left unshaped), so the sync group
+a bridge (``weight_sync.tools.bench.netns.ShapedCluster``, its links left unshaped), so the sync group
 really crosses an interface. The job is submitted with ``ray job submit`` as a user would
 (deploy/README.md), and must place workers on both nodes, verify every worker, and export its
 metrics on the trainer node's Prometheus endpoint.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from weight_sync.bench.netns import NetnsUnavailable, ShapedCluster, check_usable
+from weight_sync.tools.bench.netns import NetnsUnavailable, ShapedCluster, check_usable
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD_PORT, METRICS_PORT = 8265, 8080
@@ -50,7 +50,7 @@ def test_job_submitted_to_a_two_node_cluster(cluster: ShapedCluster) -> None:
     submitted = cluster.run(0, [
         "ray", "job", "submit", f"--address=http://{head_ip}:{DASHBOARD_PORT}",
         f"--runtime-env={REPO / 'deploy' / 'runtime_env.yaml'}", "--",
-        "python", "-m", "weight_sync.ray_job", "--workers", "3", "--size-mb", "8", "--pushes", "3",
+        "python", "-m", "weight_sync.tools.ray_job", "--workers", "3", "--size-mb", "8", "--pushes", "3",
         "--spread", "--timeout", "120"], timeout=240, check=False,
     )  # fmt: skip
     output = submitted.stdout + submitted.stderr

@@ -24,9 +24,9 @@ from typing import Any
 
 import pytest
 
-from weight_sync.bench.links import DriveSpec, Layout, run_on_cluster
-from weight_sync.bench.netns import NetnsUnavailable, ShapedCluster, check_usable, parse_rate
-from weight_sync.bench.report import write_links_report
+from weight_sync.tools.bench.links import DriveSpec, Layout, run_on_cluster
+from weight_sync.tools.bench.netns import NetnsUnavailable, ShapedCluster, check_usable, parse_rate
+from weight_sync.tools.bench.report import write_links_report
 
 pytestmark = pytest.mark.timeout(240)
 RATE = parse_rate("100mbit")

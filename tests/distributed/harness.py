@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from tests import forked
-from weight_sync.checksums import state_dict_digests
-from weight_sync.metadata import GroupSpec, PrepareRequest, SyncPlan, TensorMeta
-from weight_sync.receiver import Receiver, expecting
+from weight_sync.wire.checksums import state_dict_digests
+from weight_sync.wire.metadata import GroupSpec, PrepareRequest, SyncPlan, TensorMeta
+from weight_sync.receive.receiver import Receiver, expecting
 from weight_sync.send.sender import Sender
 from weight_sync.transport import TorchGroup, bind_listener, shm
 

@@ -10,12 +10,12 @@ import torch
 
 from tests.distributed.harness import RankContext, run_ranks
 from weight_sync import SyncConfig
-from weight_sync.checksums import state_dict_digests
+from weight_sync.wire.checksums import state_dict_digests
 from weight_sync.delta.baseline import Baseline
-from weight_sync.metadata import PrepareRequest, SyncPlan
-from weight_sync.receiver import Receiver, expecting
+from weight_sync.wire.metadata import PrepareRequest, SyncPlan
+from weight_sync.receive.receiver import Receiver, expecting
 from weight_sync.send import wire as transfer
-from weight_sync.send.checks import Entries
+from weight_sync.wire.state_dict import Entries
 from weight_sync.send.sender import PushPlanner
 from weight_sync.transport import shm
 

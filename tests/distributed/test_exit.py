@@ -140,7 +140,7 @@ def test_a_forked_child_does_not_wait_for_its_parents_teardowns() -> None:
 GROUP_RANK = """
 import socket, sys, time
 import torch
-from weight_sync.metadata import GroupSpec
+from weight_sync.wire.metadata import GroupSpec
 from weight_sync.transport import TorchGroup, teardown
 rank, port, fd = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 spec = GroupSpec(group_id="{group_id}", address="127.0.0.1", port=port, world_size=2, rank=rank,
@@ -193,7 +193,7 @@ def test_a_trainer_exiting_right_after_an_aborted_gloo_push_exits_cleanly() -> N
 MAILBOX_POLLING = """
 import datetime, socket, time
 import torch.distributed as dist
-from weight_sync.store_plane import _Mailbox
+from weight_sync.control.store import _Mailbox
 sock = socket.socket()
 sock.bind(("127.0.0.1", 0))
 store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], 1, True, use_libuv=False,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import time
 
 import pytest
@@ -14,15 +15,15 @@ import torch.distributed as dist
 from tests.distributed.harness import RankContext, receive_plan, run_ranks, send_plan
 from tests.zoo import zoo
 from weight_sync import SyncConfig
-from weight_sync.checksums import state_dict_digests
-from weight_sync.errors import TransportError, WeightSyncError
-from weight_sync.metadata import PrepareRequest, TensorMeta
-from weight_sync.planner import make_plan
-from weight_sync.receiver import Receiver, accept_all
-from weight_sync.send.checks import Entries
+from weight_sync.wire.checksums import state_dict_digests
+from weight_sync.errors import SyncTimeoutError, TransportError, WeightSyncError
+from weight_sync.wire.metadata import PrepareRequest, TensorMeta
+from weight_sync.wire.planner import make_plan
+from weight_sync.receive.receiver import Receiver, accept_all
+from weight_sync.wire.state_dict import Entries
 from weight_sync.send.sender import PushPlanner, Sender
 from weight_sync.transport import TorchGroup
-from weight_sync.transport.rendezvous import open_store
+from weight_sync.transport.rendezvous import open_store, unreachable_hint
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -195,6 +196,30 @@ def test_group_listens_on_loopback_only(mode: str) -> None:
     for rank, addresses in enumerate(run_ranks(listeners_rank, 2, mode)):
         assert addresses, f"rank {rank} has no listening socket at all?"
         assert addresses <= loopback, f"rank {rank} listens on {addresses}"
+
+
+def test_a_member_that_cannot_reach_a_store_on_loopback_is_told_to_name_an_interface() -> None:
+    """Across nodes with the default config the trainer listens on 127.0.0.1, and a member on
+    another node dials its own loopback: the error says what to set, not only that it failed."""
+    with socket.socket() as held:  # bound, never listening: every connection to it is refused
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        with pytest.raises((SyncTimeoutError, TransportError)) as caught:
+            open_store("127.0.0.1", port, 2, 1.0, None)
+    message = str(caught.value)
+    assert f"cannot reach the rendezvous store at 127.0.0.1:{port}" in message, message
+    assert "SyncConfig(interface='eth0')" in message and "master_addr=" in message, message
+
+
+@pytest.mark.parametrize(
+    ("address", "loopback"),
+    [("127.0.0.1", True), ("127.0.1.1", True), ("::1", True), ("localhost", True),
+     ("10.0.0.5", False), ("trainer-0.cluster", False)],
+)  # fmt: skip
+def test_the_hint_for_an_unreachable_store_follows_the_address(address: str, loopback: bool) -> None:
+    hint = unreachable_hint(address)
+    assert ("only members on the trainer's own node reach" in hint) == loopback, hint
+    assert "interface" in hint and "master_addr" in hint, hint
 
 
 # The peers of a failed member hear of it within this, where the collective timeout is 30 s:

@@ -15,16 +15,18 @@ import torch.distributed as dist
 
 from tests.distributed.harness import RankContext, run_ranks
 from weight_sync import SyncConfig
-from weight_sync.deadline import Deadline
-from weight_sync.devices import CPU
+from weight_sync.control.deadline import Deadline
+from weight_sync.transport.devices import CPU
 from weight_sync.errors import (
     SenderFailedError,
     TransportError,
     WeightSyncError,
     WorkerFailedError,
 )
-from weight_sync.lanes import BEGIN, COMMAND, FLOOR, Inbound, Outbound, Senders, Verdicts
-from weight_sync.store_plane import PREFIX
+from weight_sync.control.lane_store import BEGIN, COMMAND, FLOOR, Verdicts
+from weight_sync.receive.inbound import Inbound
+from weight_sync.send.senders import Outbound, Senders
+from weight_sync.control.store import PREFIX
 from weight_sync.transport import bind_listener
 from weight_sync.transport.rendezvous import open_store
 
@@ -219,7 +221,7 @@ def test_a_sender_that_cannot_listen_fails_every_sender_at_once() -> None:
 def _a_receiving_rank_cannot_follow(ctx: RankContext) -> tuple[str, str, float]:
     """A job of two senders and two receiving ranks makes a ``JobSync``; rank 3 cannot follow
     the senders' lanes (fault injection: dialling their stores raises there)."""
-    import weight_sync.torchrun as torchrun
+    import weight_sync.launch.job_sync as torchrun
 
     store = open_store("127.0.0.1", ctx.ports()[0], ctx.world_size, 30, ctx.listener(0))
     dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=ctx.world_size,

@@ -16,12 +16,12 @@ import torch
 from tests.distributed.harness import RankContext, receive_plan, run_ranks
 from tests.distributed.test_shm import dev_shm
 from tests.zoo import zoo
-from weight_sync.checksums import state_dict_digests
-from weight_sync.devices import CPU
+from weight_sync.wire.checksums import state_dict_digests
+from weight_sync.transport.devices import CPU
 from weight_sync.errors import WeightSyncError
-from weight_sync.metadata import GroupSpec, RelaySpec, TensorMeta
-from weight_sync.planner import make_plan
-from weight_sync.receiver import _join
+from weight_sync.wire.metadata import GroupSpec, RelaySpec, TensorMeta
+from weight_sync.wire.planner import make_plan
+from weight_sync.receive.receiver import _join
 from weight_sync.send.sender import Sender
 from weight_sync.transport import TorchGroup, Transport, shm
 

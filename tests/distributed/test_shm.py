@@ -19,12 +19,12 @@ import torch
 from tests.distributed.harness import RankContext, receive_plan, run_ranks
 from tests.zoo import zoo
 from weight_sync import SyncConfig
-from weight_sync.checksums import state_dict_digests
+from weight_sync.wire.checksums import state_dict_digests
 from weight_sync.errors import TransportError, WeightSyncError
-from weight_sync.metadata import TensorMeta
-from weight_sync.planner import make_plan
-from weight_sync.receiver import Receiver
-from weight_sync.send.checks import Entries
+from weight_sync.wire.metadata import TensorMeta
+from weight_sync.wire.planner import make_plan
+from weight_sync.receive.receiver import Receiver
+from weight_sync.wire.state_dict import Entries
 from weight_sync.send.formation import _open_ring
 from weight_sync.send.sender import PushPlanner, Sender
 from weight_sync.transport import Fanout, TorchGroup, ring, shm

@@ -20,7 +20,7 @@ import torch
 
 from tests.distributed.harness import RankContext, run_ranks
 from weight_sync.errors import SyncTimeoutError, TransportError, WeightSyncError
-from weight_sync.metadata import GroupSpec
+from weight_sync.wire.metadata import GroupSpec
 from weight_sync.transport import cuda_ipc, ring, shm
 
 pytestmark = [

@@ -8,10 +8,10 @@ import torch
 
 from tests.distributed.harness import RankContext, receive_plan, run_ranks, send_plan
 from tests.zoo import zoo
-from weight_sync.checksums import checksum, state_dict_digests
-from weight_sync.metadata import TensorMeta
-from weight_sync.packing import Packer, Unpacker, bucket_buffers
-from weight_sync.planner import make_plan
+from weight_sync.wire.checksums import checksum, state_dict_digests
+from weight_sync.wire.metadata import TensorMeta
+from weight_sync.wire.packing import Packer, Unpacker, bucket_buffers
+from weight_sync.wire.planner import make_plan
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(240)]
 

@@ -19,7 +19,7 @@ from tests.distributed.harness import repo_env
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
-DEMO = "from weight_sync.cli import main; raise SystemExit(main(['demo', '--device', 'cuda', " \
+DEMO = "from weight_sync.tools.cli import main; raise SystemExit(main(['demo', '--device', 'cuda', " \
        "'--workers', '7', '--steps', '3']))"  # fmt: skip
 
 

@@ -15,9 +15,9 @@ import torch
 
 from tests.distributed.harness import RankContext, run_ranks
 from weight_sync import SyncConfig
-from weight_sync.checksums import checksum, device_checksum, state_dict_digests
-from weight_sync.metadata import PrepareRequest, SyncPlan, TensorMeta
-from weight_sync.packing import (
+from weight_sync.wire.checksums import checksum, device_checksum, state_dict_digests
+from weight_sync.wire.metadata import PrepareRequest, SyncPlan, TensorMeta
+from weight_sync.wire.packing import (
     Packer,
     Staging,
     Unpacker,
@@ -27,9 +27,9 @@ from weight_sync.packing import (
     read_values,
     staging_slots,
 )
-from weight_sync.planner import make_plan
-from weight_sync.receiver import Receiver, accept_all
-from weight_sync.send.checks import check_state_dict, device_finite_flags, is_finite
+from weight_sync.wire.planner import make_plan
+from weight_sync.receive.receiver import Receiver, accept_all
+from weight_sync.wire.state_dict import check_state_dict, device_finite_flags, is_finite
 from weight_sync.send.sender import PushPlanner, Sender
 from weight_sync.transport import TorchGroup
 

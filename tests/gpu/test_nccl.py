@@ -190,7 +190,7 @@ import sys, time
 import torch
 from tests.gpu.test_nccl import DEVICE, post_behind_a_spin, random_bytes
 from weight_sync.errors import SyncTimeoutError
-from weight_sync.metadata import GroupSpec
+from weight_sync.wire.metadata import GroupSpec
 from weight_sync.transport import TorchGroup, bind_listener, teardown
 teardown.EXIT_WAIT_S = {exit_wait_s}
 listener = bind_listener("127.0.0.1")

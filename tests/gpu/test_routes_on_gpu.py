@@ -10,9 +10,9 @@ import threading
 import pytest
 import torch
 
-from weight_sync.devices import gpu_uuid, module_device, push_device
-from weight_sync.metadata import MemberInfo
-from weight_sync.receiver import Receiver
+from weight_sync.transport.devices import gpu_uuid, module_device, push_device
+from weight_sync.wire.metadata import MemberInfo
+from weight_sync.receive.receiver import Receiver
 from weight_sync.send.routes import choose_routes
 from weight_sync.transport import shm
 

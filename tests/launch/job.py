@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from weight_sync import SyncConfig, WeightSyncError
-from weight_sync.checksums import state_dict_digests
-from weight_sync.torchrun import JobSync
+from weight_sync.wire.checksums import state_dict_digests
+from weight_sync.launch.job_sync import JobSync
 
 TIMEOUT_S = 30.0  # push_timeout_s: the bound every failure must be seen within
 

@@ -1,4 +1,4 @@
-"""Local servers (``weight_sync.server_launcher``) started and stopped together: real processes,
+"""Local servers (``weight_sync.adapters.local_servers``) started and stopped together: real processes,
 each a stand-in that drains for a while on SIGTERM, as an SGLang server does (it looks for the
 signal every 5 s)."""
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from weight_sync.server_launcher import LocalServer, start_together, stop_together
+from weight_sync.adapters.local_servers import LocalServer, start_together, stop_together
 
 pytestmark = pytest.mark.timeout(120)
 DRAIN_S = 2.0

@@ -14,10 +14,10 @@ import torch.distributed as dist
 
 from tests.zoo import BufferModel, zoo
 from weight_sync import PushResult, SyncConfig, WeightSyncWorker, WeightUpdater, remote_worker
-from weight_sync.checksums import state_dict_digests
+from weight_sync.wire.checksums import state_dict_digests
 from weight_sync.errors import WeightSyncError
-from weight_sync.mapping import fuse
-from weight_sync.metadata import TensorMeta
+from weight_sync.wire.mapping import fuse
+from weight_sync.wire.metadata import TensorMeta
 from weight_sync.send.sharded import ShardedSource, push_sharded
 from weight_sync.transport.rendezvous import bind_listener, open_store
 

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from weight_sync.bench.actors import STRATEGIES
-from weight_sync.bench.harness import Bench, Case, Progress
-from weight_sync.bench.report import write_report
-from weight_sync.bench.workloads import small_tensors, synthetic
+from weight_sync.tools.bench.actors import STRATEGIES
+from weight_sync.tools.bench.harness import Bench, Case, Progress
+from weight_sync.tools.bench.report import write_report
+from weight_sync.tools.bench.workloads import small_tensors, synthetic
 
 
 @pytest.mark.timeout(300)
@@ -57,7 +57,7 @@ def test_harness_measures_every_strategy_and_writes_a_report(
 
 
 def test_cuda_bench_needs_a_gpu_per_actor(ray_cluster: None) -> None:
-    from weight_sync.bench.harness import run_bench
+    from weight_sync.tools.bench.harness import run_bench
 
     with pytest.raises(ValueError, match="needs 3 GPUs in the Ray cluster"):
         run_bench(workloads=["W2"], workers=2, strategies=["raw"], device="cuda")

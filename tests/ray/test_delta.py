@@ -15,7 +15,7 @@ import torch
 from tests.ray.actors import _Tampered
 from weight_sync import PushResult, SyncConfig, WeightUpdater
 from weight_sync.adapters.hf import HFWorker, load_model
-from weight_sync.checksums import state_dict_digests
+from weight_sync.wire.checksums import state_dict_digests
 from weight_sync.errors import WeightSyncError
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("ray_cluster")]

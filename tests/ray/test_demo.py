@@ -2,7 +2,7 @@
 
 import pytest
 
-from weight_sync.demo import run_demo
+from weight_sync.tools.demo import run_demo
 
 
 @pytest.mark.timeout(300)

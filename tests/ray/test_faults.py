@@ -20,7 +20,7 @@ import ray
 from tests.ray.actors import BIG, SlowWorker, Trainer
 from tests.zoo import zoo
 from weight_sync import ChecksumMismatchError, SyncStatus, WorkerFailedError
-from weight_sync.checksums import state_dict_digests
+from weight_sync.wire.checksums import state_dict_digests
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("ray_cluster")]
 TIMEOUT = 60

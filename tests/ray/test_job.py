@@ -9,8 +9,8 @@ import pytest
 from ray.util.placement_group import placement_group_table
 
 from weight_sync import SyncTimeoutError
-from weight_sync.placement import reserve
-from weight_sync.ray_job import main
+from weight_sync.actors.placement import reserve
+from weight_sync.tools.ray_job import main
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("ray_cluster")]
 

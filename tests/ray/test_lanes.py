@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from tests.ray.actors import BusyLMWorker, LMWorker, ShardedTrainer
-from weight_sync.metadata import GroupSpec
+from weight_sync.wire.metadata import GroupSpec
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("ray_cluster")]
 TIMEOUT = 120

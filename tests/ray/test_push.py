@@ -10,9 +10,9 @@ import ray
 from tests.ray.actors import BIG, FlakyWorker, RecordingWorker, Trainer, ZooWorker
 from tests.zoo import zoo
 from weight_sync import PlanMismatchError, PushResult, WorkerFailedError
-from weight_sync.checksums import state_dict_digests
-from weight_sync.metadata import PrepareRequest, TensorMeta
-from weight_sync.planner import make_plan
+from weight_sync.wire.checksums import state_dict_digests
+from weight_sync.wire.metadata import PrepareRequest, TensorMeta
+from weight_sync.wire.planner import make_plan
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("ray_cluster")]
 TIMEOUT = 120

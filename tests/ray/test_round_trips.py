@@ -15,7 +15,7 @@ import torch
 from tests.ray.actors import BIG, Trainer, ZooWorker
 from tests.zoo import zoo
 from weight_sync import PlanMismatchError, PushResult
-from weight_sync.checksums import state_dict_digests
+from weight_sync.wire.checksums import state_dict_digests
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("ray_cluster")]
 TIMEOUT = 120

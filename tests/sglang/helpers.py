@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.reference import Trainer
-from weight_sync.http import call
+from weight_sync.control.http import call
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {"SGLANG_USE_CPU_ENGINE": "1"}  # else SGLang's model loader imports vLLM

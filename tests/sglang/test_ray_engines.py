@@ -17,7 +17,7 @@ from tests.sglang.helpers import ENV, PROMPTS, Trainer, assert_matches, engine_k
 from tests.vllm.models import QWEN2
 from weight_sync import PlanMismatchError, SyncConfig
 from weight_sync.adapters.sglang import ServerError
-from weight_sync.versions import unlabelled
+from weight_sync.wire.versions import unlabelled
 
 ray = pytest.importorskip("ray")
 

@@ -40,9 +40,9 @@ from weight_sync.adapters.sglang import (
     release_servers,
 )
 from weight_sync.adapters.sglang.client import HTTPEngine
-from weight_sync.http import call
-from weight_sync.server_launcher import start_together, stop_together
-from weight_sync.versions import label_past, label_version, unlabelled
+from weight_sync.control.http import call
+from weight_sync.adapters.local_servers import start_together, stop_together
+from weight_sync.wire.versions import label_past, label_version, unlabelled
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -3,7 +3,7 @@
 import pytest
 
 from weight_sync import SyncTimeoutError, TransportError, WorkerFailedError
-from weight_sync.control import Outcomes
+from weight_sync.control.plane import Outcomes
 
 
 def outcomes(n: int, **fields) -> Outcomes:

@@ -13,7 +13,7 @@ from torch.distributed.tensor import Shard as TorchShard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from weight_sync.blocks import (
+from weight_sync.wire.blocks import (
     REPLICATE,
     Block,
     BlockLayout,
@@ -24,9 +24,9 @@ from weight_sync.blocks import (
     block_of,
     view_of,
 )
-from weight_sync.metadata import TensorMeta
+from weight_sync.wire.metadata import TensorMeta
 from weight_sync.receive.assembly import Assembly, agreed, layout_of_push, past_sent
-from weight_sync.send.lanes import layout_of
+from weight_sync.wire.lane_rules import layout_of
 
 
 def meta(name: str, *shape: int, dtype: str = "float32") -> TensorMeta:

@@ -5,13 +5,13 @@ import pytest
 import torch
 
 from weight_sync import SyncConfig
-from weight_sync.mapping import fuse
-from weight_sync.metadata import WIRE_VERSION, PrepareRequest, TensorMeta
-from weight_sync.packing import read_values
-from weight_sync.planner import make_plan
+from weight_sync.wire.mapping import fuse
+from weight_sync.wire.metadata import WIRE_VERSION, PrepareRequest, TensorMeta
+from weight_sync.wire.packing import read_values
+from weight_sync.wire.planner import make_plan
 from weight_sync.receive.buckets import Targets
-from weight_sync.receiver import Receiver, accept_all, check_plan
-from weight_sync.send.checks import (
+from weight_sync.receive.receiver import Receiver, accept_all, check_plan
+from weight_sync.wire.state_dict import (
     _entries,
     _plain_entries,
     check_state_dict,

@@ -1,6 +1,6 @@
 import pytest
 
-from weight_sync.cli import main
+from weight_sync.tools.cli import main
 
 
 @pytest.mark.parametrize(
@@ -31,7 +31,7 @@ def test_bad_arguments_exit_with_usage(argv: list[str]) -> None:
 
 
 def test_bench_refuses_an_unknown_device() -> None:
-    from weight_sync.bench.harness import run_bench
+    from weight_sync.tools.bench.harness import run_bench
 
     with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda'"):
         run_bench(workloads=[], device="tpu")
@@ -39,7 +39,7 @@ def test_bench_refuses_an_unknown_device() -> None:
 
 def test_version_is_printed(capsys: pytest.CaptureFixture[str]) -> None:
     from weight_sync import __version__
-    from weight_sync.cli import main
+    from weight_sync.tools.cli import main
 
     with pytest.raises(SystemExit) as exited:
         main(["--version"])

@@ -36,10 +36,10 @@ from weight_sync.delta.layout import (
 from weight_sync.delta.lineage import next_base
 from weight_sync.delta.transfer import Patcher
 from weight_sync.errors import WeightSyncError
-from weight_sync.metadata import SyncPlan, TensorMeta, Tied
-from weight_sync.packing import Packer, Unpacker, bucket_buffers, byte_view
-from weight_sync.planner import align_up, make_plan
-from weight_sync.send.checks import check_state_dict
+from weight_sync.wire.metadata import SyncPlan, TensorMeta, Tied
+from weight_sync.wire.packing import Packer, Unpacker, bucket_buffers, byte_view
+from weight_sync.wire.planner import align_up, make_plan
+from weight_sync.wire.state_dict import check_state_dict
 from weight_sync.send.sender import PushPlanner
 
 CPU = torch.device("cpu")
@@ -381,7 +381,7 @@ def test_a_step_during_a_push_fails_it_and_no_encoding_thread_outlives_it(fused:
 def test_a_change_moved_to_another_span_mid_push_fails_it(fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """Workers place a sparse blob's changes by each span's count: a step that moves a change to
     another span of the same blob keeps the blob's total, and still fails the push."""
-    monkeypatch.setattr(baseline_module, "_ENCODED_BUDGET", 1 << 40)  # nothing kept: compared again
+    monkeypatch.setattr(baseline_module, "ENCODED_BUDGET", 1 << 40)  # nothing kept: compared again
     w = torch.randn(2 * SPAN)
     config = SyncConfig(direct_min_bytes=None, cast_dtype="bfloat16")
     entries = check_state_dict({"w": w}, config)

@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from weight_sync import SyncConfig
-from weight_sync.delta import baseline as baseline_module
+from weight_sync.delta import scan as scan_module
 from weight_sync.delta import kernels
-from weight_sync.delta.baseline import _ENCODED_BUDGET, PIECE, Baseline, kept_bytes
+from weight_sync.delta.baseline import Baseline
+from weight_sync.delta.scan import ENCODED_BUDGET, PIECE, kept_bytes
 from weight_sync.delta.codec import encode_sparse, words
 from weight_sync.delta.kernel_loader import FusedKernels
 from weight_sync.delta.layout import (
@@ -33,9 +34,9 @@ from weight_sync.delta.layout import (
     spans_of,
 )
 from weight_sync.delta.layout import sparse_bytes as blob_bytes
-from weight_sync.metadata import SyncPlan
-from weight_sync.packing import Packer, bucket_buffers
-from weight_sync.send.checks import Entries, check_state_dict
+from weight_sync.wire.metadata import SyncPlan
+from weight_sync.wire.packing import Packer, bucket_buffers
+from weight_sync.wire.state_dict import Entries, check_state_dict
 from weight_sync.send.sender import PushPlanner
 
 CPU = torch.device("cpu")
@@ -56,7 +57,7 @@ def reference(plan: SyncPlan, tensors: list[torch.Tensor], held: dict[str, torch
     counts: list[int] = []
     encoded: Encoded = {}
     after = {name: data.clone() for name, data in held.items()}
-    budget = plan.payload_bytes // _ENCODED_BUDGET
+    budget = plan.payload_bytes // ENCODED_BUDGET
     for meta, tensor in zip(plan.tensors, tensors, strict=True):
         numel, size = math.prod(meta.shape), meta.itemsize
         every = [span_elements(numel, s) for s in range(spans_of(numel))]
@@ -169,7 +170,7 @@ def stepped(baseline: Baseline, tensors: dict[str, torch.Tensor], patterns: dict
 @pytest.fixture(autouse=True)
 def always_parallel(monkeypatch: pytest.MonkeyPatch) -> None:
     """Threads even for these small scans (left alone, they would stay on one)."""
-    monkeypatch.setattr(baseline_module, "PARALLEL_MIN", 0)
+    monkeypatch.setattr(scan_module, "PARALLEL_MIN", 0)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 5])
@@ -272,7 +273,7 @@ def test_a_failing_thread_fails_the_scan_and_every_thread_ends(
     config = SyncConfig(direct_min_bytes=None)
     baseline = Baseline(threads=3, fused=False)
     entries, plan = stepped(baseline, tensors, patterns, config, gen)
-    real = baseline_module.encode_sparse_rows
+    real = scan_module.encode_sparse_rows
     calls = iter(range(1000))
 
     def failing(*args: object, **kwargs: object) -> object:
@@ -280,7 +281,7 @@ def test_a_failing_thread_fails_the_scan_and_every_thread_ends(
             raise RuntimeError("no memory left")
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(baseline_module, "encode_sparse_rows", failing)
+    monkeypatch.setattr(scan_module, "encode_sparse_rows", failing)
     with pytest.raises(RuntimeError, match="no memory left"):
         baseline.scan(plan, entries.tensors)
     assert not [
@@ -311,7 +312,7 @@ def test_a_plan_that_grows_gets_room_for_its_kept_blobs() -> None:
         entries, plan = stepped(baseline, part, patterns, config, gen, finite=True)
         room = baseline._room
         _, encoded = scan_both(baseline, plan, entries.tensors, 2)
-        assert encoded and baseline._room.numel() >= plan.payload_bytes // _ENCODED_BUDGET
+        assert encoded and baseline._room.numel() >= plan.payload_bytes // ENCODED_BUDGET
     assert baseline._room is not room  # grown for the whole model
     baseline.forget()
     assert baseline._room.numel() == 0

@@ -1,4 +1,4 @@
-"""The futures every control plane shares (``weight_sync.futures``), and the store plane's
+"""The futures every control plane shares (``weight_sync.control.futures``), and the store plane's
 commit, which is over only when the client's own call is (vLLM labels its outputs there)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 
 from weight_sync import SyncConfig
 from weight_sync.errors import WeightSyncError
-from weight_sync.futures import joined, resolve
-from weight_sync.metadata import ReceiveReport, SyncStatus, WorkerReply
-from weight_sync.store_plane import ClientPlane
+from weight_sync.control.futures import joined, resolve
+from weight_sync.wire.metadata import ReceiveReport, SyncStatus, WorkerReply
+from weight_sync.control.store import ClientPlane
 
 
 class Boom(Exception):

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from weight_sync.lanes import _together
-from weight_sync.metadata import ReceiveReport
-from weight_sync.send.lanes import Share, blame, called_off, judge, row_tensor
+from weight_sync.receive.inbound import _together
+from weight_sync.wire.metadata import ReceiveReport
+from weight_sync.wire.lane_rules import Share, blame, called_off, judge, row_tensor
 from weight_sync.send.sharded import takes_host_tensors
 
 A, B = (1, 2, 3, 4), (5, 6, 7, 8)  # two layout digests, as four words
@@ -144,7 +144,7 @@ def test_senders_say_what_to_change_before_any_collective(
 )  # fmt: skip
 def test_lanes_run_over_gloo_in_groups_of_their_own(given: dict, backend: str | None) -> None:
     from weight_sync import SyncConfig
-    from weight_sync.lanes import lane_config
+    from weight_sync.send.senders import lane_config
 
     if backend is None:
         with pytest.raises(ValueError, match="lanes over Gloo"):
@@ -156,7 +156,7 @@ def test_lanes_run_over_gloo_in_groups_of_their_own(given: dict, backend: str | 
 
 def test_over_one_group_nccl_is_taken_and_the_lanes_vote_over_gloo() -> None:
     from weight_sync import JobSync, SyncConfig
-    from weight_sync.lanes import lane_config
+    from weight_sync.send.senders import lane_config
 
     assert lane_config(SyncConfig(backend="nccl"), one_group=True).backend == "gloo"
     with pytest.raises(ValueError, match="one_group is for several senders"):
@@ -171,8 +171,8 @@ def test_a_data_parallel_vllm_engine_refuses_a_push_from_many_senders(
     import torch
 
     from weight_sync.adapters.vllm.lanes import LaneMember
-    from weight_sync.receiver import Receiver
-    from weight_sync.send.lanes import layout_of
+    from weight_sync.receive.receiver import Receiver
+    from weight_sync.wire.lane_rules import layout_of
 
     class Engine:  # the engine's loader takes every tensor; only its replicas differ
         data_parallel_size = replicas

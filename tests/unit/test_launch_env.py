@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from weight_sync.torchrun import LaunchEnv, launch_env
+from weight_sync.launch.job_sync import LaunchEnv, launch_env
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3", "MASTER_ADDR": "10.0.0.1"}
 OPEN_MPI = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4",

@@ -1,5 +1,5 @@
-"""The package's floors, read from its imports: a push reads downhill (protocol -> send ->
-packing/delta -> transport), and no floor imports one above it. Guards the layout of
+"""The package's floors, read from its imports: a push reads downhill (a front -> send or
+receive -> control, delta -> transport -> wire), and no floor imports one above it. Guards the layout of
 docs/how-a-push-works.md ("Where each piece lives")."""
 
 from __future__ import annotations
@@ -30,17 +30,32 @@ def module_name(path: Path) -> str:
 
 MODULES = {module_name(path): imports_of(path) for path in sorted(PACKAGE.rglob("*.py"))}
 
+# The fronts (each a way users reach a push) and the tools that run them.
+FRONTS = ["weight_sync.actors", "weight_sync.adapters", "weight_sync.launch", "weight_sync.tools"]
+# The parts of the sender below the two that run a push (the pusher; several senders' lanes).
+SEND_PARTS = ["formation", "roster", "routes", "sender", "sharded", "wire"]
+
 # (the modules under a floor, the modules none of them may import)
 FLOORS = [
-    ("weight_sync.send", ["weight_sync.protocol", "weight_sync.actors", "weight_sync.adapters"]),
-    ("weight_sync.delta", ["weight_sync.protocol", "weight_sync.send", "weight_sync.receiver"]),
-    ("weight_sync.transport", ["weight_sync.protocol", "weight_sync.send", "weight_sync.delta",
-                               "weight_sync.receive", "weight_sync.receiver"]),
-    ("weight_sync.receive", ["weight_sync.protocol", "weight_sync.send", "weight_sync.receiver"]),
-    ("weight_sync.packing", ["weight_sync.protocol", "weight_sync.send", "weight_sync.delta",
-                             "weight_sync.transport"]),
-    ("weight_sync.planner", ["weight_sync.protocol", "weight_sync.send", "weight_sync.packing"]),
-    ("weight_sync.futures", ["weight_sync.control", "weight_sync.protocol", "weight_sync.send"]),
+    # What travels and its pure planning: the bottom floor.
+    ("weight_sync.wire", ["weight_sync.send", "weight_sync.receive", "weight_sync.control",
+                          "weight_sync.transport", "weight_sync.delta", *FRONTS]),
+    # The data plane: of the control planes, only the bounded waits they share.
+    ("weight_sync.transport", ["weight_sync.send", "weight_sync.receive", "weight_sync.delta",
+                               "weight_sync.control.plane", "weight_sync.control.store",
+                               "weight_sync.control.http", "weight_sync.control.lane_store",
+                               *FRONTS]),
+    ("weight_sync.delta", ["weight_sync.send", "weight_sync.receive", "weight_sync.control", *FRONTS]),
+    ("weight_sync.control", ["weight_sync.send", *FRONTS]),
+    ("weight_sync.receive", ["weight_sync.send", *FRONTS]),
+    ("weight_sync.send", ["weight_sync.receive", *FRONTS]),
+    *[(f"weight_sync.send.{part}", ["weight_sync.send.pusher", "weight_sync.send.senders"])
+      for part in SEND_PARTS],
+    ("weight_sync.send.pusher", ["weight_sync.send.senders"]),
+    ("weight_sync.actors", ["weight_sync.adapters", "weight_sync.launch", "weight_sync.tools"]),
+    ("weight_sync.launch", ["weight_sync.actors", "weight_sync.adapters", "weight_sync.tools"]),
+    ("weight_sync.wire.planner", ["weight_sync.wire.packing"]),
+    ("weight_sync.control.futures", ["weight_sync.control.plane", "weight_sync.send"]),
 ]  # fmt: skip
 
 
@@ -60,7 +75,7 @@ def test_no_floor_imports_one_above_it(floor: str, above: list[str]) -> None:
 
 def test_the_pusher_reaches_the_delta_layer_only_through_the_wire() -> None:
     delta = sorted(
-        name for name in MODULES["weight_sync.protocol"] if under(name, "weight_sync.delta")
+        name for name in MODULES["weight_sync.send.pusher"] if under(name, "weight_sync.delta")
     )
     assert not delta
     reaching = sorted(

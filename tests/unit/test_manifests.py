@@ -7,14 +7,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from weight_sync.ray_job import build_parser
+from weight_sync.tools.ray_job import build_parser
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 
 def job_args(entrypoint: str):
     words = shlex.split(entrypoint)
-    assert words[:3] == ["python", "-m", "weight_sync.ray_job"], entrypoint
+    assert words[:3] == ["python", "-m", "weight_sync.tools.ray_job"], entrypoint
     return build_parser().parse_args(words[3:])
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from weight_sync.mapping import chain, fuse, rename
+from weight_sync.wire.mapping import chain, fuse, rename
 
 
 def stream(*names: str) -> list[tuple[str, torch.Tensor]]:

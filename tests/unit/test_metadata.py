@@ -2,7 +2,7 @@ import pydantic
 import pytest
 import torch
 
-from weight_sync.metadata import (
+from weight_sync.wire.metadata import (
     MAX_DELTA_SECTIONS,
     BucketMeta,
     GroupSpec,
@@ -12,7 +12,7 @@ from weight_sync.metadata import (
     TensorMeta,
     dtype_name,
 )
-from weight_sync.planner import make_plan
+from weight_sync.wire.planner import make_plan
 
 
 def t(name: str, n: int, dtype: str = "float32") -> dict:

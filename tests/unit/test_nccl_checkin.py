@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from weight_sync.errors import GroupFormationError
-from weight_sync.metadata import GroupSpec
+from weight_sync.wire.metadata import GroupSpec
 from weight_sync.transport import TorchGroup, bind_listener
 from weight_sync.transport.nccl import (
     MUST_AGREE,

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from weight_sync.bench.links import Layout, workload_named
-from weight_sync.bench.netns import (
+from weight_sync.tools.bench.links import Layout, workload_named
+from weight_sync.tools.bench.netns import (
     MIN_BURST,
     burst_bytes,
     format_rate,
@@ -18,7 +18,7 @@ from weight_sync.bench.netns import (
     plan_cluster,
     shape_commands,
 )
-from weight_sync.bench.report import LinkRow, links_markdown
+from weight_sync.tools.bench.report import LinkRow, links_markdown
 
 
 @pytest.mark.parametrize(
@@ -224,14 +224,14 @@ def test_links_report_counts_crossings() -> None:
     ],
 )
 def test_run_links_refuses_bad_arguments_before_building_anything(kwargs: dict, error: str) -> None:
-    from weight_sync.bench.links import run_links
+    from weight_sync.tools.bench.links import run_links
 
     with pytest.raises(ValueError, match=error):
         run_links(**kwargs)
 
 
 def test_pool_makes_each_node_only_the_workers_some_layout_needs() -> None:
-    from weight_sync.bench.links import Pool
+    from weight_sync.tools.bench.links import Pool
 
     pool = Pool.of([Layout(2, 3)])
     assert pool.sizes == (0, 3) and pool.members(Layout(2, 3)) == [0, 1, 2]
@@ -245,7 +245,7 @@ def test_pool_makes_each_node_only_the_workers_some_layout_needs() -> None:
 def test_not_root_is_refused_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
-    from weight_sync.bench.netns import NetnsUnavailable, check_usable
+    from weight_sync.tools.bench.netns import NetnsUnavailable, check_usable
 
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(NetnsUnavailable, match="run it as root"):

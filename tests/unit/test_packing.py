@@ -3,15 +3,15 @@ import torch
 
 from tests.zoo import zoo
 from weight_sync import SyncConfig
-from weight_sync.checksums import (
+from weight_sync.wire.checksums import (
     checksum,
     checksum_of,
     device_checksum,
     read_checksums,
     tensor_digest,
 )
-from weight_sync.metadata import BucketMeta, Segment, SyncPlan, TensorMeta
-from weight_sync.packing import (
+from weight_sync.wire.metadata import BucketMeta, Segment, SyncPlan, TensorMeta
+from weight_sync.wire.packing import (
     Packer,
     Staging,
     Unpacker,
@@ -20,8 +20,8 @@ from weight_sync.packing import (
     gaps,
     staging_slots,
 )
-from weight_sync.planner import make_plan
-from weight_sync.send.checks import Entries, check_state_dict
+from weight_sync.wire.planner import make_plan
+from weight_sync.wire.state_dict import Entries, check_state_dict
 from weight_sync.send.sender import PushPlanner, Sender
 
 

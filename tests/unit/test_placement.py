@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from weight_sync.demo import resolve_device
-from weight_sync.placement import bundles_for, describe_share
-from weight_sync.ray_job import _sync_config, model_shapes
+from weight_sync.tools.demo import resolve_device
+from weight_sync.actors.placement import bundles_for, describe_share
+from weight_sync.tools.ray_job import _sync_config, model_shapes
 
 GPU = {"GPU": 1.0, "CPU": 1.0}
 CPU = {"CPU": 0.1}

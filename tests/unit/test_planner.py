@@ -3,9 +3,9 @@ import random
 
 import pytest
 
-from weight_sync.metadata import TensorMeta
-from weight_sync.packing import pinned_chunks
-from weight_sync.planner import align_up, direct_threshold, make_plan
+from weight_sync.wire.metadata import TensorMeta
+from weight_sync.wire.packing import pinned_chunks
+from weight_sync.wire.planner import align_up, direct_threshold, make_plan
 
 
 def metas(*sizes_and_dtypes: tuple[int, str]) -> list[TensorMeta]:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from weight_sync.errors import SyncTimeoutError, TransportError
-from weight_sync.metadata import GroupSpec
+from weight_sync.wire.metadata import GroupSpec
 from weight_sync.transport import Fanout, cuda_ipc, ring, shm
 
 SLOTS = ring.SLOTS

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from weight_sync.config import SyncConfig
-from weight_sync.devices import CPU, module_device, push_device
+from weight_sync.transport.devices import CPU, module_device, push_device
 from weight_sync.errors import TransportError
-from weight_sync.metadata import MemberInfo
+from weight_sync.wire.metadata import MemberInfo
 from weight_sync.send.formation import _choose_mode
 from weight_sync.send.routes import (
     ROUTE_WORDS,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from weight_sync.metadata import GroupSpec
+from weight_sync.wire.metadata import GroupSpec
 from weight_sync.send.formation import first_ranks
 from weight_sync.transport import shm
 

@@ -1,11 +1,11 @@
-"""The version rules (weight_sync.versions), as tables: labels read and written, a named
+"""The version rules (weight_sync.wire.versions), as tables: labels read and written, a named
 version checked and chosen."""
 
 from __future__ import annotations
 
 import pytest
 
-from weight_sync.versions import (
+from weight_sync.wire.versions import (
     NO_VERSION,
     check_version,
     choose_version,

@@ -13,7 +13,7 @@ import pytest
 from weight_sync import SyncTimeoutError, TransportError, WeightSyncError
 from weight_sync.adapters.vllm.engine import NO_VERSION, VLLMEngine
 from weight_sync.adapters.vllm.reload import DryRun, problems
-from weight_sync.metadata import PrepareReply, ReceiveReport, SyncStatus, WorkerReply
+from weight_sync.wire.metadata import PrepareReply, ReceiveReport, SyncStatus, WorkerReply
 
 
 def reply(value: str | None = None, version: int | None = None, dirty: bool = False,

@@ -21,7 +21,7 @@ vllm = pytest.importorskip("vllm", reason="the vllm-serve tests need the vllm ex
 
 from tests.vllm_serve.helpers import ARGS, READY_S, Servers
 from weight_sync.adapters.vllm.process import local_servers
-from weight_sync.server_launcher import stop_together
+from weight_sync.adapters.local_servers import stop_together
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ from tests.reference import Trainer
 from tests.vllm.models import MAX_MODEL_LEN
 from tests.vllm.test_engine import PROMPTS, TOLERANCE
 from weight_sync.adapters.vllm import ServerProcess, VLLMServers
-from weight_sync.versions import label_version
+from weight_sync.wire.versions import label_version
 
 TIMEOUT = 120
 REPO = str(Path(__file__).resolve().parents[2])

@@ -7,7 +7,7 @@ push over the store plane: see ``weight_sync.lanes``), and every worker runs one
 per lane at once, writing each block where it belongs (``WeightSyncWorker``'s
 ``_weight_sync_lanes_*``; a ``VLLMEngine`` forwards them to its vLLM workers, each a member of
 its own, which load whole tensors once every lane committed). Around the lanes, as in a
-launched job (``weight_sync.torchrun``):
+launched job (``weight_sync.launch.job_sync``):
 
 * when they form, rank 0 asks every worker how many members it brings and the highest version
   it was ever sent: the senders' versions go past it;
@@ -35,22 +35,23 @@ import torch.distributed as dist
 from ray.actor import ActorHandle
 from typing_extensions import Self
 
-from weight_sync.blocks import BlockLayout
 from weight_sync.config import SyncConfig
-from weight_sync.deadline import Deadline
-from weight_sync.devices import current_gpu, gpu_uuid
+from weight_sync.control.deadline import Deadline
+from weight_sync.control.lane_store import NO_ONE_GROUP
 from weight_sync.errors import (
     PlanMismatchError,
     WeightSyncError,
     WorkerFailedError,
     first_line,
 )
-from weight_sync.lanes import NO_ONE_GROUP, Senders
-from weight_sync.metadata import GroupSpec, MemberInfo
 from weight_sync.result import PushResult
-from weight_sync.send.checks import Rename, StateDict
-from weight_sync.send.lanes import Share
 from weight_sync.send.routes import members_nccl_problem
+from weight_sync.send.senders import Senders
+from weight_sync.transport.devices import current_gpu, gpu_uuid
+from weight_sync.wire.blocks import BlockLayout
+from weight_sync.wire.lane_rules import Share
+from weight_sync.wire.metadata import GroupSpec, MemberInfo
+from weight_sync.wire.state_dict import Rename, StateDict
 
 logger = logging.getLogger(__name__)
 

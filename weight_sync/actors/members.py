@@ -15,10 +15,10 @@ from ray.actor import ActorHandle
 from ray.exceptions import RayActorError, RayTaskError
 
 from weight_sync.actors.worker import SYNC_GROUP
-from weight_sync.control import Fate, is_collateral
+from weight_sync.control.futures import then
+from weight_sync.control.plane import Fate, is_collateral
 from weight_sync.errors import first_line
-from weight_sync.futures import then
-from weight_sync.metadata import (
+from weight_sync.wire.metadata import (
     GroupSpec,
     MemberInfo,
     PrepareReply,

@@ -1,4 +1,4 @@
-"""``WeightUpdater``: the push protocol (``weight_sync.protocol``) over Ray actors.
+"""``WeightUpdater``: the push protocol (``weight_sync.send.pusher``) over Ray actors.
 
 The protocol itself -- plan, prepare, transfer, commit, blame -- lives in ``Pusher``; this adds
 what is Ray's: members given as actor handles (``RayMembers``), replacements for dropped ones,
@@ -16,9 +16,9 @@ from ray.actor import ActorHandle
 from typing_extensions import Self
 
 from weight_sync.actors.members import RayMembers
+from weight_sync.actors.metrics import PushMetrics
 from weight_sync.config import SyncConfig
-from weight_sync.metrics import PushMetrics
-from weight_sync.protocol import Pusher
+from weight_sync.send.pusher import Pusher
 
 logger = logging.getLogger(__name__)
 

@@ -15,12 +15,17 @@ from typing import Any
 import ray
 import torch
 
-from weight_sync.blocks import BlockLayout
-from weight_sync.checksums import state_dict_digests
-from weight_sync.devices import CPU, module_device
+from weight_sync.control.lane_store import NO_ONE_GROUP
 from weight_sync.errors import WeightSyncError, first_line
-from weight_sync.lanes import NO_ONE_GROUP, Lanes
-from weight_sync.metadata import (
+from weight_sync.receive.assembly import Assembly, Refusal, layout_of_push, past_sent
+from weight_sync.receive.inbound import Lanes
+from weight_sync.receive.receiver import Check, Receiver, expecting
+from weight_sync.transport import TorchGroup
+from weight_sync.transport.devices import CPU, module_device
+from weight_sync.transport.rounds import Rounds, routes_over
+from weight_sync.wire.blocks import BlockLayout
+from weight_sync.wire.checksums import state_dict_digests
+from weight_sync.wire.metadata import (
     GroupSpec,
     MemberInfo,
     PrepareReply,
@@ -29,10 +34,6 @@ from weight_sync.metadata import (
     SyncStatus,
     TensorMeta,
 )
-from weight_sync.receive.assembly import Assembly, Refusal, layout_of_push, past_sent
-from weight_sync.receiver import Check, Receiver, expecting
-from weight_sync.transport import TorchGroup
-from weight_sync.transport.rounds import Rounds, routes_over
 
 SYNC_GROUP = "weight_sync"  # the protocol's calls; one at a time
 STATUS_GROUP = "weight_sync_status"  # health: answers while a push runs

@@ -10,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from weight_sync.checksums import checksum
 from weight_sync.delta.layout import (
     INDEX_BYTES,
     SPAN,
@@ -18,7 +17,8 @@ from weight_sync.delta.layout import (
     Blob,
     sparse_bytes,
 )
-from weight_sync.planner import align_up
+from weight_sync.wire.checksums import checksum
+from weight_sync.wire.planner import align_up
 
 # The integer of each itemsize, in torch and in NumPy (16-byte elements: pairs of the 8-byte one).
 _WORDS = {

@@ -26,8 +26,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from weight_sync.metadata import SyncPlan, TensorMeta
-from weight_sync.planner import align_up, make_plan
+from weight_sync.wire.metadata import SyncPlan, TensorMeta
+from weight_sync.wire.planner import align_up, make_plan
 
 SPAN = 1 << 16  # elements per span: an index inside one fits in 16 bits
 RUN_SPANS = 16  # spans per blob at most (1M elements)

@@ -31,9 +31,9 @@ from weight_sync.delta.layout import (
     sections,
 )
 from weight_sync.errors import TransportError
-from weight_sync.metadata import TRAINER_RANK, SyncPlan
-from weight_sync.packing import NamedTensors, Unpacker, byte_view
 from weight_sync.transport import Transport
+from weight_sync.wire.metadata import TRAINER_RANK, SyncPlan
+from weight_sync.wire.packing import NamedTensors, Unpacker, byte_view
 
 
 @dataclass(frozen=True)

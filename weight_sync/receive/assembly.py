@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import torch
 from pydantic import ValidationError
 
-from weight_sync.blocks import Block, BlockLayout, view_of
-from weight_sync.metadata import SyncPlan, TensorMeta
 from weight_sync.receive.checks import Check, check_plan
+from weight_sync.wire.blocks import Block, BlockLayout, view_of
+from weight_sync.wire.metadata import SyncPlan, TensorMeta
 
 Load = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
 

@@ -18,12 +18,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from weight_sync.checksums import Checksum, checksum_of, read_checksums
 from weight_sync.delta.layout import DeltaLayout
 from weight_sync.delta.transfer import Patcher, staged_checksums
 from weight_sync.errors import WeightSyncError
-from weight_sync.metadata import TRAINER_RANK, SyncPlan
-from weight_sync.packing import (
+from weight_sync.transport import Transport, Work
+from weight_sync.wire.checksums import Checksum, checksum_of, read_checksums
+from weight_sync.wire.metadata import TRAINER_RANK, SyncPlan
+from weight_sync.wire.packing import (
     NamedTensors,
     Unpacker,
     bucket_buffers,
@@ -31,8 +32,7 @@ from weight_sync.packing import (
     pinned_chunks,
     staging_slots,
 )
-from weight_sync.planner import align_up
-from weight_sync.transport import Transport, Work
+from weight_sync.wire.planner import align_up
 
 Apply = Callable[[NamedTensors], None]
 Destinations = Mapping[str, torch.Tensor]

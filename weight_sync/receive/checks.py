@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from weight_sync.metadata import SyncPlan, TensorMeta, dtype_name
+from weight_sync.wire.metadata import SyncPlan, TensorMeta, dtype_name
 
 # What a worker cannot load of a plan, given whether the push is partial; empty: all of it.
 Check = Callable[[SyncPlan, bool], Sequence[str]]

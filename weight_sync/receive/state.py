@@ -23,7 +23,8 @@ import torch
 
 from weight_sync.delta.lineage import next_base
 from weight_sync.errors import WeightSyncError
-from weight_sync.metadata import (
+from weight_sync.receive.buckets import Staged
+from weight_sync.wire.metadata import (
     Phase,
     PrepareRequest,
     ReceiveReport,
@@ -31,7 +32,6 @@ from weight_sync.metadata import (
     SyncPlan,
     SyncStatus,
 )
-from weight_sync.receive.buckets import Staged
 
 
 @dataclass(frozen=True)

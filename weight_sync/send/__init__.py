@@ -1,4 +1,4 @@
-"""The parts behind the trainer's ``Pusher`` (``weight_sync.protocol``, the front that runs a push
+"""The parts behind the trainer's ``Pusher`` (``weight_sync.send.pusher``, the front that runs a push
 round by round), mirroring ``receive/`` on the worker's side: ``checks`` (what a state dict may
 hold, before any byte moves), ``routes`` (how each member is reached, pure), ``formation``
 (forming the sync group over them), ``roster`` (the members, what each holds, and who is to

@@ -21,18 +21,9 @@ import torch
 import torch.distributed as dist
 
 from weight_sync.config import SyncConfig
-from weight_sync.control import Outcomes, collect
-from weight_sync.deadline import Deadline
-from weight_sync.devices import CPU, gpu_uuid
+from weight_sync.control.deadline import Deadline
+from weight_sync.control.plane import Outcomes, collect
 from weight_sync.errors import TransportError, WeightSyncError, WorkerFailedError
-from weight_sync.metadata import (
-    TRAINER_RANK,
-    BackendName,
-    GroupSpec,
-    MemberInfo,
-    ModeName,
-    RelaySpec,
-)
 from weight_sync.send.roster import GRACE_S, Roster
 from weight_sync.send.routes import Route, choose_routes
 from weight_sync.transport import (
@@ -44,7 +35,16 @@ from weight_sync.transport import (
     listen_address,
     shm,
 )
+from weight_sync.transport.devices import CPU, gpu_uuid
 from weight_sync.transport.ring import RingUnavailableError
+from weight_sync.wire.metadata import (
+    TRAINER_RANK,
+    BackendName,
+    GroupSpec,
+    MemberInfo,
+    ModeName,
+    RelaySpec,
+)
 
 logger = logging.getLogger(__name__)
 

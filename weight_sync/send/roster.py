@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from weight_sync.control import ControlPlane, Outcomes, collect
-from weight_sync.deadline import Deadline
+from weight_sync.control.deadline import Deadline
+from weight_sync.control.plane import ControlPlane, Outcomes, collect
 from weight_sync.errors import WeightSyncError
-from weight_sync.metadata import PLAN_CACHE_SIZE, MemberInfo
+from weight_sync.wire.metadata import PLAN_CACHE_SIZE, MemberInfo
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from weight_sync.errors import TransportError
-from weight_sync.metadata import BackendName, MemberInfo
+from weight_sync.wire.metadata import BackendName, MemberInfo
 
 Route = Literal["group", "shm", "cuda_ipc", "relay"]
 

@@ -1,5 +1,5 @@
 """Trainer side of the data plane: plan a push for the transport, pack its buckets, broadcast
-them. What is sent was checked before (``weight_sync.send.checks``); what it means -- dense weights,
+them. What is sent was checked before (``weight_sync.wire.state_dict``); what it means -- dense weights,
 or a delta's encoded blobs -- is the caller's business: this sends a plan's buckets."""
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from dataclasses import dataclass
 
 import torch
 
-from weight_sync.checksums import Checksum, checksum_of, read_checksums
 from weight_sync.config import SyncConfig
-from weight_sync.deadline import Deadline
-from weight_sync.devices import sized_for
-from weight_sync.metadata import SyncPlan, TensorMeta, Tied
-from weight_sync.packing import Packer, Staging, byte_view, staging_slots
-from weight_sync.planner import direct_threshold, make_plan
-from weight_sync.send.checks import Entries, is_dtensor, wire_dtype
+from weight_sync.control.deadline import Deadline
 from weight_sync.transport import Transport, Work
+from weight_sync.transport.devices import sized_for
+from weight_sync.wire.checksums import Checksum, checksum_of, read_checksums
+from weight_sync.wire.metadata import SyncPlan, TensorMeta, Tied
+from weight_sync.wire.packing import Packer, Staging, byte_view, staging_slots
+from weight_sync.wire.planner import direct_threshold, make_plan
+from weight_sync.wire.state_dict import Entries, is_dtensor, wire_dtype
 
 # ``Entries`` is named here too: callers that plan by hand (benchmarks/pack_paths.py) import it
 # from this module.

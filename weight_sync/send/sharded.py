@@ -31,11 +31,11 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from weight_sync.devices import current_gpu
 from weight_sync.errors import WeightSyncError
-from weight_sync.metadata import DTYPES, dtype_name
 from weight_sync.result import PushResult
-from weight_sync.send.checks import is_dtensor, is_finite
+from weight_sync.transport.devices import current_gpu
+from weight_sync.wire.metadata import DTYPES, dtype_name
+from weight_sync.wire.state_dict import is_dtensor, is_finite
 
 logger = logging.getLogger(__name__)
 

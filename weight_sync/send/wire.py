@@ -26,15 +26,15 @@ import torch
 from typing_extensions import Self
 
 from weight_sync.config import SyncConfig
-from weight_sync.deadline import Deadline
+from weight_sync.control.deadline import Deadline
 from weight_sync.delta.baseline import Baseline
 from weight_sync.delta.choice import Choice, DeltaChoice
 from weight_sync.delta.layout import DELTA_SECTIONS, Section, sections
 from weight_sync.delta.lineage import next_base
 from weight_sync.delta.transfer import Outgoing, density, encode_header, outgoing
-from weight_sync.metadata import PrepareRequest, SyncPlan
 from weight_sync.send.sender import Sender
 from weight_sync.transport import Transport
+from weight_sync.wire.metadata import PrepareRequest, SyncPlan
 
 
 @dataclass(frozen=True)

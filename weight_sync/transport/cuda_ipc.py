@@ -47,9 +47,8 @@ from dataclasses import dataclass
 
 import torch
 
-from weight_sync.devices import gpu_uuid
 from weight_sync.errors import SyncTimeoutError, TransportError
-from weight_sync.metadata import GroupSpec
+from weight_sync.transport.devices import gpu_uuid
 from weight_sync.transport.ring import (
     SLOTS,
     DeviceCopies,
@@ -58,6 +57,7 @@ from weight_sync.transport.ring import (
     RingUnavailableError,
     RingWriter,
 )
+from weight_sync.wire.metadata import GroupSpec
 
 __all__ = ["CudaIpcReader", "CudaIpcWriter", "IpcOffer", "IpcUnavailableError", "socket_name"]
 

@@ -47,11 +47,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from weight_sync.devices import gpu_uuid
+from weight_sync.control.futures import Backoff
 from weight_sync.errors import GroupFormationError
-from weight_sync.futures import Backoff
-from weight_sync.metadata import GroupSpec
 from weight_sync.transport import teardown
+from weight_sync.transport.devices import gpu_uuid
+from weight_sync.wire.metadata import GroupSpec
 
 logger = logging.getLogger(__name__)
 

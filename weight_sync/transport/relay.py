@@ -34,11 +34,11 @@ from contextlib import contextmanager
 import torch
 
 from weight_sync.errors import TransportError, WeightSyncError
-from weight_sync.metadata import GroupSpec
 from weight_sync.transport.base import Transport, Work
 from weight_sync.transport.ring import RingSent
 from weight_sync.transport.shm import ShmWriter
 from weight_sync.transport.torch_group import TorchGroup
+from weight_sync.wire.metadata import GroupSpec
 
 logger = logging.getLogger(__name__)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import fcntl
+import ipaddress
 import socket
 import struct
 
@@ -57,10 +58,33 @@ def open_store(
         return TCPStore(address, port, world_size, is_master=False, timeout=timeout)
     except (RuntimeError, TimeoutError) as exc:
         kind = SyncTimeoutError if "timeout" in str(exc).lower() else TransportError
+        where = "listen" if listener is not None else "reach"
         raise kind(
-            f"cannot reach the rendezvous store at {address}:{port} within {timeout_s}s: "
-            f"{exc}; check that the trainer is alive and the port is reachable"
+            f"cannot {where} the rendezvous store at {address}:{port} within {timeout_s}s: "
+            f"{exc}; {unreachable_hint(address)}"
         ) from exc
+
+
+def unreachable_hint(address: str) -> str:
+    """What to check when a member cannot reach the trainer's store at ``address``. The commonest
+    cause across nodes is the default: the trainer listens on loopback, which no other node
+    reaches, and the store's own error says only that the connection failed."""
+    try:
+        loopback = ipaddress.ip_address(address).is_loopback
+    except ValueError:  # a host name
+        loopback = address == "localhost"
+    if loopback:
+        return (
+            f"the trainer listens on loopback ({address}: SyncConfig.master_addr's default), which "
+            "only members on the trainer's own node reach. For members on other nodes, name the "
+            "network that reaches them: SyncConfig(interface='eth0') (the NIC's name on the "
+            "trainer's node; with several senders each rank passes its own) or "
+            "SyncConfig(master_addr='<the trainer node's IP>')"
+        )
+    return (
+        "check that the trainer is alive and that this node reaches that address and port (the "
+        "trainer listens on SyncConfig.interface's address, else on master_addr)"
+    )
 
 
 def local_address_towards(address: str) -> str:

@@ -35,10 +35,10 @@ from typing import ClassVar
 
 import torch
 
+from weight_sync.control.futures import Backoff
 from weight_sync.errors import SyncTimeoutError, TransportError, WeightSyncError
-from weight_sync.futures import Backoff
-from weight_sync.metadata import GroupSpec
-from weight_sync.planner import align_up
+from weight_sync.wire.metadata import GroupSpec
+from weight_sync.wire.planner import align_up
 
 logger = logging.getLogger(__name__)
 

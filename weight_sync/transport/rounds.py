@@ -40,10 +40,10 @@ from dataclasses import dataclass
 import torch
 
 from weight_sync.errors import SyncTimeoutError, TransportError, WeightSyncError
-from weight_sync.metadata import VOTE_AGREED
 from weight_sync.transport.base import Transport
 from weight_sync.transport.shm import host_key
 from weight_sync.transport.torch_group import TorchGroup, TorchWork
+from weight_sync.wire.metadata import VOTE_AGREED
 
 logger = logging.getLogger(__name__)
 

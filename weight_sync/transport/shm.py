@@ -40,7 +40,6 @@ from pathlib import Path
 import torch
 
 from weight_sync.errors import SyncTimeoutError, TransportError
-from weight_sync.metadata import GroupSpec
 from weight_sync.transport.ring import (
     SLOTS,
     DeviceCopies,
@@ -51,6 +50,7 @@ from weight_sync.transport.ring import (
     copies_on,
     slot_bytes_for,
 )
+from weight_sync.wire.metadata import GroupSpec
 
 __all__ = [
     "SLOTS",

@@ -1,11 +1,12 @@
 """The dedicated sync group, built from torch.distributed parts.
 
-Three ways to build it, one way to use it:
+Three ways to build it (``transport.forming``), one way to use it (here; a collective in
+flight is a ``transport.work.TorchWork``):
 
 * ``world`` -- the textbook path for processes with no torch.distributed world of their own:
   ``init_process_group`` makes the sync world and ``new_group`` the broadcast group. The library
   then owns the process's default group and destroys it on close.
-* ``job`` -- for the ranks of one launched job (``torchrun``, ``mpirun``: ``weight_sync.torchrun``),
+* ``job`` -- for the ranks of one launched job (``torchrun``, ``mpirun``: ``weight_sync.launch.job_sync``),
   which already share a default group: ``new_group`` over it, beside it, every rank of the job a
   member. The job keeps its default group; we destroy only ours.
 * ``standalone`` -- for processes that already live in a world (an FSDP trainer, a
@@ -50,35 +51,41 @@ from __future__ import annotations
 import contextlib
 import datetime
 import enum
-import fcntl
 import functools
 import json
 import logging
-import os
 import socket
-import struct
 import threading
 import time
 import traceback
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed import PrefixStore, ProcessGroupGloo
+from torch.distributed import PrefixStore
 
+from weight_sync.control.futures import Backoff
 from weight_sync.errors import (
     GroupFormationError,
     SyncTimeoutError,
     TransportError,
     WeightSyncError,
 )
-from weight_sync.futures import Backoff
-from weight_sync.metadata import GroupSpec
 from weight_sync.transport import nccl, teardown
-from weight_sync.transport.rendezvous import local_address_towards, open_store
+from weight_sync.transport.forming import (
+    GroupHandle,
+    device_for,
+    gloo_group,
+    job_group,
+    join_world,
+    rendezvous_error,
+)
+from weight_sync.transport.rendezvous import open_store
+from weight_sync.transport.work import GlooBatch, TorchWork
+from weight_sync.wire.metadata import GroupSpec
 
 logger = logging.getLogger(__name__)
 
@@ -90,164 +97,10 @@ _CLOSE_WAIT_S = 0.05  # how long close()/abort() wait for a background abort bef
 _NCCL_MAX_PAUSE_S = 1e-3  # the longest sleep between two is_completed() polls (NCCL)
 
 
-class _GroupHandle(Protocol):
-    """What we use of a ProcessGroup, ProcessGroupGloo or ProcessGroupNCCL object."""
-
-    def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> dist.Work: ...
-
-    def allreduce(self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions) -> dist.Work: ...
-
-    def shutdown(self) -> None: ...
-
-    def abort(self) -> None: ...
-
-
 class _State(enum.Enum):
     OPEN = "open"
     CLOSED = "closed"  # left cleanly (shutdown)
     ABORTED = "aborted"
-
-
-class TorchWork:
-    """A collective in flight on a ``TorchGroup``.
-
-    A Gloo work handle keeps the group's connections alive, so a handle lingering in an
-    exception's traceback would keep peers blocked on us until their timeout instead of failing
-    at once. The handle is therefore dropped as soon as it has been waited on, and by
-    ``TorchGroup.close`` for handles nobody waited on.
-    """
-
-    def __init__(
-        self,
-        group: TorchGroup,
-        work: dist.Work,
-        bound_s: float,
-        seq: int,
-        previous: TorchWork | None,
-        collectives: int,
-    ) -> None:
-        self._group = group
-        self.seq = seq  # this process's posting order: ops on a group end in it
-        # The group's collectives posted up to this op, the same count on every rank (1 for the
-        # first); point-to-point batches (``exchange``) differ across ranks and are not counted.
-        self.collectives = collectives
-        self._work: dist.Work | None = work
-        self._bound_s = bound_s
-        self._posted = time.monotonic()
-        self._previous = weakref.ref(previous) if previous is not None else None
-        self._start: float | None = None if previous is not None else self._posted
-        self.done_at: float | None = None  # when this process saw it complete (or gave it up)
-        self._settled = False
-        self._failure: WeightSyncError | None = None
-
-    def wait(self) -> None:
-        """Block until the collective is done (see ``TorchGroup._settle``). Once it has been
-        waited on (here or by ``after`` on Gloo), later calls return or raise the same again."""
-        if self._settled:
-            if self._failure is not None:
-                raise self._failure
-            return
-        work, self._work = self._work, None
-        if work is None:
-            raise TransportError("this collective was abandoned: the sync group was closed")
-        try:
-            self._group._settle(self, work)
-        except WeightSyncError as exc:
-            self._failure = exc
-            raise
-        finally:
-            self._settled = True
-            del work  # not even this frame may keep it alive in the traceback
-
-    def after(self) -> None:
-        """NCCL: ``WorkNCCL::synchronize`` -> ``synchronizeStream`` makes the current stream of
-        the work's device wait on the collective's end event (``ncclEndEvent_->block``), and
-        does not block the host; ``wait`` still follows. Gloo: there is no stream to order, so
-        this is ``wait``."""
-        if not self._group.is_nccl or self._settled:
-            self.wait()
-            return
-        work = self._work
-        if work is None:
-            raise TransportError("this collective was abandoned: the sync group was closed")
-        self._group._raise_if_left()
-        work.synchronize()
-
-    def release(self) -> None:
-        self._work = None
-        if self.done_at is None:
-            self.done_at = time.monotonic()
-
-    def finished(self, now: float) -> bool:
-        """Whether this op is known to be over (done, failed, released), recording when."""
-        if self.done_at is None:
-            work = self._work
-            if work is None or work.is_completed():
-                self.done_at = now
-                if work is not None:
-                    self._group._saw_done(self.seq)
-        return self.done_at is not None
-
-    def overdue(self, now: float) -> bool:
-        """Whether this op has run past its bound, counted from when it could start. While the
-        op before it still runs, this one has not started and that one's bound applies."""
-        if self._start is None:
-            previous = self._previous() if self._previous is not None else None
-            if previous is None:  # dropped unwaited: we cannot know better than our posting
-                self._start = self._posted
-            elif previous.finished(now):
-                self._start = max(self._posted, cast(float, previous.done_at))
-            else:
-                return previous.overdue(now)
-            self._previous = None
-        return now - self._start > self._bound_s
-
-    @property
-    def bound_s(self) -> float:
-        return self._bound_s
-
-
-class _GlooBatch:
-    """Gloo's point-to-point works of one ``exchange``, as one work.
-
-    They cannot be polled as a collective is (``TorchGroup._poll``): a send's or receive's
-    ``is_completed`` stays False until ``wait`` returns (``SendWork``/``RecvWork`` override only
-    ``wait``), a ``wait(timeout)`` that runs out signals "Application timeout caused pair
-    closure" to every pair of the group's context (gloo's ``unbound_buffer``), and a second
-    ``wait`` of a receive waits for a second message. So the batch is waited on once, whatever
-    slice is asked, for the whole of its bound: a peer that dies closes its sockets, which ends
-    the wait at once; only a frozen one costs the bound. Meanwhile neither the abort key nor a
-    ``close`` from another thread ends the wait (a helper thread could, at the price of a thread
-    per batch that an exit must wait out). Later calls return or raise the same."""
-
-    def __init__(self, works: list[dist.Work], bound_s: float) -> None:
-        self._works = works
-        self._bound_s = bound_s
-        self._failure: RuntimeError | None = None
-        self._done = False
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        if not self._done:
-            deadline = time.monotonic() + self._bound_s
-            work: dist.Work | None = None
-            try:
-                for work in self._works:
-                    left = max(deadline - time.monotonic(), 1e-3)
-                    work.wait(datetime.timedelta(seconds=left))
-            except RuntimeError as exc:
-                self._failure = exc
-            finally:
-                self._done = True
-                # A live Gloo work keeps its connections open, and a peer's send to this rank
-                # then waits out its bound: none may outlive this wait, not even as this
-                # frame's ``work``, which the failure's traceback keeps.
-                self._works, work = [], None
-        if self._failure is not None:
-            raise self._failure
-        return True
-
-    def is_completed(self) -> bool:
-        return self._done
 
 
 class TorchGroup:
@@ -256,13 +109,13 @@ class TorchGroup:
     def __init__(
         self,
         spec: GroupSpec,
-        pg: _GroupHandle,
+        pg: GroupHandle,
         store: dist.Store,
         ours: dist.Store,
         device: torch.device,
     ) -> None:
         self._spec = spec
-        self._pg: _GroupHandle | None = pg
+        self._pg: GroupHandle | None = pg
         self._store: dist.Store | None = store  # rank 0: the TCPStore server itself
         self._ours: dist.Store | None = ours  # the group's PrefixStore: the abort key
         self._device = device
@@ -303,7 +156,7 @@ class TorchGroup:
         """
         if (listener is not None) != (spec.rank == 0):
             raise ValueError("rank 0 and only rank 0 passes the listening socket")
-        device = _device_for(spec.backend, device)
+        device = device_for(spec.backend, device)
         deadline = time.monotonic() + spec.rendezvous_timeout_s
         store = open_store(
             spec.address, spec.port, spec.world_size, spec.rendezvous_timeout_s, listener
@@ -315,19 +168,19 @@ class TorchGroup:
             try:
                 nccl.check_in(ours, spec, nccl.local_report(device), deadline)
             except RuntimeError as exc:  # the store: DistNetworkError when the trainer is gone
-                raise _rendezvous_error(exc, spec) from exc
-        pg: _GroupHandle
+                raise rendezvous_error(exc, spec) from exc
+        pg: GroupHandle
         try:
             if spec.mode == "world":
-                pg = _join_world(spec, ours, rendezvous, collective)
+                pg = join_world(spec, ours, rendezvous, collective)
             elif spec.mode == "job":
-                pg = _job_group(spec, ours, rendezvous)
+                pg = job_group(spec, ours, rendezvous)
             elif spec.backend == "gloo":
                 pg = gloo_group(spec, ours, rendezvous, collective)
             else:
-                pg = cast(_GroupHandle, nccl.nccl_group(spec, ours, collective))
+                pg = cast(GroupHandle, nccl.nccl_group(spec, ours, collective))
         except RuntimeError as exc:
-            raise _rendezvous_error(exc, spec) from exc
+            raise rendezvous_error(exc, spec) from exc
         group = cls(spec, pg, store, ours, device)
         if spec.backend == "nccl":
             try:
@@ -339,7 +192,7 @@ class TorchGroup:
                 raise
             except RuntimeError as exc:  # the store failed under the outcomes: a typed error,
                 group._abort("the sync group did not form", tell_peers=False)  # and no live PG
-                raise _rendezvous_error(exc, spec) from exc
+                raise rendezvous_error(exc, spec) from exc
         logger.info(
             "joined sync group %s as rank %d/%d (%s, %s, %s) via %s:%d",
             spec.group_id,
@@ -370,7 +223,7 @@ class TorchGroup:
         return self._spec.backend == "nccl"
 
     @property
-    def process_group(self) -> _GroupHandle:
+    def process_group(self) -> GroupHandle:
         """The underlying group object, for tools that need other collectives on the same
         group (the benchmark's baselines). weight_sync itself only broadcasts."""
         if self._pg is None:
@@ -408,7 +261,7 @@ class TorchGroup:
         registered ``ProcessGroup``: a rank's transfers with several peers then progress
         together instead of waiting on each other, provided every rank posts its batches in an
         order its peers agree on. Gloo does not coalesce: one send or receive per pair, matched
-        in order per pair (see ``_GlooBatch`` for how they are waited on)."""
+        in order per pair (see ``GlooBatch`` for how they are waited on)."""
         if not sends and not receives:
             raise ValueError("an exchange needs at least one send or receive")
         for tensor, peer in (*sends, *receives):
@@ -420,7 +273,7 @@ class TorchGroup:
                 )
         timeout = self._bound(timeout_s)
 
-        def start(pg: _GroupHandle) -> dist.Work:
+        def start(pg: GroupHandle) -> dist.Work:
             backend = cast(Any, self._backend(pg))
             if not self.is_nccl:
                 # Loops, not comprehensions: a comprehension is a function of its own (<= 3.11)
@@ -430,7 +283,7 @@ class TorchGroup:
                     works.append(backend.send([tensor], peer, 0))
                 for tensor, peer in receives:
                     works.append(backend.recv([tensor], peer, 0))
-                return cast(dist.Work, _GlooBatch(works, timeout.total_seconds()))
+                return cast(dist.Work, GlooBatch(works, timeout.total_seconds()))
             # The backend's own binding takes no device (only ProcessGroup's does): NCCL reads
             # the current one, and keeps the open group in a thread-local count, so start, ops
             # and end stay on this thread, under the lock.
@@ -516,7 +369,7 @@ class TorchGroup:
                 with nccl.env_window({}):
                     dist.destroy_process_group(cast(dist.ProcessGroup, pg))  # ours, not the job's
             else:
-                cast(_GroupHandle, pg).shutdown()
+                cast(GroupHandle, pg).shutdown()
         except (RuntimeError, ValueError) as exc:  # a dead peer, or the job's world destroyed
             logger.warning("closing sync group %s: %s", self._spec.group_id, exc)  # before us
         del pg
@@ -550,7 +403,7 @@ class TorchGroup:
 
     def _post(
         self,
-        start: Callable[[_GroupHandle], dist.Work],
+        start: Callable[[GroupHandle], dist.Work],
         timeout: datetime.timedelta,
         collective: bool = True,
     ) -> TorchWork:
@@ -733,7 +586,7 @@ class TorchGroup:
                 self._quietly(
                     lambda: nccl.abort_backend(dist.distributed_c10d._abort_process_group)
                 )
-        holder = [cast(_GroupHandle, pg)]
+        holder = [cast(GroupHandle, pg)]
         del pg
         finished = threading.Event()
 
@@ -765,7 +618,7 @@ class TorchGroup:
         except Exception as exc:
             logger.warning("tearing down sync group %s: %s", self._spec.group_id, exc)
 
-    def _open(self) -> _GroupHandle:
+    def _open(self) -> GroupHandle:
         if self._state is not _State.OPEN or self._pg is None:
             raise TransportError(
                 f"the sync group is {self._state.value}; the next push rebuilds it"
@@ -778,7 +631,7 @@ class TorchGroup:
             return self._timeout
         return min(self._timeout, datetime.timedelta(seconds=max(timeout_s, 1e-3)))
 
-    def _backend(self, pg: _GroupHandle) -> object:
+    def _backend(self, pg: GroupHandle) -> object:
         """The ProcessGroupNCCL behind ``pg``: world and job modes wrap it in a ProcessGroup,
         and under TORCH_DISTRIBUTED_DEBUG=DETAIL torch wraps that backend once more in a
         ``_ProcessGroupWrapper`` (its collectives checked against a Gloo group), which has
@@ -792,132 +645,6 @@ class TorchGroup:
         return backend
 
 
-def _join_world(
-    spec: GroupSpec,
-    store: dist.Store,
-    rendezvous: datetime.timedelta,
-    collective: datetime.timedelta,
-) -> dist.ProcessGroup:
-    env: dict[str, str | None] = {}
-    backend: str = spec.backend
-    if spec.backend == "nccl":
-        env["TORCH_NCCL_BLOCKING_WAIT"] = "1"  # see weight_sync.transport.nccl
-        backend = nccl.world_backend()  # ProcessGroupNCCL, not torch 2.15's default nccl2
-    elif "GLOO_SOCKET_IFNAME" not in os.environ:
-        # init_process_group gives Gloo no device option: the environment is the only way to
-        # keep its sockets on the interface that reaches the master (loopback by default).
-        # Gloo reads it while the groups form, so it is set for exactly that long.
-        interface = _interface_of(local_address_towards(spec.address))
-        if interface is not None:
-            env["GLOO_SOCKET_IFNAME"] = interface
-    with nccl.env_window(env):  # the lock also keeps an abort's world cleanup away
-        if dist.is_initialized():
-            raise TransportError(
-                "group_mode='world' needs a process without a torch.distributed default group, "
-                "but this one has one; use group_mode='standalone' (or 'auto')"
-            )
-        dist.init_process_group(
-            backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=rendezvous
-        )
-        group = dist.new_group(list(range(spec.world_size)), timeout=collective, backend=backend)
-    assert isinstance(group, dist.ProcessGroup)
-    return group
-
-
-def _job_group(
-    spec: GroupSpec, ours: dist.Store, rendezvous: datetime.timedelta
-) -> dist.ProcessGroup:
-    """``new_group`` over the job's default group, whose ranks are the sync group's: every rank of
-    the job calls this at once (``new_group`` is collective over the default group).
-
-    ``new_group`` names a group by a per-process count of the groups made so far, and meets its
-    peers in the default store under that name. A formation that failed on some ranks before
-    they reached ``new_group`` would leave the counts apart for good, every later group waiting
-    for peers under another name; so the ranks first agree on the count, through this group's
-    own store (fresh per formation), and take the highest."""
-    if not dist.is_initialized() or dist.get_world_size() != spec.world_size:
-        found = dist.get_world_size() if dist.is_initialized() else "no default group"
-        raise TransportError(
-            f"group_mode='job' needs every member in one torch.distributed world of "
-            f"{spec.world_size} ranks (rank 0 the trainer), found {found}; use weight_sync.torchrun"
-        )
-    if dist.get_rank() != spec.rank:
-        raise TransportError(
-            f"group_mode='job': this process is rank {dist.get_rank()} of the job but was given "
-            f"rank {spec.rank} of the sync group; the ranks must be the job's"
-        )
-    world = dist.distributed_c10d._world
-    ours.set(f"count/{spec.rank}", str(world.group_count))
-    counts = [int(ours.get(f"count/{rank}")) for rank in range(spec.world_size)]
-    with nccl.env_window({}):  # the lock: no abort's world cleanup meanwhile
-        if world.group_count != max(counts):
-            logger.warning(
-                "group_mode='job': new_group counts differ across ranks %s (an earlier "
-                "formation failed part-way); taking %d",
-                counts,
-                max(counts),
-            )
-            world.group_count = max(counts)
-        group = dist.new_group(list(range(spec.world_size)), timeout=rendezvous, backend="gloo")
-    assert isinstance(group, dist.ProcessGroup)
-    return group
-
-
-def gloo_group(
-    spec: GroupSpec,
-    store: dist.Store,
-    rendezvous: datetime.timedelta,
-    collective: datetime.timedelta,
-) -> _GroupHandle:
-    options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-    options._timeout = rendezvous  # bounds the full-mesh connect
-    # Bind the data sockets to the interface that reaches the master (loopback by default).
-    options._devices = [
-        ProcessGroupGloo.create_device(hostname=local_address_towards(spec.address))
-    ]
-    group = ProcessGroupGloo(store, spec.rank, spec.world_size, options)
-    group.set_timeout(collective)
-    return cast(_GroupHandle, group)
-
-
-def _device_for(backend: str, device: torch.device | None) -> torch.device:
-    """The member's device: the CPU for Gloo; for NCCL the CUDA device the caller names."""
-    if backend == "gloo":
-        if device is not None and torch.device(device).type != "cpu":
-            raise ValueError(f"a Gloo sync group keeps its buffers on the CPU, not {device}")
-        return torch.device("cpu")
-    if device is None:
-        raise ValueError(
-            "backend 'nccl' needs the CUDA device this member sends or receives on "
-            "(TorchGroup.join(..., device=torch.device('cuda', index)))"
-        )
-    device = torch.device(device)
-    if device.type != "cuda" or device.index is None:
-        raise ValueError(f"backend 'nccl' needs a CUDA device with an index, not {device}")
-    if not torch.cuda.is_available() or device.index >= torch.cuda.device_count():
-        raise TransportError(
-            f"backend 'nccl' needs {device}, but this process sees "
-            f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'} CUDA devices"
-        )
-    return device
-
-
-def _interface_of(ip: str) -> str | None:
-    """The name of the IPv4 interface holding ``ip`` (Linux), or None if unknown."""
-    siocgifaddr = 0x8915
-    for _, name in socket.if_nameindex():
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            try:
-                packed = fcntl.ioctl(
-                    probe.fileno(), siocgifaddr, struct.pack("256s", name[:15].encode())
-                )
-            except OSError:
-                continue
-        if socket.inet_ntoa(packed[20:24]) == ip:
-            return name
-    return None
-
-
 def _collective_error(exc: Exception, timeout: datetime.timedelta) -> Exception:
     text = str(exc)
     if "timed out" in text.lower() or "timeout" in text.lower():
@@ -929,13 +656,3 @@ def _collective_error(exc: Exception, timeout: datetime.timedelta) -> Exception:
         f"a collective failed ({text}); a member of the sync group probably died -- check the "
         "workers' logs. The next push rebuilds the group."
     )
-
-
-def _rendezvous_error(exc: Exception, spec: GroupSpec) -> Exception:
-    text = str(exc)
-    if "timed out" in text.lower() or "timeout" in text.lower():
-        return SyncTimeoutError(
-            f"the sync group did not form within {spec.rendezvous_timeout_s}s ({text}); a "
-            f"worker may not have joined or cannot reach {spec.address}:{spec.port}"
-        )
-    return TransportError(f"could not form the sync group: {text}")

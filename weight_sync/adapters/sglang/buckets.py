@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weight_sync.metadata import dtype_name
+from weight_sync.wire.metadata import dtype_name
 
 
 @dataclass(frozen=True)

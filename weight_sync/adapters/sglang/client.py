@@ -6,7 +6,7 @@ methods, and its tokenizer manager's for the three the offline engine does not e
 ``Engine`` is one method, ``call(route, body, timeout_s)``, named by the HTTP route and taking
 its JSON body, plus the checkpoint the engine was started from (for the check before a push):
 
-* ``HTTPEngine`` -- a server, over the standard library's HTTP client (``weight_sync.http``);
+* ``HTTPEngine`` -- a server, over the standard library's HTTP client (``weight_sync.control.http``);
 * ``ActorEngine`` (``engine.py``) -- an ``SGLangEngine`` Ray actor.
 
 Every call is bounded by ``timeout_s`` and raises ``ServerError`` naming the engine when it
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from weight_sync.adapters.sglang.checkpoint import Checkpoint, read_checkpoint
-from weight_sync.http import ServerError, call
+from weight_sync.control.http import ServerError, call
 
 # The HTTP endpoints the push uses, and whether each is a read (GET). The Ray actor serves the same.
 ENDPOINTS: dict[str, bool] = {

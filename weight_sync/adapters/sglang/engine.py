@@ -36,8 +36,8 @@ from weight_sync.adapters.sglang.checkpoint import Checkpoint, read_checkpoint
 from weight_sync.adapters.sglang.client import ENDPOINTS, checked
 from weight_sync.adapters.sglang.pusher import PauseMode, SGLangPusher
 from weight_sync.config import SyncConfig
-from weight_sync.http import ServerError
-from weight_sync.versions import label_version
+from weight_sync.control.http import ServerError
+from weight_sync.wire.versions import label_version
 
 __all__ = ["ActorEngine", "RemoteSGLangEngine", "SGLangEngine", "SGLangUpdater", "start_engine"]
 

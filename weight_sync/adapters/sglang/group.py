@@ -28,10 +28,11 @@ from typing import Any, cast
 import torch
 from torch.distributed import PrefixStore
 
-from weight_sync.metadata import BackendName, GroupSpec
 from weight_sync.transport import nccl
+from weight_sync.transport.forming import gloo_group
 from weight_sync.transport.rendezvous import open_store
-from weight_sync.transport.torch_group import TorchGroup, gloo_group
+from weight_sync.transport.torch_group import TorchGroup
+from weight_sync.wire.metadata import BackendName, GroupSpec
 
 
 def sglang_store(store: object, group_name: str, backend: BackendName) -> PrefixStore:

@@ -1,7 +1,7 @@
 """``SGLangServer``: one local ``python -m sglang.launch_server``, for examples and tests.
 
 SGLang often lives in a virtual environment of its own (its pins and vLLM's differ), so the
-server runs with the interpreter given as ``python`` (default: this one). ``weight_sync.server_launcher``
+server runs with the interpreter given as ``python`` (default: this one). ``weight_sync.adapters.local_servers``
 runs it: its own process group (stopping it stops SGLang's scheduler and detokenizer too),
 ready when ``/health`` answers. SGLang cannot listen on port 0 (its warm-up request goes to the
 port it was given), so ``port=0`` is a port bound here first and held until the server listens
@@ -14,7 +14,12 @@ import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
-from weight_sync.server_launcher import LocalServer, ServerStartError, check_flags, start_together
+from weight_sync.adapters.local_servers import (
+    LocalServer,
+    ServerStartError,
+    check_flags,
+    start_together,
+)
 
 __all__ = ["SGLangServer", "ServerStartError", "local_servers"]
 

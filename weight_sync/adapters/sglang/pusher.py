@@ -1,7 +1,7 @@
 """The push into SGLang engines: check, pause, send bucket by bucket, commit, resume.
 
 SGLang receives with its own code (``update_weights_from_distributed``), so its engines do not
-run our receiver and this is not ``weight_sync.protocol``'s two-phase push. What SGLang lets
+run our receiver and this is not ``weight_sync.send.pusher``'s two-phase push. What SGLang lets
 us keep, we keep:
 
 * **Checked before any byte moves** (``checkpoint.check_push``): every name must be one the
@@ -18,7 +18,7 @@ us keep, we keep:
   and say so. The next push must then carry at least every tensor the failed one sent (else it
   is refused, nothing sent), so that no engine claims a version over a mix. The label is the
   engines' only memory of what they were pushed: a pusher reads it (``/model_info``) when it
-  forms its group and takes versions past it (``weight_sync.versions``), so a new trainer or a
+  forms its group and takes versions past it (``weight_sync.wire.versions``), so a new trainer or a
   repair never reuses a version an engine served.
 * **Paused and flushed**: generation is paused around the push (``pause_mode``: ``"retract"``
   puts running requests back in the queue, recomputed with the new weights on resume;
@@ -50,19 +50,19 @@ from weight_sync.adapters.sglang.checkpoint import Checkpoint, check_push
 from weight_sync.adapters.sglang.client import Engine
 from weight_sync.adapters.sglang.group import connect_nccl, open_trainer_group
 from weight_sync.config import SyncConfig
-from weight_sync.deadline import Deadline
-from weight_sync.devices import push_device, sized_for
+from weight_sync.control.deadline import Deadline
+from weight_sync.control.futures import in_thread
+from weight_sync.control.http import ServerError, collect_answers, reason
 from weight_sync.errors import PlanMismatchError, WeightSyncError
-from weight_sync.futures import in_thread
-from weight_sync.http import ServerError, collect_answers, reason
-from weight_sync.mapping import Transform
-from weight_sync.metadata import BackendName, dtype_name
 from weight_sync.result import PushResult
-from weight_sync.send.checks import Rename, StateDict, check_state_dict, wire_dtype
 from weight_sync.send.sharded import ShardedSource
+from weight_sync.transport.devices import push_device, sized_for
 from weight_sync.transport.rendezvous import bind_listener, listen_address
 from weight_sync.transport.torch_group import TorchGroup, TorchWork
-from weight_sync.versions import (
+from weight_sync.wire.mapping import Transform
+from weight_sync.wire.metadata import BackendName, dtype_name
+from weight_sync.wire.state_dict import Rename, StateDict, check_state_dict, wire_dtype
+from weight_sync.wire.versions import (
     NO_VERSION,
     check_version,
     choose_version,

@@ -29,8 +29,8 @@ from pathlib import Path
 from weight_sync.adapters.sglang.client import HTTPEngine
 from weight_sync.adapters.sglang.pusher import PauseMode, SGLangPusher, release
 from weight_sync.config import SyncConfig
-from weight_sync.http import check_urls, fan_out
-from weight_sync.versions import label_past
+from weight_sync.control.http import check_urls, fan_out
+from weight_sync.wire.versions import label_past
 
 __all__ = ["SGLangServers", "release_servers"]
 

@@ -10,7 +10,7 @@
 * ``VLLMServers`` (``servers.py``) -- pushes into running ``vllm serve`` processes over HTTP,
   from a trainer with neither Ray nor vLLM; ``ServerProcess`` (``process.py``) starts one
   locally.
-* ``VLLMLaneServers`` (``lanes.py``) -- the same, from every rank of a sharded trainer at once,
+* ``VLLMLaneServers`` (``lanes.py`` here) -- the same, from every rank of a sharded trainer at once,
   each rank sending its own shards.
 
 Nothing here imports vLLM until it is used, so this package imports where vLLM is absent.

@@ -20,8 +20,8 @@ moves, versions that never repeat, two-phase commit, bounded waits -- without ca
     )
     engine.send_weights()          # after every optimizer step; returns the PushResult
 
-The push is the same protocol as ``WeightUpdater``'s (``weight_sync.protocol``) over a control
-plane over a store, ``weight_sync.store_plane.ClientPlane``: vLLM's client carries each round to every engine at once
+The push is the same protocol as ``WeightUpdater``'s (``weight_sync.send.pusher``) over a control
+plane over a store, ``weight_sync.control.store.ClientPlane``: vLLM's client carries each round to every engine at once
 (``init_weight_transfer_engine`` forms the group, ``start_weight_update`` prepares,
 ``update_weights`` receives, ``finish_weight_update`` commits or cancels, labelling the outputs
 with the version), and since vLLM's client returns nothing, each worker answers through a small
@@ -65,11 +65,11 @@ from weight_sync.adapters.vllm.lanes import LaneMember, StoreLaneMember
 from weight_sync.adapters.vllm.reload import ReloadTarget
 from weight_sync.adapters.vllm.servers import release_server
 from weight_sync.config import SyncConfig
+from weight_sync.control.store import ClientPlane, StoreMember
 from weight_sync.errors import first_line
-from weight_sync.protocol import Pusher
-from weight_sync.receiver import Loader, Receiver
+from weight_sync.receive.receiver import Loader, Receiver
 from weight_sync.result import PushResult
-from weight_sync.store_plane import ClientPlane, StoreMember
+from weight_sync.send.pusher import Pusher
 from weight_sync.transport.rendezvous import open_store
 
 logger = logging.getLogger(__name__)

@@ -39,8 +39,14 @@ import ray
 
 from weight_sync.adapters.vllm.extension import EXTENSION
 from weight_sync.errors import SyncTimeoutError, WeightSyncError
-from weight_sync.metadata import MemberInfo, PrepareReply, ReceiveReport, SyncStatus, WorkerReply
-from weight_sync.versions import NO_VERSION
+from weight_sync.wire.metadata import (
+    MemberInfo,
+    PrepareReply,
+    ReceiveReport,
+    SyncStatus,
+    WorkerReply,
+)
+from weight_sync.wire.versions import NO_VERSION
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ import torch
 
 from weight_sync.adapters.vllm.lanes import LaneMember
 from weight_sync.adapters.vllm.reload import ReloadTarget
-from weight_sync.metadata import SyncStatus, WorkerReply
-from weight_sync.receiver import Loader, Receiver
+from weight_sync.receive.receiver import Loader, Receiver
+from weight_sync.wire.metadata import SyncStatus, WorkerReply
 
 EXTENSION = "weight_sync.adapters.vllm.WeightSyncExtension"
 

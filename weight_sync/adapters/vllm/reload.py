@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from weight_sync.metadata import SyncPlan, TensorMeta
-from weight_sync.packing import NamedTensors
+from weight_sync.wire.metadata import SyncPlan, TensorMeta
+from weight_sync.wire.packing import NamedTensors
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 A server started with ``--weight-transfer-config '{"backend": "weight_sync"}'`` and
 ``VLLM_SERVER_DEV_MODE=1`` (which mounts vLLM's RL routes) is driven through the same push
-protocol as every other member (``weight_sync.protocol``), over the control plane vLLM's own
+protocol as every other member (``weight_sync.send.pusher``), over the control plane vLLM's own
 weight-transfer clients use (``ClientPlane``): one HTTP call per round per server, the workers'
 answers coming back through the trainer's small control store. Nothing here imports vLLM: the
 trainer side of an HTTP deployment needs only the standard library's HTTP client::
@@ -39,13 +39,13 @@ from typing import Any, Literal
 from typing_extensions import Self
 
 from weight_sync.config import SyncConfig
+from weight_sync.control.http import ServerError, call, check_urls, fan_out
 from weight_sync.errors import PlanMismatchError, WeightSyncError
-from weight_sync.http import ServerError, call, check_urls, fan_out
-from weight_sync.mapping import Transform
 from weight_sync.result import PushResult
-from weight_sync.send.checks import Rename, StateDict
 from weight_sync.send.sharded import ShardedSource
-from weight_sync.versions import NO_VERSION, check_version, label_version
+from weight_sync.wire.mapping import Transform
+from weight_sync.wire.state_dict import Rename, StateDict
+from weight_sync.wire.versions import NO_VERSION, check_version, label_version
 
 __all__ = [
     "NO_VERSION",
@@ -136,7 +136,7 @@ def release_server(
 
 def _client_plane(client: ServersClient, workers: int, config: SyncConfig) -> Any:
     """The trainer's control plane over vLLM clients (imported here: it needs torch)."""
-    from weight_sync.store_plane import ClientPlane
+    from weight_sync.control.store import ClientPlane
 
     return ClientPlane(client, workers, config)
 
@@ -359,7 +359,7 @@ class VLLMServers:
 
     def _build(self, timeout_s: float) -> None:
         """A new control plane and pusher over every worker of every server."""
-        from weight_sync.protocol import Pusher
+        from weight_sync.send.pusher import Pusher
 
         workers = count_workers(self.urls, timeout_s)
         self._plane = _client_plane(self._client, workers, self.config)

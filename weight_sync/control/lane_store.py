@@ -1,0 +1,179 @@
+"""The store side of a push from several senders: the keys of each sender's store, the commands
+a sender posts there in order (``Commands``), and how the lanes of each push ended
+(``Verdicts``, in rank 0's store).
+
+A lane is one sender's ordinary push (``Pusher``) over the store plane (docs/many-senders.md):
+``send.senders`` runs the senders' side, ``receive.inbound`` the members'; both read and write
+what this module names.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import threading
+from collections import deque
+from typing import Any
+
+import torch.distributed as dist
+
+from weight_sync.control.deadline import Deadline
+from weight_sync.control.store import (
+    KEPT_PUSHES,
+    ClientPlane,
+)
+from weight_sync.errors import (
+    SenderFailedError,
+    SyncTimeoutError,
+    WorkerFailedError,
+    first_line,
+)
+from weight_sync.wire.lane_rules import judge
+
+logger = logging.getLogger(__name__)
+
+COMMAND = "cmd/"  # + sequence number: the n-th step a sender asked of its members
+FLOOR = f"{COMMAND}floor"  # the first command still in the store: the older ones are deleted
+BEGIN = f"{COMMAND}begin/"  # + push number: the sequence number of the push's ``begin``
+CLOSE = "close"
+VERDICTS = "lanes/"  # + push/sender: how each lane ended; + push/verdict: rank 0's verdict
+LONGEST_WAIT_S = 86400.0  # one store wait; a longer deadline waits again
+# A member's answer to a layout check over one group it holds none of (it restarted, or lanes
+# from other senders took its place): the senders form the group again before their next push.
+NO_ONE_GROUP = "this worker holds no one group with these senders"
+
+
+class Commands:
+    """A sender's ``Client``: each call of a push becomes the next command in its store, which
+    each of its members reads in order; their answers come back through ``ClientPlane``'s
+    mailbox. Posted through the plane itself, so that commands and the protocol's messages keep
+    one order; the plane calls a client from several threads, hence the lock."""
+
+    def __init__(self) -> None:
+        self.plane: ClientPlane | None = None  # the plane this client serves: set once it exists
+        self._next = 0
+        # Each push still in the store: its number, and the sequence number of its first command.
+        self._starts: deque[tuple[int, int]] = deque()
+        self._lock = threading.Lock()
+
+    def post(self, op: str, arg: dict[str, Any], new_push: bool = False) -> None:
+        """Post the next command; ``new_push``: it begins a push, and the commands of pushes
+        more than ``KEPT_PUSHES`` ago are deleted (a loop pushing for days would otherwise
+        leave a few keys a push in the store). A member further behind than that skips to
+        ``FLOOR`` when it next receives."""
+        assert self.plane is not None, "the plane comes first"
+        with self._lock:
+            if new_push:
+                self._starts.append((int(arg["push"]), self._next))
+                if len(self._starts) > KEPT_PUSHES:
+                    (push, gone), (_, floor) = self._starts.popleft(), self._starts[0]
+                    self.plane.post(FLOOR, str(floor))
+                    keys = [f"{COMMAND}{number}" for number in range(gone, floor)]
+                    self.plane.forget([*keys, f"{BEGIN}{push}"])
+                self.plane.post(f"{BEGIN}{arg['push']}", str(self._next))
+            self.plane.post(f"{COMMAND}{self._next}", json.dumps({"op": op, "arg": arg}))
+            self._next += 1
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.post(
+            "init",
+            {
+                k: init_info[k]
+                for k in ("address", "port", "epoch", "timeout_s", "max_metadata_bytes")
+            },
+        )
+
+    def start_weight_update(self) -> None:
+        self.post("start", {})
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.post("update", {"version": int(update_info["version"])})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.post("finish", {})
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.post("shutdown", {})
+
+
+class Verdicts:
+    """How the lanes of each push ended, in rank 0's store (``store``: a prefix of it): every
+    sender reports its own, rank 0 judges them all and posts the verdict, which the others read.
+    Bounded by the push's deadline; a sender that never reports is named as dead or hung."""
+
+    def __init__(self, store: Any, senders: int) -> None:
+        self._store = store
+        self._senders = senders
+
+    def settle(
+        self,
+        push: int,
+        sender: int,
+        outcome: dict[str, Any],
+        deadline: Deadline,
+    ) -> dict[str, Any]:
+        """Report ``outcome`` (``{"error": ...}``, or the lane's nbytes, buckets and wire
+        bytes), then the verdict: judged here on rank 0, read elsewhere. Raises
+        ``SenderFailedError`` when a lane did not land; else returns every lane's sums."""
+        self._store.set(f"{push}/{sender}", json.dumps(outcome))
+        if sender == 0:
+            self._forget(push - KEPT_PUSHES)
+            keys = [f"{push}/{rank}" for rank in range(self._senders)]
+            try:
+                self._store.wait(keys, left(deadline))
+            except dist.DistStoreError:
+                pass  # named below as never having reported
+            reports = {
+                rank: json.loads(self._store.get(key)) if self._store.check([key]) else None
+                for rank, key in enumerate(keys)
+            }
+            verdict = judge(reports)
+            self._store.set(f"{push}/verdict", json.dumps(verdict))
+        else:
+            verdict = self._wait(f"{push}/verdict", deadline)
+        if "failed" in verdict:
+            if outcome.get("broken") and verdict["dead"]:
+                # Workers died or froze mid-push: every lane has them, this one too, which
+                # broke naming no one (from here, the death had not been seen yet).
+                raise WorkerFailedError(
+                    f"worker(s) {verdict['dead']} died or stopped answering mid-push, which "
+                    f"broke this lane too: {verdict['failed']}",
+                    verdict["dead"],
+                )
+            raise SenderFailedError(verdict["failed"], verdict["senders"])
+        return verdict
+
+    def report_for(self, push: int, sender: int, why: str) -> None:
+        """A member saw ``sender``'s store close mid-push: its process is gone and will never
+        report. Said for it (unless it reported first), so that rank 0's verdict comes now
+        rather than at the push's deadline."""
+        try:
+            report = json.dumps({"error": why, "gone": True})
+            self._store.compare_set(f"{push}/{sender}", "", report)
+        except RuntimeError as exc:  # rank 0 is gone too: nobody to tell
+            logger.debug("cannot report sender %d's death: %s", sender, exc)
+
+    def _forget(self, push: int) -> None:
+        """Rank 0: delete the keys of ``push``, long settled (every sender read its verdict
+        before it began the next push)."""
+        if push > 0:
+            for key in [f"{push}/{rank}" for rank in range(self._senders)] + [f"{push}/verdict"]:
+                self._store.delete_key(key)
+
+    def _wait(self, key: str, deadline: Deadline) -> dict[str, Any]:
+        try:
+            self._store.wait([key], left(deadline))
+        except dist.DistStoreError as exc:
+            raise SyncTimeoutError(f"rank 0 gave no verdict ({key}) in time") from exc
+        except RuntimeError as exc:
+            raise SenderFailedError(
+                f"rank 0 died or left before its verdict ({first_line(exc)}); no member "
+                "claims the push",
+                [0],
+            ) from exc
+        return dict(json.loads(self._store.get(key)))
+
+
+def left(deadline: Deadline) -> datetime.timedelta:
+    return datetime.timedelta(seconds=deadline.left(LONGEST_WAIT_S))

@@ -1,0 +1,447 @@
+"""A control plane over a store: the trainer posts each step of a push, its members answer.
+
+The trainer listens (a ``TCPStore`` on a socket it bound: loopback unless ``SyncConfig`` names an
+address); every member dials it, takes a slot, and answers each step of a push under
+``step/key/slot`` with a ``WorkerReply`` -- the step's result or its typed error. What *tells* the
+members to run a step is a ``Client``, the five calls of vLLM's weight-transfer API:
+
+* vLLM's own clients (``RayVLLMWeightSyncClient``, ``HTTPVLLMWeightSyncClient``) and ours over
+  several ``vllm serve`` processes (``adapters.vllm.servers``): each call reaches every engine,
+  whose workers run ``StoreMember`` (``adapters.vllm.backend``); such a call returns nothing, and
+  with several engines loses which one failed, hence the answers through the store;
+* the ranks of one launched job (``weight_sync.launch.job_sync``): each call is a command in the same
+  store, which every rank reads in order.
+
+``ClientPlane`` is the trainer's ``ControlPlane`` over any of them; ``StoreMember`` the member's
+end. Only JSON crosses the store, bounded in size; nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+import torch
+
+from weight_sync.config import SyncConfig
+from weight_sync.control.futures import Backoff, in_thread, joined, resolve, then
+from weight_sync.control.plane import Fate, is_collateral
+from weight_sync.errors import WeightSyncError, first_line
+from weight_sync.receive.receiver import Check, Loader, Receiver
+from weight_sync.transport import teardown
+from weight_sync.transport.rendezvous import bind_listener, listen_address, open_store
+from weight_sync.wire.metadata import (
+    GroupSpec,
+    MemberInfo,
+    PrepareReply,
+    PrepareRequest,
+    PushReply,
+    ReceiveReport,
+    SyncPlan,
+    WorkerReply,
+)
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "weight_sync/control/plane/"
+_POLL_S = (0.001, 0.005)  # the first and the longest pause between looks for answers
+_COMMIT, _CANCEL = "commit", "cancel"
+MAX_REPLY_CHARS = 1 << 20
+KEPT_PUSHES = 2  # pushes whose keys stay in a store: a member one push behind still finds them
+_KEPT_PLANS = 4  # distinct plans kept in the store (one is posted again when next used)
+
+
+class Client(Protocol):
+    """How the trainer tells every member to run one step (vLLM's ``VLLMWeightSyncClient``)."""
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
+
+    def start_weight_update(self) -> None: ...
+
+    def update_weights(self, update_info: dict[str, Any]) -> None: ...
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None: ...
+
+
+# -- the member's end ------------------------------------------------------------------------------
+
+
+class StoreMember:
+    """One member answering a ``ClientPlane`` through its store: each method is one step, run
+    when the member's client call (or command) arrives.
+
+    ``check`` is the member's check of a plan before any byte moves; ``loader`` makes the
+    ``Loader`` a receive and a commit hand their tensors to; ``destinations`` the tensors bytes
+    may land in directly (see ``Receiver.receive``). Each step writes its result or error for
+    the trainer and raises the error again (vLLM then ends its update session)."""
+
+    def __init__(
+        self,
+        receiver: Receiver,
+        check: Check,
+        loader: Callable[[], Loader],
+        destinations: Callable[[], Mapping[str, torch.Tensor] | None] = lambda: None,
+    ) -> None:
+        self.receiver = receiver
+        self.retarget(check, loader, destinations)
+        self._store: Any = None
+        self._slot = 0
+        self._epoch = 0
+        self.pushing: int | None = None  # the version this member prepared
+        self.prepared: PrepareReply | None = None  # its verdict on that push
+
+    def retarget(
+        self,
+        check: Check,
+        loader: Callable[[], Loader],
+        destinations: Callable[[], Mapping[str, torch.Tensor] | None] = lambda: None,
+    ) -> None:
+        """Where the next push lands (a job's rank may receive into another model each time)."""
+        self._check, self._loader, self._destinations = check, loader, destinations
+
+    def init(
+        self,
+        address: str,
+        port: int,
+        epoch: int,
+        timeout_s: float,
+        max_metadata_bytes: int,
+        slot: int | None = None,
+    ) -> None:
+        """Dial the trainer's store, answer its probe, and join the group it then describes.
+        ``slot``: this member's place (1-based) where it is fixed (a job's rank), else the order
+        of arrival."""
+        self.shutdown()
+        from torch.distributed import PrefixStore
+
+        self._store = PrefixStore(PREFIX, open_store(address, port, 1, timeout_s, None))
+        self._epoch = epoch
+        self._slot = slot if slot is not None else int(self._store.add(f"{epoch}/slots", 1))
+        self._answer(f"info/{epoch}/{self._slot}", lambda: self.receiver.info().model_dump_json())
+
+        def join() -> None:
+            spec_json = self._read(f"spec/{epoch}/{self._slot}", max_metadata_bytes)
+            self.receiver.join_json(spec_json, max_metadata_bytes)
+
+        self._answer(f"joined/{epoch}/{self._slot}", join)
+
+    def start(self) -> None:
+        """Check the push the trainer announced (fetching its plan from the store if this member
+        does not hold it)."""
+        request_json = self._read(f"prepare/{self._epoch}", MAX_REPLY_CHARS)
+        request = PrepareRequest.model_validate_json(request_json)
+        self.pushing, self.prepared = request.version, None
+
+        def prepare() -> str:
+            # With its destinations, a member whose weights take every byte in place offers to
+            # take deltas (PrepareReply.in_place): without them, a job never pushed one.
+            reply = self.receiver.prepare(request_json, self._check, self._destinations)
+            if reply.need_plan:
+                limit = self.receiver.max_metadata_bytes or MAX_REPLY_CHARS
+                plan_json = self._read(f"plan/{request.plan_digest}", limit)
+                whole = request.model_copy(update={"plan": SyncPlan.model_validate_json(plan_json)})
+                reply = self.receiver.prepare(
+                    whole.model_dump_json(), self._check, self._destinations
+                )
+            self.prepared = reply
+            return reply.model_dump_json()
+
+        self._answer(f"prepared/{request.version}/{self._slot}", prepare)
+
+    def receive(self, version: int) -> None:
+        def receive() -> str:
+            receiver = self.receiver
+            loader, destinations = receiver.or_leave(lambda: (self._loader(), self._destinations()))
+            return receiver.receive(version, loader, destinations).model_dump_json()
+
+        self._answer(f"received/{version}/{self._slot}", receive)
+
+    def finish(self) -> bool:
+        """Commit the push, or drop it: the trainer's verdict, once every member received it.
+        Returns whether it committed. Never raises for a failed commit (vLLM would keep its
+        update session open, refusing every later one): that reaches the trainer through the
+        store, and the member reports no version."""
+        version, self.pushing = self.pushing, None
+        if version is None:
+            return False
+        if self._read(f"verdict/{version}", 16) != _COMMIT:
+            self.receiver.cancel(version)
+            return False
+        destinations = self._destinations() if self.receiver.staged else None
+        self._answer(
+            f"committed/{version}/{self._slot}",
+            lambda: self.receiver.commit(version, self._loader(), destinations),
+            reraise=False,
+        )
+        return self.receiver.version == version
+
+    def shutdown(self) -> None:
+        self.receiver.leave()
+        self._store = None
+
+    def _read(self, key: str, limit: int) -> str:
+        value = self._store.get(key).decode()
+        if len(value) > limit:
+            raise WeightSyncError(f"control message {key!r} of {len(value)} bytes exceeds {limit}")
+        return value
+
+    def _answer(self, key: str, step: Callable[[], Any], reraise: bool = True) -> None:
+        """Run ``step`` and write its result or its error to ``key`` for the trainer; an error
+        is raised again here too (``reraise``)."""
+        reply, error = WorkerReply.of(step, self.receiver.status)
+        self._store.set(key, reply.model_dump_json())
+        if error is not None and reraise:
+            raise error
+
+
+# -- the trainer's end -----------------------------------------------------------------------------
+
+
+class ClientPlane:
+    """``ControlPlane`` over a ``Client`` (see the module doc). Members are the processes that
+    answer, in the order they took their slots."""
+
+    def __init__(self, client: Client, workers: int, config: SyncConfig) -> None:
+        from torch.distributed import PrefixStore
+
+        self._client = client
+        self._workers = workers
+        self._timeout_s = config.rendezvous_timeout_s
+        self._max_metadata_bytes = config.max_metadata_bytes
+        address = listen_address(config.master_addr, config.interface)
+        listener = bind_listener(address)
+        self._address, self._port = address, listener.getsockname()[1]
+        self._mailbox = _Mailbox(
+            PrefixStore(PREFIX, open_store(address, self._port, 1, self._timeout_s, listener))
+        )
+        self._epoch = 0
+        self._plans: deque[str] = deque()  # digests whose plan is in the store, oldest first
+        self._verdicts: deque[int] = deque()  # versions whose verdict is in the store
+        self._joining: Future[Any] | None = None
+        self._pushing: int | None = None  # prepared, neither committed nor cancelled
+
+    def __len__(self) -> int:
+        return self._workers
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """Where the members dial the trainer's store."""
+        return self._address, self._port
+
+    def probe(self, timeout_s: float) -> list[Future[MemberInfo]]:
+        self._mailbox.abandon("the members were asked to join afresh")
+        self._epoch += 1
+        info = {
+            "address": self._address,
+            "port": self._port,
+            "epoch": self._epoch,
+            "timeout_s": self._timeout_s,
+            "max_metadata_bytes": self._max_metadata_bytes,
+        }
+        self._joining = in_thread(lambda: self._client.init_weight_transfer_engine(info))
+        return self._round("info", self._epoch, self._joining, MemberInfo)
+
+    def join(
+        self, specs: Sequence[GroupSpec], max_metadata_bytes: int, timeout_s: float
+    ) -> list[Future[None]]:
+        assert self._joining is not None, "probe first"
+        for slot, spec in enumerate(specs, start=1):
+            self._mailbox.post(f"spec/{self._epoch}/{slot}", spec.model_dump_json())
+        return self._round("joined", self._epoch, self._joining, None)
+
+    def prepare(
+        self,
+        request: PrepareRequest,
+        plan: SyncPlan,
+        members: Sequence[int],
+        send_plan: Sequence[bool],
+        timeout_s: float,
+    ) -> list[Future[PrepareReply]]:
+        # Workers fetch the plan from the store when they lack it, so none asks for it.
+        assert list(members) == list(range(self._workers)), "every worker prepares at once"
+        self._mailbox.abandon("a later push began")
+        if plan.digest not in self._plans:
+            self._mailbox.post(f"plan/{plan.digest}", plan.wire)
+            self._plans.append(plan.digest)
+            if len(self._plans) > _KEPT_PLANS:
+                self._mailbox.forget([f"plan/{self._plans.popleft()}"])
+        self._mailbox.post(f"prepare/{self._epoch}", request.model_dump_json())
+        self._pushing = request.version
+        call = in_thread(self._client.start_weight_update)
+        return self._round("prepared", request.version, call, PrepareReply)
+
+    def cancel(self, version: int, members: Sequence[int], timeout_s: float) -> list[Future[None]]:
+        ending = self._take_session()  # now, not in the thread: the next push may begin before
+        return [in_thread(lambda: self._end_session(ending))] * len(members)
+
+    def push(self, request: PrepareRequest, timeout_s: float) -> list[Future[PushReply]]:
+        raise AssertionError("vLLM's workers never offer one-call pushes (MemberInfo.one_call)")
+
+    def receive(self, version: int, atomic: bool, timeout_s: float) -> list[Future[ReceiveReport]]:
+        call = in_thread(lambda: self._client.update_weights({"version": version}))
+        return self._round("received", version, call, ReceiveReport)
+
+    def commit(self, version: int, timeout_s: float) -> list[Future[None]]:
+        self._pushing = None
+        self._verdict(version, _COMMIT)
+        call = in_thread(lambda: self._client.finish_weight_update(str(version)))
+        # The client labels the engines' outputs with the version only after the members have
+        # committed (vLLM's finish_weight_update, then update_weight_version): the commit is
+        # over when that call returns too, or a caller generating at once reads the old label.
+        return [joined(answer, call) for answer in self._round("committed", version, call, None)]
+
+    def leave(self, timeout_s: float) -> list[Future[None]]:
+        """End any update session still open (vLLM refuses to release an engine inside one),
+        then release the engines from the group."""
+        shutdown = getattr(self._client, "shutdown_weight_transfer_engine", lambda: None)
+        ending = self._take_session()
+
+        def leave() -> None:
+            try:
+                self._end_session(ending)
+            except Exception as exc:  # a worker whose update already failed has no session
+                logger.debug("ending the update session: %s", exc)
+            shutdown()
+
+        return [in_thread(leave)] * self._workers
+
+    def drop(self, members: Sequence[int]) -> None:
+        logger.warning(
+            "vLLM worker(s) %s failed; vLLM's client still calls every engine, so pushes fail "
+            "until they are replaced",
+            list(members),
+        )
+
+    def fate(self, error: BaseException) -> tuple[Fate, str]:
+        return ("collateral" if is_collateral(error) else "raised"), first_line(error)
+
+    def post(self, key: str, value: str) -> None:
+        """Write ``key`` in the control store, in order with every message of the push protocol
+        (one connection, one lock): a launched job's commands go this way."""
+        self._mailbox.post(key, value)
+
+    def forget(self, keys: Sequence[str]) -> None:
+        """Delete ``keys`` (posted with ``post``) from the control store."""
+        self._mailbox.forget(keys)
+
+    def close(self) -> None:
+        self._mailbox.close()
+
+    def _verdict(self, version: int, word: str) -> None:
+        """Post the verdict on push ``version``; those of the pushes ``KEPT_PUSHES`` before it
+        are deleted (every member read its verdict during its push), so that a loop pushing for
+        days leaves no key a push behind."""
+        self._mailbox.post(f"verdict/{version}", word)
+        self._verdicts.append(version)
+        if len(self._verdicts) > KEPT_PUSHES:
+            self._mailbox.forget([f"verdict/{self._verdicts.popleft()}"])
+
+    def _take_session(self) -> int | None:
+        version, self._pushing = self._pushing, None
+        return version
+
+    def _end_session(self, version: int | None) -> None:
+        """``finish_weight_update`` with a verdict to drop push ``version``, if one is open."""
+        if version is not None:
+            self._verdict(version, _CANCEL)
+            self._client.finish_weight_update()
+
+    def _round(
+        self, step: str, key: int, call: Future[Any], kind: type | None
+    ) -> list[Future[Any]]:
+        """One future per worker: its answer under ``step/key/slot``, or the client call's error
+        if that call fails before the worker answered."""
+        answers = [
+            self._mailbox.expect(f"{step}/{key}/{slot}") for slot in range(1, self._workers + 1)
+        ]
+
+        def failed(done: Future[Any]) -> None:
+            if done.exception() is not None:
+                for answer in answers:
+                    resolve(answer, error=done.exception())
+
+        call.add_done_callback(failed)
+        return [then(answer, lambda raw: _parse(raw, kind)) for answer in answers]
+
+
+class _Mailbox:
+    """The trainer's end of the control store: it posts messages, and gets futures for the keys
+    workers will answer under, resolved by one thread that polls for them (a store's blocking
+    ``wait`` would hold up every other use of it). One lock guards every use of the store."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self._pending: dict[str, Future[str]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def post(self, key: str, value: str) -> None:
+        with self._lock:
+            self._store.set(key, value)
+
+    def forget(self, keys: Sequence[str]) -> None:
+        with self._lock:
+            if not self._closed:
+                for key in keys:
+                    self._store.delete_key(key)
+
+    def expect(self, key: str) -> Future[str]:
+        future: Future[str] = Future()
+        with self._lock:
+            self._pending[key] = future
+            if self._thread is None:
+                # Inside Store.check most of its life: an exit stops it before finalising,
+                # or it would come back from that call into a finalising interpreter
+                # (std::terminate: see transport.teardown).
+                self._thread = teardown.start("weight-sync-replies", self._poll, self.close)
+        return future
+
+    def abandon(self, why: str) -> None:
+        """Give up on every answer still awaited: a push begins only once the last one ended,
+        so an answer a member never gave (it died, the push failed elsewhere) is nobody's to
+        wait for, and the poller would look for it under the lock every post takes, forever."""
+        with self._lock:
+            self._give_up(why)
+
+    def close(self) -> None:
+        """Stop polling and drop the store (the trainer's listening socket goes with it)."""
+        with self._lock:
+            self._closed, self._store = True, None
+            self._give_up("the weight-transfer engine was shut down")
+
+    def _give_up(self, why: str) -> None:
+        for future in self._pending.values():
+            resolve(future, error=WeightSyncError(why))
+        self._pending.clear()
+
+    def _poll(self) -> None:
+        backoff = Backoff(*_POLL_S)
+        while True:
+            arrived = []
+            with self._lock:
+                if self._closed:
+                    return
+                for key, future in list(self._pending.items()):
+                    if future.done():  # failed with its client call
+                        del self._pending[key]
+                    elif self._store.check([key]):
+                        arrived.append((future, self._store.get(key).decode()))
+                        self._store.delete_key(key)
+                        del self._pending[key]
+            for future, value in arrived:
+                resolve(future, result=value)
+            if arrived:  # the next answer is likely near: look again soon
+                backoff = Backoff(*_POLL_S)
+            backoff.sleep()
+
+
+def _parse(raw: str, kind: type | None) -> Any:
+    if len(raw) > MAX_REPLY_CHARS:
+        raise WeightSyncError(f"a worker's reply of {len(raw)} bytes exceeds {MAX_REPLY_CHARS}")
+    value = WorkerReply.model_validate_json(raw).unwrap()
+    return kind.model_validate_json(value) if kind is not None and value is not None else None  # type: ignore[attr-defined]

@@ -1,0 +1,601 @@
+"""The ranks of one launched job -- ``torchrun``, ``mpirun``, ``mp.spawn`` -- as a sync group, no Ray.
+
+The textbook shape: N processes started by a launcher, rank 0 training, ranks 1..N-1 serving,
+rank 0 broadcasting fresh weights to the others over a group made with ``new_group`` beside the
+job's default group. Every rank makes a ``JobSync`` at the same point (a collective), then calls
+``update(model)`` once per push::
+
+    sync = JobSync(SyncConfig())          # reads the launcher's environment if need be
+    for step in range(steps):
+        if sync.rank == 0:
+            train_step(model)
+        version = sync.update(model)      # rank 0 pushes model.state_dict(), the others receive
+    sync.close()
+
+It is the same push as ``WeightUpdater``'s -- ``weight_sync.send.pusher`` over the store-backed plane
+of ``weight_sync.control.store`` -- so the checks before any byte moves, versions that never repeat,
+two-phase commit, bounded waits and typed errors are the same: rank 0's ``push`` raises what
+``WeightUpdater.push`` raises, and every other rank's ``receive`` raises a ``WeightSyncError`` when
+the push did not commit there (``PlanMismatchError`` when this rank refused it).
+
+The control plane: rank 0 listens on a store of its own (``SyncConfig.master_addr`` or
+``interface``: loopback unless named, so a job across nodes must name rank 0's address) and tells
+the ranks where with one broadcast over the default group; each step of a push is then a command
+in that store, which every rank reads in order and answers. Bytes travel over the dedicated group
+(``group_mode='job'``: ``new_group`` over the default group, Gloo; an NCCL push stands alone, see
+``transport.torch_group``). Ranks are the job's ranks: rank r of the job is rank r of the group.
+
+Several senders (``JobSync(senders=K)``: ranks ``0..K-1`` a sharded trainer, every one pushing
+its own shards; see docs/many-senders.md): each sender is the above on a lane of its own -- its
+store, its ``Pusher``, a standalone group with the receiving ranks -- and each receiving rank
+runs one ``Receiver`` per lane, on a thread each, placing the lanes' blocks in its model
+(``receive.assembly``). Around the lanes, every rank agrees before any byte moves (a gather of
+fixed-size rows over a Gloo group of the job: each sender's checks, version and layout digest;
+the layout itself to receiving ranks that lack it; their refusals), and after them rank 0 judges
+the senders' reports in its store; a receiving rank holds a version only once every lane
+committed it there.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pydantic import ValidationError
+from typing_extensions import Self
+
+from weight_sync.config import SyncConfig
+from weight_sync.control.lane_store import VERDICTS, Verdicts
+from weight_sync.errors import (
+    PlanMismatchError,
+    WeightSyncError,
+)
+from weight_sync.receive.assembly import Assembly
+from weight_sync.receive.inbound import Lanes
+from weight_sync.receive.receiver import Loader, expecting
+from weight_sync.result import PushResult
+from weight_sync.send.senders import (
+    Outbound,
+    before_any_byte,
+    form_one_group,
+    formed_everywhere,
+    gather_rows,
+    lane_config,
+    push_share,
+    share_endpoints,
+)
+from weight_sync.send.sharded import control_device
+from weight_sync.transport import TorchGroup
+from weight_sync.transport.base import Transport
+from weight_sync.transport.devices import CPU, module_device
+from weight_sync.transport.rendezvous import open_store
+from weight_sync.transport.rounds import Rounds, Route, SendLane, routes_over
+from weight_sync.wire.blocks import BlockLayout
+from weight_sync.wire.lane_rules import Share, called_off, share_of
+from weight_sync.wire.metadata import SyncStatus
+from weight_sync.wire.state_dict import StateDict
+
+__all__ = ["JobSync", "LaunchEnv", "launch_env"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Who this process is in a launched job, as its launcher says."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    launcher: str  # "torchrun" or "mpirun"
+
+
+def launch_env(environ: Mapping[str, str]) -> LaunchEnv | None:
+    """Read the launcher's variables: torchrun's (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``) or
+    Open MPI's (``OMPI_COMM_WORLD_RANK``, ``_SIZE``, ``_LOCAL_RANK``); None where neither is
+    set (``mp.spawn`` sets none: its processes make their default group themselves)."""
+    for launcher, prefix in (("torchrun", ""), ("mpirun", "OMPI_COMM_WORLD_")):
+        rank, size = (
+            environ.get(f"{prefix}RANK"),
+            environ.get(f"{prefix}SIZE" if prefix else "WORLD_SIZE"),
+        )
+        if rank is None and size is None:
+            continue
+        try:
+            parsed = LaunchEnv(
+                int(rank or ""),
+                int(size or ""),
+                int(environ.get(f"{prefix}LOCAL_RANK", "0")),
+                launcher,
+            )
+        except ValueError:
+            raise ValueError(
+                f"{launcher}'s variables {prefix or ''}RANK={rank!r} and "
+                f"{prefix + 'SIZE' if prefix else 'WORLD_SIZE'}={size!r} must both be integers"
+            ) from None
+        if not 0 <= parsed.rank < parsed.world_size:
+            raise ValueError(f"rank {parsed.rank} is outside a world of {parsed.world_size}")
+        return parsed
+    return None
+
+
+class JobSync:
+    """This rank's end of the job's pushes; see the module doc.
+
+    Made on every rank at once (it shares the senders' addresses over the default group). If
+    the process has no default group yet, one is made from the launcher's variables (Gloo,
+    ``init_method``: ``env://`` by default, which needs ``MASTER_ADDR``/``MASTER_PORT``: torchrun
+    sets them, mpirun users export them with ``-x``; or a ``file://`` path every rank shares).
+
+    ``senders``: how many ranks send, ranks ``0..senders-1``. One (the default): rank 0 pushes
+    its state dict whole. More: the ranks of a sharded trainer (FSDP2, tensor parallel), each
+    pushing the blocks of its own shards at once over a lane of its own; see the module doc.
+
+    ``one_group`` (with several senders): every lane's buckets go over one group of every rank,
+    point to point, each receiving rank taking them in rounds (``transport.rounds``), rather
+    than over a Gloo group per lane -- the design for NCCL (``SyncConfig(backend="nccl")``,
+    which needs it), where K communicators on one GPU may deadlock. A push that fails midway
+    leaves that group aborted; every rank forms it again as the next push begins.
+    """
+
+    def __init__(
+        self,
+        config: SyncConfig | None = None,
+        *,
+        senders: int = 1,
+        init_method: str | None = None,
+        one_group: bool = False,
+    ) -> None:
+        if config is not None and not isinstance(config, SyncConfig):
+            raise TypeError(f"config must be a SyncConfig, got {type(config).__name__}")
+        if not isinstance(senders, int) or isinstance(senders, bool) or senders < 1:
+            raise ValueError(f"senders must be an int >= 1 (the trainer's ranks), got {senders!r}")
+        config = config or SyncConfig()
+        if "same_host" in config.model_fields_set and config.same_host != "group":
+            raise ValueError(
+                "JobSync pushes over the job's own groups, every receiving rank a member: "
+                f"same_host={config.same_host!r} would take some ranks out of them; leave it unset"
+            )
+        # One sender: new_group over the job's world, unless the config asks for a group of its
+        # own rendezvous ("standalone": members on one host then take the push from one of them,
+        # see SyncConfig.relay). Several: a group per lane, each standalone (new_group is
+        # collective over the world, and the lanes form at once).
+        mode = "job" if senders == 1 else "standalone"
+        if "group_mode" in config.model_fields_set and config.group_mode != mode:
+            if config.group_mode != "standalone":
+                raise ValueError(
+                    f"JobSync pushes over a group made with new_group ('job') or of its own "
+                    f"('standalone'), not group_mode={config.group_mode!r}"
+                    + (" (several senders need 'standalone')" if senders > 1 else "")
+                )
+            mode = "standalone"
+        self.config = config.model_copy(update={"group_mode": mode, "same_host": "group"})
+        if one_group and senders == 1:
+            raise ValueError("one_group is for several senders; one sender already has one group")
+        buckets = self.config  # with one_group, the backend the buckets travel on
+        if senders > 1:
+            self.config = lane_config(self.config, one_group)  # the lanes' own groups: Gloo
+        self.senders = senders
+        self._one_group: TorchGroup | None = None  # one_group: every lane's buckets go over it
+        self._buckets = buckets if one_group else None  # and the config it is formed with
+        self._routes: list[Route] = []  # each lane's way over it
+        self._renew = False  # this rank's last push failed once the bytes began
+        self._out: Outbound | None = None  # a sender's lane
+        self._lanes: Lanes | None = None  # a receiving rank's, one per sender
+        self._control: dist.ProcessGroup | None = None  # several senders: every rank, Gloo
+        self._verdicts: Verdicts | None = None  # a sender's, with several
+        self._pushes = 0  # pushes begun (every rank, with several senders)
+        self._committed = 0  # a sender's, with several: the last push every lane committed
+        self._closed = False
+        self._device = CPU  # where this rank's model lives: set by each receive
+        self.last_result: PushResult | None = None
+        self._owns_world = _ensure_world(config, init_method)
+        try:
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+            if self.world_size <= senders:
+                raise ValueError(
+                    f"a job of {self.world_size} ranks, {senders} of them sending, has nobody to "
+                    "push to: launch more ranks, or name fewer senders"
+                )
+            wrap = None  # a sender's: its lane's buckets over the one group
+            if one_group:
+                failure = self._form_one_group()
+                formed_everywhere(failure, "connect the one group", None, control_device(None))
+                wrap = self._over_one_group if self.rank < senders else None
+            mine: tuple[str, int] | Exception | None = None
+            if self.rank < senders:
+                try:
+                    self._out = Outbound(self.config, self.world_size - senders, wrap)
+                    mine = self._out.address
+                except Exception as exc:  # raised once the others know (see share_endpoints)
+                    mine = exc
+            endpoints = share_endpoints(mine, senders, None, control_device(None))
+            failure = None
+            self._endpoints = endpoints
+            if self.rank >= senders:
+                try:
+                    self._lanes = self._follow(None)
+                except Exception as exc:  # raised once the others know: they do not wait for it
+                    failure = exc
+            formed_everywhere(failure, "follow the senders' lanes", None, control_device(None))
+            if senders > 1:
+                self._control = dist.new_group(backend="gloo", timeout=_timeout(self.config))
+                if self.rank < senders:
+                    store = open_store(*endpoints[0], 1, self.config.rendezvous_timeout_s, None)
+                    self._verdicts = Verdicts(dist.PrefixStore(VERDICTS, store), senders)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- every rank ----------------------------------------------------------------------------
+
+    @property
+    def is_sender(self) -> bool:
+        return self.rank < self.senders
+
+    def update(
+        self, model: torch.nn.Module, timeout_s: float | None = None, version: int | None = None
+    ) -> int:
+        """One push: the senders send ``model.state_dict()`` (with several senders, each its
+        own shards of it), every other rank receives into its ``model`` (same names, shapes,
+        dtypes: whole tensors). Returns the version now held, on every rank. ``version`` (read
+        on the senders only): as ``WeightUpdater.push`` -- an RL loop's step, past every
+        version a rank holds or was sent, or refused before anything is sent."""
+        if self.is_sender:
+            return self.push(model.state_dict(), version=version).version
+        return self.receive(model, timeout_s=timeout_s)
+
+    @property
+    def version(self) -> int | None:
+        """The version this rank holds (a sender: the last one every rank committed); None
+        before the first push, while this rank's weights are part-way through one, and once
+        closed."""
+        if self._out is not None:
+            return (self._out.pusher.version if self.senders == 1 else self._committed) or None
+        if self._lanes is None:
+            return None
+        if self.senders == 1:
+            return self._lanes.inbound[0].member.receiver.version
+        return self._lanes.held
+
+    def close(self) -> None:
+        """Leave. On a sender the other ranks' next ``receive`` raises; the default group is
+        destroyed only if ``JobSync`` made it. Idempotent."""
+        self._closed = True
+        out, self._out = self._out, None
+        if out is not None:
+            out.close()
+        if self._lanes is not None:
+            self._lanes.close()
+        self._lanes, self._verdicts = None, None
+        if self._one_group is not None:
+            self._one_group.close()
+            self._one_group = None
+        if self._owns_world and dist.is_initialized():
+            self._owns_world = False
+            dist.destroy_process_group()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _form_one_group(self) -> Exception | None:
+        """Every rank at once: the one group every lane's buckets go over, and their routes.
+        Returns what failed in connecting them, to be raised once every rank knows (the pairs
+        they join connect point to point: a pair that cannot fails its two ranks only)."""
+        assert self._buckets is not None
+        self._one_group = form_one_group(self._buckets, None, control_device(None))
+        try:
+            self._routes = routes_over(self._one_group, self.senders)
+        except Exception as exc:
+            return exc
+        return None
+
+    def _over_one_group(self, lane: Transport) -> Transport:
+        """A sender's lane, each time it forms: its buckets over the one group of the moment."""
+        assert self._one_group is not None, "the one group forms before any push"
+        return SendLane(lane, self._one_group, self._routes[self.rank].targets)
+
+    def _follow(self, before: SyncStatus | None) -> Lanes:
+        """A receiving rank's lanes from every sender (over the one group, if there is one)."""
+        rounds = None
+        if self._one_group is not None:
+            rounds = Rounds(self._one_group, range(self.senders), self._routes)
+        return Lanes(
+            self._endpoints,
+            self.rank - self.senders + 1,
+            lambda: self._device,
+            self.config.rendezvous_timeout_s,
+            rounds,
+            before=before,
+        )
+
+    def _renew_one_group(self) -> None:
+        """Every rank at once, as a push begins over one group: where any rank's last push
+        failed once its bytes began (the group is then aborted, or may be), leave the group
+        and form it again, every receiving rank following the senders' lanes anew (keeping
+        the version it holds), before the push's agreement. One small all-reduce otherwise."""
+        assert self._control is not None
+        flag = torch.tensor([int(self._renew or self._one_group is None)])
+        before_any_byte(lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._control))
+        if not int(flag):
+            return
+        logger.info("rank %d: forming the one group again after a failed push", self.rank)
+        self._renew = True  # until every rank has it again
+        group, self._one_group = self._one_group, None
+        if group is not None:
+            group.close()
+        failure = self._form_one_group()
+        lanes = None
+        if self._out is not None:
+            self._out.pusher.regroup()  # the lane forms again, over the new group
+        elif failure is None:
+            assert self._lanes is not None
+            try:
+                lanes = self._follow(self._lanes.status())
+            except Exception as exc:  # raised once the others know (see formed_everywhere)
+                failure = exc
+        try:
+            formed_everywhere(failure, "form the one group again", self._control, CPU)
+        except BaseException:
+            if lanes is not None:
+                lanes.close()
+            raise
+        if lanes is not None:
+            old, self._lanes = self._lanes, lanes
+            assert old is not None
+            old.close()  # after: its group is gone already, and its status is the new lanes'
+        self._renew = False
+
+    # -- the senders ---------------------------------------------------------------------------
+
+    def push(self, state_dict: StateDict, **options: Any) -> PushResult:
+        """A sender: send ``state_dict`` to every receiving rank (``options``: those of
+        ``WeightUpdater.push``); the others call ``receive`` meanwhile. With several senders,
+        every sender calls it at once with its own shards of the same state dict, and each
+        returns once every lane committed (``SenderFailedError`` naming the senders that did
+        not, when one failed or died).
+
+        Every push is framed by a ``begin`` and an ``end`` command, whatever happens in between
+        (a refusal, a state dict refused here before anything was sent, a failure part-way): a
+        receiving rank's ``receive`` ends with the push, and skips what is left of one it gave
+        up on."""
+        if self._closed:
+            raise WeightSyncError("this JobSync is closed; make a new one on every rank")
+        if self._out is None:
+            raise ValueError(
+                f"rank {self.rank} receives: only ranks 0..{self.senders - 1} push (call receive)"
+            )
+        if self.senders == 1:
+            self.last_result = self._out.push(state_dict, options)
+            return self.last_result
+        if self._buckets is not None:
+            self._renew_one_group()
+        started = time.monotonic()  # the push's bound counts from here, as on Ray
+        self._pushes += 1
+        share, version = self._agree_as_sender(state_dict, options)
+        assert self._verdicts is not None and share.layout is not None
+        if not share.layout.blocks:  # no tensor has an element: nothing moves, as one sender
+            logger.info("empty state dict: nothing to push (version stays %d)", self._committed)
+            return PushResult(self._committed, 0, 0, 0.0)
+        try:
+            self.last_result = push_share(
+                self._out,
+                share,
+                version,
+                self._verdicts,
+                self._pushes,
+                self.rank,
+                started,
+                self.config.push_timeout_s,
+            )
+        except BaseException:  # once agreed: whatever failed may have left the group aborted
+            self._renew = True
+            raise
+        self._committed = self.last_result.version
+        return self.last_result
+
+    # -- every other rank ----------------------------------------------------------------------
+
+    def receive(
+        self,
+        model: torch.nn.Module | None = None,
+        *,
+        load_weights: Any = None,
+        timeout_s: float | None = None,
+    ) -> int:
+        """Take one push into ``model`` (its state dict: checked against the push before any
+        byte moves, written in place), or hand it to ``load_weights`` (an iterable of ``(name,
+        tensor)`` per bucket, tensors valid during the call; accepts any names).
+
+        Waits at most ``timeout_s`` (default ``push_timeout_s``) for the push to begin, and as
+        long again, between steps, for it to end (a step under way is bounded by the group's
+        own timeouts). Returns the version committed; raises a ``WeightSyncError`` when the
+        push did not commit here (this rank then reports no version, unless the push was
+        refused before any byte moved). With several senders, it holds a version only once
+        every sender's lane committed it here (``SenderFailedError`` naming the senders whose
+        lanes did not)."""
+        if self._closed:
+            raise WeightSyncError("this JobSync is closed; make a new one on every rank")
+        if self._lanes is None:
+            raise ValueError("the senders push: call push (or update) there")
+        if (model is None) == (load_weights is None):
+            raise ValueError("pass a model, or a load_weights callable, not both")
+        self._device = module_device(model) if model is not None else CPU
+        group = self._one_group
+        if group is not None and group.is_nccl and self._device not in (CPU, group.device):
+            raise ValueError(
+                f"this rank's model is on {self._device}, its one NCCL group on {group.device}: "
+                "call torch.cuda.set_device on the model's GPU before making the JobSync"
+            )
+        wait_s = timeout_s if timeout_s is not None else self.config.push_timeout_s
+        if self.senders == 1:
+            self._lanes.inbound[0].member.retarget(*_target(model, load_weights))
+            return self._lanes.inbound[0].receive(wait_s)
+        if self._buckets is not None:
+            self._renew_one_group()
+        self._pushes += 1
+        assembly = self._agree_as_receiver(model, load_weights)
+        try:
+            held = self._lanes.receive(assembly, self._pushes, wait_s, f"rank {self.rank}")
+        except BaseException:  # once agreed: whatever failed may have left the group aborted
+            self._renew = True
+            raise
+        if held is None:  # an empty push, before any other
+            raise WeightSyncError("the push was empty, and this rank holds no version yet")
+        return held
+
+    # -- several senders: agreeing before any byte moves, reporting after ------------------------
+
+    def _agree_as_sender(
+        self, state_dict: StateDict, options: Mapping[str, Any]
+    ) -> tuple[Share, int]:
+        """Every rank at once, before any lane moves a byte: the senders' layouts are one, each
+        sender's share passes its checks, the version is past every sender's, and every
+        receiving rank can take the layout. Any failure raises on every rank, nothing sent."""
+        assert self._out is not None
+        share = share_of(state_dict, options, self.senders, self.rank, self.config)
+        values, digest = share.row(self._out.pusher.next_version)
+        rows = self._gather(values, digest)
+        reason = called_off(rows[: self.senders])
+        if reason is None and self._lacks_layout(rows):
+            self._send_layout(share.layout if self.rank == 0 else None)
+        refusals = self._gather_refusals([])
+        if share.error is not None:
+            raise share.error
+        if reason is not None:
+            raise ValueError(f"{reason}; nothing was sent")
+        if refusals:
+            raise PlanMismatchError(
+                {r - self.senders: ["refused the push's layout (see that rank)"] for r in refusals}
+            )
+        return share, max(row[1] for row in rows[: self.senders])
+
+    def _agree_as_receiver(self, model: torch.nn.Module | None, load_weights: Any) -> Assembly:
+        """A receiving rank's half of ``_agree_as_sender``: the layout (from rank 0, when this
+        rank lacks it), checked against its model."""
+        assert self._lanes is not None
+        layout = self._lanes.layout
+        held = bytes.fromhex(layout.digest) if layout is not None else bytes(32)
+        rows = self._gather([0, 0, 0], held)
+        reason = called_off(rows[: self.senders])
+        problems: list[str] = []
+        assembly = None
+        if reason is None:
+            try:
+                if self._lacks_layout(rows):
+                    layout = self._lanes.layout = self._send_layout(None)
+                assert layout is not None
+                target = model.state_dict(keep_vars=True) if model is not None else None
+                assembly = Assembly(layout, target, load_weights if target is None else None)
+                problems = assembly.problems(self._lanes.held)
+            except WeightSyncError as exc:  # a layout this rank cannot read: refused here
+                problems = [str(exc)]
+        refusals = self._gather_refusals(problems)
+        if reason is not None:
+            raise WeightSyncError(f"the senders called the push off ({reason}); nothing changed")
+        if problems:
+            raise PlanMismatchError({self.rank - self.senders: problems})
+        if refusals:
+            raise WeightSyncError(
+                f"ranks {refusals} refused the push before any byte moved; nothing changed here"
+            )
+        assert assembly is not None
+        return assembly
+
+    def _lacks_layout(self, rows: list[tuple[int, ...]]) -> bool:
+        """Whether a receiving rank holds another layout than the senders' (then rank 0 sends
+        it): the same answer on every rank, from the same rows."""
+        return any(row[3:] != rows[0][3:] for row in rows[self.senders :])
+
+    def _gather(self, values: list[int], digest: bytes) -> list[tuple[int, ...]]:
+        assert self._control is not None
+        return gather_rows(values, digest, self._control)
+
+    def _gather_refusals(self, problems: list[str]) -> list[int]:
+        """The receiving ranks that refused the layout (this one, if ``problems``)."""
+        rows = self._gather([int(bool(problems)), 0, 0], bytes(32))
+        return [r for r, row in enumerate(rows) if row[0] and r >= self.senders]
+
+    def _send_layout(self, layout: BlockLayout | None) -> BlockLayout | None:
+        """Rank 0's layout to every rank, as JSON (no pickle). Rank 0 refused a layout over its
+        ``max_metadata_bytes`` before the push began; every rank takes both broadcasts before
+        checking the size against its own (a rank leaving between them would hang the rest)."""
+        raw = layout.wire.encode() if layout is not None else b""
+        size = torch.tensor([len(raw)], dtype=torch.int64)
+        before_any_byte(lambda: dist.broadcast(size, src=0, group=self._control))
+        buffer = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else None
+        if buffer is None:
+            buffer = torch.empty(int(size), dtype=torch.uint8)
+        before_any_byte(lambda: dist.broadcast(buffer, src=0, group=self._control))
+        if layout is not None:
+            return layout
+        if int(size) > self.config.max_metadata_bytes:
+            raise WeightSyncError(
+                f"the push's layout is {int(size)} bytes, over max_metadata_bytes="
+                f"{self.config.max_metadata_bytes} here; raise it in SyncConfig on every rank"
+            )
+        try:
+            return BlockLayout.model_validate_json(bytes(buffer.tolist()))
+        except ValidationError as exc:
+            raise WeightSyncError(
+                f"rank 0 sent a malformed layout: {exc.errors()[0]['msg']}"
+            ) from exc
+
+
+def _ensure_world(config: SyncConfig, init_method: str | None) -> bool:
+    """Make the default group from the launcher's variables unless there is one; returns
+    whether it was made here."""
+    if dist.is_initialized():
+        return False
+    env = launch_env(os.environ)
+    if env is None:
+        raise ValueError(
+            "no torch.distributed default group and no launcher variables (RANK/WORLD_SIZE from "
+            "torchrun, OMPI_COMM_WORLD_RANK/_SIZE from mpirun): launch with one of those, or call "
+            "init_process_group first (as mp.spawn's processes do)"
+        )
+    if init_method is None and not {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
+        raise ValueError(
+            f"{env.launcher} gave no MASTER_ADDR/MASTER_PORT: export them to every rank "
+            "(mpirun -x MASTER_ADDR=... -x MASTER_PORT=...) or pass init_method='file:///shared/path'"
+        )
+    dist.init_process_group(
+        "gloo",
+        init_method=init_method or "env://",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=datetime.timedelta(seconds=config.rendezvous_timeout_s),
+    )
+    return True
+
+
+def _timeout(config: SyncConfig) -> datetime.timedelta:
+    return datetime.timedelta(seconds=config.push_timeout_s)
+
+
+def _target(model: torch.nn.Module | None, load_weights: Any) -> tuple[Any, Any, Any]:
+    """(check, loader, destinations) for a push into ``model``, or through ``load_weights``."""
+    if model is None:
+        return expecting(lambda: None), lambda: Loader(load_weights), lambda: None
+    destinations = model.state_dict(keep_vars=True)
+
+    def load(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for name, tensor in weights:
+                destinations[name].copy_(tensor)
+
+    return expecting(lambda: destinations), lambda: Loader(load), lambda: destinations
+
+
+def _refuse(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    raise AssertionError("receive() sets the target before any push")

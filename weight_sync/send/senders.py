@@ -1,0 +1,535 @@
+"""The senders' side of a push from several senders: each sender's lane (``Outbound``), the
+agreement before any byte and the verdict after (``Senders``, ``push_share``).
+
+A sharded trainer pushing from every rank is K lanes at once (docs/many-senders.md): each
+sender's ordinary push (``Pusher``) over a store of its own, which every member reads
+(``receive.inbound``); every sender reports how its lane ended in rank 0's store, rank 0
+judges (``send.lane_rules``), and every sender returns or raises together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from weight_sync.config import SyncConfig
+from weight_sync.control.deadline import Deadline
+from weight_sync.control.lane_store import CLOSE, VERDICTS, Commands, Verdicts
+from weight_sync.control.store import (
+    ClientPlane,
+)
+from weight_sync.errors import (
+    PlanMismatchError,
+    SenderFailedError,
+    TransportError,
+    WeightSyncError,
+    WorkerFailedError,
+    first_line,
+)
+from weight_sync.result import PushResult
+from weight_sync.send.pusher import Pusher
+from weight_sync.transport import TorchGroup, bind_listener, listen_address
+from weight_sync.transport.base import Transport
+from weight_sync.transport.devices import CPU, current_gpu
+from weight_sync.transport.rendezvous import open_store
+from weight_sync.transport.rounds import Route, SendLane, routes_over
+from weight_sync.wire.blocks import BlockLayout
+from weight_sync.wire.lane_rules import Share, called_off, row_tensor, share_of
+from weight_sync.wire.metadata import GroupSpec
+from weight_sync.wire.state_dict import Rename, StateDict
+
+logger = logging.getLogger(__name__)
+
+_LINGER_S = 1.0  # a sender keeps its store this long after posting close
+_ENDPOINT_BYTES = 256  # a sender's store address, as JSON, in one fixed-size all-gather
+
+
+class Outbound:
+    """A sender's lane: its commands in a store of its own, which its receiving ranks read,
+    and the ``Pusher`` of its pushes."""
+
+    def __init__(
+        self,
+        config: SyncConfig,
+        receivers: int,
+        wrap: Callable[[Transport], Transport] | None = None,
+    ) -> None:
+        """``wrap``: what the lane's group is used through (over one group: ``SendLane``)."""
+        self.commands = Commands()
+        self.plane = ClientPlane(self.commands, receivers, config)
+        self.commands.plane = self.plane
+        self.pusher = Pusher(self.plane, config, wrap=wrap)
+        self._pushes = 0
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """Where its members dial its store."""
+        return self.plane.address
+
+    def push(
+        self, state_dict: StateDict, options: Mapping[str, Any], number: int | None = None
+    ) -> PushResult:
+        """One push, framed by ``begin`` and ``end`` commands whatever happens between: a member
+        ends its receive with the push, and skips what is left of one it gave up on. ``number``
+        names the push in its frames (default: this lane's count), so that a member asked for
+        push ``number`` skips the frames of any earlier one it gave up on before it began."""
+        self._pushes = number if number is not None else self._pushes + 1
+        frame = {"push": self._pushes}
+        self.commands.post("begin", frame, new_push=True)
+        try:
+            result = self.pusher.push(state_dict, **options)
+        except BaseException as exc:
+            self.commands.post("end", {**frame, "error": first_line(exc)})
+            raise
+        self.commands.post("end", {**frame, "version": result.version})
+        return result
+
+    def close(self) -> None:
+        try:
+            self.pusher.close()
+            self.commands.post(CLOSE, {})
+        except Exception as exc:  # leaving must not fail over a peer already gone
+            logger.warning("closing a lane: %s", exc)
+        finally:
+            # The store lingers a moment: ranks polling read the close, not its absence.
+            timer = threading.Timer(_LINGER_S, self.plane.close)
+            timer.daemon = True
+            timer.start()
+
+
+def lane_config(config: SyncConfig, one_group: bool = False) -> SyncConfig:
+    """How each lane of a push from several senders runs: a group of its own rendezvous (the
+    lanes form at once), every member a rank of it, over Gloo -- K NCCL communicators driven
+    from K threads on one GPU may deadlock (docs/many-senders.md). ``one_group``: the lanes'
+    buckets go over one group of every rank instead (``form_one_group``), on the backend
+    ``config`` names, and each lane's own Gloo group only votes."""
+    if config.backend == "nccl" and not one_group:
+        raise ValueError(
+            "a push from several senders runs its lanes over Gloo (CUDA tensors go through the "
+            "host); leave SyncConfig.backend unset or 'gloo', or move the buckets over one "
+            "group (JobSync or LaneUpdater with one_group=True)"
+        )
+    return config.model_copy(
+        update={"group_mode": "standalone", "same_host": "group", "backend": "gloo"}
+    )
+
+
+# Rank 0 asks the members to join one group, each as the rank its spec names, with the senders'
+# endpoints (the lanes that take its buckets); returns what waits for their answers.
+Invite = Callable[[list[GroupSpec], list[tuple[str, int]]], Callable[[], None]]
+
+
+def form_one_group(
+    config: SyncConfig,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    invite: Callable[[list[GroupSpec]], object] | None = None,
+    members: int = 0,
+) -> TorchGroup:
+    """The group every rank of ``group`` (a torch.distributed group: the job's, or the
+    senders') moves the lanes' buckets over (``transport.rounds``), in ``group``'s order, then
+    ``members`` processes outside it (Ray workers): made by all of them at once, rank 0 holding
+    the rendezvous. ``invite`` (rank 0, with ``members``) asks those to join, as the ranks the
+    specs it is given name, before rank 0 joins. On ``config.backend`` ("nccl": each rank of
+    ``group`` on its current GPU; else Gloo, on the host); ``device`` is where ``group``'s
+    backend takes the rendezvous address."""
+    rank, ranks = dist.get_rank(group), dist.get_world_size(group)
+    listener = None
+    here: tuple[str, int] | Exception | None = None
+    if rank == 0:
+        try:
+            listener = bind_listener(listen_address(config.master_addr, config.interface))
+            here = (str(listener.getsockname()[0]), int(listener.getsockname()[1]))
+        except Exception as exc:  # raised once the others know, not left to wait for rank 0
+            here = exc
+    try:
+        ((address, port),) = share_endpoints(here, 1, group, device)
+        nccl = config.backend == "nccl"
+        spec = GroupSpec(
+            group_id=f"{port:016x}",  # the group's own store: no other group to tell it from
+            address=address,
+            port=port,
+            world_size=ranks + members,
+            rank=rank,
+            backend="nccl" if nccl else "gloo",
+            mode="standalone",
+            rendezvous_timeout_s=config.rendezvous_timeout_s,
+            collective_timeout_s=config.collective_timeout_s,
+        )
+        if invite is not None and rank == 0 and members:
+            invite([spec.model_copy(update={"rank": r}) for r in range(ranks, spec.world_size)])
+        on = current_gpu() if nccl else None
+        return TorchGroup.join(spec, listener, device=on)
+    except BaseException:
+        if listener is not None:
+            listener.close()
+        raise
+
+
+class Senders:
+    """One trainer rank's part in pushes from every rank of a sharded trainer, whatever the
+    members are (Ray workers, the workers of vLLM servers): the senders' Gloo group the
+    agreement runs over, this rank's lane, and the verdicts in rank 0's store. Made on every
+    rank of ``group`` (the trainers' torch.distributed group; None: the default group) at once,
+    a collective; ``members(config)`` is asked on rank 0 only. ``owner`` names the caller's
+    class in what it tells a caller to change. ``invite``: the lanes' buckets go over one group
+    of the senders and the members (``form_one_group``, which asks the members to join through
+    it, each a rank past the senders' in member order, with the senders' ``endpoints``: the
+    lanes to take those buckets), on ``config``'s backend."""
+
+    def __init__(
+        self,
+        config: SyncConfig | None,
+        group: dist.ProcessGroup | None,
+        members: Callable[[SyncConfig], int],
+        owner: str,
+        invite: Invite | None = None,
+    ) -> None:
+        if config is not None and not isinstance(config, SyncConfig):
+            raise TypeError(f"config must be a SyncConfig, got {type(config).__name__}")
+        if not dist.is_initialized():
+            raise ValueError(
+                f"a {owner} needs the trainers' torch.distributed group; call "
+                "init_process_group on every trainer rank first"
+            )
+        given = config or SyncConfig()
+        self.config = lane_config(given, one_group=invite is not None)
+        self.rank, self.senders = dist.get_rank(group), dist.get_world_size(group)
+        ranks = dist.get_process_group_ranks(group) if group is not None else None
+        timeout = datetime.timedelta(seconds=self.config.push_timeout_s)
+        # Named from its ranks (use_local_synchronization), not from the world's count of
+        # groups: when the trainers are part of a larger world -- one replica of a hybrid-
+        # sharded trainer pushing -- the other ranks never make it, and a count advanced here
+        # only would name the groups the whole world makes later apart (they would hang).
+        self.control = dist.new_group(
+            ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
+        )
+        self.one_group: TorchGroup | None = None  # with ``invite``: every lane's buckets
+        self.routes: list[Route] = []  # and each lane's way to the members over it
+        out: Outbound | None = None
+        try:
+            self.members = self.from_rank_0(lambda: members(self.config))
+            wrap = self._over_one_group if invite is not None else None  # once the lane forms
+            mine: tuple[str, int] | Exception
+            try:
+                out = self.out = Outbound(self.config, self.members, wrap)
+                mine = out.address
+            except Exception as exc:  # raised once the others know (see share_endpoints)
+                mine = exc
+            self.endpoints = share_endpoints(mine, self.senders, self.control, CPU)
+            store = open_store(*self.endpoints[0], 1, self.config.rendezvous_timeout_s, None)
+            # Rank 0's store: the verdicts, and whatever else its members answer there.
+            self.store = dist.PrefixStore(VERDICTS, store)
+            self.verdicts = Verdicts(self.store, self.senders)
+            if invite is not None:
+                self._form_one_group(given, invite)
+        except BaseException:
+            self._close(out)
+            raise
+        self.pushes = 0
+        self._given, self._invite = given, invite
+
+    def from_rank_0(self, value: Callable[[], int]) -> int:
+        """``value()`` (never negative) on rank 0, on every sender; where it raises there, it
+        raises on the others too."""
+        error: Exception | None = None
+        word = torch.tensor([0])
+        if self.rank == 0:
+            try:
+                word[0] = value()
+            except Exception as exc:  # raised once the others know
+                error, word[0] = exc, -1
+        src = dist.get_global_rank(self.control, 0)
+        before_any_byte(lambda: dist.broadcast(word, src=src, group=self.control))
+        if error is not None:
+            raise error
+        if int(word) < 0:
+            raise WeightSyncError("rank 0 failed before the push (see its error)")
+        return int(word)
+
+    def agree(
+        self,
+        state_dict: StateDict,
+        rename: Rename | None,
+        version: int | None,
+        check: Callable[[BlockLayout, int], dict[int, list[str]]],
+        partial: bool = False,
+    ) -> tuple[Share, int]:
+        """Begin push ``pushes``, every sender at once, before any lane moves a byte: this
+        rank's share of ``state_dict`` passes its checks, the senders' layouts are one, the
+        version is past every sender's, and on rank 0 ``check`` finds nothing the members cannot
+        take at that version (problems by member; a ``WeightSyncError`` when it could not ask
+        them all). Returns the share and the version; raises on every sender otherwise, each
+        learning the word before any raises."""
+        self.pushes += 1
+        options = {
+            key: value
+            for key, value in (("rename", rename), ("version", version))
+            if value is not None
+        }
+        if partial:
+            options["partial"] = True
+        share = share_of(state_dict, options, self.senders, self.rank, self.config)
+        values, digest = share.row(self.out.pusher.next_version)
+        rows = gather_rows(values, digest, self.control)
+        reason = called_off(rows)
+        chosen = max(row[1] for row in rows)
+        problems: dict[int, list[str]] = {}
+        unchecked: WeightSyncError | None = None  # rank 0 could not ask every member
+        if reason is None and self.rank == 0:
+            assert share.layout is not None
+            try:
+                problems = check(share.layout, chosen)
+            except WeightSyncError as exc:  # raised below, once every sender has the word
+                unchecked = exc
+        word = self.from_rank_0(lambda: int(bool(problems)) | 2 * int(unchecked is not None))
+        if share.error is not None:
+            raise share.error
+        if reason is not None:
+            raise ValueError(f"{reason}; nothing was sent")
+        if unchecked is not None:
+            raise unchecked
+        if word & 2:
+            raise WeightSyncError(
+                "rank 0 could not check the layout with every member (see its error); nothing "
+                "was sent"
+            )
+        if word:
+            raise PlanMismatchError(problems)  # by member on rank 0; the others learn only that
+        return share, chosen
+
+    def conclude(self, landed: Callable[[], None], elsewhere: Callable[[], Exception]) -> None:
+        """Once every lane committed, what rank 0 alone checks -- ``landed()``: that the members
+        took the push (their calls returned, their servers loaded it) -- becomes every sender's
+        outcome: all return, or all raise (rank 0 its own error, the others ``elsewhere()``),
+        so that a loop calling ``push`` on every rank stays in step."""
+        error: Exception | None = None
+        if self.rank == 0:
+            try:
+                landed()
+            except Exception as exc:  # raised once the others know
+                error = exc
+        word = torch.tensor([int(error is not None)])
+        try:
+            dist.broadcast(word, src=dist.get_global_rank(self.control, 0), group=self.control)
+        except RuntimeError as exc:
+            raise TransportError(
+                f"a trainer rank left once every lane had committed ({first_line(exc)}); the "
+                "members hold the push, which rank 0 may not have confirmed"
+            ) from exc
+        if error is not None:
+            raise error
+        if int(word):
+            raise elsewhere()
+
+    def wait_s(self, started: float) -> float:
+        """How long a member may wait for the lanes of the push begun at ``started``: what is
+        left of its time (at least a second), so that no member waits on after the senders."""
+        return max(1.0, Deadline(self.config.push_timeout_s, "the push", started).remaining())
+
+    def push(self, share: Share, version: int, started: float) -> PushResult:
+        """This rank's lane of the push agreed, settled with the other senders (``push_share``)."""
+        return push_share(
+            self.out,
+            share,
+            version,
+            self.verdicts,
+            self.pushes,
+            self.rank,
+            started,
+            self.config.push_timeout_s,
+        )
+
+    def close(self) -> None:
+        self._close(self.out)
+
+    def _close(self, out: Outbound | None) -> None:
+        """Leave the lane (``out``) and the one group, whatever of them formed. The senders'
+        control group stays registered with torch.distributed: a group made with
+        ``use_local_synchronization`` is named from its ranks and the count of groups alive on
+        this rank, so destroying one would name a later group like one still alive (refused),
+        or -- destroyed on some ranks only -- differently from rank to rank (a hang)."""
+        if out is not None:
+            out.close()
+        if self.one_group is not None:
+            self.one_group.close()
+
+    def renew_one_group(self, needed: bool) -> bool:
+        """Every sender at once, before a push over the one group: where any of them says it is
+        ``needed`` (its last push failed: the group may be aborted, or a member may have lost
+        it), leave it and form a new one, every member rejoining, and have every lane form its
+        own group again over the members' new lanes. One small all-reduce otherwise. Returns
+        whether it formed the group again."""
+        assert self._invite is not None
+        flag = torch.tensor([int(needed or self.one_group is None)])  # None: forming it failed
+        before_any_byte(lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control))
+        if not int(flag):
+            return False
+        logger.info("forming the one group again after a failed push")
+        self.out.pusher.regroup()
+        group, self.one_group = self.one_group, None
+        if group is not None:
+            group.close()
+        self._form_one_group(self._given, self._invite)
+        return True
+
+    def _form_one_group(self, config: SyncConfig, invite: Invite) -> None:
+        """Form the one group with the members, then tell every sender whether each member
+        joined it: one may fail after the group formed (a sender's store it cannot reach), and
+        the senders must not go on without it, waiting on each other, while rank 0 raises."""
+        answers: list[Callable[[], None]] = []  # rank 0: what waits for the members' joins
+
+        def ask(specs: list[GroupSpec]) -> None:
+            answers.append(invite(specs, self.endpoints))
+
+        self.one_group = form_one_group(config, self.control, CPU, ask, self.members)
+        failure: Exception | None = None
+        try:
+            self.routes = routes_over(self.one_group, self.senders)
+        except Exception as exc:  # raised once the others know, not left to wait for this rank
+            failure = exc
+
+        def joined() -> int:
+            for wait in answers:
+                wait()
+            return 0
+
+        self.from_rank_0(joined)
+        formed_everywhere(failure, "learn the one group's routes", self.control, CPU)
+
+    def _over_one_group(self, lane: Transport) -> Transport:
+        assert self.one_group is not None, "the one group forms before any push"
+        return SendLane(lane, self.one_group, self.routes[self.rank].targets)
+
+
+def push_share(
+    lane: Outbound,
+    share: Share,
+    version: int,
+    verdicts: Verdicts,
+    push: int,
+    sender: int,
+    started: float,
+    timeout_s: float,
+) -> PushResult:
+    """Push this sender's lane (none, where the layout gives it no block) and settle the push
+    with the other senders. Returns the push's result (every lane's bytes), or raises: this
+    lane's own error where it failed, else ``SenderFailedError`` naming the lanes that did.
+    Either way the version is spent on this sender."""
+    deadline = Deadline(timeout_s, "the senders' reports", started)
+    assert share.layout is not None and share.layout.blocks, "an empty push moves nothing"
+    result = PushResult(version, 0, 0, 0.0)
+    try:
+        if share.lane:
+            try:
+                result = lane.push(share.lane, {"version": version}, push)
+            except Exception as exc:
+                # Broke naming no one: not to blame beside a lane that names a cause (over one
+                # group, the failure of a member on one lane aborts all).
+                broken = type(exc) is TransportError
+                try:
+                    dead = exc.dropped if isinstance(exc, WorkerFailedError) else []
+                    report = {"error": first_line(exc), "broken": broken, "dead": dead}
+                    verdicts.settle(push, sender, report, deadline)
+                except SenderFailedError as others:
+                    if sender not in others.senders or (broken and len(others.senders) > 1):
+                        # Not to blame, or no more than the others: the group broke under
+                        # this lane (over one group a sender's death, or a member's failure
+                        # on another lane, fails every round); the verdict names who broke it.
+                        raise others from exc
+                    logger.debug("push %d failed: %s", push, others)  # its own error says more
+                raise
+        landed = {"nbytes": result.nbytes, "buckets": result.buckets, "wire": result.wire_bytes}
+        sums = verdicts.settle(push, sender, landed, deadline)
+    finally:  # spent whatever happens: members take note of it before any byte moves
+        lane.pusher.spent(version)
+    return dataclasses.replace(
+        result,
+        nbytes=sums["nbytes"],
+        buckets=sums["buckets"],
+        wire_bytes=sums["wire"],
+        seconds=time.monotonic() - started,
+    )
+
+
+def gather_rows(
+    values: list[int], digest: bytes, group: dist.ProcessGroup
+) -> list[tuple[int, ...]]:
+    """Every rank's row of an agreement (``values``, then a layout digest), on every rank of
+    ``group`` (a Gloo group; fixed size, no pickle). ``TransportError`` if a rank is gone."""
+    mine = row_tensor(values, digest)
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    before_any_byte(lambda: dist.all_gather(rows, mine, group=group))
+    return [tuple(row.tolist()) for row in rows]
+
+
+def before_any_byte(run: Callable[[], object]) -> None:
+    """Run one collective of an agreement; ``TransportError`` if a rank is gone (Gloo raises
+    a bare RuntimeError), nothing having been sent."""
+    try:
+        run()
+    except RuntimeError as exc:
+        raise TransportError(
+            f"a rank left before the push began ({first_line(exc)}); nothing was sent"
+        ) from exc
+
+
+def share_endpoints(
+    endpoint: tuple[str, int] | Exception | None,
+    senders: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> list[tuple[str, int]]:
+    """The senders' store addresses, on every rank of ``group`` (its ranks ``0..senders-1``
+    being the senders): each rank gives its own (a sender) or None, all gathered (no pickle: JSON
+    in byte tensors of fixed size, on ``device``, which the group's backend takes). A sender
+    that could not listen gives its error instead, which it raises once the others know: they
+    raise ``TransportError`` at once rather than wait for it at their bound."""
+    mine = torch.zeros(_ENDPOINT_BYTES, dtype=torch.uint8, device=device)
+    if isinstance(endpoint, tuple):
+        raw = json.dumps(list(endpoint)).encode()
+        mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, mine, group=group)
+    if isinstance(endpoint, Exception):
+        raise endpoint
+    endpoints = []
+    for sender, row in enumerate(rows[:senders]):
+        raw = bytes(row.cpu().tolist()).rstrip(b"\0")
+        if not raw:
+            raise TransportError(
+                f"trainer rank {sender} could not listen for its lane (see its error); nothing "
+                "was sent"
+            )
+        address, port = json.loads(raw.decode())
+        endpoints.append((str(address), int(port)))
+    return endpoints
+
+
+def formed_everywhere(
+    failure: Exception | None, what: str, group: dist.ProcessGroup | None, device: torch.device
+) -> None:
+    """Every rank of ``group`` at once, after a step each took on its own (``what``, as the
+    others' error words it): a rank whose step failed gives its ``failure``, which it raises
+    once the others know; they raise ``TransportError`` naming it, rather than wait for it
+    at their next collective's bound. One small all-reduce (on ``device``, which the group's
+    backend takes)."""
+    failed = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=device)
+    failed[dist.get_rank(group)] = int(failure is not None)
+    before_any_byte(lambda: dist.all_reduce(failed, group=group))
+    if failure is not None:
+        raise failure
+    ranks = failed.nonzero().flatten().tolist()
+    if ranks:
+        raise TransportError(
+            f"rank(s) {ranks} could not {what} (see their errors); nothing was sent"
+        )

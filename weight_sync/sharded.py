@@ -1,5 +1,0 @@
-"""Moved to ``weight_sync.send.sharded``: this path keeps working, with a DeprecationWarning, until 0.2."""
-
-from weight_sync._moved import forward as _forward
-
-__getattr__ = _forward("weight_sync.sharded", "weight_sync.send.sharded")

@@ -1,0 +1,265 @@
+"""A sender's share of a push from many senders, and the rules the senders settle it by.
+
+A sharded trainer pushing from every rank (docs/many-senders.md) is K lanes at once, one per
+sender (``weight_sync.lanes`` runs them); this module decides, without moving a byte:
+
+* what each sender sends: every trainer rank reads the same layout off its state dict's DTensors
+  (their meshes and placements are the same on every rank, and ``blocks.assign`` is
+  deterministic), then sends only the blocks the layout gives it, straight from its own shards
+  (``share_of``): nothing is gathered, no rank holds more than its shards plus its lane's
+  staging buckets;
+* whether the push may go ahead, from every sender's row (``called_off``): the same answer on
+  every rank, so all of them call it off together, before any byte moves;
+* the verdict after, from every sender's report (``judge``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from weight_sync.config import SyncConfig
+from weight_sync.wire.blocks import (
+    REPLICATE,
+    BlockLayout,
+    Placement,
+    Shard,
+    Spread,
+    StridedShard,
+    assign,
+)
+from weight_sync.wire.mapping import rename as renaming
+from weight_sync.wire.metadata import TensorMeta
+from weight_sync.wire.state_dict import StateDict, check_state_dict, is_dtensor, wire_dtype
+from weight_sync.wire.versions import check_version
+
+Entries = Sequence[tuple[str, torch.Tensor]]
+
+
+def layout_of(
+    entries: Entries,
+    sender_ranks: Sequence[int],
+    cast_dtype: str | None = None,
+    partial: bool = False,
+) -> BlockLayout:
+    """Who sends which block of each entry, the senders being the processes of global ranks
+    ``sender_ranks`` (in order), each tensor described as it travels (``cast_dtype``: see
+    ``SyncConfig``). A DTensor's mesh must lie within them; any other tensor is taken to be
+    held whole by every sender (as replicated buffers are). ``ValueError`` for a placement this
+    cannot send from the shards as they lie (``Partial``; a strided shard that is no block).
+    ``partial``: the entries are some of the members' tensors only."""
+    index = {rank: i for i, rank in enumerate(sender_ranks)}
+    grids: dict[int, Grid] = {}  # a model's tensors share a few meshes
+    metas, spreads = [], []
+    for name, tensor in entries:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name!r}: a sharded push takes tensors, got {type(tensor).__name__}")
+        metas.append(TensorMeta.of(name, tensor, wire_dtype(tensor.dtype, cast_dtype)))
+        spreads.append(_spread(name, tensor, index, grids) if is_dtensor(tensor) else None)
+    whole = Spread.everywhere(len(sender_ranks))
+    return assign(metas, [spread or whole for spread in spreads], len(sender_ranks), partial)
+
+
+def lane_of(entries: Entries, layout: BlockLayout, sender: int) -> dict[str, torch.Tensor]:
+    """What ``sender`` sends: for each of its blocks, the tensor holding it here (a DTensor's
+    local shard, or a whole tensor), by the entry's name."""
+    tensors = dict(entries)
+    lane = {}
+    for block in layout.sent_by(sender):
+        meta = layout.tensors[block.tensor]
+        tensor = tensors[meta.name]
+        local = tensor.to_local() if is_dtensor(tensor) else tensor
+        assert tuple(local.shape) == block.size, (meta.name, tuple(local.shape), block.size)
+        lane[meta.name] = local.detach()
+    return lane
+
+
+Grid = tuple[tuple[int, ...], list[int], list[int | None]]
+
+
+def _spread(
+    name: str, tensor: torch.Tensor, index: dict[int, int], grids: dict[int, Grid]
+) -> Spread:
+    mesh = tensor.device_mesh  # type: ignore[attr-defined]
+    if id(mesh) not in grids:  # DeviceMesh.mesh is worked out anew on every read
+        grids[id(mesh)] = _grid(mesh, index)
+    shape, ranks, dims = grids[id(mesh)]
+    outside = [rank for rank in ranks if rank not in index]
+    if outside:
+        raise ValueError(
+            f"{name!r} lies on ranks {outside}, which are not senders: every rank of a sharded "
+            "tensor's mesh must send"
+        )
+    placements: list[Placement] = []
+    for dim in dims:
+        placement = None if dim is None else tensor.placements[dim]  # type: ignore[attr-defined]
+        kind = type(placement).__name__
+        if placement is None or kind == "Replicate":
+            placements.append(REPLICATE)
+        elif kind == "Shard":
+            placements.append(Shard(placement.dim))
+        elif kind == "_StridedShard":  # FSDP2 over tensor parallelism
+            placements.append(StridedShard(placement.dim, int(placement.split_factor)))
+        else:
+            raise ValueError(
+                f"{name!r} is placed {placement}: only Shard, _StridedShard and Replicate are "
+                "sent from the shards as they lie; push it from one rank (ShardedSource) instead"
+            )
+    return Spread(shape, tuple(placements), tuple(index[r] for r in ranks))
+
+
+def _grid(mesh: Any, index: dict[int, int]) -> Grid:
+    """The mesh a DTensor's placements are read against, as its shape, its ranks (row-major)
+    and, per dimension, which of the tensor's placements applies (None: replicated along it).
+
+    Its own mesh, unless that is a slice of a mesh of senders: FSDP2 over tensor parallelism
+    shards a layer that tensor parallelism leaves alone over the ``"dp"`` slice only, so each
+    sender sees the slice it is in (ranks 0 and 2 of a (2, 2) mesh, or 1 and 3) and knows
+    nothing of the others. Read against the whole mesh, replicated along the dimensions the
+    slice leaves out, the tensor is described alike on every sender."""
+    own: Grid = (tuple(mesh.mesh.shape), mesh.mesh.flatten().tolist(), list(range(mesh.ndim)))
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    names, whole = mesh.mesh_dim_names, root.mesh_dim_names
+    if root is mesh or not names or not whole or not set(names) <= set(whole):
+        return own
+    ranks = root.mesh.flatten().tolist()
+    if any(rank not in index for rank in ranks):
+        return own
+    dims = [names.index(name) if name in names else None for name in whole]
+    return tuple(root.mesh.shape), ranks, dims
+
+
+@dataclass(frozen=True)
+class Share:
+    """What one sender brings to a push from many senders: its lane's state dict, the layout
+    (None with ``error``: this sender refused its share, which ``error`` says why), the version
+    it names (0: none)."""
+
+    lane: dict[str, torch.Tensor]
+    layout: BlockLayout | None
+    error: Exception | None
+    named: int
+
+    def row(self, next_version: int) -> tuple[list[int], bytes]:
+        """This sender's row for ``called_off``, and its layout digest."""
+        digest = bytes.fromhex(self.layout.digest) if self.layout is not None else bytes(32)
+        proposal = max(self.named, next_version)
+        return [int(self.error is not None), proposal, self.named], digest
+
+
+def share_of(
+    state_dict: StateDict,
+    options: Mapping[str, Any],
+    senders: int,
+    sender: int,
+    config: SyncConfig,
+) -> Share:
+    """``sender``'s share of a push of ``state_dict`` by ``senders`` senders (the ranks
+    ``0..senders-1`` of the trainers' group), checked as a push checks a state dict; a caller's
+    mistake is kept in ``Share.error``, to raise once every sender agreed to call it off.
+    ``options``: ``version``; ``rename`` (name -> the workers' name, None drops it), applied
+    before the layout, so that every lane and every member speak the workers' names; and
+    ``partial`` (some of the members' tensors only), which the layout carries to them."""
+    named = options.get("version")
+    try:
+        unknown = set(options) - {"version", "rename", "partial"}
+        if unknown:
+            raise ValueError(
+                f"a push from many senders takes no {sorted(unknown)} yet: it sends blocks, "
+                "which a transform of whole tensors cannot be made of"
+            )
+        partial = options.get("partial", False)
+        if not isinstance(partial, bool):
+            raise TypeError(f"partial must be a bool, got {type(partial).__name__}")
+        check_version(named)
+        items = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
+        rename = options.get("rename")
+        entries = list(renaming(rename)(items) if rename is not None else items)
+        if len({name for name, _ in entries}) != len(entries):
+            raise ValueError("two tensors of the state dict end up under one name (rename)")
+        layout = layout_of(entries, range(senders), config.cast_dtype, partial)
+        if len(layout.wire) > config.max_metadata_bytes:
+            raise ValueError(
+                f"the push's layout ({len(layout.blocks)} blocks) is over max_metadata_bytes="
+                f"{config.max_metadata_bytes}; raise it in SyncConfig on every rank"
+            )
+        lane = lane_of(entries, layout, sender)
+        check_state_dict(lane, config)
+    except Exception as exc:  # raised once the senders agreed: none may skip a collective
+        return Share({}, None, exc, 0)
+    return Share(lane, layout, None, named or 0)
+
+
+def called_off(senders: list[tuple[int, ...]]) -> str | None:
+    """Why a push from many senders is called off before any byte moves, from every sender's
+    row (``Share.row``: refused, proposed version, named version, then the layout digest's
+    words): the same answer on every rank, which gathered the same rows. None: it goes ahead."""
+    refused = [rank for rank, row in enumerate(senders) if row[0]]
+    if refused:
+        return f"trainer rank(s) {refused} refused their shards (see their errors)"
+    if len({row[3:] for row in senders}) > 1:
+        return (
+            "the trainer ranks' state dicts differ (names, dtypes, shapes or placements): every "
+            "sender must push the same model's state_dict()"
+        )
+    version, named = max(row[1] for row in senders), {row[2] for row in senders}
+    if len(named) > 1 or named - {0, version}:
+        return (
+            f"the senders named versions {sorted(named)}; they must all name one version, past "
+            f"every sender's ({version})"
+        )
+    return None
+
+
+def judge(reports: Mapping[int, dict[str, Any] | None]) -> dict[str, Any]:
+    """Rank 0's verdict on a push from many senders, from every sender's report (None: it
+    sent none in time -- it died or hung; ``"gone"``: a member saw its process go;
+    ``"broken"``: the lane's transport broke and named no one; ``"dead"``: the workers the lane
+    found dead or frozen). Blamed: the senders gone or silent where there are any -- over one
+    group their death fails the other lanes too, which are not to blame -- else those whose
+    lane failed naming a cause (a worker, a refusal) where there are any -- over one group a
+    member failing one lane aborts the others under it -- else every sender whose lane failed.
+    The verdict's ``"dead"``: the workers the blamed lanes found dead (each is in every lane:
+    their death broke the lanes that named no one too)."""
+    failed = {
+        rank: "sent no report: it died or hung -- check it" if report is None else report["error"]
+        for rank, report in reports.items()
+        if report is None or "error" in report
+    }
+    if failed:
+        gone = [rank for rank, report in reports.items() if report is None or report.get("gone")]
+        named = [rank for rank, report in reports.items() if report and "error" in report
+                 and not report.get("broken")]  # fmt: skip
+        blamed, why = blame(failed, gone or named)
+        dead = {worker for rank in blamed for worker in (reports[rank] or {}).get("dead", ())}
+        return {
+            "failed": f"no member claims the push: trainer ranks {blamed} did not land their "
+            f"lanes{why}",
+            "senders": blamed,
+            "dead": sorted(dead),
+        }
+    landed = [report for report in reports.values() if report is not None]
+    return {key: sum(report[key] for report in landed) for key in ("nbytes", "buckets", "wire")}
+
+
+def blame(failed: Mapping[int, str], culprits: Sequence[int]) -> tuple[list[int], str]:
+    """Who is to blame for the lanes that ``failed`` (sender -> why): the ``culprits`` where
+    there are any (a gone sender, over one group, fails the other lanes too, which are not to
+    blame) else every failed one; and the tail of a message saying so, with each lane's
+    reason, the blamed ones' first (a reason is cut at 500 characters, a Gloo error alone takes
+    300 of them)."""
+    assert set(culprits) <= set(failed), (culprits, failed)
+    blamed = sorted(culprits) if culprits else sorted(failed)
+    others = sorted(set(failed) - set(blamed))
+    reasons = "; ".join(f"rank {rank}: {failed[rank]}" for rank in blamed + others)
+    return blamed, (f" (those of {others} failed with them)" if others else "") + f" -- {reasons}"
+
+
+def row_tensor(values: list[int], digest: bytes) -> torch.Tensor:
+    """A rank's row of an agreement, ``values`` then its layout digest (32 bytes as four
+    int64), as one tensor of fixed size to all-gather."""
+    words = [int.from_bytes(digest[i : i + 8], "little", signed=True) for i in range(0, 32, 8)]
+    return torch.tensor(values + words, dtype=torch.int64)
