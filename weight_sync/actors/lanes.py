@@ -3,7 +3,7 @@
 The trainer actors of one sharded trainer (FSDP2 over their own torch.distributed group) each
 make a ``LaneUpdater`` over the same workers, and each calls ``push(model.state_dict())`` at the
 same point. Each sender pushes the blocks of its own shards over a lane of its own (an ordinary
-push over the store plane: see ``weight_sync.lanes``), and every worker runs one receive
+push over the store plane: see ``send.senders``), and every worker runs one receive
 per lane at once, writing each block where it belongs (``WeightSyncWorker``'s
 ``_weight_sync_lanes_*``; a ``VLLMEngine`` forwards them to its vLLM workers, each a member of
 its own, which load whole tensors once every lane committed). Around the lanes, as in a
@@ -18,8 +18,8 @@ launched job (``weight_sync.launch.job_sync``):
 * rank 0 then starts each worker's receive (one Ray call per worker per push) and every sender
   pushes its lane; each reports how its lane ended in rank 0's store, and rank 0 judges.
 
-The Ray glue stays thin: what a lane is and the verdict are ``weight_sync.lanes``', the
-agreement's rules ``send.lanes``'.
+The Ray glue stays thin: what a lane is and the verdict are ``send.senders``' and
+``control.lane_store``', the agreement's rules ``wire.lane_rules``'.
 """
 
 from __future__ import annotations

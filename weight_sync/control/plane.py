@@ -10,9 +10,9 @@ protocol blames and drops. Two planes exist, one file each:
 
 * ``actors.members.RayMembers`` -- ``WeightSyncWorker`` / ``VLLMEngine`` Ray actors, one actor
   call per member per round;
-* ``store_plane.ClientPlane`` -- a client that reaches every member at once (vLLM's own
+* ``control.store.ClientPlane`` -- a client that reaches every member at once (vLLM's own
   weight-transfer clients through ``adapters.vllm.backend``, several ``vllm serve`` processes
-  through ``adapters.vllm.servers``, the ranks of a torchrun job through ``torchrun``): one
+  through ``adapters.vllm.servers``, the ranks of a torchrun job through ``launch.job_sync``): one
   client call per round, the members' answers coming back through the sync group's store.
 
 (SGLang servers are driven by a push of their own, ``adapters.sglang.pusher``, over their HTTP

@@ -17,7 +17,7 @@ call to end, and then knows each member's fate (see ``control.Outcomes``): membe
 never answered are dropped, the rest leave the group, and the next push forms a new one.
 
 A push reads downhill from here into ``weight_sync.send``: the state dict is checked
-(``send.checks``) and planned (``send.sender.PushPlanner``); the group is formed when there is
+(``wire.state_dict``) and planned (``send.sender.PushPlanner``); the group is formed when there is
 none (``send.formation``, gathering the members' replies through ``send.roster``); ``send.wire``
 says what this push puts on the wire -- dense, or a delta against the trainer's baseline -- and
 sends it through the ``send.sender``. None of those modules imports this one.

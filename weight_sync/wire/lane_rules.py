@@ -1,7 +1,7 @@
 """A sender's share of a push from many senders, and the rules the senders settle it by.
 
 A sharded trainer pushing from every rank (docs/many-senders.md) is K lanes at once, one per
-sender (``weight_sync.lanes`` runs them); this module decides, without moving a byte:
+sender (``send.senders`` and ``receive.inbound`` run them); this module decides, without moving a byte:
 
 * what each sender sends: every trainer rank reads the same layout off its state dict's DTensors
   (their meshes and placements are the same on every rank, and ``blocks.assign`` is

@@ -2,7 +2,7 @@
 
 ``VLLMLaneServers`` is ``VLLMServers`` for a trainer sharded over K ranks (FSDP2, DTensor):
 made on every trainer rank, each pushing its own shards over a lane of its own (an ordinary push
-over the store plane, ``weight_sync.lanes``) while every vLLM worker process of every server
+over the store plane, ``send.senders``) while every vLLM worker process of every server
 follows all K lanes at once::
 
     # on every rank of the trainers' torch.distributed group
