@@ -25,7 +25,7 @@ from weight_sync.wire.blocks import (
     view_of,
 )
 from weight_sync.wire.metadata import TensorMeta
-from weight_sync.receive.assembly import Assembly, agreed, layout_of_push, past_sent
+from weight_sync.receive.assembly import Assembly, layout_of_push
 from weight_sync.wire.lane_rules import layout_of
 
 
@@ -260,14 +260,6 @@ def test_assembly_hands_a_loader_whole_tensors_once_every_lane_gave_its_block() 
     assert [name for name, _ in loaded] == ["rows"]
 
 
-@pytest.mark.parametrize(
-    ("versions", "held"),
-    [([3, 3, 3], 3), ([3, None, 3], None), ([3, 2], None), ([None, None], None), ([], None)],
-)
-def test_a_member_holds_a_version_only_when_every_lane_does(versions, held) -> None:
-    assert agreed(versions) == held
-
-
 def _rows(rows: int) -> BlockLayout:
     return layout_of([("w", torch.zeros(rows, 2))], range(1))
 
@@ -293,16 +285,6 @@ def test_the_layout_a_member_takes_a_push_by(
         assert isinstance(found, BlockLayout) and found.digest == _rows(named).digest
     else:
         assert isinstance(found, str) and expected in found
-
-
-@pytest.mark.parametrize(
-    ("version", "sent", "refused"), [(5, 4, False), (5, 5, True), (1, 9, True)]
-)
-def test_a_member_refuses_a_version_it_was_sent(version: int, sent: int, refused: bool) -> None:
-    problems = past_sent(version, sent)
-    assert bool(problems) == refused
-    if refused:
-        assert f"version={sent + 1} or higher" in problems[0]
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
 """The version rules (weight_sync.wire.versions), as tables: labels read and written, a named
-version checked and chosen."""
+version checked and chosen, a member's refusal of a version it was sent, and the version a
+member holds across the lanes of several senders."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from weight_sync.wire.versions import (
     NO_VERSION,
     check_version,
     choose_version,
+    held_across_lanes,
     label_past,
     label_version,
+    past_sent,
     unlabelled,
 )
 
@@ -63,3 +66,21 @@ def test_a_version_that_cannot_be_one_is_a_caller_error(bad: object, error: type
         check_version(bad)
     check_version(None)
     check_version(1)
+
+
+@pytest.mark.parametrize(
+    ("versions", "held"),
+    [([3, 3, 3], 3), ([3, None, 3], None), ([3, 2], None), ([None, None], None), ([], None)],
+)
+def test_a_member_holds_a_version_only_when_every_lane_does(versions, held) -> None:
+    assert held_across_lanes(versions) == held
+
+
+@pytest.mark.parametrize(
+    ("version", "sent", "refused"), [(5, 4, False), (5, 5, True), (1, 9, True)]
+)
+def test_a_member_refuses_a_version_it_was_sent(version: int, sent: int, refused: bool) -> None:
+    problems = past_sent(version, sent)
+    assert bool(problems) == refused
+    if refused:
+        assert f"version={sent + 1} or higher" in problems[0]

@@ -17,7 +17,7 @@ import torch
 
 from weight_sync.control.lane_store import NO_ONE_GROUP
 from weight_sync.errors import WeightSyncError, first_line
-from weight_sync.receive.assembly import Assembly, Refusal, layout_of_push, past_sent
+from weight_sync.receive.assembly import Assembly, Refusal, layout_of_push
 from weight_sync.receive.inbound import Lanes
 from weight_sync.receive.receiver import Check, Receiver, expecting
 from weight_sync.transport import TorchGroup
@@ -34,6 +34,7 @@ from weight_sync.wire.metadata import (
     SyncStatus,
     TensorMeta,
 )
+from weight_sync.wire.versions import past_sent
 
 SYNC_GROUP = "weight_sync"  # the protocol's calls; one at a time
 STATUS_GROUP = "weight_sync_status"  # health: answers while a push runs

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from pydantic import ValidationError
@@ -143,22 +143,6 @@ def layout_of_push(
     if layout is None or layout.digest != digest:
         return "this worker does not hold the push's layout (it restarted?): push again"
     return layout
-
-
-def past_sent(version: int, sent: int) -> list[str]:
-    """A member's problem with a push's ``version`` when it is not past ``sent``, the highest
-    version the member was ever sent (by one sender or many)."""
-    if version > sent:
-        return []
-    why = f"version {version} is not past {sent}, which this worker was already sent"
-    return [f"{why}: push with version={sent + 1} or higher"]
-
-
-def agreed(versions: Sequence[int | None]) -> int | None:
-    """The version a member holds across its lanes: theirs when every lane committed the same
-    one, else none (a push that landed on some lanes only is not held)."""
-    first = versions[0] if versions else None
-    return first if all(v == first for v in versions) else None
 
 
 class Refusal(Assembly):

@@ -40,13 +40,14 @@ from weight_sync.errors import (
     WeightSyncError,
     first_line,
 )
-from weight_sync.receive.assembly import Assembly, agreed
+from weight_sync.receive.assembly import Assembly
 from weight_sync.receive.receiver import Loader, Receiver, expecting
 from weight_sync.transport.rendezvous import open_store
 from weight_sync.transport.rounds import Rounds
 from weight_sync.wire.blocks import BlockLayout
 from weight_sync.wire.lane_rules import blame
 from weight_sync.wire.metadata import Phase, ReceiveReport, SyncStatus
+from weight_sync.wire.versions import held_across_lanes
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +188,7 @@ class Lanes:
                 raise TransportError(f"{why} (a receiving rank left mid-push?)")
             raise SenderFailedError(why, blamed)
         versions = [version for version, _ in outcomes.values()]
-        held = agreed(versions)
+        held = held_across_lanes(versions)
         if held is None:
             raise SenderFailedError(f"the lanes committed different versions: {versions}")
         return held

@@ -15,6 +15,7 @@ they were ever pushed (``N``) where nothing else on the server would.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 NO_VERSION = "none"
 _UNLABELLED = frozenset({NO_VERSION, "default"})  # "default": the engines' own, before any push
@@ -69,3 +70,19 @@ def choose_version(named: int | None, lowest: int, who: str = "workers") -> int:
             f"Name a version of at least {lowest}, or leave version out to continue the count"
         )
     return named
+
+
+def past_sent(version: int, sent: int) -> list[str]:
+    """A member's problem with a push's ``version`` when it is not past ``sent``, the highest
+    version the member was ever sent (by one sender or many)."""
+    if version > sent:
+        return []
+    why = f"version {version} is not past {sent}, which this worker was already sent"
+    return [f"{why}: push with version={sent + 1} or higher"]
+
+
+def held_across_lanes(versions: Sequence[int | None]) -> int | None:
+    """The version a member holds across its lanes: theirs when every lane committed the same
+    one, else none (a push that landed on some lanes only is not held)."""
+    first = versions[0] if versions else None
+    return first if all(v == first for v in versions) else None

@@ -63,7 +63,7 @@ from weight_sync.control.futures import in_thread
 from weight_sync.control.http import ServerError, check_urls
 from weight_sync.control.lane_store import VERDICTS
 from weight_sync.errors import WeightSyncError, first_line
-from weight_sync.receive.assembly import Assembly, layout_of_push, past_sent
+from weight_sync.receive.assembly import Assembly, layout_of_push
 from weight_sync.receive.inbound import Lanes
 from weight_sync.receive.receiver import Receiver
 from weight_sync.result import PushResult
@@ -72,6 +72,7 @@ from weight_sync.transport.rendezvous import open_store
 from weight_sync.wire.blocks import BlockLayout
 from weight_sync.wire.metadata import SyncPlan
 from weight_sync.wire.state_dict import Rename, StateDict
+from weight_sync.wire.versions import past_sent
 
 logger = logging.getLogger(__name__)
 
