@@ -176,4 +176,6 @@ class Verdicts:
 
 
 def left(deadline: Deadline) -> datetime.timedelta:
+    """What is left of ``deadline`` as one store wait (at most ``LONGEST_WAIT_S``; raises once
+    it is spent)."""
     return datetime.timedelta(seconds=deadline.left(LONGEST_WAIT_S))

@@ -4,7 +4,6 @@ each once, ahead of the packer on a few threads (``Sources``).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -18,8 +17,6 @@ from weight_sync.wire.metadata import SyncPlan
 
 if TYPE_CHECKING:
     from weight_sync.delta.baseline import Baseline
-
-logger = logging.getLogger(__name__)
 
 
 class Sources(Sequence[torch.Tensor]):

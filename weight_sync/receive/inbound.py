@@ -6,7 +6,6 @@ there; one that saw a sender's store close reports for it, so the verdict comes 
 
 from __future__ import annotations
 
-import datetime
 import functools
 import json
 import logging
@@ -24,9 +23,9 @@ from weight_sync.control.lane_store import (
     CLOSE,
     COMMAND,
     FLOOR,
-    LONGEST_WAIT_S,
     VERDICTS,
     Verdicts,
+    left,
 )
 from weight_sync.control.store import (
     MAX_REPLY_CHARS,
@@ -331,7 +330,7 @@ class Inbound:
         """``key``'s value in the sender's store once it is there, within ``deadline``; raises
         ``failure`` (what this rank saw first), else ``TransportError``, if the sender is gone."""
         while True:
-            wait = datetime.timedelta(seconds=deadline.left(LONGEST_WAIT_S))  # raises once spent
+            wait = left(deadline)  # raises once spent
             try:
                 self.store.wait([key], wait)
                 return str(self.store.get(key).decode())

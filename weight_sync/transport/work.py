@@ -6,7 +6,6 @@ their bounds is ``TorchGroup._settle``.
 from __future__ import annotations
 
 import datetime
-import logging
 import time
 import weakref
 from typing import TYPE_CHECKING, cast
@@ -20,8 +19,6 @@ from weight_sync.errors import (
 
 if TYPE_CHECKING:
     from weight_sync.transport.torch_group import TorchGroup
-
-logger = logging.getLogger(__name__)
 
 
 class TorchWork:
