@@ -112,6 +112,7 @@ def test_a_sharded_trainer_across_nodes_pushes_from_every_rank_and_a_dead_one_is
         assert push["exact"] == [True, True] and push["held"] == [version] * 2, push
     death = result["death"]
     assert death["raised"] == "SenderFailedError" and death["senders"] == [1], death
+    assert death["message"].startswith("trainer rank 1 died or left mid-push"), death
     assert death["seconds"] < 30, death
     assert result["held_after"] == [None, None], result
 

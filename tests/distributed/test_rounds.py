@@ -1,6 +1,8 @@
 """Several senders over one group, point to point, on spawned ranks (``transport.rounds``): the
 data plane of the NCCL design for pushes from many senders, run here over Gloo as written.
-Ranks ``0..K-1`` send, the others receive every sender's buckets round by round."""
+Ranks ``0..K-1`` send, each bucket to its route's targets as one batch (what a lane's
+``SendLane.broadcast`` posts); the others take every sender's buckets round by round through
+``Rounds``, a thread per lane, as a push's lanes do."""
 
 from __future__ import annotations
 
@@ -57,11 +59,12 @@ def send_lane(
     lane = group.rank
     made = [bucket(lane, k, n).to(device) for k, n in enumerate(sizes_of(lane, counts[lane]))]
     if fault in ("die", "freeze") and lane == len(counts) - 1:
-        rounds.send(group, made[:1], receivers)
+        group.exchange([(made[0], rank) for rank in receivers], []).wait()
         if fault == "die":
             os._exit(9)
         time.sleep(timeout_s + 30)  # frozen: the receivers' bound ends their wait
-    assert rounds.send(group, made, receivers) == counts[lane]
+    for work in [group.exchange([(b, rank) for rank in receivers], []) for b in made]:
+        work.wait()
 
 
 def rounds_rank(
@@ -71,32 +74,11 @@ def rounds_rank(
     timeout_s: float = 30,
     backend: str = "gloo",
 ) -> tuple[str, float]:
-    """Move every lane's buckets (``counts[s]`` for sender s); receivers check each byte. With
-    ``fault``, the last sender dies (``"die"``) or freezes (``"freeze"``) after its first
-    bucket. NCCL: rank r on GPU r. Returns how the rank ended and how long it took."""
-    senders = len(counts)
-    receivers = list(range(senders, ctx.world_size))
-    spec = ctx.spec("standalone", collective_timeout_s=timeout_s, backend=backend)
-    device = torch.device("cuda", ctx.rank) if backend == "nccl" else torch.device("cpu")
-    group = TorchGroup.join(spec, ctx.listener(0), device)
-
-    def run() -> None:
-        if ctx.rank < senders:
-            send_lane(group, counts, receivers, device, fault, timeout_s)
-        else:
-            lanes = [(s, sizes_of(s, count)) for s, count in enumerate(counts)]
-            landed: list[tuple[int, int]] = []
-
-            def land(lane: int, k: int, got: torch.Tensor) -> None:
-                assert torch.equal(got.cpu(), bucket(lane, k, lanes[lane][1][k])), (lane, k)
-                landed.append((lane, k))
-
-            rounds.receive(group, lanes, land)
-            # Landed round by round, in lane order within a round.
-            assert landed == [(s, k) for k, present in enumerate(rounds.schedule(counts))
-                              for s in present]  # fmt: skip
-
-    return ended(group, run)
+    """``relay_rank`` with every rank on a host of its own: each sender's buckets go straight
+    to every receiving rank, nothing relayed. With ``fault``, the last sender dies (``"die"``)
+    or freezes (``"freeze"``) after its first bucket. NCCL: rank r on GPU r."""
+    hosts = [f"host {rank}" for rank in range(ctx.world_size)]
+    return relay_rank(ctx, counts, hosts, fault, backend, timeout_s)
 
 
 @pytest.mark.parametrize(
@@ -136,25 +118,28 @@ def test_a_frozen_sender_costs_the_receivers_their_bound_and_no_more() -> None:
 def relay_rank(
     ctx: RankContext,
     counts: list[int],
-    hosts: str,
+    hosts: Sequence[str],
     fault: str | None = None,
     backend: str = "gloo",
+    timeout_s: float = 30,
 ) -> tuple[str, float]:
-    """As ``rounds_rank``, over the routes of ``hosts`` (a letter per rank: ranks of one letter
-    share a host), each receiving rank taking its lanes as a push's lanes do: through
-    ``Rounds``, a thread per lane, each waiting for its bucket before it hands the next (with
-    ``fault="ahead"``: handing the next first, as an atomic push's receive does). With
-    ``fault="die"`` the last sender dies after its first bucket. NCCL: rank r on GPU r."""
+    """Move every lane's buckets (``counts[s]`` for sender s) over the routes of ``hosts`` (a
+    name per rank: ranks of one name share a host), each receiving rank taking its lanes as a
+    push's lanes do: through ``Rounds``, a thread per lane, each waiting for its bucket before
+    it hands the next (with ``fault="ahead"``: handing the next first, as an atomic push's
+    receive does), and checking each byte. With ``fault="die"``/``"freeze"`` the last sender
+    dies or freezes after its first bucket. NCCL: rank r on GPU r. Returns how the rank ended
+    and how long it took."""
     senders = len(counts)
     paths = rounds.routes(senders, list(hosts))
-    spec = ctx.spec("standalone", collective_timeout_s=30, backend=backend)
+    spec = ctx.spec("standalone", collective_timeout_s=timeout_s, backend=backend)
     device = torch.device("cuda", ctx.rank) if backend == "nccl" else torch.device("cpu")
     group = TorchGroup.join(spec, ctx.listener(0), device)
 
     def run() -> None:
         rounds.connect(group, paths)  # every pair the routes join, each way, as one batch
         if ctx.rank < senders:
-            send_lane(group, counts, paths[ctx.rank].targets, device, fault)
+            send_lane(group, counts, paths[ctx.rank].targets, device, fault, timeout_s)
         else:
             taking = rounds.Rounds(group, range(senders), paths)
             taking.begin(range(senders))

@@ -196,6 +196,8 @@ def test_mp_spawn_the_trainer_killed_mid_push(tmp_path: Path) -> None:
     for report in reports:
         (lost,) = report["errors"]
         assert lost["type"] == "TransportError", lost
+        # Its death said first, whatever each rank saw of it (a collective, the store).
+        assert lost["message"].startswith("trainer rank 0 died or left mid-push: "), lost
         assert lost["seconds"] < job.TIMEOUT_S + 5
         assert report["versions"] == [1, None], report
         # A rank push 2 reached claims no version (not 1, not 2); one it never reached (a

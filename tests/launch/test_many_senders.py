@@ -20,6 +20,13 @@ from tests.launch.test_launchers import BIN, LAUNCH_S, _env, _join_all
 
 pytestmark = pytest.mark.timeout(300)
 
+DEATH = "trainer rank 1 died or left mid-push"  # what every survivor says first
+
+
+def said_first(message: str) -> bool:
+    """Whether ``message`` leads with rank 1's death (a member's, once it named itself)."""
+    return message.split(" holds no version: ", 1)[-1].startswith(DEATH)
+
 
 def _reports(out: Path, ranks: range | tuple[int, ...]) -> list[dict[str, Any]]:
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in ranks]
@@ -190,11 +197,13 @@ def test_a_sender_killed_mid_push(tmp_path: Path) -> None:
     trainer, *receivers = _reports(tmp_path, (0, 2, 3))
     (error,) = trainer["errors"]
     assert error["type"] == "SenderFailedError" and error["senders"] == [1], error
+    assert error["message"].startswith(DEATH), error
     assert error["seconds"] < sharded_job.TIMEOUT_S + 5
     assert trainer["versions"] == [1, None] and trainer["held"] == 1
     for report in receivers:
         (lost,) = report["errors"]
         assert lost["type"] == "SenderFailedError" and lost["senders"] == [1], lost
+        assert said_first(lost["message"]), lost
         assert lost["seconds"] < sharded_job.TIMEOUT_S + 5
         assert report["versions"] == [1, None] and report["held"] is None
         assert report["now"] != report["at"]["1"]  # lane 0's blocks of version 2 landed
@@ -229,6 +238,7 @@ def test_a_sender_killed_mid_push_over_one_group(tmp_path: Path) -> None:
     for report in _reports(tmp_path, (0, 2, 3)):
         (error,) = report["errors"]
         assert error["type"] == "SenderFailedError" and error["senders"] == [1], error
+        assert said_first(error["message"]), error
         assert error["seconds"] < sharded_job.TIMEOUT_S + 5, error
         assert report["versions"] == [1, None], report
         assert report["held"] == (1 if report["rank"] == 0 else None), report

@@ -19,6 +19,13 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("ray_cluster")]
 TIMEOUT = 120
 RENEW_S = 30  # a worker started over in place; one that takes longer is replaced
 
+DEATH = "trainer rank 1 died or left mid-push"  # what every survivor says first
+
+
+def said_first(message: str) -> bool:
+    """Whether ``message`` leads with rank 1's death (a member's, once it named itself)."""
+    return message.split(" holds no version: ", 1)[-1].startswith(DEATH)
+
 
 class Pool:
     """Actors started once and reused by the tests that take ``lanes``: the two trainer ranks
@@ -218,8 +225,8 @@ def test_a_sender_that_dies_is_named_and_no_worker_claims_the_version(
     on_all(ranks, "step")
     first, second = ranks[0].lanes_push.remote(), ranks[1].lanes_push.remote(die=True)
     kind, why = ray.get(first, timeout=TIMEOUT)
-    assert kind == "SenderFailedError" and "trainer ranks [1]" in why, why
-    assert "its process is gone" in why
+    assert kind == "SenderFailedError" and why.startswith(DEATH), why  # said first, as it is
+    assert "its store closed on worker" in why, why  # the symptom, as the reason
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(second, timeout=TIMEOUT)
     assert ray.get([w.weights_version.remote() for w in workers], timeout=TIMEOUT) == [None, None]
@@ -245,13 +252,13 @@ def test_a_sender_that_dies_while_its_bytes_flow_is_named_and_no_worker_claims_t
     on_all(ranks, "step")
     first, second = ranks[0].lanes_push.remote(), ranks[1].lanes_push.remote(die="mid")
     kind, why = ray.get(first, timeout=TIMEOUT)
-    assert kind == "SenderFailedError" and "trainer ranks [1]" in why, why
+    assert kind == "SenderFailedError" and why.startswith(DEATH), why
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(second, timeout=TIMEOUT)
     assert ray.get([w.weights_version.remote() for w in workers], timeout=TIMEOUT) == [None, None]
     for status in ray.get([w.sync_status.remote() for w in workers], timeout=TIMEOUT):
         assert status.dirty and status.full_version is None, status
-        assert status.last_error is not None and "rank 1" in status.last_error, status
+        assert status.last_error is not None and said_first(status.last_error), status
 
 
 @LANES_AND_ONE_GROUP
@@ -292,7 +299,8 @@ def test_a_worker_that_fails_as_the_bytes_begin_fails_the_push_at_once(
     # Rank 1's lane names the worker. Rank 0's landed, and rank 0 names the lane that did not
     # (over one group its own lane failed with it, the group aborted): both say why.
     assert other == "WorkerFailedError" and "worker 1: " in said and "fault injection" in said
-    assert kind == "SenderFailedError" and "[1]" in why and "worker 1: " in why, why
+    assert kind == "SenderFailedError" and why.startswith("trainer rank 1 did not land"), why
+    assert "worker 1: " in why, why
     assert "fault injection" in why, why
     assert ray.get([w.weights_version.remote() for w in workers], timeout=TIMEOUT)[1] != 2
     ray.get(workers[1].fail_before_bytes.remote(None), timeout=TIMEOUT)

@@ -1,9 +1,24 @@
-"""Who is blamed, and who dropped, for a set of workers' outcomes (pure: no Ray calls made)."""
+"""The rules of blame (``wire.blame``, pure: no Ray call, no group): who is blamed and who
+dropped for a set of workers' outcomes; the senders' verdict on a push from many; what a member
+raises for the lanes that did not commit on it. A sender's death is said first."""
 
 import pytest
 
-from weight_sync import SyncTimeoutError, TransportError, WorkerFailedError
-from weight_sync.control.plane import Outcomes
+from weight_sync import (
+    SenderFailedError,
+    SyncTimeoutError,
+    TransportError,
+    WeightSyncError,
+    WorkerFailedError,
+)
+from weight_sync.wire.blame import (
+    Outcomes,
+    blame,
+    excuse_followers,
+    judge,
+    lanes_failed,
+    lone_sender_gone,
+)
 
 
 def outcomes(n: int, **fields) -> Outcomes:
@@ -62,8 +77,118 @@ def test_all_answered_is_ok() -> None:
 def test_followers_of_a_relay_that_failed_to_join_are_not_blamed_for_it(
     fields: dict, late: list[int], collateral: list[int]
 ) -> None:
-    from weight_sync.send.formation import _excuse_followers
-
     got = outcomes(4, **fields)
-    _excuse_followers(got, {1: 0, 2: 0})
+    excuse_followers(got, {1: 0, 2: 0})
     assert (got.late, got.collateral) == (late, collateral)
+
+
+LANDED = {"nbytes": 3, "buckets": 1, "wire": 3}
+GONE = {"error": "its store closed on worker 0", "gone": True}
+BROKEN = {"error": "TransportError: x", "broken": True}
+
+
+@pytest.mark.parametrize(
+    ("reports", "failed", "dead", "lead"),
+    [
+        ({0: LANDED, 1: {"nbytes": 5, "buckets": 2, "wire": 5}}, None, None, None),
+        ({0: LANDED, 1: None}, [1], [],
+         "trainer rank 1 sent no report in time: died or hung -- check it; no member claims"),
+        ({0: {"error": "WorkerFailedError: worker 1"}, 1: {"error": "x"}}, [0, 1], [],
+         "trainer ranks [0, 1] did not land their lanes; no member claims the push -- rank 0: "),
+        # Over one group a dead sender's rounds fail the other lane too: the dead one is blamed,
+        # its death said first.
+        ({0: {"error": "TransportError: x"}, 1: GONE}, [1], [],
+         ("trainer rank 1 died or left mid-push; no member claims the push (those of [0] failed "
+          "with them) -- rank 1: its store closed on worker 0; rank 0: TransportError: x")),
+        ({0: {"error": "TransportError: x"}, 1: None, 2: LANDED}, [1], [],
+         "trainer rank 1 sent no report in time"),
+        ({0: LANDED, 1: GONE, 2: None}, [1, 2], [],
+         ("trainer rank 1 died or left mid-push; trainer rank 2 sent no report in time: died or "
+          "hung -- check it; no member claims")),
+        # Over one group a worker failing lane 1 aborts lane 0 under it: lane 1 names a cause.
+        ({0: BROKEN, 1: {"error": "WorkerFailedError: w"}}, [1], [],
+         "trainer rank 1 did not land its lane; no member claims"),
+        # Every lane broke naming no one: none is more to blame than the others.
+        ({0: BROKEN, 1: {"error": "TransportError: y", "broken": True}}, [0, 1], [],
+         "trainer ranks [0, 1] did not land their lanes"),
+        # A silent sender outranks a lane that named a cause.
+        ({0: {"error": "WorkerFailedError: w", "dead": [2]}, 1: None}, [1], [],
+         "trainer rank 1 sent no report"),
+        # A worker died: lane 0 found it dead, lane 1 broke before it saw the death; the verdict
+        # names the dead worker for the broken lane to raise (the lanes that found it agree).
+        ({0: {"error": "WorkerFailedError: worker 1", "dead": [1]},
+          1: {"error": "TransportError: x", "broken": True, "dead": []},
+          2: {"error": "WorkerFailedError: worker 1, 2", "dead": [2, 1]}}, [0, 2], [1, 2],
+         "trainer ranks [0, 2] did not land their lanes"),
+    ],
+)  # fmt: skip
+def test_judge_table(
+    reports: dict, failed: list[int] | None, dead: list[int] | None, lead: str | None
+) -> None:
+    verdict = judge(reports)
+    if failed is None:
+        assert verdict == {"nbytes": 8, "buckets": 3, "wire": 8}
+    else:
+        assert verdict["senders"] == failed and verdict["dead"] == dead
+        assert verdict["failed"].startswith(lead), verdict["failed"]
+
+
+@pytest.mark.parametrize(
+    ("failed", "culprits", "blamed", "tail"),
+    [
+        ({0: "a", 1: "b"}, [], [0, 1], " -- rank 0: a; rank 1: b"),
+        # The gone lead, even past a long reason of a lane that failed with them.
+        ({0: "x" * 600, 1: "gone"}, [1], [1], f" (those of [0] failed with them) -- rank 1: gone; rank 0: {'x' * 600}"),
+        ({2: "gone", 0: "b"}, [2], [2], " (those of [0] failed with them) -- rank 2: gone; rank 0: b"),
+    ],
+)  # fmt: skip
+def test_senders_blame_table(
+    failed: dict, culprits: list[int], blamed: list[int], tail: str
+) -> None:
+    assert blame(failed, culprits) == (blamed, tail)
+
+
+REFUSED = WeightSyncError("refused: unknown tensor")
+
+
+@pytest.mark.parametrize(
+    ("failed", "lanes", "gone", "raised", "senders", "lead"),
+    [
+        # Every lane failed alike, no sender gone (a refusal, a push called off): that error.
+        ({0: REFUSED, 1: REFUSED}, 2, [], WeightSyncError, None, "refused: unknown tensor"),
+        # Rank 1's store closed: its death first, whatever rank 0's lane saw with it.
+        ({0: TransportError("a collective failed"), 1: TransportError("store closed")}, 2, [1],
+         SenderFailedError, [1],
+         ("worker 0 holds no version: trainer rank 1 died or left mid-push (those of [0] failed "
+          "with them) -- rank 1: TransportError: store closed")),
+        # Every sender alive, every lane's collective failed: a receiving rank, not a sender.
+        ({0: TransportError("a"), 1: TransportError("b")}, 2, [], TransportError, None,
+         "worker 0 holds no version: trainer ranks [0, 1] did not commit their lanes here"),
+        ({1: WeightSyncError("checksum")}, 2, [], SenderFailedError, [1],
+         "worker 0 holds no version: trainer rank 1 did not commit its lane here -- rank 1: "),
+        ({0: WeightSyncError("a"), 1: TransportError("b")}, 2, [], SenderFailedError, [0, 1],
+         "worker 0 holds no version: trainer ranks [0, 1] did not commit their lanes here"),
+    ],
+)  # fmt: skip
+def test_lanes_failed_table(
+    failed: dict,
+    lanes: int,
+    gone: list[int],
+    raised: type,
+    senders: list[int] | None,
+    lead: str,
+) -> None:
+    error = lanes_failed("worker 0", failed, lanes, gone)
+    assert type(error) is raised and str(error).startswith(lead), error
+    if senders is not None:
+        assert isinstance(error, SenderFailedError) and error.senders == senders
+
+
+def test_a_lone_senders_death_is_said_first_and_keeps_the_type() -> None:
+    seen = TransportError("a collective failed (Connection closed by peer)")
+    error = lone_sender_gone("rank 2", seen)
+    assert type(error) is TransportError
+    assert str(error) == (
+        "trainer rank 0 died or left mid-push: the push did not commit on rank 2 "
+        "(TransportError: a collective failed (Connection closed by peer))"
+    )

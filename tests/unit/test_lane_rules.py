@@ -1,6 +1,6 @@
 """The rules the senders of a push from many senders settle it by (pure): when it is called off
-before any byte moves, and the verdict from every sender's report; and a member's lanes'
-reports of one push, as one."""
+before any byte moves (the verdict after: test_blame.py); and a member's lanes' reports of one
+push, as one."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from weight_sync.receive.inbound import _together
-from weight_sync.wire.metadata import ReceiveReport
-from weight_sync.wire.lane_rules import Share, blame, called_off, judge, row_tensor
 from weight_sync.send.sharded import takes_host_tensors
+from weight_sync.wire.lane_rules import Share, called_off, row_tensor
+from weight_sync.wire.metadata import ReceiveReport
 
 A, B = (1, 2, 3, 4), (5, 6, 7, 8)  # two layout digests, as four words
 
@@ -43,58 +43,6 @@ def test_a_share_proposes_past_its_own_version_and_names_its_digest() -> None:
     assert values == [1, 2, 0]
     words = row_tensor([0, 1, 0], bytes(range(32))).tolist()[3:]
     assert words[0] == int.from_bytes(bytes(range(8)), "little")
-
-
-@pytest.mark.parametrize(
-    ("reports", "failed", "dead"),
-    [
-        ({0: {"nbytes": 3, "buckets": 1, "wire": 3}, 1: {"nbytes": 5, "buckets": 2, "wire": 5}},
-         None, None),
-        ({0: {"nbytes": 3, "buckets": 1, "wire": 3}, 1: None}, [1], []),  # never reported: dead
-        ({0: {"error": "WorkerFailedError: worker 1"}, 1: {"error": "x"}}, [0, 1], []),
-        # Over one group a dead sender's rounds fail the other lane too: the dead one is blamed.
-        ({0: {"error": "TransportError: x"}, 1: {"error": "its process is gone", "gone": True}},
-         [1], []),
-        ({0: {"error": "TransportError: x"}, 1: None, 2: {"nbytes": 1, "buckets": 1, "wire": 1}},
-         [1], []),
-        # Over one group a worker failing lane 1 aborts lane 0 under it: lane 1 names a cause.
-        ({0: {"error": "TransportError: x", "broken": True}, 1: {"error": "WorkerFailedError: w"}},
-         [1], []),
-        # Every lane broke naming no one: none is more to blame than the others.
-        ({0: {"error": "TransportError: x", "broken": True},
-          1: {"error": "TransportError: y", "broken": True}}, [0, 1], []),
-        # A silent sender outranks a lane that named a cause.
-        ({0: {"error": "WorkerFailedError: w", "dead": [2]}, 1: None}, [1], []),
-        # A worker died: lane 0 found it dead, lane 1 broke before it saw the death; the verdict
-        # names the dead worker for the broken lane to raise (the lanes that found it agree).
-        ({0: {"error": "WorkerFailedError: worker 1", "dead": [1]},
-          1: {"error": "TransportError: x", "broken": True, "dead": []},
-          2: {"error": "WorkerFailedError: worker 1, 2", "dead": [2, 1]}}, [0, 2], [1, 2]),
-    ],
-)  # fmt: skip
-def test_judge_table(reports: dict, failed: list[int] | None, dead: list[int] | None) -> None:
-    verdict = judge(reports)
-    if failed is None:
-        assert verdict == {"nbytes": 8, "buckets": 3, "wire": 8}
-    else:
-        assert verdict["senders"] == failed and "no member claims" in verdict["failed"]
-        assert verdict["dead"] == dead
-        assert f"trainer ranks {failed} did not land" in verdict["failed"]  # the blamed lead
-        if reports.get(1) is None:
-            assert "died or hung" in verdict["failed"]
-
-
-@pytest.mark.parametrize(
-    ("failed", "culprits", "blamed", "tail"),
-    [
-        ({0: "a", 1: "b"}, [], [0, 1], " -- rank 0: a; rank 1: b"),
-        # The gone lead, even past a long reason of a lane that failed with them.
-        ({0: "x" * 600, 1: "gone"}, [1], [1], f" (those of [0] failed with them) -- rank 1: gone; rank 0: {'x' * 600}"),
-        ({2: "gone", 0: "b"}, [2], [2], " (those of [0] failed with them) -- rank 2: gone; rank 0: b"),
-    ],
-)  # fmt: skip
-def test_blame_table(failed: dict, culprits: list[int], blamed: list[int], tail: str) -> None:
-    assert blame(failed, culprits) == (blamed, tail)
 
 
 @pytest.mark.parametrize(

@@ -73,7 +73,8 @@ def test_a_trainer_rank_killed_mid_push_leaves_the_servers_serving_no_version(
     (report,) = run_job("kill", servers.urls, tmp_path / "kill", ranks=1)
     (first,) = report["versions"]
     (error,) = report["errors"]
-    assert error.startswith("SenderFailedError") and report["senders"] == [1], error
+    assert error.startswith("SenderFailedError: trainer rank 1 died or left mid-push"), error
+    assert report["senders"] == [1], report
     assert served_versions(servers.urls) == [None] * len(servers.urls)
     assert all_resumed(servers.urls)
     reports = run_job("steps", servers.urls, tmp_path / "after")

@@ -75,7 +75,8 @@ def test_a_trainer_rank_killed_mid_push_then_the_sharded_trainer_lands(
     urls = [server.url]
     (report,) = run_job("kill", urls, tmp_path / "kill", ranks=1)
     (error,) = report["errors"]
-    assert error.startswith("SenderFailedError") and report["senders"] == [1], error
+    assert error.startswith("SenderFailedError: trainer rank 1 died or left mid-push"), error
+    assert report["senders"] == [1], report
     assert served_versions(urls) == [None] and all_resumed(urls)
     reports = run_job("steps", urls, tmp_path / "after")
     assert not reports[0]["errors"] and reports[0]["versions"][0] > report["versions"][0] + 1

@@ -16,8 +16,8 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from weight_sync.actors.worker import SYNC_GROUP
 from weight_sync.control.futures import then
-from weight_sync.control.plane import Fate, is_collateral
 from weight_sync.errors import first_line
+from weight_sync.wire.blame import Fate, is_collateral
 from weight_sync.wire.metadata import (
     GroupSpec,
     MemberInfo,

@@ -29,7 +29,7 @@ from weight_sync.errors import (
     WorkerFailedError,
     first_line,
 )
-from weight_sync.wire.lane_rules import judge
+from weight_sync.wire.blame import judge
 
 logger = logging.getLogger(__name__)
 
@@ -168,8 +168,8 @@ class Verdicts:
             raise SyncTimeoutError(f"rank 0 gave no verdict ({key}) in time") from exc
         except RuntimeError as exc:
             raise SenderFailedError(
-                f"rank 0 died or left before its verdict ({first_line(exc)}); no member "
-                "claims the push",
+                f"trainer rank 0 died or left before its verdict; no member claims the push "
+                f"({first_line(exc)})",
                 [0],
             ) from exc
         return dict(json.loads(self._store.get(key)))

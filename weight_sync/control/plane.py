@@ -6,7 +6,7 @@ prepare (and cancel, when someone refused), receive, commit, leave -- or, in the
 members that offer it, one round (push) for prepare, receive and commit. A ``ControlPlane``
 starts one round's call on the members it is asked to and returns a future per member;
 ``collect`` waits for them, bounded, and sorts what came back into ``Outcomes``, from which the
-protocol blames and drops. Two planes exist, one file each:
+protocol blames and drops (the rules: ``wire.blame``). Two planes exist, one file each:
 
 * ``actors.members.RayMembers`` -- ``WeightSyncWorker`` / ``VLLMEngine`` Ray actors, one actor
   call per member per round;
@@ -25,11 +25,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from weight_sync.control.futures import gather
-from weight_sync.errors import SyncTimeoutError, TransportError, WeightSyncError, WorkerFailedError
+from weight_sync.wire.blame import Fate, Outcomes
 from weight_sync.wire.metadata import (
     GroupSpec,
     MemberInfo,
@@ -39,10 +38,6 @@ from weight_sync.wire.metadata import (
     ReceiveReport,
     SyncPlan,
 )
-
-# How a member's failed call ended: its process is gone; it lost a collective because another
-# member failed (alive, not at fault); or it raised (alive, at fault).
-Fate = Literal["died", "collateral", "raised"]
 
 
 class ControlPlane(Protocol):
@@ -94,58 +89,6 @@ class ControlPlane(Protocol):
         """How a member's call that raised ``error`` ended, and a one-line reason."""
 
 
-@dataclass
-class Outcomes:
-    """What came of one call to each of several members (indexed as the calls were)."""
-
-    results: list[Any]
-    raised: dict[int, str] = field(default_factory=dict)  # alive; its call failed
-    collateral: list[int] = field(default_factory=list)  # alive; lost a collective to someone else
-    died: dict[int, str] = field(default_factory=dict)
-    late: list[int] = field(default_factory=list)  # no answer in time
-
-    @property
-    def ok(self) -> bool:
-        return not (self.raised or self.collateral or self.died or self.late)
-
-    @property
-    def unreachable(self) -> list[int]:
-        """Members to give up on: dead, or silent while others answered. If nobody answered,
-        nobody can be blamed (the fault is more likely here, or the timeout too short)."""
-        answered = len(self.results) - len(self.late) - len(self.died)
-        return sorted([*self.died, *(self.late if answered else [])])
-
-    def error(self, what: str, timeout_s: float, dropped: Sequence[int] = ()) -> WeightSyncError:
-        """The error to raise for these outcomes (which must not be ``ok``)."""
-        blamed = {**self.raised, **self.died}
-        blamed.update(
-            {
-                index: f"no answer within {timeout_s:.1f}s (frozen?)"
-                for index in self.unreachable
-                if index not in self.died
-            }
-        )
-        if not blamed:
-            if self.collateral and not self.late:
-                return TransportError(
-                    f"{what}: the sync group failed on worker(s) {self.collateral} with no "
-                    "worker at fault; check the trainer's network and logs"
-                )
-            return SyncTimeoutError(
-                f"{what}: worker(s) {sorted(self.late)} did not answer within {timeout_s:.1f}s; "
-                "they may be frozen, overloaded or still starting -- raise the timeout in "
-                "SyncConfig or check them"
-            )
-        detail = "; ".join(f"worker {i}: {why}" for i, why in sorted(blamed.items()))
-        if self.collateral:
-            detail += f"; worker(s) {self.collateral} lost the broadcast as a result"
-        if dropped:
-            detail += f"; dropped worker(s) {list(dropped)} from the updater"
-        return WorkerFailedError(
-            f"{what} failed on {len(blamed)} worker(s): {detail}", sorted(blamed), dropped
-        )
-
-
 def collect(plane: ControlPlane, calls: Sequence[Future[Any]], timeout_s: float) -> Outcomes:
     """Wait up to ``timeout_s`` in total for every call; never raises for a member's failure."""
     outcomes = Outcomes(results=[None] * len(calls))
@@ -166,8 +109,3 @@ def collect(plane: ControlPlane, calls: Sequence[Future[Any]], timeout_s: float)
         else:
             outcomes.raised[index] = reason
     return outcomes
-
-
-def is_collateral(error: BaseException) -> bool:
-    """Whether a member's own error says it lost a collective to another member's failure."""
-    return isinstance(error, TransportError | SyncTimeoutError)

@@ -29,11 +29,11 @@ import torch
 
 from weight_sync.config import SyncConfig
 from weight_sync.control.futures import Backoff, in_thread, joined, resolve, then
-from weight_sync.control.plane import Fate, is_collateral
 from weight_sync.errors import WeightSyncError, first_line
 from weight_sync.receive.receiver import Check, Loader, Receiver
 from weight_sync.transport import teardown
 from weight_sync.transport.rendezvous import bind_listener, listen_address, open_store
+from weight_sync.wire.blame import Fate, is_collateral
 from weight_sync.wire.metadata import (
     GroupSpec,
     MemberInfo,

@@ -55,6 +55,7 @@ from weight_sync.config import SyncConfig
 from weight_sync.control.lane_store import VERDICTS, Verdicts
 from weight_sync.errors import (
     PlanMismatchError,
+    TransportError,
     WeightSyncError,
 )
 from weight_sync.receive.assembly import Assembly
@@ -77,6 +78,7 @@ from weight_sync.transport.base import Transport
 from weight_sync.transport.devices import CPU, module_device
 from weight_sync.transport.rendezvous import open_store
 from weight_sync.transport.rounds import Rounds, Route, SendLane, routes_over
+from weight_sync.wire.blame import lone_sender_gone
 from weight_sync.wire.blocks import BlockLayout
 from weight_sync.wire.lane_rules import Share, called_off, share_of
 from weight_sync.wire.metadata import SyncStatus
@@ -439,8 +441,14 @@ class JobSync:
             )
         wait_s = timeout_s if timeout_s is not None else self.config.push_timeout_s
         if self.senders == 1:
-            self._lanes.inbound[0].member.retarget(*_target(model, load_weights))
-            return self._lanes.inbound[0].receive(wait_s)
+            lane = self._lanes.inbound[0]
+            lane.member.retarget(*_target(model, load_weights))
+            try:
+                return lane.receive(wait_s)
+            except TransportError as exc:
+                if not lane.sender_gone:
+                    raise
+                raise lone_sender_gone(f"rank {self.rank}", exc) from exc
         if self._buckets is not None:
             self._renew_one_group()
         self._pushes += 1

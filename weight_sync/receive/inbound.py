@@ -43,8 +43,8 @@ from weight_sync.receive.assembly import Assembly
 from weight_sync.receive.receiver import Loader, Receiver, expecting
 from weight_sync.transport.rendezvous import open_store
 from weight_sync.transport.rounds import Rounds
+from weight_sync.wire.blame import lanes_failed
 from weight_sync.wire.blocks import BlockLayout
-from weight_sync.wire.lane_rules import blame
 from weight_sync.wire.metadata import Phase, ReceiveReport, SyncStatus
 from weight_sync.wire.versions import held_across_lanes
 
@@ -165,27 +165,14 @@ class Lanes:
     ) -> int:
         """The version every lane committed, or the error ``receive`` raises."""
         failed = {s: error for s, (_, error) in outcomes.items() if error is not None}
-        for sender, error in failed.items():
-            if sender and self.inbound[sender].sender_gone:
-                why = f"its process is gone (its store closed on {member}: {first_line(error)})"
+        gone = [sender for sender in failed if self.inbound[sender].sender_gone]
+        for sender in gone:
+            if sender:  # rank 0 holds the verdicts' store: gone, it hears no report
+                why = f"its store closed on {member} ({first_line(failed[sender])})"
                 self.verdicts.report_for(push, sender, why)
         if failed:
             assembly.forget()
-            gone = [sender for sender in failed if self.inbound[sender].sender_gone]
-            same = len({str(e) for e in failed.values()}) == 1
-            if not gone and len(failed) == len(outcomes) and same:
-                raise next(iter(failed.values()))  # the same on every lane: refused, called off
-            reasons = {sender: first_line(error) for sender, error in failed.items()}
-            blamed, tail = blame(reasons, gone)
-            why = (
-                f"{member} holds no version: the lanes of trainer ranks {blamed} did not commit "
-                f"here{tail}"
-            )
-            if not gone and all(isinstance(e, TransportError) for e in failed.values()):
-                # Every sender is alive and its lane's collective failed here: a member of the
-                # lanes' groups died (the senders name it), not a sender.
-                raise TransportError(f"{why} (a receiving rank left mid-push?)")
-            raise SenderFailedError(why, blamed)
+            raise lanes_failed(member, failed, len(outcomes), gone)
         versions = [version for version, _ in outcomes.values()]
         held = held_across_lanes(versions)
         if held is None:

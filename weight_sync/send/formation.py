@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import secrets
 import socket
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from weight_sync.config import SyncConfig
 from weight_sync.control.deadline import Deadline
-from weight_sync.control.plane import Outcomes, collect
+from weight_sync.control.plane import collect
 from weight_sync.errors import TransportError, WeightSyncError, WorkerFailedError
 from weight_sync.send.roster import GRACE_S, Roster
 from weight_sync.send.routes import Route, choose_routes
@@ -37,6 +37,7 @@ from weight_sync.transport import (
 )
 from weight_sync.transport.devices import CPU, gpu_uuid
 from weight_sync.transport.ring import RingUnavailableError
+from weight_sync.wire.blame import excuse_followers
 from weight_sync.wire.metadata import (
     TRAINER_RANK,
     BackendName,
@@ -193,7 +194,7 @@ def form_group(
         failure = None
         if isinstance(exc, WeightSyncError):  # the members that joined fail about now
             outcomes = collect(roster.plane, joining, min(GRACE_S, deadline.remaining()))
-            _excuse_followers(outcomes, routes.leaders)
+            excuse_followers(outcomes, routes.leaders)
             failure = None if outcomes.ok else roster.blame(outcomes, "join", rendezvous_s)
         roster.leave(deadline)
         if isinstance(exc, WeightSyncError) and not isinstance(exc, cuda_ipc.IpcUnavailableError):
@@ -315,16 +316,6 @@ def _open_ring(
         )
         logger.warning("workers on this host take %s instead of %s: %s", *instead, exc)
         return None
-
-
-def _excuse_followers(outcomes: Outcomes, leaders: Mapping[int, int]) -> None:
-    """A relay's follower dials its ring until the relay opens it: one still dialling when the
-    relay itself failed to join (or is as late) is no more at fault than any member that lost
-    the formation to another -- collateral, not late (a late member is dropped)."""
-    failed = {*outcomes.raised, *outcomes.died, *outcomes.collateral, *outcomes.late}
-    excused = [i for i in outcomes.late if i in leaders and leaders[i] in failed]
-    outcomes.late = [i for i in outcomes.late if i not in excused]
-    outcomes.collateral = sorted([*outcomes.collateral, *excused])
 
 
 def _close_all(parts: Sequence[Transport], listener: socket.socket | None) -> None:

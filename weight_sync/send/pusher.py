@@ -13,7 +13,7 @@ byte that every one of them has received -- instead of answering the trainer in 
 
 Failure: every wait draws on the push's deadline. When something fails, the trainer leaves the
 group first (so members blocked on it fail at once), waits a bounded time for every member's
-call to end, and then knows each member's fate (see ``control.Outcomes``): members that died or
+call to end, and then knows each member's fate (see ``wire.blame.Outcomes``): members that died or
 never answered are dropped, the rest leave the group, and the next push forms a new one.
 
 A push reads downhill from here into ``weight_sync.send``: the state dict is checked

@@ -4,7 +4,7 @@ agreement before any byte and the verdict after (``Senders``, ``push_share``).
 A sharded trainer pushing from every rank is K lanes at once (docs/many-senders.md): each
 sender's ordinary push (``Pusher``) over a store of its own, which every member reads
 (``receive.inbound``); every sender reports how its lane ended in rank 0's store, rank 0
-judges (``send.lane_rules``), and every sender returns or raises together.
+judges (``wire.blame.judge``), and every sender returns or raises together.
 """
 
 from __future__ import annotations

@@ -18,12 +18,12 @@ Across hosts a receiving rank relays (``routes``): a lane enters another host at
 receiving ranks, a different one for each lane, which forwards each bucket to the others there,
 so each sender's bucket crosses its link once per host, not once per receiving rank.
 
-``send`` and ``receive`` move buckets a caller has in hand. The lanes of a push, each an
-ordinary push on a thread of its own, hand theirs one at a time through ``Transport.broadcast``;
-``SendLane`` and ``ReceiveLane`` are those lanes' transports over one group, and ``Rounds`` is
-a receiving rank's scheduler across its lanes' threads: it posts round k once every lane still
-in the push has handed its k-th buffer -- ``schedule``'s order, without knowing the counts
-before (a lane that is ``done`` drops out of the later rounds).
+The lanes of a push, each an ordinary push on a thread of its own, hand their buckets one at a
+time through ``Transport.broadcast``; ``SendLane`` and ``ReceiveLane`` are those lanes'
+transports over one group, and ``Rounds`` is a receiving rank's scheduler across its lanes'
+threads: it posts round k once every lane still in the push has handed its k-th buffer --
+``schedule``'s order, without knowing the counts before (a lane that is ``done`` drops out of
+the later rounds).
 """
 
 from __future__ import annotations
@@ -46,8 +46,6 @@ from weight_sync.transport.torch_group import TorchGroup, TorchWork
 from weight_sync.wire.metadata import VOTE_AGREED
 
 logger = logging.getLogger(__name__)
-
-DEPTH = 2  # batches a rank keeps in flight: the next one posted while one is on the wire
 
 
 def schedule(counts: Sequence[int]) -> list[tuple[int, ...]]:
@@ -135,80 +133,6 @@ def connect(group: TorchGroup, lanes: Sequence[Route], timeout_s: float | None =
         group.exchange(sends, receives, timeout_s).wait()
 
 
-def send(
-    group: TorchGroup,
-    buckets: Iterable[torch.Tensor],
-    receivers: Sequence[int],
-    timeout_s: float | None = None,
-    depth: int = DEPTH,
-) -> int:
-    """A sender's part: each of ``buckets`` (contiguous uint8, on the group's device for NCCL)
-    to every rank of ``receivers`` as one batch, in order, at most ``depth`` batches in flight:
-    bucket k's batch is done before bucket k + ``depth`` is taken from ``buckets``, so a caller
-    may make them in ``depth`` buffers taken in turn. ``timeout_s`` bounds each batch from when
-    it could start. Returns how many buckets were sent; raises the group's
-    ``SyncTimeoutError``/``TransportError`` (it aborts) if a receiving rank fails."""
-    if not receivers:
-        raise ValueError("a sender needs at least one receiving rank")
-    if depth < 1:
-        raise ValueError(f"depth must be at least 1, got {depth}")
-    flight: deque[TorchWork] = deque()
-    sent = 0
-    upcoming = iter(buckets)
-    while True:
-        if len(flight) == depth:  # before the next bucket is made: it may reuse a buffer
-            flight.popleft().wait()
-        bucket = next(upcoming, None)
-        if bucket is None:
-            break
-        flight.append(group.exchange([(bucket, rank) for rank in receivers], [], timeout_s))
-        sent += 1
-    while flight:
-        flight.popleft().wait()
-    return sent
-
-
-def receive(
-    group: TorchGroup,
-    lanes: Sequence[tuple[int, Sequence[int]]],
-    land: Callable[[int, int, torch.Tensor], None],
-    timeout_s: float | None = None,
-    depth: int = DEPTH,
-) -> None:
-    """A receiving rank's part: every lane's buckets (``lanes``: each sender's rank in the
-    group and its buckets' sizes, in lane order), round by round (``schedule``), each round one
-    batch, at most ``depth`` rounds in flight. ``land(lane, k, bucket)`` is called once round
-    k is in, for each of its lanes in lane order; the buffer is received into again ``depth``
-    rounds later, so ``land`` copies out what it keeps (on NCCL, on this thread's current
-    stream: each post orders NCCL's stream after it). Staging is ``depth`` buffers per lane,
-    each the size of the lane's largest bucket, on the group's device. Raises the group's
-    ``SyncTimeoutError``/``TransportError`` (it aborts) if a sender fails."""
-    if depth < 1:
-        raise ValueError(f"depth must be at least 1, got {depth}")
-    rounds = schedule([len(sizes) for _, sizes in lanes])
-    staging = [
-        [torch.empty(max(sizes, default=0), dtype=torch.uint8, device=group.device)
-         for _, sizes in lanes]
-        for _ in range(min(depth, len(rounds)))
-    ]  # fmt: skip
-
-    def buffer(k: int, lane: int) -> torch.Tensor:
-        return staging[k % depth][lane][: lanes[lane][1][k]]
-
-    def post(k: int) -> TorchWork:
-        batch = [(buffer(k, lane), lanes[lane][0]) for lane in rounds[k]]
-        return group.exchange([], batch, timeout_s)
-
-    flight = deque(post(k) for k in range(min(depth, len(rounds))))
-    for k, present in enumerate(rounds):
-        flight.popleft().wait()
-        for lane in present:
-            land(lane, k, buffer(k, lane))
-        if k + depth < len(rounds):
-            flight.append(post(k + depth))
-    logger.debug("rank %d received %d rounds from %d lanes", group.rank, len(rounds), len(lanes))
-
-
 class _LaneEnd:
     """What a lane over one group keeps of its own small group (``lane``): its rank, its votes
     and leaving it. Its bytes are the one group's (the subclasses')."""
@@ -240,7 +164,7 @@ class _LaneEnd:
 
 class SendLane(_LaneEnd):
     """A sender's lane over one group: each bucket the lane's push broadcasts goes instead to
-    every rank of ``receivers`` in ``group`` as one batch (as ``send`` sends it); the rest is
+    every rank of ``receivers`` in ``group`` as one batch; the rest is
     the lane's own group's, so the protocol above runs unchanged. ``group`` is not the lane's
     to close: every lane shares it."""
 

@@ -9,8 +9,9 @@ sender (``send.senders`` and ``receive.inbound`` run them); this module decides,
   (``share_of``): nothing is gathered, no rank holds more than its shards plus its lane's
   staging buckets;
 * whether the push may go ahead, from every sender's row (``called_off``): the same answer on
-  every rank, so all of them call it off together, before any byte moves;
-* the verdict after, from every sender's report (``judge``).
+  every rank, so all of them call it off together, before any byte moves.
+
+The verdict after, from every sender's report, is ``wire.blame.judge``.
 """
 
 from __future__ import annotations
@@ -212,50 +213,6 @@ def called_off(senders: list[tuple[int, ...]]) -> str | None:
             f"every sender's ({version})"
         )
     return None
-
-
-def judge(reports: Mapping[int, dict[str, Any] | None]) -> dict[str, Any]:
-    """Rank 0's verdict on a push from many senders, from every sender's report (None: it
-    sent none in time -- it died or hung; ``"gone"``: a member saw its process go;
-    ``"broken"``: the lane's transport broke and named no one; ``"dead"``: the workers the lane
-    found dead or frozen). Blamed: the senders gone or silent where there are any -- over one
-    group their death fails the other lanes too, which are not to blame -- else those whose
-    lane failed naming a cause (a worker, a refusal) where there are any -- over one group a
-    member failing one lane aborts the others under it -- else every sender whose lane failed.
-    The verdict's ``"dead"``: the workers the blamed lanes found dead (each is in every lane:
-    their death broke the lanes that named no one too)."""
-    failed = {
-        rank: "sent no report: it died or hung -- check it" if report is None else report["error"]
-        for rank, report in reports.items()
-        if report is None or "error" in report
-    }
-    if failed:
-        gone = [rank for rank, report in reports.items() if report is None or report.get("gone")]
-        named = [rank for rank, report in reports.items() if report and "error" in report
-                 and not report.get("broken")]  # fmt: skip
-        blamed, why = blame(failed, gone or named)
-        dead = {worker for rank in blamed for worker in (reports[rank] or {}).get("dead", ())}
-        return {
-            "failed": f"no member claims the push: trainer ranks {blamed} did not land their "
-            f"lanes{why}",
-            "senders": blamed,
-            "dead": sorted(dead),
-        }
-    landed = [report for report in reports.values() if report is not None]
-    return {key: sum(report[key] for report in landed) for key in ("nbytes", "buckets", "wire")}
-
-
-def blame(failed: Mapping[int, str], culprits: Sequence[int]) -> tuple[list[int], str]:
-    """Who is to blame for the lanes that ``failed`` (sender -> why): the ``culprits`` where
-    there are any (a gone sender, over one group, fails the other lanes too, which are not to
-    blame) else every failed one; and the tail of a message saying so, with each lane's
-    reason, the blamed ones' first (a reason is cut at 500 characters, a Gloo error alone takes
-    300 of them)."""
-    assert set(culprits) <= set(failed), (culprits, failed)
-    blamed = sorted(culprits) if culprits else sorted(failed)
-    others = sorted(set(failed) - set(blamed))
-    reasons = "; ".join(f"rank {rank}: {failed[rank]}" for rank in blamed + others)
-    return blamed, (f" (those of {others} failed with them)" if others else "") + f" -- {reasons}"
 
 
 def row_tensor(values: list[int], digest: bytes) -> torch.Tensor:
