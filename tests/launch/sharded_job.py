@@ -29,7 +29,11 @@ Scenarios:
   together): every sender's error names it, and the other receiving rank claims no version;
 * ``fail_load`` -- the last rank's ``load_weights`` raises in the second push, as its first
   bytes land: the push fails on every rank, and the third lands (over one group, which the
-  failure aborted, once every rank formed it again).
+  failure aborted, once every rank formed it again);
+* ``differ`` -- every rank gives a ``SyncConfig`` of its own in each field that may differ
+  (``PER_RANK``): three steps as ``steps``;
+* ``disagree`` -- sender 1 gives another ``cast_dtype`` (over one group, the last rank another
+  backend as well): every rank's ``JobSync`` raises ``ValueError`` naming the field.
 
 ``SCENARIO+one_group``: the same, every lane's buckets over one group of every rank
 (``JobSync(one_group=True)``, ``transport.rounds``).
@@ -52,10 +56,30 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from weight_sync import SyncConfig, WeightSyncError
-from weight_sync.wire.checksums import state_dict_digests
 from weight_sync.launch.job_sync import JobSync
+from weight_sync.wire.checksums import state_dict_digests
 
 TIMEOUT_S = 30.0  # push_timeout_s: the bound every failure must be seen within
+
+# ``differ``: each rank's own value of every SyncConfig field that may differ from rank to rank
+# (docs/many-senders.md, "Each rank's SyncConfig"), rank r taking the r-th (mod 2) of each.
+PER_RANK: dict[str, tuple[Any, Any]] = {
+    "bucket_bytes": (1 << 20, 4096),  # each lane plans its own buckets
+    "direct_min_bytes": ("auto", None),
+    "alignment": (64, 256),
+    "staging": ("stream", "atomic"),
+    "checksum": (False, True),
+    "delta": (False, "always"),
+    "check_finite": (True, False),
+    "metrics": (False, True),
+    "interface": (None, "lo"),  # each sender listens on its own store
+    "rendezvous_timeout_s": (20.0, 40.0),
+    "collective_timeout_s": (10.0, 20.0),
+    "rpc_timeout_s": (10.0, 20.0),
+    "push_timeout_s": (TIMEOUT_S, TIMEOUT_S + 15),
+    "max_tensors": (100_000, 1000),
+    "max_metadata_bytes": (64 << 20, 1 << 20),
+}
 
 
 def make_model(big: bool = False, wide_last: int = 7) -> torch.nn.Module:
@@ -98,6 +122,13 @@ def run(scenario: str, senders: int, out: Path, device: str = "cpu") -> None:
     config = SyncConfig(push_timeout_s=TIMEOUT_S, bucket_bytes=1 << 20,
                         cast_dtype="bfloat16" if cast else None,
                         backend="nccl" if on_gpus else "auto")  # fmt: skip
+    here = dist.get_rank()
+    if scenario == "differ":
+        mine = {field: values[here % 2] for field, values in PER_RANK.items()}
+        config = SyncConfig.model_validate({**config.model_dump(exclude_unset=True), **mine})  # validated
+    if scenario == "disagree":
+        _disagree(config, senders, one_group, out)
+        return
     sync = JobSync(config, senders=senders, one_group=one_group)
     rank, world = sync.rank, sync.world_size
     loads = rank == world - 1  # this receiver takes whole tensors through load_weights
@@ -188,6 +219,22 @@ def run(scenario: str, senders: int, out: Path, device: str = "cpu") -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(record))
     if not big:
         sync.close()
+
+
+def _disagree(config: SyncConfig, senders: int, one_group: bool, out: Path) -> None:
+    """Sender 1 another cast_dtype; over one group, the last rank (receiving) the NCCL backend:
+    each rank records what its JobSync raised."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    update: dict[str, Any] = {"cast_dtype": "bfloat16"} if rank == 1 else {}
+    if one_group and rank == world - 1:
+        update["backend"] = "nccl"
+    try:
+        mine = SyncConfig.model_validate({**config.model_dump(exclude_unset=True), **update})
+        JobSync(mine, senders=senders, one_group=one_group).close()
+        raised = None
+    except Exception as exc:  # what the rank was told to change
+        raised = f"{type(exc).__name__}: {exc}"
+    (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "raised": raised}))
 
 
 def _refusals(sync: JobSync, model: torch.nn.Module, record: dict[str, Any]) -> None:

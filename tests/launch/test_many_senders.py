@@ -67,6 +67,38 @@ def test_two_senders_to_two_receivers(tmp_path: Path, over: str) -> None:
 
 
 @ONE_GROUP_TOO
+def test_every_rank_may_give_its_own_value_of_the_fields_that_may_differ(
+    tmp_path: Path, over: str
+) -> None:
+    """Each rank's ``SyncConfig`` differs from its neighbour's in every field the docs say may
+    differ (``sharded_job.PER_RANK``: buckets, staging, checksums, delta, bounds, interface,
+    ...): three pushes land bit-exact on every rank, as with one config."""
+    context = _spawn(f"differ{over}", tmp_path, senders=2, world_size=4)
+    _join_all(context, LAUNCH_S)
+    assert [p.exitcode for p in context.processes] == [0] * 4
+    _assert_steps(_reports(tmp_path, range(4)))
+
+
+@ONE_GROUP_TOO
+def test_the_fields_that_must_agree_are_checked_on_every_rank_first(
+    tmp_path: Path, over: str
+) -> None:
+    """Sender 1 gives another ``cast_dtype`` (and, over one group, the last rank another
+    backend): every rank's ``JobSync`` raises ``ValueError`` at once, naming the field and each
+    rank's value -- rather than every push being called off as state dicts that differ, or the
+    one group's ranks never meeting."""
+    context = _spawn(f"disagree{over}", tmp_path, senders=2, world_size=4)
+    _join_all(context, LAUNCH_S)
+    assert [p.exitcode for p in context.processes] == [0] * 4
+    for report in _reports(tmp_path, range(4)):
+        raised = report["raised"]
+        assert raised is not None and raised.startswith("ValueError: the ranks of a push"), raised
+        assert "cast_dtype (rank 0: None, rank 1: 'bfloat16'" in raised, raised
+        backends = "backend (rank 0: 'gloo', rank 1: 'gloo', rank 2: 'gloo', rank 3: 'nccl'"
+        assert (backends in raised) == bool(over), raised
+
+
+@ONE_GROUP_TOO
 def test_fsdp_over_tensor_parallelism_four_senders(tmp_path: Path, over: str) -> None:
     """FSDP2 over tensor parallelism on a (2, 2) mesh: the column-parallel layer's rows are
     split by both mesh dimensions (``_StridedShard``), the row-parallel one's by one each; every

@@ -142,6 +142,8 @@ def test_every_rank_pushes_its_shards_and_workers_hold_the_whole_model(
         assert [r.version for r in results] == [step, step], results
         assert results[0].nbytes == results[1].nbytes > 0  # every lane's bytes, on every rank
         want = on_all(ranks, "full_digests")[0]
+        # The whole push's tensors on every rank, as its bytes (each lane sends blocks of all).
+        assert results[0].tensors == results[1].tensors == len(want), results
         got = ray.get([w.weight_sync_digests.remote() for w in workers], timeout=TIMEOUT)
         assert all(g == want for g in got)
         held = ray.get([w.weights_version.remote() for w in workers], timeout=TIMEOUT)
@@ -458,6 +460,39 @@ def test_a_worker_busy_with_its_own_methods_joins_the_one_group_meanwhile(pool: 
         raise
     finally:
         kill(workers)
+
+
+def test_ranks_that_disagree_on_a_field_that_must_agree_are_told_on_every_rank(
+    pool: Pool,
+) -> None:
+    """Rank 1 gives another ``cast_dtype`` (and, over one group, the NCCL backend): every
+    rank's ``LaneUpdater`` raises ``ValueError`` as it is made, naming the field and each
+    rank's value, before anything forms -- and the ranks make one that lands right after."""
+    workers = pool.workers((False, False))
+    ranks = pool.ranks()
+    passed = False
+    try:
+        for one_group, said in [(False, "cast_dtype (rank 0: None, rank 1: 'bfloat16'"),
+                                (True, "backend (rank 0: 'gloo', rank 1: 'nccl'")]:  # fmt: skip
+            mine = [{}, {"cast_dtype": "bfloat16", "backend": "nccl" if one_group else "auto"}]
+            setups = [
+                rank.lanes_setup.remote(workers, one_group=one_group, **config)
+                for rank, config in zip(ranks, mine, strict=True)
+            ]
+            for setup in setups:
+                with pytest.raises(ray.exceptions.RayTaskError) as raised:
+                    ray.get(setup, timeout=TIMEOUT)
+                assert "ValueError" in str(raised.value) and said in str(raised.value)
+        ray.get([rank.lanes_setup.remote(workers) for rank in ranks], timeout=TIMEOUT)
+        assert [r.version for r in on_all(ranks, "lanes_push")] == [1, 1]
+        on_all(ranks, "lanes_close")
+        passed = True
+    finally:
+        if passed:
+            pool.give_back(workers, (False, False))
+        else:
+            pool.drop_ranks()
+            kill(workers)
 
 
 def test_one_group_over_nccl_refuses_workers_without_a_gpu_of_their_own() -> None:

@@ -8,9 +8,17 @@ from typing import Any
 
 import pytest
 
+from weight_sync import SyncConfig
 from weight_sync.receive.inbound import _together
 from weight_sync.send.sharded import takes_host_tensors
-from weight_sync.wire.lane_rules import Share, called_off, row_tensor
+from weight_sync.wire.lane_rules import (
+    NOT_MINE,
+    Share,
+    called_off,
+    config_disagreement,
+    config_row,
+    row_tensor,
+)
 from weight_sync.wire.metadata import ReceiveReport
 
 A, B = (1, 2, 3, 4), (5, 6, 7, 8)  # two layout digests, as four words
@@ -154,3 +162,38 @@ def report(nbytes: int, buckets: int, seconds: float, checksums: tuple | None = 
 )
 def test_a_members_lanes_report_one_push_together(reports: list, want: Any) -> None:
     assert _together(reports) == want
+
+
+@pytest.mark.parametrize(
+    ("configs", "one_group", "said"),
+    [
+        # Everything but cast_dtype (and, over one group, the backend) may differ.
+        ([SyncConfig(), SyncConfig(bucket_bytes=4096, staging="atomic", checksum=True,
+                                   delta="always", interface="lo", push_timeout_s=99)],
+         True, None),
+        ([SyncConfig(), SyncConfig(cast_dtype="bfloat16")], False,
+         "cast_dtype (rank 0: None, rank 1: 'bfloat16'; the wire dtypes are part of the layout)"),
+        # "auto" forms the one group on Gloo where no rank asks for NCCL: no difference.
+        ([SyncConfig(backend="auto"), SyncConfig(backend="gloo")], True, None),
+        ([SyncConfig(), SyncConfig(backend="nccl")], True,
+         "backend (rank 0: 'gloo', rank 1: 'nccl'; the one group forms on it)"),
+        ([SyncConfig(), SyncConfig(backend="nccl")], False, None),  # each lane over Gloo
+    ],
+)  # fmt: skip
+def test_config_disagreement_table(
+    configs: list[SyncConfig], one_group: bool, said: str | None
+) -> None:
+    rows = [config_row(config, True, one_group) for config in configs]
+    got = config_disagreement(rows)
+    if said is None:
+        assert got is None, got
+    else:
+        assert got is not None and said in got and "pass one value on every rank" in got, got
+
+
+def test_a_receiving_rank_has_no_word_on_the_cast() -> None:
+    rows = [
+        config_row(SyncConfig(), True, False),
+        config_row(SyncConfig(cast_dtype="float16"), False, False),  # not a sender: unused
+    ]
+    assert rows[1][0] == NOT_MINE and config_disagreement(rows) is None

@@ -64,6 +64,7 @@ from weight_sync.receive.receiver import Loader, expecting
 from weight_sync.result import PushResult
 from weight_sync.send.senders import (
     Outbound,
+    agree_on_config,
     before_any_byte,
     form_one_group,
     formed_everywhere,
@@ -206,6 +207,9 @@ class JobSync:
                     f"a job of {self.world_size} ranks, {senders} of them sending, has nobody to "
                     "push to: launch more ranks, or name fewer senders"
                 )
+            if senders > 1:  # every rank's first collective: nothing formed yet
+                sender = self.rank < senders
+                agree_on_config(buckets, sender, one_group, None, control_device(None))
             wrap = None  # a sender's: its lane's buckets over the one group
             if one_group:
                 failure = self._form_one_group()

@@ -43,7 +43,14 @@ from weight_sync.transport.devices import CPU, current_gpu
 from weight_sync.transport.rendezvous import open_store
 from weight_sync.transport.rounds import Route, SendLane, routes_over
 from weight_sync.wire.blocks import BlockLayout
-from weight_sync.wire.lane_rules import Share, called_off, row_tensor, share_of
+from weight_sync.wire.lane_rules import (
+    Share,
+    called_off,
+    config_disagreement,
+    config_row,
+    row_tensor,
+    share_of,
+)
 from weight_sync.wire.metadata import GroupSpec
 from weight_sync.wire.state_dict import Rename, StateDict
 
@@ -213,6 +220,7 @@ class Senders:
         self.control = dist.new_group(
             ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
         )
+        agree_on_config(given, True, invite is not None, self.control)
         self.one_group: TorchGroup | None = None  # with ``invite``: every lane's buckets
         self.routes: list[Route] = []  # and each lane's way to the members over it
         out: Outbound | None = None
@@ -422,9 +430,11 @@ def push_share(
     timeout_s: float,
 ) -> PushResult:
     """Push this sender's lane (none, where the layout gives it no block) and settle the push
-    with the other senders. Returns the push's result (every lane's bytes), or raises: this
-    lane's own error where it failed, else ``SenderFailedError`` naming the lanes that did.
-    Either way the version is spent on this sender."""
+    with the other senders. Returns the push's result -- the whole push's version, bytes,
+    buckets, tensors and partial flag on every sender; this rank's seconds, phases and delta
+    choice (docs/api.md) -- or raises: this lane's own error where it failed, else
+    ``SenderFailedError`` naming the lanes that did. Either way the version is spent on this
+    sender."""
     deadline = Deadline(timeout_s, "the senders' reports", started)
     assert share.layout is not None and share.layout.blocks, "an empty push moves nothing"
     result = PushResult(version, 0, 0, 0.0)
@@ -457,19 +467,38 @@ def push_share(
         nbytes=sums["nbytes"],
         buckets=sums["buckets"],
         wire_bytes=sums["wire"],
+        tensors=len(share.layout.tensors),
+        partial=share.layout.partial,
         seconds=time.monotonic() - started,
     )
 
 
 def gather_rows(
-    values: list[int], digest: bytes, group: dist.ProcessGroup
+    values: list[int], digest: bytes, group: dist.ProcessGroup | None, device: torch.device = CPU
 ) -> list[tuple[int, ...]]:
     """Every rank's row of an agreement (``values``, then a layout digest), on every rank of
-    ``group`` (a Gloo group; fixed size, no pickle). ``TransportError`` if a rank is gone."""
-    mine = row_tensor(values, digest)
+    ``group`` (fixed size, no pickle; on ``device``, which the group's backend takes).
+    ``TransportError`` if a rank is gone."""
+    mine = row_tensor(values, digest).to(device)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     before_any_byte(lambda: dist.all_gather(rows, mine, group=group))
     return [tuple(row.tolist()) for row in rows]
+
+
+def agree_on_config(
+    config: SyncConfig,
+    sender: bool,
+    one_group: bool,
+    group: dist.ProcessGroup | None,
+    device: torch.device = CPU,
+) -> None:
+    """Every rank of ``group`` at once, before anything is formed: ``ValueError`` on every
+    rank, naming each rank's value, where the fields that must agree differ
+    (``lane_rules.config_row``); ``config`` is the one this rank was given."""
+    rows = gather_rows(config_row(config, sender, one_group), bytes(32), group, device)
+    problem = config_disagreement(rows)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def before_any_byte(run: Callable[[], object]) -> None:

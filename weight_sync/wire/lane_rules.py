@@ -9,7 +9,10 @@ sender (``send.senders`` and ``receive.inbound`` run them); this module decides,
   (``share_of``): nothing is gathered, no rank holds more than its shards plus its lane's
   staging buckets;
 * whether the push may go ahead, from every sender's row (``called_off``): the same answer on
-  every rank, so all of them call it off together, before any byte moves.
+  every rank, so all of them call it off together, before any byte moves;
+* whether the ranks' ``SyncConfig``s agree where they must (``config_row``,
+  ``config_disagreement``), checked once as the senders are made: every other field may differ
+  rank by rank (docs/many-senders.md, "Each rank's SyncConfig").
 
 The verdict after, from every sender's report, is ``wire.blame.judge``.
 """
@@ -18,11 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
-from weight_sync.config import SyncConfig
+from weight_sync.config import CastDtype, SyncConfig
 from weight_sync.wire.blocks import (
     REPLICATE,
     BlockLayout,
@@ -192,6 +195,43 @@ def share_of(
     except Exception as exc:  # raised once the senders agreed: none may skip a collective
         return Share({}, None, exc, 0)
     return Share(lane, layout, None, named or 0)
+
+
+_CASTS: tuple[str | None, ...] = (None, *get_args(CastDtype))
+NOT_MINE = -1  # a rank's word on a field it does not use
+
+
+def config_row(config: SyncConfig, sender: bool, one_group: bool) -> list[int]:
+    """This rank's word on the ``SyncConfig`` fields every rank of a push from several senders
+    must give alike: a sender's ``cast_dtype`` (the wire dtypes are part of the layout the
+    senders agree on: a difference would call every push off as state dicts that differ), and
+    over one group the backend it forms on (every rank joins it on its own config's: NCCL and
+    Gloo ranks would never meet). ``NOT_MINE`` where this rank does not use the field."""
+    cast = _CASTS.index(config.cast_dtype) if sender else NOT_MINE
+    backend = int(config.backend == "nccl") if one_group else NOT_MINE
+    return [cast, backend]
+
+
+def config_disagreement(rows: Sequence[Sequence[int]]) -> str | None:
+    """What every rank is told to change where their ``config_row``s (rank r's at ``rows[r]``)
+    differ, naming each rank's value; None where they agree."""
+    fields = (
+        ("cast_dtype", lambda word: repr(_CASTS[word]), "the wire dtypes are part of the layout"),
+        ("backend", lambda word: "'nccl'" if word else "'gloo'", "the one group forms on it"),
+    )
+    problems = []
+    for column, (name, shown, why) in enumerate(fields):
+        said = {rank: row[column] for rank, row in enumerate(rows) if row[column] != NOT_MINE}
+        if len(set(said.values())) > 1:
+            values = ", ".join(f"rank {rank}: {shown(word)}" for rank, word in said.items())
+            problems.append(f"{name} ({values}; {why})")
+    if not problems:
+        return None
+    return (
+        "the ranks of a push from several senders must give the same SyncConfig "
+        + "; ".join(problems)
+        + " -- pass one value on every rank (the other fields may differ: docs/many-senders.md)"
+    )
 
 
 def called_off(senders: list[tuple[int, ...]]) -> str | None:
