@@ -7,6 +7,7 @@ package's own files, metadata and entry point are the wheel's and the sdist's al
 from __future__ import annotations
 
 import os
+import shutil
 import site
 import subprocess
 import sys
@@ -37,11 +38,27 @@ def run_both(command: list[str], cwd: Path, timeout_s: float = 400) -> tuple[str
     return done.stdout, done.stderr
 
 
+def working_tree(into: Path) -> Path:
+    """The checkout's files as git sees them (tracked, and new ones not ignored), copied: built
+    in place, setuptools leaves ``build/lib`` in the checkout and packs what it holds into the
+    next wheel, so a module renamed since the last run was still in the wheel (and not in the
+    sdist) -- this test failed in a contributor's checkout, never in CI's fresh clone."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            cwd=REPO, capture_output=True, check=True).stdout  # fmt: skip
+    for name in filter(None, listed.decode().split("\0")):
+        source = REPO / name
+        if source.is_file():  # a tracked file deleted but not yet committed is skipped
+            (into / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, into / name)
+    return into
+
+
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("dist")
-    run([sys.executable, "-m", "build", "--sdist", "--wheel", "--outdir", str(out), str(REPO)],
-        cwd=REPO)  # fmt: skip
+    tree = working_tree(tmp_path_factory.mktemp("tree"))
+    run([sys.executable, "-m", "build", "--sdist", "--wheel", "--outdir", str(out), str(tree)],
+        cwd=tree)  # fmt: skip
     return out
 
 
