@@ -33,7 +33,7 @@ from weight_sync.launch.job_sync import JobSync
 TIMEOUT_S = 30.0  # push_timeout_s: the bound every failure must be seen within
 # Where a rank is killed, a short push_timeout_s: a dead receiver is named at the report bound
 # (push_timeout_s / 2), which is this test's wait. The big push lands well inside it beside two
-# spinning processes (docs/testing.md, "Bounds").
+# spinning processes (docs/testing.md, "Where the time goes"). sharded_job.py's kill cases too.
 KILLED_TIMEOUT_S = 12.0
 
 
