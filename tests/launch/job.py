@@ -37,11 +37,6 @@ TIMEOUT_S = 30.0  # push_timeout_s: the bound every failure must be seen within
 KILLED_TIMEOUT_S = 12.0
 
 
-def timeout_s(scenario: str) -> float:
-    """The push_timeout_s of ``scenario``'s job."""
-    return KILLED_TIMEOUT_S if scenario.startswith("kill") else TIMEOUT_S
-
-
 def make_model(wide: int = 64, layers: int = 2) -> torch.nn.Module:
     torch.manual_seed(1)  # every rank starts alike; only rank 0's steps change the weights
     return torch.nn.Sequential(*[torch.nn.Linear(wide, wide) for _ in range(layers)])
@@ -51,7 +46,7 @@ def run(scenario: str, out: Path, init_method: str | None = None) -> None:
     big = scenario.startswith("kill")
     model = make_model(1024, 24) if big else make_model()  # 24 x 4 MB: a push of many buckets
     sync = JobSync(
-        SyncConfig(push_timeout_s=timeout_s(scenario), bucket_bytes=1 << 20),
+        SyncConfig(push_timeout_s=KILLED_TIMEOUT_S if big else TIMEOUT_S, bucket_bytes=1 << 20),
         init_method=init_method,
     )
     rank = sync.rank
