@@ -11,10 +11,11 @@ from typing import Any
 import pytest
 
 from weight_sync import SyncConfig
-from weight_sync.errors import WeightSyncError
 from weight_sync.control.futures import joined, resolve
-from weight_sync.wire.metadata import ReceiveReport, SyncStatus, WorkerReply
+from weight_sync.control.http import ServerError, collect_answers
 from weight_sync.control.store import ClientPlane
+from weight_sync.errors import WeightSyncError
+from weight_sync.wire.metadata import ReceiveReport, SyncStatus, WorkerReply
 
 
 class Boom(Exception):
@@ -123,3 +124,20 @@ def test_answers_a_member_never_gave_are_given_up_when_the_members_are_asked_aga
         assert sorted(plane._mailbox._pending) == ["info/1/1", "info/1/2"]  # the new asks only
     finally:
         plane.close()
+
+
+@pytest.mark.parametrize("settle", [False, True])
+def test_a_failed_server_call_ends_the_wait_unless_the_calls_must_settle(settle: bool) -> None:
+    """One server refused at once, the other's call is still running: the caller hears the
+    failure at once -- or, with ``settle`` (a pause it will undo), once the other call is done,
+    so that nothing the call does lands after the undo."""
+    refused: Future[Any] = Future()
+    running: Future[Any] = Future()
+    resolve(refused, error=ConnectionRefusedError("refused"))
+    if settle:  # done a while later; without settle it is done only after the caller heard
+        threading.Timer(0.3, resolve, args=(running,), kwargs={"result": {"ok": True}}).start()
+    with pytest.raises(ServerError) as caught:
+        collect_answers({"dead": refused, "live": running}, 30.0, "pause", settle=settle)
+    assert list(caught.value.servers) == ["dead"]
+    assert running.done() is settle
+    resolve(running, result={"ok": True})

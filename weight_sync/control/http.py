@@ -93,13 +93,18 @@ def _failed(url: str, reason: str) -> ServerError:
 
 
 def fan_out(
-    urls: Sequence[str], step: Callable[[str], Any], timeout_s: float, what: str
+    urls: Sequence[str],
+    step: Callable[[str], Any],
+    timeout_s: float,
+    what: str,
+    *,
+    settle: bool = False,
 ) -> dict[str, Any]:
     """``step(url)`` for every server at once, each on a thread of its own; returns the answers
-    by URL (see ``collect_answers``: the others' threads finish on their own, bounded by their
-    requests' timeouts)."""
+    by URL (see ``collect_answers``: unless ``settle``, the others' threads finish on their own,
+    bounded by their requests' timeouts)."""
     calls = {url: in_thread(partial(step, url), "weight-sync-http") for url in urls}
-    return collect_answers(calls, timeout_s, what)
+    return collect_answers(calls, timeout_s, what, settle=settle)
 
 
 def collect_answers(
@@ -110,17 +115,23 @@ def collect_answers(
     who: str = "server(s)",
     also: Future[Any] | None = None,
     until_also: bool = False,
+    settle: bool = False,
 ) -> dict[str, Any]:
     """The answers of ``calls`` (one per server, by name) once all are in -- and ``also``, the
     caller's own part, done -- within ``timeout_s``; with ``until_also``, as soon as ``also`` is
     done (the calls go on). ``ServerError`` names every server whose call failed as soon as one
     has (before ``also``'s error: a server that failed is the better lead), or that had not
     answered in time; ``SyncTimeoutError`` if only ``also`` is late. ``who`` names the servers
-    in messages."""
+    in messages. ``settle``: a failure does not end the wait, every call is let finish (within
+    ``timeout_s``) -- for calls whose effect the caller undoes after a failure: a pause still
+    in flight when one server refused would land after the resume that undoes it, and leave a
+    live server paused."""
     futures = [*calls.values(), *([also] if also is not None else [])]
 
     def over() -> bool:
-        if any(future.done() and future.exception() is not None for future in futures):
+        if not settle and any(
+            future.done() and future.exception() is not None for future in futures
+        ):
             return True
         if until_also:
             return also is not None and also.done()

@@ -265,7 +265,7 @@ class SGLangPusher:
         version = 0
         try:
             paused = True  # before the calls: an engine that paused must resume, whoever failed
-            self._fan("pause_generation", {"mode": self.pause_mode}, deadline)
+            self._fan("pause_generation", {"mode": self.pause_mode}, deadline, settle=True)
             group = self._ensure_group(sources, deadline)  # may move _next_version up
             version = choose_version(named, self._next_version, "engines")
             lap("group")
@@ -545,8 +545,16 @@ class SGLangPusher:
 
     # -- calls to every engine -------------------------------------------------------------------
 
-    def _fan(self, route: str, body: dict[str, Any] | None, deadline: Deadline) -> dict[str, Any]:
-        """``route`` on every engine at once, bounded by ``rpc_timeout_s`` and the deadline."""
+    def _fan(
+        self,
+        route: str,
+        body: dict[str, Any] | None,
+        deadline: Deadline,
+        *,
+        settle: bool = False,
+    ) -> dict[str, Any]:
+        """``route`` on every engine at once, bounded by ``rpc_timeout_s`` and the deadline
+        (``settle``: as ``collect_answers``; the pause, which ``_recover`` undoes)."""
         timeout_s = deadline.left(self.config.rpc_timeout_s)
         calls = {
             engine.name: in_thread(
@@ -554,7 +562,7 @@ class SGLangPusher:
             )
             for engine in self.engines
         }
-        return collect_answers(calls, timeout_s + 1.0, route, who=_WHO)
+        return collect_answers(calls, timeout_s + 1.0, route, who=_WHO, settle=settle)
 
     def _label(self, label: str, deadline: Deadline) -> None:
         self._fan(

@@ -148,6 +148,7 @@ def pause(urls: Sequence[str], mode: PauseMode, timeout_s: float) -> None:
         lambda url: call(url, f"pause?mode={mode}", timeout_s=timeout_s),
         timeout_s + 1.0,
         "pause",
+        settle=True,  # a pause landing after release's resume would leave its server paused
     )
 
 
