@@ -74,7 +74,13 @@ def test_relay_crosses_a_shaped_link_once(two_shaped_nodes: ShapedCluster, tmp_p
     assert tree.crossings >= 1.7, tree  # Gloo's tree over 3 far ranks: the trainer sends twice
     assert dense.median < 0.8 * tree.median, (dense.seconds, tree.seconds)
     assert dense.median > 0.9 * dense.bound, dense  # the shaping held: no faster than the link
-    assert delta.deltas >= 1 and delta.wire < dense.wire / 4, delta  # little changes in bf16
+    # Little changes in bf16: every push that went as a delta carries under a quarter of the
+    # dense bytes. (Not the median over the timed pushes: "delta" chooses per push, and where
+    # the first delta timed close to dense -- its push is the slowest -- the chooser times a
+    # dense push again after two, as it should; ci37 on 2026-12-03 drew that dense retry.)
+    assert delta.deltas >= 1, delta
+    delta_pushes = sorted(delta.wire_bytes)[: delta.deltas]  # the deltas are the smallest
+    assert all(wire < dense.wire / 4 for wire in delta_pushes), delta
     assert delta.crossings < 1.3, delta
     report = write_links_report(rows, tmp_path).read_text()
     assert "| 100mbit | dense (tree) |" in report
