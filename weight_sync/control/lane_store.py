@@ -9,16 +9,14 @@ what this module names.
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import threading
 from collections import deque
 from typing import Any
 
-import torch.distributed as dist
-
 from weight_sync.control.deadline import Deadline
+from weight_sync.control.keys import StoreGoneError, wait_all, wait_one
 from weight_sync.control.store import (
     KEPT_PUSHES,
     ClientPlane,
@@ -38,7 +36,6 @@ FLOOR = f"{COMMAND}floor"  # the first command still in the store: the older one
 BEGIN = f"{COMMAND}begin/"  # + push number: the sequence number of the push's ``begin``
 CLOSE = "close"
 VERDICTS = "lanes/"  # + push/sender: how each lane ended; + push/verdict: rank 0's verdict
-LONGEST_WAIT_S = 86400.0  # one store wait; a longer deadline waits again
 # A member's answer to a layout check over one group it holds none of (it restarted, or lanes
 # from other senders took its place): the senders form the group again before their next push.
 NO_ONE_GROUP = "this worker holds no one group with these senders"
@@ -120,12 +117,9 @@ class Verdicts:
         if sender == 0:
             self._forget(push - KEPT_PUSHES)
             keys = [f"{push}/{rank}" for rank in range(self._senders)]
-            try:
-                self._store.wait(keys, left(deadline))
-            except dist.DistStoreError:
-                pass  # named below as never having reported
+            found = wait_all(self._store, keys, deadline)  # the missing never reported
             reports = {
-                rank: json.loads(self._store.get(key)) if self._store.check([key]) else None
+                rank: json.loads(found[key]) if key in found else None
                 for rank, key in enumerate(keys)
             }
             verdict = judge(reports)
@@ -163,19 +157,12 @@ class Verdicts:
 
     def _wait(self, key: str, deadline: Deadline) -> dict[str, Any]:
         try:
-            self._store.wait([key], left(deadline))
-        except dist.DistStoreError as exc:
+            return dict(json.loads(wait_one(self._store, key, deadline)))
+        except SyncTimeoutError as exc:
             raise SyncTimeoutError(f"rank 0 gave no verdict ({key}) in time") from exc
-        except RuntimeError as exc:
+        except StoreGoneError as exc:
             raise SenderFailedError(
                 f"trainer rank 0 died or left before its verdict; no member claims the push "
                 f"({first_line(exc)})",
                 [0],
             ) from exc
-        return dict(json.loads(self._store.get(key)))
-
-
-def left(deadline: Deadline) -> datetime.timedelta:
-    """What is left of ``deadline`` as one store wait (at most ``LONGEST_WAIT_S``; raises once
-    it is spent)."""
-    return datetime.timedelta(seconds=deadline.left(LONGEST_WAIT_S))

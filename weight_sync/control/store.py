@@ -29,6 +29,7 @@ import torch
 
 from weight_sync.config import SyncConfig
 from weight_sync.control.futures import Backoff, in_thread, joined, resolve, then
+from weight_sync.control.keys import read_bounded
 from weight_sync.errors import WeightSyncError, first_line
 from weight_sync.receive.receiver import Check, Loader, Receiver
 from weight_sync.transport import teardown
@@ -124,7 +125,7 @@ class StoreMember:
         self._answer(f"info/{epoch}/{self._slot}", lambda: self.receiver.info().model_dump_json())
 
         def join() -> None:
-            spec_json = self._read(f"spec/{epoch}/{self._slot}", max_metadata_bytes)
+            spec_json = read_bounded(self._store, f"spec/{epoch}/{self._slot}", max_metadata_bytes)
             self.receiver.join_json(spec_json, max_metadata_bytes)
 
         self._answer(f"joined/{epoch}/{self._slot}", join)
@@ -132,7 +133,7 @@ class StoreMember:
     def start(self) -> None:
         """Check the push the trainer announced (fetching its plan from the store if this member
         does not hold it)."""
-        request_json = self._read(f"prepare/{self._epoch}", MAX_REPLY_CHARS)
+        request_json = read_bounded(self._store, f"prepare/{self._epoch}", MAX_REPLY_CHARS)
         request = PrepareRequest.model_validate_json(request_json)
         self.pushing, self.prepared = request.version, None
 
@@ -142,7 +143,7 @@ class StoreMember:
             reply = self.receiver.prepare(request_json, self._check, self._destinations)
             if reply.need_plan:
                 limit = self.receiver.max_metadata_bytes or MAX_REPLY_CHARS
-                plan_json = self._read(f"plan/{request.plan_digest}", limit)
+                plan_json = read_bounded(self._store, f"plan/{request.plan_digest}", limit)
                 whole = request.model_copy(update={"plan": SyncPlan.model_validate_json(plan_json)})
                 reply = self.receiver.prepare(
                     whole.model_dump_json(), self._check, self._destinations
@@ -168,7 +169,7 @@ class StoreMember:
         version, self.pushing = self.pushing, None
         if version is None:
             return False
-        if self._read(f"verdict/{version}", 16) != _COMMIT:
+        if read_bounded(self._store, f"verdict/{version}", 16) != _COMMIT:
             self.receiver.cancel(version)
             return False
         destinations = self._destinations() if self.receiver.staged else None
@@ -182,12 +183,6 @@ class StoreMember:
     def shutdown(self) -> None:
         self.receiver.leave()
         self._store = None
-
-    def _read(self, key: str, limit: int) -> str:
-        value = self._store.get(key).decode()
-        if len(value) > limit:
-            raise WeightSyncError(f"control message {key!r} of {len(value)} bytes exceeds {limit}")
-        return value
 
     def _answer(self, key: str, step: Callable[[], Any], reraise: bool = True) -> None:
         """Run ``step`` and write its result or its error to ``key`` for the trainer; an error

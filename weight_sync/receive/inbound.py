@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from weight_sync.control.deadline import Deadline
+from weight_sync.control.keys import StoreGoneError, wait_one
 from weight_sync.control.lane_store import (
     BEGIN,
     CLOSE,
@@ -25,7 +26,6 @@ from weight_sync.control.lane_store import (
     FLOOR,
     VERDICTS,
     Verdicts,
-    left,
 )
 from weight_sync.control.store import (
     MAX_REPLY_CHARS,
@@ -316,21 +316,16 @@ class Inbound:
     def _wait_for(self, key: str, deadline: Deadline, failure: WeightSyncError | None) -> str:
         """``key``'s value in the sender's store once it is there, within ``deadline``; raises
         ``failure`` (what this rank saw first), else ``TransportError``, if the sender is gone."""
-        while True:
-            wait = left(deadline)  # raises once spent
-            try:
-                self.store.wait([key], wait)
-                return str(self.store.get(key).decode())
-            except dist.DistStoreError:
-                continue  # timed out: the next ``left`` raises if the deadline is spent
-            except RuntimeError as exc:  # DistNetworkError: the store's process is gone
-                self.sender_gone = True
-                if failure is not None:
-                    raise failure from None  # what this rank saw first: the sender left mid-push
-                raise TransportError(
-                    f"the sender's store stopped answering ({first_line(exc)}); it died or left "
-                    "-- check it"
-                ) from exc
+        try:
+            return wait_one(self.store, key, deadline).decode()
+        except StoreGoneError as exc:
+            self.sender_gone = True
+            if failure is not None:
+                raise failure from None  # what this rank saw first: the sender left mid-push
+            raise TransportError(
+                f"the sender's store stopped answering ({first_line(exc)}); it died or left "
+                "-- check it"
+            ) from exc
 
     def _ended(
         self, arg: dict[str, Any], committed: int | None, failure: WeightSyncError | None

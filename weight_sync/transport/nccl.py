@@ -47,8 +47,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
+from weight_sync.control.deadline import Deadline
 from weight_sync.control.futures import Backoff
-from weight_sync.errors import GroupFormationError
+from weight_sync.control.keys import StoreGoneError, wait_all, wait_one
+from weight_sync.errors import GroupFormationError, SyncTimeoutError
 from weight_sync.transport import teardown
 from weight_sync.transport.devices import gpu_uuid
 from weight_sync.wire.metadata import GroupSpec
@@ -287,24 +289,27 @@ def check_in(store: dist.Store, spec: GroupSpec, report: Report, deadline: float
 def gather(store: dist.Store, stem: str, world_size: int, deadline: float) -> dict[int, bytes]:
     """``stem/<rank>`` of every rank that wrote it before ``deadline`` (monotonic)."""
     keys = {rank: f"{stem}/{rank}" for rank in range(world_size)}
-    left = max(deadline - time.monotonic(), 1e-3)
-    with contextlib.suppress(RuntimeError):  # DistStoreError on timeout: some never wrote
-        store.wait(list(keys.values()), datetime.timedelta(seconds=left))
-    return {rank: store.get(key) for rank, key in keys.items() if store.check([key])}
+    with contextlib.suppress(StoreGoneError):  # rank 0 hosts it: only at its own exit
+        found = wait_all(store, list(keys.values()), _until(deadline, stem))
+        return {rank: found[key] for rank, key in keys.items() if key in found}
+    return {}
 
 
 def _await_verdict(store: dist.Store, key: str, deadline: float, what: str) -> Verdict:
-    left = max(deadline - time.monotonic(), 1e-3)
     try:
-        store.wait([key], datetime.timedelta(seconds=left))
-        return Verdict.from_json(store.get(key))
-    except RuntimeError as exc:  # timeout, or the trainer's store went away
+        return Verdict.from_json(wait_one(store, key, _until(deadline, what)))
+    except (SyncTimeoutError, StoreGoneError) as exc:  # late, or the trainer's store went away
         return Verdict(
             False,
             f"the trainer (rank 0) gave no {what} verdict in time ({exc}); "
             "check that the trainer is alive",
             (0,),
         )
+
+
+def _until(deadline: float, what: str) -> Deadline:
+    """A monotonic ``deadline`` as the ``Deadline`` the store's waits take."""
+    return Deadline(deadline - time.monotonic(), what)
 
 
 # -- the communicator: eager, checked, bounded ---------------------------------------------------

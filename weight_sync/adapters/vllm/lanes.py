@@ -61,8 +61,9 @@ from weight_sync.config import SyncConfig
 from weight_sync.control.deadline import Deadline
 from weight_sync.control.futures import in_thread
 from weight_sync.control.http import ServerError, check_urls
+from weight_sync.control.keys import read_bounded, take, wait_all
 from weight_sync.control.lane_store import VERDICTS
-from weight_sync.errors import WeightSyncError, first_line
+from weight_sync.errors import SyncTimeoutError, WeightSyncError, first_line
 from weight_sync.receive.assembly import Assembly, layout_of_push
 from weight_sync.receive.inbound import Lanes
 from weight_sync.receive.receiver import Receiver
@@ -230,7 +231,14 @@ class VLLMLaneServers:
             }
         )
         keys = [f"{_SENT}{_EPOCH}/{slot}" for slot in range(1, self.members + 1)]
-        return max(int(self._lanes.store.get(key)) for key in keys)
+        deadline = Deadline(self.config.rendezvous_timeout_s, "the vLLM workers' joining")
+        found = wait_all(self._lanes.store, keys, deadline)
+        missing = [slot for slot, key in enumerate(keys, 1) if key not in found]
+        if missing:
+            raise SyncTimeoutError(
+                f"vLLM workers {missing} did not join within {deadline.seconds}s"
+            )
+        return max(int(value) for value in found.values())
 
     # -- rank 0: the HTTP calls around the lanes ---------------------------------------------------
 
@@ -255,9 +263,11 @@ class VLLMLaneServers:
             self._session = True
             self._client.start_weight_update()
             keys = [f"{_CHECKED}{self._lanes.pushes}/{slot}" for slot in range(1, self.members + 1)]
-            answers = [json.loads(self._lanes.store.get(key)) for key in keys]
-            for key in keys:  # read once: a loop pushing for days leaves no key a push
-                self._lanes.store.delete_key(key)
+            found = wait_all(self._lanes.store, keys, deadline, delete=True)
+            missing = [slot for slot, key in enumerate(keys, 1) if key not in found]
+            if missing:
+                raise SyncTimeoutError(f"vLLM workers {missing} did not answer the layout check")
+            answers = [json.loads(found[key]) for key in keys]
         except Exception as exc:  # a store error too: rank 0 must still give the word
             self._end_session()
             raise ServerError(
@@ -296,12 +306,10 @@ class VLLMLaneServers:
         ``ServerError`` naming those that did not load it."""
         push = self._lanes.pushes
         failed = {}
-        for slot in range(1, self.members + 1):
-            key = f"{_LANDED}{push}/{slot}"
-            outcome = (
-                json.loads(self._lanes.store.get(key)) if self._lanes.store.check([key]) else {}
-            )
-            self._lanes.store.delete_key(key)
+        keys = {slot: f"{_LANDED}{push}/{slot}" for slot in range(1, self.members + 1)}
+        found = take(self._lanes.store, list(keys.values()))
+        for slot, key in keys.items():
+            outcome = json.loads(found[key]) if key in found else {}
             if "version" not in outcome:
                 failed[f"vLLM worker {slot - 1}"] = outcome.get("error", "gave no word on the push")
         if failed:
@@ -476,14 +484,18 @@ class StoreLaneMember:
         take (empty: all of it; a check that failed is one problem). A request it cannot read
         goes unanswered: rank 0 stops waiting at its store's timeout."""
         try:
-            request = json.loads(self._read(_CHECK, _CHECK_BYTES))
+            request = json.loads(read_bounded(self._store, _CHECK, _CHECK_BYTES))
             push, version = int(request["push"]), int(request["version"])
         except Exception as exc:
             logger.error("%s cannot read the push to check: %s", self.name, exc)
             return
         digest, limit = str(request["digest"]), self._max_metadata_bytes
         try:
-            layout = None if self.member.holds(digest) else self._read(f"{_LAYOUT}{digest}", limit)
+            layout = (
+                None
+                if self.member.holds(digest)
+                else read_bounded(self._store, f"{_LAYOUT}{digest}", limit)
+            )
             problems = self.member.check(layout, digest, version, limit)
         except Exception as exc:
             problems = [f"{self.name} could not check the push: {first_line(exc)}"]
@@ -506,12 +518,6 @@ class StoreLaneMember:
 
     def close(self) -> None:
         self.member.close()
-
-    def _read(self, key: str, limit: int) -> str:
-        value = self._store.get(key).decode()
-        if len(value) > limit:
-            raise WeightSyncError(f"control message {key!r} of {len(value)} bytes exceeds {limit}")
-        return str(value)
 
 
 def _addresses(endpoints: Sequence[Sequence[Any]]) -> list[tuple[str, int]]:

@@ -1,0 +1,86 @@
+"""Waiting on keys of a ``torch.distributed`` store: the one way the store-based planes wait.
+
+A store's ``wait`` blocks in C++ until every key it is given is set, and ends in one of three
+ways the callers must tell apart: the keys are there; its timeout passed (``DistStoreError``:
+someone never wrote -- late, frozen or dead); or the store's own process is gone
+(``DistNetworkError``, or another ``RuntimeError`` from a closed socket: whoever hosted it died
+or left). Every wait here is bounded by the caller's ``Deadline``, cut into waits of at most a
+day (a store's timeout is a ``timedelta`` the C++ side holds in milliseconds).
+
+The trainer's reply mailbox (``control.store``) does not wait here: it polls many keys from one
+thread under the lock every post takes, and a blocking wait would hold that lock.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from weight_sync.control.deadline import Deadline
+from weight_sync.errors import SyncTimeoutError, WeightSyncError, first_line
+
+LONGEST_WAIT_S = 86400.0  # one store wait; a longer deadline waits again
+
+
+class StoreGoneError(WeightSyncError):
+    """The store's process is gone (its host died or left) while a key was awaited. Internal:
+    each caller says whose store it was, and what that means for its push."""
+
+
+def wait_all(
+    store: Any, keys: Sequence[str], deadline: Deadline, *, delete: bool = False
+) -> dict[str, bytes]:
+    """The values of ``keys`` once every one is set, or of those set when ``deadline`` is spent
+    (the others are missing: whoever writes them is late or dead -- the caller names them).
+    ``delete``: as ``take``, once read. Raises ``StoreGoneError`` if the store's process is
+    gone."""
+    try:
+        while True:
+            try:
+                store.wait(list(keys), _left(deadline))
+                break
+            except SyncTimeoutError:  # the deadline was spent before this wait
+                break
+            except dist.DistStoreError:  # this wait timed out: the next ``_left`` says if spent
+                continue
+        return take(store, keys) if delete else _read(store, keys)
+    except RuntimeError as exc:
+        raise StoreGoneError(f"the store stopped answering ({first_line(exc)})") from exc
+
+
+def wait_one(store: Any, key: str, deadline: Deadline) -> bytes:
+    """``key``'s value once it is set. Raises ``SyncTimeoutError`` (the deadline's own) when it
+    was not set in time, ``StoreGoneError`` if the store's process is gone."""
+    value = wait_all(store, [key], deadline).get(key)
+    if value is None:
+        deadline.left(0.0)  # raises: spent
+        raise AssertionError("wait_all returned before the deadline without the key")
+    return value
+
+
+def take(store: Any, keys: Sequence[str]) -> dict[str, bytes]:
+    """The values of those of ``keys`` that are set, and every one of ``keys`` deleted: an
+    answer is read once, and a loop pushing for days leaves no key behind. Never waits."""
+    values = _read(store, keys)
+    for key in keys:
+        store.delete_key(key)
+    return values
+
+
+def read_bounded(store: Any, key: str, limit: int) -> str:
+    """A control message set before it is asked for (no wait), refused past ``limit`` bytes."""
+    value = store.get(key).decode()
+    if len(value) > limit:
+        raise WeightSyncError(f"control message {key!r} of {len(value)} bytes exceeds {limit}")
+    return str(value)
+
+
+def _read(store: Any, keys: Sequence[str]) -> dict[str, bytes]:
+    return {key: store.get(key) for key in keys if store.check([key])}
+
+
+def _left(deadline: Deadline) -> datetime.timedelta:
+    return datetime.timedelta(seconds=deadline.left(LONGEST_WAIT_S))
