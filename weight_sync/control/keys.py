@@ -7,8 +7,10 @@ someone never wrote -- late, frozen or dead); or the store's own process is gone
 or left). Every wait here is bounded by the caller's ``Deadline``, cut into waits of at most a
 day (a store's timeout is a ``timedelta`` the C++ side holds in milliseconds).
 
-The trainer's reply mailbox (``control.store``) does not wait here: it polls many keys from one
-thread under the lock every post takes, and a blocking wait would hold that lock.
+A ``TCPStore`` client serves one call at a time: while one thread waits, another thread's
+``set`` on the same client waits behind it. Each party of a push therefore waits on a client of
+its own; the trainer's reply mailbox (``control.store``) does not wait here at all -- it polls
+many keys from one thread under the lock every post takes, and a blocking wait would hold it.
 """
 
 from __future__ import annotations
