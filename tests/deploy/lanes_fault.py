@@ -68,7 +68,7 @@ class Rank:
     def targets(self) -> list[int]:
         """The ranks of the one group this rank's lane sends to (none: lanes of their own)."""
         senders = self.lanes._lanes
-        return list(senders.routes[senders.rank].targets) if senders.routes else []
+        return list(senders.paths[senders.rank].targets) if senders.paths else []
 
     def step(self, step: int) -> None:
         tokens = torch.randint(0, 300, (4, 9), generator=torch.Generator().manual_seed(step))

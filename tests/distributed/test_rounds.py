@@ -131,7 +131,7 @@ def relay_rank(
     dies or freezes after its first bucket. NCCL: rank r on GPU r. Returns how the rank ended
     and how long it took."""
     senders = len(counts)
-    paths = rounds.routes(senders, list(hosts))
+    paths = rounds.lane_paths(senders, list(hosts))
     spec = ctx.spec("standalone", collective_timeout_s=timeout_s, backend=backend)
     device = torch.device("cuda", ctx.rank) if backend == "nccl" else torch.device("cpu")
     group = TorchGroup.join(spec, ctx.listener(0), device)

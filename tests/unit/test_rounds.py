@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from weight_sync.errors import SyncTimeoutError, TransportError, WeightSyncError
-from weight_sync.transport.rounds import Rounds, Route, routes, schedule
+from weight_sync.transport.rounds import LanePath, Rounds, lane_paths, schedule
 
 
 @pytest.mark.parametrize(
@@ -70,18 +70,18 @@ def test_a_negative_count_is_refused() -> None:
         ),
     ],
 )
-def test_routes_table(
+def test_lane_paths_table(
     senders: int, hosts: str, expected: list[tuple[tuple[int, ...], dict[int, int]]]
 ) -> None:
-    assert routes(senders, list(hosts)) == [Route(targets, via) for targets, via in expected]
+    assert lane_paths(senders, list(hosts)) == [LanePath(targets, via) for targets, via in expected]
 
 
-def test_routes_reach_every_receiving_rank_once_per_lane_and_cross_each_host_once() -> None:
+def test_lane_paths_reach_every_receiving_rank_once_per_lane_and_cross_each_host_once() -> None:
     chance = random.Random(0)
     for _ in range(200):
         senders, receivers = chance.randint(1, 6), chance.randint(1, 9)
         hosts = [chance.choice("abcd") for _ in range(senders + receivers)]
-        for lane, route in enumerate(routes(senders, hosts)):
+        for lane, route in enumerate(lane_paths(senders, hosts)):
             assert sorted(route.via) == list(range(senders, senders + receivers))
             for rank, source in route.via.items():  # from the sender, or one hop from it
                 assert source == lane or route.via[source] == lane, (hosts, lane, rank)
@@ -93,9 +93,9 @@ def test_routes_reach_every_receiving_rank_once_per_lane_and_cross_each_host_onc
 
 
 @pytest.mark.parametrize(("senders", "ranks"), [(0, 3), (3, 3), (4, 3)])
-def test_routes_need_a_sender_and_a_receiving_rank(senders: int, ranks: int) -> None:
+def test_lane_paths_need_a_sender_and_a_receiving_rank(senders: int, ranks: int) -> None:
     with pytest.raises(ValueError, match="cannot have"):
-        routes(senders, ["a"] * ranks)
+        lane_paths(senders, ["a"] * ranks)
 
 
 class _FakeGroup:
@@ -257,7 +257,7 @@ def test_a_relaying_rank_takes_its_lanes_then_sends_them_on_and_takes_what_is_re
     """Over Gloo the second batch of a round is posted only once the first is in: it sends the
     buffers the first received into."""
     group = _RelayingGroup()
-    rounds = Rounds(group, [0, 1], routes(2, list("abcc")))  # type: ignore[arg-type]
+    rounds = Rounds(group, [0, 1], lane_paths(2, list("abcc")))  # type: ignore[arg-type]
     rounds.begin([0, 1])
     zero, one = rounds.hand(0, _buffer(0, 0), None), rounds.hand(1, _buffer(1, 0), None)
     assert group.batches == [[(1, 101)]] and group.sends == [[]]  # lane 1 from its sender
@@ -272,7 +272,7 @@ def test_a_relaying_rank_takes_its_lanes_then_sends_them_on_and_takes_what_is_re
 def test_a_rank_that_only_takes_relayed_lanes_posts_one_batch_a_round() -> None:
     group = _FakeGroup()
     group.rank = 4  # of "abccc": lanes 0 and 1 both relayed to it
-    rounds = Rounds(group, [0, 1], routes(2, list("abccc")))  # type: ignore[arg-type]
+    rounds = Rounds(group, [0, 1], lane_paths(2, list("abccc")))  # type: ignore[arg-type]
     rounds.begin([0, 1])
     rounds.hand(0, _buffer(0, 0), None)
     rounds.hand(1, _buffer(1, 0), None).wait()
@@ -290,7 +290,7 @@ class _RelayRefusingGroup(_RelayingGroup):
 
 def test_a_relay_that_cannot_be_posted_aborts_and_fails_its_round_for_every_lane() -> None:
     group = _RelayRefusingGroup()
-    rounds = Rounds(group, [0, 1], routes(2, list("abcc")))  # type: ignore[arg-type]
+    rounds = Rounds(group, [0, 1], lane_paths(2, list("abcc")))  # type: ignore[arg-type]
     rounds.begin([0, 1])
     for work in [rounds.hand(lane, _buffer(lane, 0), None) for lane in (0, 1)]:
         work.wait()  # round 1, relayed

@@ -22,7 +22,7 @@ from weight_sync.receive.inbound import Lanes
 from weight_sync.receive.receiver import Check, Receiver, expecting
 from weight_sync.transport import TorchGroup
 from weight_sync.transport.devices import CPU, module_device
-from weight_sync.transport.rounds import Rounds, routes_over
+from weight_sync.transport.rounds import Rounds, lane_paths_over
 from weight_sync.wire.blocks import BlockLayout
 from weight_sync.wire.checksums import state_dict_digests
 from weight_sync.wire.metadata import (
@@ -278,7 +278,7 @@ class WeightSyncWorker:
         group = TorchGroup.join(spec, None, device)
         try:
             senders = range(len(endpoints))  # the group's first ranks
-            rounds = Rounds(group, senders, routes_over(group, len(senders)))
+            rounds = Rounds(group, senders, lane_paths_over(group, len(senders)))
             lanes = Lanes(
                 endpoints,
                 slot,

@@ -78,7 +78,7 @@ from weight_sync.transport import TorchGroup
 from weight_sync.transport.base import Transport
 from weight_sync.transport.devices import CPU, module_device
 from weight_sync.transport.rendezvous import open_store
-from weight_sync.transport.rounds import Rounds, Route, SendLane, routes_over
+from weight_sync.transport.rounds import LanePath, Rounds, SendLane, lane_paths_over
 from weight_sync.wire.blame import lone_sender_gone
 from weight_sync.wire.blocks import BlockLayout
 from weight_sync.wire.lane_rules import Share, called_off, share_of
@@ -188,7 +188,7 @@ class JobSync:
         self.senders = senders
         self._one_group: TorchGroup | None = None  # one_group: every lane's buckets go over it
         self._buckets = buckets if one_group else None  # and the config it is formed with
-        self._routes: list[Route] = []  # each lane's way over it
+        self._paths: list[LanePath] = []  # each lane's way over it
         self._renew = False  # this rank's last push failed once the bytes began
         self._out: Outbound | None = None  # a sender's lane
         self._lanes: Lanes | None = None  # a receiving rank's, one per sender
@@ -301,7 +301,7 @@ class JobSync:
         assert self._buckets is not None
         self._one_group = form_one_group(self._buckets, None, control_device(None))
         try:
-            self._routes = routes_over(self._one_group, self.senders)
+            self._paths = lane_paths_over(self._one_group, self.senders)
         except Exception as exc:
             return exc
         return None
@@ -309,13 +309,13 @@ class JobSync:
     def _over_one_group(self, lane: Transport) -> Transport:
         """A sender's lane, each time it forms: its buckets over the one group of the moment."""
         assert self._one_group is not None, "the one group forms before any push"
-        return SendLane(lane, self._one_group, self._routes[self.rank].targets)
+        return SendLane(lane, self._one_group, self._paths[self.rank].targets)
 
     def _follow(self, before: SyncStatus | None) -> Lanes:
         """A receiving rank's lanes from every sender (over the one group, if there is one)."""
         rounds = None
         if self._one_group is not None:
-            rounds = Rounds(self._one_group, range(self.senders), self._routes)
+            rounds = Rounds(self._one_group, range(self.senders), self._paths)
         return Lanes(
             self._endpoints,
             self.rank - self.senders + 1,

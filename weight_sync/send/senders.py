@@ -41,7 +41,7 @@ from weight_sync.transport import TorchGroup, bind_listener, listen_address
 from weight_sync.transport.base import Transport
 from weight_sync.transport.devices import CPU, current_gpu
 from weight_sync.transport.rendezvous import open_store
-from weight_sync.transport.rounds import Route, SendLane, routes_over
+from weight_sync.transport.rounds import LanePath, SendLane, lane_paths_over
 from weight_sync.wire.blocks import BlockLayout
 from weight_sync.wire.lane_rules import (
     Share,
@@ -222,7 +222,7 @@ class Senders:
         )
         agree_on_config(given, True, invite is not None, self.control)
         self.one_group: TorchGroup | None = None  # with ``invite``: every lane's buckets
-        self.routes: list[Route] = []  # and each lane's way to the members over it
+        self.paths: list[LanePath] = []  # and each lane's way to the members over it
         out: Outbound | None = None
         try:
             self.members = self.from_rank_0(lambda: members(self.config))
@@ -402,7 +402,7 @@ class Senders:
         self.one_group = form_one_group(config, self.control, CPU, ask, self.members)
         failure: Exception | None = None
         try:
-            self.routes = routes_over(self.one_group, self.senders)
+            self.paths = lane_paths_over(self.one_group, self.senders)
         except Exception as exc:  # raised once the others know, not left to wait for this rank
             failure = exc
 
@@ -416,7 +416,7 @@ class Senders:
 
     def _over_one_group(self, lane: Transport) -> Transport:
         assert self.one_group is not None, "the one group forms before any push"
-        return SendLane(lane, self.one_group, self.routes[self.rank].targets)
+        return SendLane(lane, self.one_group, self.paths[self.rank].targets)
 
 
 def push_share(

@@ -14,7 +14,7 @@ Over Gloo the same code runs as plain tagged sends and receives (no coalescing, 
 deadlock), which is how it is tested on CPU. Pure but for the group it is handed: what a bucket
 holds, and when a push commits, are the caller's.
 
-Across hosts a receiving rank relays (``routes``): a lane enters another host at one of its
+Across hosts a receiving rank relays (``lane_paths``): a lane enters another host at one of its
 receiving ranks, a different one for each lane, which forwards each bucket to the others there,
 so each sender's bucket crosses its link once per host, not once per receiving rank.
 
@@ -60,10 +60,11 @@ def schedule(counts: Sequence[int]) -> list[tuple[int, ...]]:
 
 
 @dataclass(frozen=True)
-class Route:
+class LanePath:
     """One lane's way to every receiving rank of one group: its sender sends each bucket to
     ``targets``; receiving rank r takes it from ``via[r]``, the sender or the rank that relays
-    the lane on r's host."""
+    the lane on r's host. (``Route``, in ``send.routes``, is another thing: how one member is
+    reached -- the group, the shared-memory ring, CUDA IPC or a relay -- and the only ``Route``.)"""
 
     targets: tuple[int, ...]
     via: Mapping[int, int]
@@ -73,15 +74,15 @@ class Route:
         return sorted(r for r, source in self.via.items() if source == rank and r != rank)
 
 
-def routes(senders: int, hosts: Sequence[str]) -> list[Route]:
-    """Each lane's ``Route`` over a group whose ranks ``0..senders-1`` send and the others
+def lane_paths(senders: int, hosts: Sequence[str]) -> list[LanePath]:
+    """Each lane's ``LanePath`` over a group whose ranks ``0..senders-1`` send and the others
     receive, ``hosts[r]`` naming rank r's host. On its sender's own host a lane goes to every
     receiving rank directly (a GPU's fan-out over NVLink costs less than a relay's extra hop);
     on another host of several receiving ranks it enters at one, the ``lane mod R``-th of its R
     (in rank order), which relays it to the others. The entries differ by lane, so K senders
     cross K links into a host (one per GPU's NIC, on rails), not one: a single entry per host
     would cap the push at that entry's link, no faster than one sender. Pure: every rank derives
-    the same routes from the same hosts."""
+    the same paths from the same hosts."""
     if not 0 < senders < len(hosts):
         raise ValueError(
             f"a group of {len(hosts)} ranks cannot have {senders} senders and a receiving rank"
@@ -97,12 +98,14 @@ def routes(senders: int, hosts: Sequence[str]) -> list[Route]:
             for rank in ranks:
                 via[rank] = lane if host == hosts[lane] or rank == entry else entry
         targets = tuple(sorted(rank for rank, source in via.items() if source == lane))
-        lanes.append(Route(targets, via))
+        lanes.append(LanePath(targets, via))
     return lanes
 
 
-def routes_over(group: TorchGroup, senders: int, timeout_s: float | None = None) -> list[Route]:
-    """``routes`` of ``group`` from every rank's host (``shm.host_key``: one kernel and one
+def lane_paths_over(
+    group: TorchGroup, senders: int, timeout_s: float | None = None
+) -> list[LanePath]:
+    """``lane_paths`` of ``group`` from every rank's host (``shm.host_key``: one kernel and one
     network namespace), shared by one all-reduce, then every pair of ranks they join connected
     (``connect``): every rank of ``group`` calls it at once, right after joining. A rank with
     no key is a host of its own: nothing is relayed to it."""
@@ -114,12 +117,12 @@ def routes_over(group: TorchGroup, senders: int, timeout_s: float | None = None)
     )
     keys = group.share(mine, timeout_s)
     hosts = [f"{value:014x}" if value else f"rank {rank}" for rank, value in enumerate(keys)]
-    lanes = routes(senders, hosts)
+    lanes = lane_paths(senders, hosts)
     connect(group, lanes, timeout_s)
     return lanes
 
 
-def connect(group: TorchGroup, lanes: Sequence[Route], timeout_s: float | None = None) -> None:
+def connect(group: TorchGroup, lanes: Sequence[LanePath], timeout_s: float | None = None) -> None:
     """One byte over every pair of ranks ``lanes`` join, each way it goes, as one batch on
     every rank. NCCL connects a pair of ranks at their first transfer, blocking the posting
     thread until the peer posts too; here that is now, before any round, rather than inside a
@@ -208,7 +211,7 @@ class Rounds:
     before). So ``hand`` records an event on the handing thread's stream, and rounds are posted
     from a stream of their own that waits on every event of the round.
 
-    Relayed (``routes``): where this rank relays, round k is two batches. The first takes the
+    Relayed (``lane_paths``): where this rank relays, round k is two batches. The first takes the
     buckets of the lanes whose sender sends to this rank; the second relays those to the rest
     of this host and takes the lanes relayed to this rank (in the first, two ranks relaying to
     each other would each wait for the other's second). Over NCCL a rank that takes lanes
@@ -224,19 +227,19 @@ class Rounds:
     order would swap buckets between two ranks of a host."""
 
     def __init__(
-        self, group: TorchGroup, senders: Sequence[int], routes: Sequence[Route] | None = None
+        self, group: TorchGroup, senders: Sequence[int], paths: Sequence[LanePath] | None = None
     ) -> None:
-        """``routes``: each lane's (``routes_over``); None: every lane straight from its
+        """``paths``: each lane's (``lane_paths_over``); None: every lane straight from its
         sender, nothing relayed."""
-        if routes is not None and len(routes) != len(senders):
-            raise ValueError(f"{len(routes)} routes for {len(senders)} lanes")
+        if paths is not None and len(paths) != len(senders):
+            raise ValueError(f"{len(paths)} lane paths for {len(senders)} lanes")
         self.group = group
         self._senders = list(senders)
         # Where each lane's buckets come from here (its sender, or the rank that relays it on
         # this host) and whom this rank relays them to.
         here = group.rank
-        self._source = self._senders if routes is None else [r.via[here] for r in routes]
-        self._forwards = [r.forwards(here) for r in routes] if routes else [[] for _ in senders]
+        self._source = self._senders if paths is None else [p.via[here] for p in paths]
+        self._forwards = [p.forwards(here) for p in paths] if paths else [[] for _ in senders]
         self._changed = threading.Lock()
         self._open: set[int] = set()
         self._handed: dict[int, deque[_Handed]] = {lane: deque() for lane in range(len(senders))}
