@@ -230,15 +230,8 @@ class VLLMLaneServers:
                 "lanes": [list(endpoint) for endpoint in self._lanes.endpoints],
             }
         )
-        keys = [f"{_SENT}{_EPOCH}/{slot}" for slot in range(1, self.members + 1)]
         deadline = Deadline(self.config.rendezvous_timeout_s, "the vLLM workers' joining")
-        found = wait_all(self._lanes.store, keys, deadline)
-        missing = [slot for slot, key in enumerate(keys, 1) if key not in found]
-        if missing:
-            raise SyncTimeoutError(
-                f"vLLM workers {missing} did not join within {deadline.seconds}s"
-            )
-        return max(int(value) for value in found.values())
+        return max(int(sent) for sent in self._answers(f"{_SENT}{_EPOCH}/", deadline, "join"))
 
     # -- rank 0: the HTTP calls around the lanes ---------------------------------------------------
 
@@ -262,12 +255,11 @@ class VLLMLaneServers:
             self._lanes.store.set(_CHECK, json.dumps(request))
             self._session = True
             self._client.start_weight_update()
-            keys = [f"{_CHECKED}{self._lanes.pushes}/{slot}" for slot in range(1, self.members + 1)]
-            found = wait_all(self._lanes.store, keys, deadline, delete=True)
-            missing = [slot for slot, key in enumerate(keys, 1) if key not in found]
-            if missing:
-                raise SyncTimeoutError(f"vLLM workers {missing} did not answer the layout check")
-            answers = [json.loads(found[key]) for key in keys]
+            checked = f"{_CHECKED}{self._lanes.pushes}/"
+            answers = [
+                json.loads(answer)
+                for answer in self._answers(checked, deadline, "check the layout", delete=True)
+            ]
         except Exception as exc:  # a store error too: rank 0 must still give the word
             self._end_session()
             raise ServerError(
@@ -306,18 +298,37 @@ class VLLMLaneServers:
         ``ServerError`` naming those that did not load it."""
         push = self._lanes.pushes
         failed = {}
-        keys = {slot: f"{_LANDED}{push}/{slot}" for slot in range(1, self.members + 1)}
-        found = take(self._lanes.store, list(keys.values()))
-        for slot, key in keys.items():
+        keys = self._worker_keys(f"{_LANDED}{push}/")
+        found = take(self._lanes.store, keys)
+        for worker, key in enumerate(keys):
             outcome = json.loads(found[key]) if key in found else {}
             if "version" not in outcome:
-                failed[f"vLLM worker {slot - 1}"] = outcome.get("error", "gave no word on the push")
+                failed[f"vLLM worker {worker}"] = outcome.get("error", "gave no word on the push")
         if failed:
             raise ServerError(
                 "the lanes committed, but vLLM workers did not load them: "
                 + "; ".join(f"{who}: {why}" for who, why in failed.items()),
                 failed,
             )
+
+    def _worker_keys(self, prefix: str) -> list[str]:
+        """Each vLLM worker's key under ``prefix``, in order (a worker writes under its slot,
+        counted from 1)."""
+        return [f"{prefix}{slot}" for slot in range(1, self.members + 1)]
+
+    def _answers(
+        self, prefix: str, deadline: Deadline, what: str, *, delete: bool = False
+    ) -> list[bytes]:
+        """Every vLLM worker's answer under ``prefix``, in order, within ``deadline``
+        (``delete``: read once); ``SyncTimeoutError`` naming the workers that gave none."""
+        keys = self._worker_keys(prefix)
+        found = wait_all(self._lanes.store, keys, deadline, delete=delete)
+        missing = [worker for worker, key in enumerate(keys) if key not in found]
+        if missing:
+            raise SyncTimeoutError(
+                f"vLLM workers {missing} did not {what} within {deadline.seconds}s"
+            )
+        return [found[key] for key in keys]
 
     def _failed(self, update: Future[None], error: BaseException, started: float) -> None:
         """The push failed: the servers claim no version and serve again (the push's error is
