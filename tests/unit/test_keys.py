@@ -1,6 +1,7 @@
-"""Waiting on a store's keys (``weight_sync.control.keys``), against a real ``TCPStore``: the
-three ways a wait ends -- the keys are there, the deadline passed, the store's process is gone --
-told apart, and keys read once deleted."""
+"""A store's keys (``weight_sync.control.keys``), against a real ``TCPStore``: the three ways a
+wait ends -- the keys are there, the deadline passed, the store's process is gone -- told apart,
+keys read once deleted, and those kept for a push's readers deleted once newer pushes posted
+theirs (``Retention``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,15 @@ import pytest
 import torch.distributed as dist
 
 from weight_sync.control.deadline import Deadline
-from weight_sync.control.keys import StoreGoneError, read_bounded, take, wait_all, wait_one
+from weight_sync.control.keys import (
+    Retention,
+    StoreGoneError,
+    delete,
+    read_bounded,
+    take,
+    wait_all,
+    wait_one,
+)
 from weight_sync.errors import SyncTimeoutError, WeightSyncError
 
 
@@ -83,3 +92,39 @@ def test_a_store_whose_process_died_ends_the_wait_at_once() -> None:
     finally:
         host.kill()
         host.wait(10)
+
+
+# Generations posted in order (each a list of (generation, keys)), how many are kept, and the
+# keys deleted after each post.
+RETAINED = [
+    ([(1, ["a"]), (2, ["b"]), (3, ["c"])], 2, [[], [], ["a"]]),
+    ([(1, ["a"]), (1, ["a2"]), (2, ["b"]), (3, ["c"])], 2, [[], [], [], ["a", "a2"]]),
+    ([(1, ["a"]), (2, ["b"]), (1, ["a3"]), (3, ["c"])], 2, [[], [], [], ["a", "a3"]]),
+    ([(1, ["a"]), (2, ["b"]), (3, ["c"]), (4, ["d"])], 1, [[], ["a"], ["b"], ["c"]]),
+    ([("x", ["p/x"]), ("y", ["p/y"]), ("x", []), ("z", ["p/z"])], 2, [[], [], [], ["p/x"]]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("posts", "kept", "deleted"), RETAINED)
+def test_a_generation_past_those_kept_deletes_the_oldest_ones_keys(
+    posts: list[tuple[object, list[str]]], kept: int, deleted: list[list[str]]
+) -> None:
+    """Keys posted for a generation still kept join it; a new generation past ``kept`` takes
+    the oldest one's keys with it, every key it was given -- the oldest by first post, not by
+    last use (a plan used again is posted again once gone)."""
+    gone: list[list[str]] = []
+    retention = Retention(gone.append, kept)
+    for (generation, keys), want in zip(posts, deleted, strict=True):
+        before = len(gone)
+        retention.posted(generation, keys)
+        assert (gone[before] if len(gone) > before else []) == want
+        assert generation in retention
+
+
+def test_retention_deletes_from_a_real_store(store: dist.TCPStore) -> None:
+    retention = Retention(lambda keys: delete(store, keys), kept=1)
+    store.set("cmd/0", "x")
+    retention.posted(1, ["cmd/0", "cmd/never-set"])  # a key never set is no error
+    store.set("cmd/1", "y")
+    retention.posted(2, ["cmd/1"])
+    assert not store.check(["cmd/0"]) and store.check(["cmd/1"])

@@ -1,4 +1,6 @@
-"""Waiting on keys of a ``torch.distributed`` store: the one way the store-based planes wait.
+"""Keys of a ``torch.distributed`` store: the one way the store-based planes wait on them, and
+the one way the keys a push leaves for others go (``Retention``; an answer read once goes with
+``take``).
 
 A store's ``wait`` blocks in C++ until every key it is given is set, and ends in one of three
 ways the callers must tell apart: the keys are there; its timeout passed (``DistStoreError``:
@@ -16,7 +18,7 @@ many keys from one thread under the lock every post takes, and a blocking wait w
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -25,6 +27,8 @@ from weight_sync.control.deadline import Deadline
 from weight_sync.errors import SyncTimeoutError, WeightSyncError, first_line
 
 LONGEST_WAIT_S = 86400.0  # one store wait; a longer deadline waits again
+KEPT_PUSHES = 2  # pushes whose keys stay in a store: a member one push behind still finds them
+KEPT_PLANS = 4  # distinct plans (layouts) kept in a store; one gone is posted again when used
 
 
 class StoreGoneError(WeightSyncError):
@@ -67,9 +71,14 @@ def take(store: Any, keys: Sequence[str]) -> dict[str, bytes]:
     """The values of those of ``keys`` that are set, and every one of ``keys`` deleted: an
     answer is read once, and a loop pushing for days leaves no key behind. Never waits."""
     values = _read(store, keys)
+    delete(store, keys)
+    return values
+
+
+def delete(store: Any, keys: Sequence[str]) -> None:
+    """Delete ``keys`` (those not set are no error)."""
     for key in keys:
         store.delete_key(key)
-    return values
 
 
 def read_bounded(store: Any, key: str, limit: int) -> str:
@@ -86,3 +95,29 @@ def _read(store: Any, keys: Sequence[str]) -> dict[str, bytes]:
 
 def _left(deadline: Deadline) -> datetime.timedelta:
     return datetime.timedelta(seconds=deadline.left(LONGEST_WAIT_S))
+
+
+class Retention:
+    """The keys a store holds for its readers, by generation (a push by its number, a plan by
+    its digest): those of the last ``kept`` generations stay, an older one's are deleted as a
+    new one is posted. A loop pushing for days leaves no key behind, while a member a push late
+    still finds its own. ``delete`` removes keys from the store, under whatever lock its
+    owner's other uses of it take."""
+
+    def __init__(self, delete: Callable[[list[str]], None], kept: int = KEPT_PUSHES) -> None:
+        assert kept >= 1, "a store keeps at least the generation in use"
+        self._delete, self._kept = delete, kept
+        self._keys: dict[Hashable, list[str]] = {}  # by generation, the oldest first
+
+    def __contains__(self, generation: Hashable) -> bool:
+        return generation in self._keys
+
+    def posted(self, generation: Hashable, keys: Sequence[str]) -> None:
+        """``keys`` were set for ``generation`` (one still kept, or a new one: then, past
+        ``kept`` generations, the oldest one's keys are deleted)."""
+        if generation in self._keys:
+            self._keys[generation].extend(keys)
+            return
+        self._keys[generation] = list(keys)
+        while len(self._keys) > self._kept:
+            self._delete(self._keys.pop(next(iter(self._keys))))

@@ -9,6 +9,7 @@ what this module names.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -16,11 +17,15 @@ from collections import deque
 from typing import Any
 
 from weight_sync.control.deadline import Deadline
-from weight_sync.control.keys import StoreGoneError, wait_all, wait_one
-from weight_sync.control.store import (
+from weight_sync.control.keys import (
     KEPT_PUSHES,
-    ClientPlane,
+    Retention,
+    StoreGoneError,
+    delete,
+    wait_all,
+    wait_one,
 )
+from weight_sync.control.store import ClientPlane
 from weight_sync.errors import (
     SenderFailedError,
     SyncTimeoutError,
@@ -50,26 +55,31 @@ class Commands:
     def __init__(self) -> None:
         self.plane: ClientPlane | None = None  # the plane this client serves: set once it exists
         self._next = 0
-        # Each push still in the store: its number, and the sequence number of its first command.
-        self._starts: deque[tuple[int, int]] = deque()
+        self._push: int | None = None  # the push the commands posted now belong to
+        self._kept: Retention | None = None  # the commands of the last pushes, by push
+        # The sequence number of the first command of each push still in the store.
+        self._starts: deque[int] = deque()
         self._lock = threading.Lock()
 
     def post(self, op: str, arg: dict[str, Any], new_push: bool = False) -> None:
-        """Post the next command; ``new_push``: it begins a push, and the commands of pushes
-        more than ``KEPT_PUSHES`` ago are deleted (a loop pushing for days would otherwise
-        leave a few keys a push in the store). A member further behind than that skips to
-        ``FLOOR`` when it next receives."""
+        """Post the next command; ``new_push``: it begins a push, and the commands of the pushes
+        before the last ``KEPT_PUSHES`` go (``Retention``). A member further behind than that
+        skips to ``FLOOR``, posted before they go, when it next receives."""
         assert self.plane is not None, "the plane comes first"
         with self._lock:
+            if self._kept is None:
+                self._kept = Retention(self.plane.forget)
             if new_push:
-                self._starts.append((int(arg["push"]), self._next))
+                self._push = int(arg["push"])
+                self._starts.append(self._next)
                 if len(self._starts) > KEPT_PUSHES:
-                    (push, gone), (_, floor) = self._starts.popleft(), self._starts[0]
-                    self.plane.post(FLOOR, str(floor))
-                    keys = [f"{COMMAND}{number}" for number in range(gone, floor)]
-                    self.plane.forget([*keys, f"{BEGIN}{push}"])
-                self.plane.post(f"{BEGIN}{arg['push']}", str(self._next))
+                    self._starts.popleft()
+                    self.plane.post(FLOOR, str(self._starts[0]))
+                self.plane.post(f"{BEGIN}{self._push}", str(self._next))
+                self._kept.posted(self._push, [f"{BEGIN}{self._push}"])
             self.plane.post(f"{COMMAND}{self._next}", json.dumps({"op": op, "arg": arg}))
+            if self._push is not None:  # those before the first push (joining) stay
+                self._kept.posted(self._push, [f"{COMMAND}{self._next}"])
             self._next += 1
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
@@ -102,6 +112,7 @@ class Verdicts:
     def __init__(self, store: Any, senders: int) -> None:
         self._store = store
         self._senders = senders
+        self._kept = Retention(functools.partial(delete, store))  # used on rank 0
 
     def settle(
         self,
@@ -115,8 +126,8 @@ class Verdicts:
         ``SenderFailedError`` when a lane did not land; else returns every lane's sums."""
         self._store.set(f"{push}/{sender}", json.dumps(outcome))
         if sender == 0:
-            self._forget(push - KEPT_PUSHES)
             keys = [f"{push}/{rank}" for rank in range(self._senders)]
+            self._kept.posted(push, [*keys, f"{push}/verdict"])  # every sender read the older
             found = wait_all(self._store, keys, deadline)  # the missing never reported
             reports = {
                 rank: json.loads(found[key]) if key in found else None
@@ -147,13 +158,6 @@ class Verdicts:
             self._store.compare_set(f"{push}/{sender}", "", report)
         except RuntimeError as exc:  # rank 0 is gone too: nobody to tell
             logger.debug("cannot report sender %d's death: %s", sender, exc)
-
-    def _forget(self, push: int) -> None:
-        """Rank 0: delete the keys of ``push``, long settled (every sender read its verdict
-        before it began the next push)."""
-        if push > 0:
-            for key in [f"{push}/{rank}" for rank in range(self._senders)] + [f"{push}/verdict"]:
-                self._store.delete_key(key)
 
     def _wait(self, key: str, deadline: Deadline) -> dict[str, Any]:
         try:

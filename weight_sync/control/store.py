@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol
@@ -29,7 +28,7 @@ import torch
 
 from weight_sync.config import SyncConfig
 from weight_sync.control.futures import Backoff, in_thread, joined, resolve, then
-from weight_sync.control.keys import read_bounded
+from weight_sync.control.keys import KEPT_PLANS, Retention, delete, read_bounded, take
 from weight_sync.errors import WeightSyncError, first_line
 from weight_sync.receive.receiver import Check, Loader, Receiver
 from weight_sync.transport import teardown
@@ -52,8 +51,6 @@ PREFIX = "weight_sync/control/plane/"
 _POLL_S = (0.001, 0.005)  # the first and the longest pause between looks for answers
 _COMMIT, _CANCEL = "commit", "cancel"
 MAX_REPLY_CHARS = 1 << 20
-KEPT_PUSHES = 2  # pushes whose keys stay in a store: a member one push behind still finds them
-_KEPT_PLANS = 4  # distinct plans kept in the store (one is posted again when next used)
 
 
 class Client(Protocol):
@@ -214,8 +211,8 @@ class ClientPlane:
             PrefixStore(PREFIX, open_store(address, self._port, 1, self._timeout_s, listener))
         )
         self._epoch = 0
-        self._plans: deque[str] = deque()  # digests whose plan is in the store, oldest first
-        self._verdicts: deque[int] = deque()  # versions whose verdict is in the store
+        self._plans = Retention(self._mailbox.forget, KEPT_PLANS)  # by digest
+        self._verdicts = Retention(self._mailbox.forget)  # by version
         self._joining: Future[Any] | None = None
         self._pushing: int | None = None  # prepared, neither committed nor cancelled
 
@@ -261,9 +258,7 @@ class ClientPlane:
         self._mailbox.abandon("a later push began")
         if plan.digest not in self._plans:
             self._mailbox.post(f"plan/{plan.digest}", plan.wire)
-            self._plans.append(plan.digest)
-            if len(self._plans) > _KEPT_PLANS:
-                self._mailbox.forget([f"plan/{self._plans.popleft()}"])
+            self._plans.posted(plan.digest, [f"plan/{plan.digest}"])
         self._mailbox.post(f"prepare/{self._epoch}", request.model_dump_json())
         self._pushing = request.version
         call = in_thread(self._client.start_weight_update)
@@ -327,13 +322,10 @@ class ClientPlane:
         self._mailbox.close()
 
     def _verdict(self, version: int, word: str) -> None:
-        """Post the verdict on push ``version``; those of the pushes ``KEPT_PUSHES`` before it
-        are deleted (every member read its verdict during its push), so that a loop pushing for
-        days leaves no key a push behind."""
+        """Post the verdict on push ``version`` (every member reads it during its push: the
+        older ones go, see ``Retention``)."""
         self._mailbox.post(f"verdict/{version}", word)
-        self._verdicts.append(version)
-        if len(self._verdicts) > KEPT_PUSHES:
-            self._mailbox.forget([f"verdict/{self._verdicts.popleft()}"])
+        self._verdicts.posted(version, [f"verdict/{version}"])
 
     def _take_session(self) -> int | None:
         version, self._pushing = self._pushing, None
@@ -382,8 +374,7 @@ class _Mailbox:
     def forget(self, keys: Sequence[str]) -> None:
         with self._lock:
             if not self._closed:
-                for key in keys:
-                    self._store.delete_key(key)
+                delete(self._store, keys)
 
     def expect(self, key: str) -> Future[str]:
         future: Future[str] = Future()
@@ -424,9 +415,8 @@ class _Mailbox:
                 for key, future in list(self._pending.items()):
                     if future.done():  # failed with its client call
                         del self._pending[key]
-                    elif self._store.check([key]):
-                        arrived.append((future, self._store.get(key).decode()))
-                        self._store.delete_key(key)
+                    elif self._store.check([key]):  # an answer is read once
+                        arrived.append((future, take(self._store, [key])[key].decode()))
                         del self._pending[key]
             for future, value in arrived:
                 resolve(future, result=value)

@@ -36,6 +36,7 @@ lanes); the one-sender ``VLLMServers`` forms its group again by itself. The work
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -61,7 +62,7 @@ from weight_sync.config import SyncConfig
 from weight_sync.control.deadline import Deadline
 from weight_sync.control.futures import in_thread
 from weight_sync.control.http import ServerError, check_urls
-from weight_sync.control.keys import read_bounded, take, wait_all
+from weight_sync.control.keys import KEPT_PLANS, Retention, delete, read_bounded, take, wait_all
 from weight_sync.control.lane_store import VERDICTS
 from weight_sync.errors import SyncTimeoutError, WeightSyncError, first_line
 from weight_sync.receive.assembly import Assembly, layout_of_push
@@ -119,7 +120,8 @@ class VLLMLaneServers:
         self.config = self._lanes.config
         self.rank, self.senders = self._lanes.rank, self._lanes.senders
         self.members = self._lanes.members  # every vLLM worker process of every server
-        self._posted: set[str] = set()  # rank 0: layouts in its store
+        # Rank 0: the layouts in its store, by digest.
+        self._posted = Retention(functools.partial(delete, self._lanes.store), KEPT_PLANS)
         self._paused = False
         self._session = False  # the servers' update session was opened (start_weight_update)
         self._committed = 0
@@ -250,7 +252,7 @@ class VLLMLaneServers:
             pause(self.urls, self.pause_mode, rpc_s)
             if layout.digest not in self._posted:
                 self._lanes.store.set(f"{_LAYOUT}{layout.digest}", layout.wire)
-                self._posted.add(layout.digest)
+                self._posted.posted(layout.digest, [f"{_LAYOUT}{layout.digest}"])
             request = {"push": self._lanes.pushes, "digest": layout.digest, "version": version}
             self._lanes.store.set(_CHECK, json.dumps(request))
             self._session = True
