@@ -264,16 +264,17 @@ def _partial(
     record: dict[str, Any],
 ) -> None:
     """A partial push before any version is held (refused by the receiving ranks), a full
-    push, then after an SGD step that changed every tensor a partial push of the last layer
-    only. Records each outcome and, after each push, the digests every rank holds (the senders:
-    their whole model's, gathered)."""
+    push, a partial push of nothing (an empty push: every rank keeps the version), then after an
+    SGD step that changed every tensor a partial push of the last layer only. Records each
+    outcome and, after each push, the digests every rank holds (the senders: their whole
+    model's, gathered)."""
     last = ("2.weight", "2.bias")
 
-    def push_or_receive(partial: bool) -> None:
+    def push_or_receive(partial: bool, names: tuple[str, ...] = last) -> None:
         try:
             if sync.is_sender:
                 state = model.state_dict()
-                subset = {name: state[name] for name in last} if partial else state
+                subset = {name: state[name] for name in names} if partial else state
                 version = sync.push(subset, partial=partial).version
             else:
                 version = sync.receive(model)
@@ -286,6 +287,7 @@ def _partial(
 
     push_or_receive(partial=True)  # nothing held yet to complete
     push_or_receive(partial=False)
+    push_or_receive(partial=True, names=())  # nothing to move
     if optimizer is not None:
         model(torch.randn(4, 30, generator=torch.Generator().manual_seed(0))).pow(
             2

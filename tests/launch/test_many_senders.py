@@ -118,22 +118,24 @@ def test_fsdp_over_tensor_parallelism_four_senders(tmp_path: Path, over: str) ->
 
 def test_partial_pushes_complete_the_version_held(tmp_path: Path) -> None:
     """``push(subset, partial=True)`` from every sender: refused everywhere before any byte
-    moves while the receiving ranks hold no version to complete; once they hold one, the last
-    layer alone lands -- theirs now the senders', the first layer still the full push's."""
+    moves while the receiving ranks hold no version to complete; once they hold one, a subset
+    of nothing moves nothing and every rank keeps the version, and the last layer alone lands
+    -- theirs now the senders', the first layer still the full push's."""
     context = _spawn("partial", tmp_path, senders=2, world_size=4)
     _join_all(context, LAUNCH_S)
     assert [p.exitcode for p in context.processes] == [0] * 4
     reports = _reports(tmp_path, range(4))
     senders, receivers = reports[:2], reports[2:]
     for report in senders:
-        assert report["versions"] == [None, 1, 2], report
+        assert report["versions"] == [None, 1, 1, 2], report
         assert report["errors"][0].startswith("PlanMismatchError"), report
-    full, after = senders[0]["digests"][1], senders[0]["digests"][2]
+    full, after = senders[0]["digests"][1], senders[0]["digests"][3]
     assert all(full[name] != after[name] for name in full if name != "scale")  # every parameter
     for report in receivers:
-        assert report["versions"] == [None, 1, 2], report
+        assert report["versions"] == [None, 1, 1, 2], report
         assert "push the full state dict first" in report["errors"][0], report
-        held = report["digests"][2]
+        assert report["digests"][2] == report["digests"][1]  # the empty push changed nothing
+        held = report["digests"][3]
         assert {name: held[name] for name in ("2.weight", "2.bias")} == {
             name: after[name] for name in ("2.weight", "2.bias")
         }

@@ -174,10 +174,13 @@ def test_a_state_dict_one_rank_refuses_sends_nothing_anywhere(lanes: tuple[list,
 def test_a_partial_push_completes_the_version_the_workers_hold(lanes: tuple[list, list]) -> None:
     """A partial push of the adapter alone after a step that changed every parameter: the
     workers take it on top of version 1 (their adapter now the trainer's, the rest as pushed
-    in version 1) and say so: version 2, full_version 1."""
+    in version 1) and say so: version 2, full_version 1. A partial push of nothing before it
+    moves nothing, on every rank: the version stays 1."""
     ranks, workers = lanes
     on_all(ranks, "lanes_push")
     first = on_all(ranks, "full_digests")[0]
+    empty = on_all(ranks, "lanes_push", None, False, [])
+    assert [(r.version, r.nbytes, r.buckets) for r in empty] == [(1, 0, 0), (1, 0, 0)], empty
     on_all(ranks, "step")
     only = ["adapter.weight", "adapter.bias"]
     assert [r.version for r in on_all(ranks, "lanes_push", None, False, only)] == [2, 2]

@@ -46,7 +46,7 @@ from weight_sync.errors import (
 )
 from weight_sync.result import PushResult
 from weight_sync.send.routes import members_nccl_problem
-from weight_sync.send.senders import Senders
+from weight_sync.send.senders import Senders, nothing_moves
 from weight_sync.transport.devices import current_gpu, gpu_uuid
 from weight_sync.wire.blocks import BlockLayout
 from weight_sync.wire.lane_rules import Share
@@ -171,10 +171,8 @@ class LaneUpdater:
             raise
 
     def _send(self, share: Share, chosen: int, started: float) -> PushResult:
-        assert share.layout is not None
-        if not share.layout.blocks:  # no tensor has an element: nothing moves, as one sender
-            logger.info("empty state dict: nothing to push (version stays %d)", self._committed)
-            return PushResult(self._committed, 0, 0, 0.0)
+        if (empty := nothing_moves(share, self._committed)) is not None:
+            return empty
         calls: list[Any] = []
         if self.rank == 0:
             over = {"one_group": True} if self._over_one_group else {}  # no VLLMEngine's kwarg

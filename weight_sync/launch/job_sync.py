@@ -70,6 +70,8 @@ from weight_sync.send.senders import (
     formed_everywhere,
     gather_rows,
     lane_config,
+    needed_anywhere,
+    nothing_moves,
     push_share,
     share_endpoints,
 )
@@ -331,9 +333,7 @@ class JobSync:
         and form it again, every receiving rank following the senders' lanes anew (keeping
         the version it holds), before the push's agreement. One small all-reduce otherwise."""
         assert self._control is not None
-        flag = torch.tensor([int(self._renew or self._one_group is None)])
-        before_any_byte(lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._control))
-        if not int(flag):
+        if not needed_anywhere(self._renew or self._one_group is None, self._control):
             return
         logger.info("rank %d: forming the one group again after a failed push", self.rank)
         self._renew = True  # until every rank has it again
@@ -389,10 +389,9 @@ class JobSync:
         started = time.monotonic()  # the push's bound counts from here, as on Ray
         self._pushes += 1
         share, version = self._agree_as_sender(state_dict, options)
-        assert self._verdicts is not None and share.layout is not None
-        if not share.layout.blocks:  # no tensor has an element: nothing moves, as one sender
-            logger.info("empty state dict: nothing to push (version stays %d)", self._committed)
-            return PushResult(self._committed, 0, 0, 0.0)
+        assert self._verdicts is not None
+        if (empty := nothing_moves(share, self._committed)) is not None:
+            return empty
         try:
             self.last_result = push_share(
                 self._out,

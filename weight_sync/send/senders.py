@@ -378,9 +378,7 @@ class Senders:
         own group again over the members' new lanes. One small all-reduce otherwise. Returns
         whether it formed the group again."""
         assert self._invite is not None
-        flag = torch.tensor([int(needed or self.one_group is None)])  # None: forming it failed
-        before_any_byte(lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control))
-        if not int(flag):
+        if not needed_anywhere(needed or self.one_group is None, self.control):  # None: failed
             return False
         logger.info("forming the one group again after a failed push")
         self.out.pusher.regroup()
@@ -471,6 +469,27 @@ def push_share(
         partial=share.layout.partial,
         seconds=time.monotonic() - started,
     )
+
+
+def nothing_moves(share: Share, committed: int) -> PushResult | None:
+    """The result of an agreed push whose layout has no block (no tensor has an element):
+    nothing moves on any rank and every member keeps the version ``committed``, as one sender's
+    empty push. None where the push has bytes to move. Every sender decides alike: they agreed
+    on the layout."""
+    assert share.layout is not None, "agreed pushes have a layout"
+    if share.layout.blocks:
+        return None
+    logger.info("empty state dict: nothing to push (version stays %d)", committed)
+    return PushResult(committed, 0, 0, 0.0)
+
+
+def needed_anywhere(needed: bool, group: dist.ProcessGroup | None) -> bool:
+    """Every rank of ``group`` at once: whether any says ``needed`` (one small all-reduce;
+    ``TransportError`` if a rank is gone, nothing sent). How the ranks decide together to form
+    the one group again after a failed push."""
+    flag = torch.tensor([int(needed)])
+    before_any_byte(lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group))
+    return bool(int(flag))
 
 
 def gather_rows(

@@ -69,7 +69,7 @@ from weight_sync.receive.assembly import Assembly, layout_of_push
 from weight_sync.receive.inbound import Lanes
 from weight_sync.receive.receiver import Receiver
 from weight_sync.result import PushResult
-from weight_sync.send.senders import Senders
+from weight_sync.send.senders import Senders, nothing_moves
 from weight_sync.transport.rendezvous import open_store
 from weight_sync.wire.blocks import BlockLayout
 from weight_sync.wire.metadata import SyncPlan
@@ -166,11 +166,9 @@ class VLLMLaneServers:
         except BaseException:
             self._end_session()  # rank 0, where its check paused the servers
             raise
-        assert share.layout is not None
-        if not share.layout.blocks:  # no tensor has an element: nothing moves, as one sender
+        if (empty := nothing_moves(share, self._committed)) is not None:
             self._end_session()
-            logger.info("empty state dict: nothing to push (version stays %d)", self._committed)
-            return PushResult(self._committed, 0, 0, 0.0)
+            return empty
         update: Future[None] | None = None
         if self.rank == 0:
             info = {
