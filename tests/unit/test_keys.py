@@ -113,7 +113,7 @@ def test_a_generation_past_those_kept_deletes_the_oldest_ones_keys(
     the oldest one's keys with it, every key it was given -- the oldest by first post, not by
     last use (a plan used again is posted again once gone)."""
     gone: list[list[str]] = []
-    retention = Retention(gone.append, kept)
+    retention = Retention(lambda key, value: None, gone.append, kept)
     for (generation, keys), want in zip(posts, deleted, strict=True):
         before = len(gone)
         retention.posted(generation, keys)
@@ -122,9 +122,8 @@ def test_a_generation_past_those_kept_deletes_the_oldest_ones_keys(
 
 
 def test_retention_deletes_from_a_real_store(store: dist.TCPStore) -> None:
-    retention = Retention(lambda keys: delete(store, keys), kept=1)
-    store.set("cmd/0", "x")
-    retention.posted(1, ["cmd/0", "cmd/never-set"])  # a key never set is no error
-    store.set("cmd/1", "y")
-    retention.posted(2, ["cmd/1"])
-    assert not store.check(["cmd/0"]) and store.check(["cmd/1"])
+    retention = Retention(store.set, lambda keys: delete(store, keys), kept=1)
+    retention.post(1, "cmd/0", "x")
+    retention.posted(1, ["cmd/never-set"])  # a key never set is no error when it goes
+    retention.post(2, "cmd/1", "y")
+    assert not store.check(["cmd/0"]) and store.get("cmd/1") == b"y"

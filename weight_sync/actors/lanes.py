@@ -45,6 +45,7 @@ from weight_sync.errors import (
     first_line,
 )
 from weight_sync.result import PushResult
+from weight_sync.send.roster import Held
 from weight_sync.send.routes import members_nccl_problem
 from weight_sync.send.senders import Senders, nothing_moves
 from weight_sync.transport.devices import current_gpu, gpu_uuid
@@ -108,7 +109,8 @@ class LaneUpdater:
             raise
         self.config = self._lanes.config
         self.rank, self.senders = self._lanes.rank, self._lanes.senders
-        self._held: list[str | None] = [None] * len(self._workers)  # rank 0: layouts they hold
+        # Rank 0: the layout each worker holds (a worker keeps its last one).
+        self._held = Held(len(self._workers), size=1)
         self._committed = 0
         self._closed = False
         self._failed = False  # the last push failed: over one group, the next forms it again
@@ -150,7 +152,7 @@ class LaneUpdater:
         self, state_dict: StateDict, rename: Rename | None, version: int | None, partial: bool
     ) -> PushResult:
         if self._over_one_group and self._lanes.renew_one_group(self._failed):
-            self._held = [None] * len(self._workers)  # their new lanes: checked afresh
+            self._held.reset()  # their new lanes: checked afresh
         self._failed = False
         started = time.monotonic()  # after the renewal, bounded by its own rendezvous
         try:
@@ -292,13 +294,13 @@ class LaneUpdater:
         over = {"one_group": self._lanes.endpoints} if self._over_one_group else {}
         calls = [
             worker._weight_sync_lanes_check.remote(
-                None if held == layout.digest else layout.wire,
+                layout.wire if lacks else None,
                 layout.digest,
                 version,
                 self.config.max_metadata_bytes,
                 **over,
             )
-            for worker, held in zip(self._workers, self._held, strict=True)
+            for worker, lacks in zip(self._workers, self._held.lacking(layout.digest), strict=True)
         ]
         try:
             answers: list[list[str]] = ray.get(
@@ -309,7 +311,11 @@ class LaneUpdater:
                 f"a worker did not answer the layout check ({first_line(exc)}); nothing was sent",
                 list(range(len(self._workers))),
             ) from exc
-        self._held = [layout.digest if not problems else None for problems in answers]
+        for index, problems in enumerate(answers):
+            if problems:
+                self._held.forgot(index)  # layouts go to it in full until it takes one
+            else:
+                self._held.learnt(layout.digest, [index])
         self._lost_group = any(p.startswith(NO_ONE_GROUP) for ps in answers for p in ps)
         return {index: list(problems) for index, problems in enumerate(answers) if problems}
 
@@ -331,7 +337,7 @@ class LaneUpdater:
             except Exception as exc:
                 failed[index] = first_line(exc)
         if failed and error is None:
-            self._held = [None] * len(self._workers)
+            self._held.reset()
             raise WorkerFailedError(
                 "workers did not hold the push: "
                 + "; ".join(f"worker {i}: {why}" for i, why in failed.items()),

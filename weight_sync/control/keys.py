@@ -101,20 +101,30 @@ class Retention:
     """The keys a store holds for its readers, by generation (a push by its number, a plan by
     its digest): those of the last ``kept`` generations stay, an older one's are deleted as a
     new one is posted. A loop pushing for days leaves no key behind, while a member a push late
-    still finds its own. ``delete`` removes keys from the store, under whatever lock its
-    owner's other uses of it take."""
+    still finds its own. ``put`` sets a key and ``delete`` removes keys, each under whatever
+    lock its owner's other uses of the store take."""
 
-    def __init__(self, delete: Callable[[list[str]], None], kept: int = KEPT_PUSHES) -> None:
+    def __init__(
+        self,
+        put: Callable[[str, str], None],
+        delete: Callable[[list[str]], None],
+        kept: int = KEPT_PUSHES,
+    ) -> None:
         assert kept >= 1, "a store keeps at least the generation in use"
-        self._delete, self._kept = delete, kept
+        self._put, self._delete, self._kept = put, delete, kept
         self._keys: dict[Hashable, list[str]] = {}  # by generation, the oldest first
 
     def __contains__(self, generation: Hashable) -> bool:
         return generation in self._keys
 
+    def post(self, generation: Hashable, key: str, value: str) -> None:
+        """Set ``key`` for ``generation`` (see ``posted``)."""
+        self._put(key, value)
+        self.posted(generation, [key])
+
     def posted(self, generation: Hashable, keys: Sequence[str]) -> None:
-        """``keys`` were set for ``generation`` (one still kept, or a new one: then, past
-        ``kept`` generations, the oldest one's keys are deleted)."""
+        """``keys`` were set for ``generation`` (by other clients too: every sender reports in
+        rank 0's store); a new generation past ``kept`` takes the oldest one's keys with it."""
         if generation in self._keys:
             self._keys[generation].extend(keys)
             return

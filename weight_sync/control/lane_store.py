@@ -68,18 +68,19 @@ class Commands:
         assert self.plane is not None, "the plane comes first"
         with self._lock:
             if self._kept is None:
-                self._kept = Retention(self.plane.forget)
+                self._kept = Retention(self.plane.post, self.plane.forget)
             if new_push:
                 self._push = int(arg["push"])
                 self._starts.append(self._next)
                 if len(self._starts) > KEPT_PUSHES:
                     self._starts.popleft()
                     self.plane.post(FLOOR, str(self._starts[0]))
-                self.plane.post(f"{BEGIN}{self._push}", str(self._next))
-                self._kept.posted(self._push, [f"{BEGIN}{self._push}"])
-            self.plane.post(f"{COMMAND}{self._next}", json.dumps({"op": op, "arg": arg}))
-            if self._push is not None:  # those before the first push (joining) stay
-                self._kept.posted(self._push, [f"{COMMAND}{self._next}"])
+                self._kept.post(self._push, f"{BEGIN}{self._push}", str(self._next))
+            command = json.dumps({"op": op, "arg": arg})
+            if self._push is None:  # before the first push (joining): kept for good
+                self.plane.post(f"{COMMAND}{self._next}", command)
+            else:
+                self._kept.post(self._push, f"{COMMAND}{self._next}", command)
             self._next += 1
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
@@ -112,7 +113,7 @@ class Verdicts:
     def __init__(self, store: Any, senders: int) -> None:
         self._store = store
         self._senders = senders
-        self._kept = Retention(functools.partial(delete, store))  # used on rank 0
+        self._kept = Retention(store.set, functools.partial(delete, store))  # rank 0's
 
     def settle(
         self,
@@ -127,14 +128,14 @@ class Verdicts:
         self._store.set(f"{push}/{sender}", json.dumps(outcome))
         if sender == 0:
             keys = [f"{push}/{rank}" for rank in range(self._senders)]
-            self._kept.posted(push, [*keys, f"{push}/verdict"])  # every sender read the older
+            self._kept.posted(push, keys)  # every sender read the older pushes' verdicts
             found = wait_all(self._store, keys, deadline)  # the missing never reported
             reports = {
                 rank: json.loads(found[key]) if key in found else None
                 for rank, key in enumerate(keys)
             }
             verdict = judge(reports)
-            self._store.set(f"{push}/verdict", json.dumps(verdict))
+            self._kept.post(push, f"{push}/verdict", json.dumps(verdict))
         else:
             verdict = self._wait(f"{push}/verdict", deadline)
         if "failed" in verdict:

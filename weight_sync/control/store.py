@@ -211,8 +211,8 @@ class ClientPlane:
             PrefixStore(PREFIX, open_store(address, self._port, 1, self._timeout_s, listener))
         )
         self._epoch = 0
-        self._plans = Retention(self._mailbox.forget, KEPT_PLANS)  # by digest
-        self._verdicts = Retention(self._mailbox.forget)  # by version
+        self._plans = Retention(self._mailbox.post, self._mailbox.forget, KEPT_PLANS)  # by digest
+        self._verdicts = Retention(self._mailbox.post, self._mailbox.forget)  # by version
         self._joining: Future[Any] | None = None
         self._pushing: int | None = None  # prepared, neither committed nor cancelled
 
@@ -257,8 +257,7 @@ class ClientPlane:
         assert list(members) == list(range(self._workers)), "every worker prepares at once"
         self._mailbox.abandon("a later push began")
         if plan.digest not in self._plans:
-            self._mailbox.post(f"plan/{plan.digest}", plan.wire)
-            self._plans.posted(plan.digest, [f"plan/{plan.digest}"])
+            self._plans.post(plan.digest, f"plan/{plan.digest}", plan.wire)
         self._mailbox.post(f"prepare/{self._epoch}", request.model_dump_json())
         self._pushing = request.version
         call = in_thread(self._client.start_weight_update)
@@ -324,8 +323,7 @@ class ClientPlane:
     def _verdict(self, version: int, word: str) -> None:
         """Post the verdict on push ``version`` (every member reads it during its push: the
         older ones go, see ``Retention``)."""
-        self._mailbox.post(f"verdict/{version}", word)
-        self._verdicts.posted(version, [f"verdict/{version}"])
+        self._verdicts.post(version, f"verdict/{version}", word)
 
     def _take_session(self) -> int | None:
         version, self._pushing = self._pushing, None

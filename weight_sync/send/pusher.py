@@ -272,7 +272,7 @@ class Pusher:
                 decision = self._wire.decide(version, sharded, self._roster.bases)
                 request = self._request(version, partial, plan, decision)
                 done = None
-                if request.commit_on_receipt and self._roster.all_hold(plan.digest):
+                if request.commit_on_receipt and self._roster.plans.all_hold(plan.digest):
                     done = self._push_in_one_call(group, request, plan, tensors, deadline)
                     clock.lap("push")
                     if done is not None:
@@ -390,7 +390,7 @@ class Pusher:
             accepted = [i for i, reply in enumerate(replies) if reply.accepted]
             self._roster.cancel(request.version, accepted, deadline)
             raise PlanMismatchError(problems)
-        self._roster.learnt(plan.digest)
+        self._roster.plans.learnt(plan.digest)
         return request, [reply.in_place for reply in replies]
 
     def _prepare_all(
@@ -402,7 +402,7 @@ class Pusher:
         lacking = [i for i, reply in enumerate(replies) if reply.need_plan]
         if lacking:  # a member lost its cached plan (e.g. was restarted): send it in full
             for index in lacking:
-                self._roster.forgot(index, plan.digest)
+                self._roster.plans.forgot(index, plan.digest)
             again = iter(self._prepare_round(request, plan, lacking, deadline))
             replies = [next(again) if reply.need_plan else reply for reply in replies]
         return replies
@@ -411,7 +411,7 @@ class Pusher:
         self, request: PrepareRequest, plan: SyncPlan, members: Sequence[int], deadline: Deadline
     ) -> list[PrepareReply]:
         timeout_s = deadline.left(self._config.rpc_timeout_s)
-        send_plan = self._roster.lacking(plan.digest, members)
+        send_plan = self._roster.plans.lacking(plan.digest, members)
         calls = self._plane.prepare(request, plan, list(members), send_plan, timeout_s)
         return self._roster.replies(calls, "prepare", timeout_s)
 
@@ -439,7 +439,7 @@ class Pusher:
             replies = [reply.prepared for reply in self._roster.replies(calls, "push", timeout_s)]
             for index, reply in enumerate(replies):
                 if reply.need_plan:
-                    self._roster.forgot(index, plan.digest)
+                    self._roster.plans.forgot(index, plan.digest)
             if any(reply.need_plan or reply.need_dense for reply in replies):
                 return None
             raise PlanMismatchError(
@@ -450,7 +450,7 @@ class Pusher:
                 }
             )
         sent, replies = self._transfer(group, request, plan, tensors, deadline, calls)
-        self._roster.learnt(plan.digest)
+        self._roster.plans.learnt(plan.digest)
         return sent, [reply.prepared.in_place for reply in replies]
 
     def _transfer(

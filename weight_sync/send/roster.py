@@ -10,7 +10,7 @@ asking everyone to leave live here too: forming the group and pushing both need 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -26,43 +26,69 @@ logger = logging.getLogger(__name__)
 GRACE_S = 5.0
 
 
+class Held:
+    """The plans (or layouts) each member holds, as far as its sender knows: per member their
+    digests, most recent last, as many as the member's own cache keeps (``size``). A guess kept
+    so that a plan travels in full only to members that lack it: a member that lost one asks
+    for it (or refuses), and the push goes the long way. The one record of it, whatever the
+    front: ``Roster`` keeps one for one sender's members, ``LaneUpdater`` for its workers."""
+
+    def __init__(self, members: int = 0, size: int = PLAN_CACHE_SIZE) -> None:
+        assert size >= 1, "a member holds at least the plan it was last sent"
+        self._size = size
+        self._digests: list[list[str]] = [[] for _ in range(members)]
+
+    def __len__(self) -> int:
+        return len(self._digests)
+
+    def reset(self, members: int | None = None) -> None:
+        """Count on nothing any member holds (``members``: how many there are from now)."""
+        self._digests = [[] for _ in range(len(self) if members is None else members)]
+
+    def all_hold(self, digest: str) -> bool:
+        return all(digest in held for held in self._digests)
+
+    def lacking(self, digest: str, members: Sequence[int] | None = None) -> list[bool]:
+        """For each of ``members`` (default: every one), whether it must be sent ``digest`` in
+        full."""
+        chosen = range(len(self)) if members is None else members
+        return [digest not in self._digests[index] for index in chosen]
+
+    def learnt(self, digest: str, members: Sequence[int] | None = None) -> None:
+        """``members`` (default: every one) accepted ``digest``: they hold it now, as their
+        latest (the oldest beyond ``size`` falls out, as from the member's own cache)."""
+        for index in range(len(self)) if members is None else members:
+            held = [*(d for d in self._digests[index] if d != digest), digest]
+            self._digests[index] = held[-self._size :]
+
+    def forgot(self, member: int, digest: str | None = None) -> None:
+        """``member`` asked for ``digest``: count on it no more (None: on nothing it holds --
+        it refused a push, and what it kept of it is not known)."""
+        self._digests[member] = [d for d in self._digests[member] if digest not in (None, d)]
+
+    def drop(self, members: Collection[int]) -> None:
+        """``members`` are gone: the others keep their places, in order."""
+        self._digests = [held for i, held in enumerate(self._digests) if i not in members]
+
+
 class Roster:
     """The members reached through ``plane``, with what the trainer knows of each one.
 
-    ``known``: per member, the digests of the plans it holds, most recent last, as its own cache
-    keeps them (a guess: a member that lost one asks for it, and the push goes the long way).
-    ``bases``: per member, the delta base its weights are (see ``weight_sync.delta.lineage``).
+    ``plans``: the plans each holds (``Held``). ``bases``: per member, the delta base its
+    weights are (see ``weight_sync.delta.lineage``).
     """
 
     def __init__(self, plane: ControlPlane, rpc_timeout_s: float) -> None:
         self.plane = plane
         self._rpc_timeout_s = rpc_timeout_s
-        self.known: list[list[str]] = []
+        self.plans = Held()
         self.bases: list[str | None] = []
 
     def probed(self, infos: Sequence[MemberInfo]) -> None:
         """A probe answered: the members hold no plan the trainer can count on, and the bases
         they report."""
-        self.known = [[] for _ in infos]
+        self.plans.reset(len(infos))
         self.bases = [info.delta_base for info in infos]
-
-    # -- plans held ----------------------------------------------------------------------------
-
-    def all_hold(self, digest: str) -> bool:
-        return all(digest in known for known in self.known)
-
-    def lacking(self, digest: str, members: Sequence[int]) -> list[bool]:
-        """For each of ``members``, whether it must be sent the plan ``digest`` in full."""
-        return [digest not in self.known[index] for index in members]
-
-    def learnt(self, digest: str) -> None:
-        """Every member accepted the plan ``digest``: it holds it now, as its latest."""
-        for index, known in enumerate(self.known):
-            self.known[index] = [*(d for d in known if d != digest), digest][-PLAN_CACHE_SIZE:]
-
-    def forgot(self, index: int, digest: str) -> None:
-        """Member ``index`` asked for the plan ``digest``: it no longer holds it."""
-        self.known[index] = [d for d in self.known[index] if d != digest]
 
     # -- gathering answers -----------------------------------------------------------------------
 
@@ -91,7 +117,7 @@ class Roster:
         dropped = outcomes.unreachable
         if dropped:
             self.plane.drop(dropped)
-            self.known = [known for i, known in enumerate(self.known) if i not in dropped]
+            self.plans.drop(dropped)
             self.bases = [held for i, held in enumerate(self.bases) if i not in dropped]
             logger.warning(
                 "dropped worker(s) %s (dead or not answering); %d left", dropped, len(self.plane)

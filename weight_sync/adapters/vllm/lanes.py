@@ -121,7 +121,8 @@ class VLLMLaneServers:
         self.rank, self.senders = self._lanes.rank, self._lanes.senders
         self.members = self._lanes.members  # every vLLM worker process of every server
         # Rank 0: the layouts in its store, by digest.
-        self._posted = Retention(functools.partial(delete, self._lanes.store), KEPT_PLANS)
+        store = self._lanes.store
+        self._posted = Retention(store.set, functools.partial(delete, store), KEPT_PLANS)
         self._paused = False
         self._session = False  # the servers' update session was opened (start_weight_update)
         self._committed = 0
@@ -249,8 +250,7 @@ class VLLMLaneServers:
             self._paused = True  # some servers may be paused even if one fails to
             pause(self.urls, self.pause_mode, rpc_s)
             if layout.digest not in self._posted:
-                self._lanes.store.set(f"{_LAYOUT}{layout.digest}", layout.wire)
-                self._posted.posted(layout.digest, [f"{_LAYOUT}{layout.digest}"])
+                self._posted.post(layout.digest, f"{_LAYOUT}{layout.digest}", layout.wire)
             request = {"push": self._lanes.pushes, "digest": layout.digest, "version": version}
             self._lanes.store.set(_CHECK, json.dumps(request))
             self._session = True
