@@ -570,9 +570,13 @@ class SGLangPusher:
         )
 
     def _quietly(self, route: str, body: dict[str, Any], timeout_s: float) -> None:
-        """``route`` on every engine, bounded; failures (expected: nothing to end) only logged."""
+        """``route`` on every engine, bounded; failures (expected: nothing to end) only logged.
+        Every call is let finish (within the bound) before the next step: one engine's refusal
+        ("no session to end") came at once while another's ``end_weight_update`` was still in
+        flight, which then landed after the push's ``begin_weight_update`` and ended its session
+        (an engine actor serves calls on several threads: no order between them)."""
         try:
-            self._fan(route, body, Deadline(timeout_s, route))
+            self._fan(route, body, Deadline(timeout_s, route), settle=True)
         except WeightSyncError as exc:
             logger.debug("%s: %s", route, exc)
 
