@@ -17,7 +17,6 @@ from weight_sync.control.deadline import Deadline
 from weight_sync.control.keys import (
     Retention,
     StoreGoneError,
-    delete,
     read_bounded,
     take,
     wait_all,
@@ -122,7 +121,7 @@ def test_a_generation_past_those_kept_deletes_the_oldest_ones_keys(
 
 
 def test_retention_deletes_from_a_real_store(store: dist.TCPStore) -> None:
-    retention = Retention(store.set, lambda keys: delete(store, keys), kept=1)
+    retention = Retention.in_store(store, kept=1)
     retention.post(1, "cmd/0", "x")
     retention.posted(1, ["cmd/never-set"])  # a key never set is no error when it goes
     retention.post(2, "cmd/1", "y")

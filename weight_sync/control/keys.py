@@ -18,6 +18,7 @@ many keys from one thread under the lock every post takes, and a blocking wait w
 from __future__ import annotations
 
 import datetime
+import functools
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -113,6 +114,11 @@ class Retention:
         assert kept >= 1, "a store keeps at least the generation in use"
         self._put, self._delete, self._kept = put, delete, kept
         self._keys: dict[Hashable, list[str]] = {}  # by generation, the oldest first
+
+    @classmethod
+    def in_store(cls, store: Any, kept: int = KEPT_PUSHES) -> Retention:
+        """Over a store used by one thread (no lock of its owner's to take)."""
+        return cls(store.set, functools.partial(delete, store), kept)
 
     def __contains__(self, generation: Hashable) -> bool:
         return generation in self._keys

@@ -9,7 +9,6 @@ what this module names.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import threading
@@ -21,7 +20,6 @@ from weight_sync.control.keys import (
     KEPT_PUSHES,
     Retention,
     StoreGoneError,
-    delete,
     wait_all,
     wait_one,
 )
@@ -113,7 +111,7 @@ class Verdicts:
     def __init__(self, store: Any, senders: int) -> None:
         self._store = store
         self._senders = senders
-        self._kept = Retention(store.set, functools.partial(delete, store))  # rank 0's
+        self._kept = Retention.in_store(store)  # rank 0's
 
     def settle(
         self,

@@ -28,7 +28,7 @@ import torch
 
 from weight_sync.config import SyncConfig
 from weight_sync.control.futures import Backoff, in_thread, joined, resolve, then
-from weight_sync.control.keys import KEPT_PLANS, Retention, delete, read_bounded, take
+from weight_sync.control.keys import KEPT_PLANS, Retention, delete, read_bounded
 from weight_sync.errors import WeightSyncError, first_line
 from weight_sync.receive.receiver import Check, Loader, Receiver
 from weight_sync.transport import teardown
@@ -414,7 +414,8 @@ class _Mailbox:
                     if future.done():  # failed with its client call
                         del self._pending[key]
                     elif self._store.check([key]):  # an answer is read once
-                        arrived.append((future, take(self._store, [key])[key].decode()))
+                        arrived.append((future, self._store.get(key).decode()))
+                        delete(self._store, [key])
                         del self._pending[key]
             for future, value in arrived:
                 resolve(future, result=value)

@@ -36,7 +36,6 @@ lanes); the one-sender ``VLLMServers`` forms its group again by itself. The work
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import time
@@ -62,7 +61,7 @@ from weight_sync.config import SyncConfig
 from weight_sync.control.deadline import Deadline
 from weight_sync.control.futures import in_thread
 from weight_sync.control.http import ServerError, check_urls
-from weight_sync.control.keys import KEPT_PLANS, Retention, delete, read_bounded, take, wait_all
+from weight_sync.control.keys import KEPT_PLANS, Retention, read_bounded, take, wait_all
 from weight_sync.control.lane_store import VERDICTS
 from weight_sync.errors import SyncTimeoutError, WeightSyncError, first_line
 from weight_sync.receive.assembly import Assembly, layout_of_push
@@ -121,8 +120,7 @@ class VLLMLaneServers:
         self.rank, self.senders = self._lanes.rank, self._lanes.senders
         self.members = self._lanes.members  # every vLLM worker process of every server
         # Rank 0: the layouts in its store, by digest.
-        store = self._lanes.store
-        self._posted = Retention(store.set, functools.partial(delete, store), KEPT_PLANS)
+        self._posted = Retention.in_store(self._lanes.store, KEPT_PLANS)
         self._paused = False
         self._session = False  # the servers' update session was opened (start_weight_update)
         self._committed = 0
