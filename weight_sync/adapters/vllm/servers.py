@@ -83,24 +83,33 @@ class ServersClient:
         )
 
     def start_weight_update(self) -> None:
-        self._each("start_weight_update", lambda url: None)
+        self._each("start_weight_update", lambda url: None, settle=True)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self._each("update_weights", lambda url: {"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         body = None if weight_version is None else {"weight_version": weight_version}
-        self._each("finish_weight_update", lambda url: body)
+        self._each("finish_weight_update", lambda url: body, settle=True)
 
     def shutdown_weight_transfer_engine(self) -> None:
-        self._each("shutdown_weight_transfer_engine", lambda url: None)
+        self._each("shutdown_weight_transfer_engine", lambda url: None, settle=True)
 
-    def _each(self, path: str, body: Callable[[str], Mapping[str, Any] | None]) -> None:
+    def _each(
+        self, path: str, body: Callable[[str], Mapping[str, Any] | None], settle: bool = False
+    ) -> None:
+        """``settle``: for the steps each server does alone (opening, closing a session;
+        leaving the group): every call finishes before a failure is raised, or one still in
+        flight would land after the release that follows -- a session opened on a server then,
+        or a version set over the release's "none". The steps that wait on the group (forming
+        it, the bytes) are not settled: their calls on the other servers end only once the
+        trainer, told of the failure, tears the group down."""
+
         def step(url: str) -> Any:
             return call(url, path, body(url), timeout_s=self.timeout_s, method="POST")
 
         try:
-            fan_out(self.urls, step, self.timeout_s + 1.0, path)
+            fan_out(self.urls, step, self.timeout_s + 1.0, path, settle=settle)
         except ServerError as exc:
             self.failures.update(exc.servers)
             raise
@@ -200,9 +209,17 @@ def reset_caches(urls: Sequence[str], timeout_s: float) -> None:
 
 
 def resume(urls: Sequence[str], *, quiet: bool) -> None:
-    """Resume generation everywhere; ``quiet``: after a failed push, only log a failure."""
+    """Resume generation everywhere; ``quiet``: after a failed push, only log a failure. Every
+    call finishes first (settled): a resume still in flight could land after the next push's
+    pause and let a server generate while its weights change."""
     try:
-        fan_out(urls, lambda url: call(url, "resume", timeout_s=_QUICK_S), _QUICK_S + 1.0, "resume")
+        fan_out(
+            urls,
+            lambda url: call(url, "resume", timeout_s=_QUICK_S),
+            _QUICK_S + 1.0,
+            "resume",
+            settle=True,
+        )
     except ServerError as exc:
         if not quiet:
             raise
