@@ -265,7 +265,7 @@ class SGLangPusher:
         version = 0
         try:
             paused = True  # before the calls: an engine that paused must resume, whoever failed
-            self._fan("pause_generation", {"mode": self.pause_mode}, deadline, settle=True)
+            self._fan("pause_generation", {"mode": self.pause_mode}, deadline)
             group = self._ensure_group(sources, deadline)  # may move _next_version up
             version = choose_version(named, self._next_version, "engines")
             lap("group")
@@ -545,16 +545,13 @@ class SGLangPusher:
 
     # -- calls to every engine -------------------------------------------------------------------
 
-    def _fan(
-        self,
-        route: str,
-        body: dict[str, Any] | None,
-        deadline: Deadline,
-        *,
-        settle: bool = False,
-    ) -> dict[str, Any]:
-        """``route`` on every engine at once, bounded by ``rpc_timeout_s`` and the deadline
-        (``settle``: as ``collect_answers``; the pause, which ``_recover`` undoes)."""
+    def _fan(self, route: str, body: dict[str, Any] | None, deadline: Deadline) -> dict[str, Any]:
+        """``route`` on every engine at once, bounded by ``rpc_timeout_s`` and the deadline.
+        Every call is let finish (within the bound) before a failure is raised: each is a step
+        an engine takes alone (the bytes go through ``_transfer``), and one still in flight when
+        another engine refused at once would land after the steps that follow, in no order (an
+        engine actor serves calls on several threads) -- a pause after the release's resume, a
+        session opened after it ended, a resume after the next push's pause."""
         timeout_s = deadline.left(self.config.rpc_timeout_s)
         calls = {
             engine.name: in_thread(
@@ -562,7 +559,7 @@ class SGLangPusher:
             )
             for engine in self.engines
         }
-        return collect_answers(calls, timeout_s + 1.0, route, who=_WHO, settle=settle)
+        return collect_answers(calls, timeout_s + 1.0, route, who=_WHO, settle=True)
 
     def _label(self, label: str, deadline: Deadline) -> None:
         self._fan(
@@ -571,12 +568,11 @@ class SGLangPusher:
 
     def _quietly(self, route: str, body: dict[str, Any], timeout_s: float) -> None:
         """``route`` on every engine, bounded; failures (expected: nothing to end) only logged.
-        Every call is let finish (within the bound) before the next step: one engine's refusal
-        ("no session to end") came at once while another's ``end_weight_update`` was still in
-        flight, which then landed after the push's ``begin_weight_update`` and ended its session
-        (an engine actor serves calls on several threads: no order between them)."""
+        Settled as every ``_fan``: CI saw one engine's refusal ("no session to end") come at
+        once while another's ``end_weight_update`` was still in flight, which then landed after
+        the push's ``begin_weight_update`` and ended its session."""
         try:
-            self._fan(route, body, Deadline(timeout_s, route), settle=True)
+            self._fan(route, body, Deadline(timeout_s, route))
         except WeightSyncError as exc:
             logger.debug("%s: %s", route, exc)
 
