@@ -98,11 +98,14 @@ def fan_out(
     timeout_s: float,
     what: str,
     *,
-    settle: bool = False,
+    settle: bool = True,
 ) -> dict[str, Any]:
     """``step(url)`` for every server at once, each on a thread of its own; returns the answers
-    by URL (see ``collect_answers``: unless ``settle``, the others' threads finish on their own,
-    bounded by their requests' timeouts)."""
+    by URL (see ``collect_answers``). Settled unless told otherwise: a call a server answers
+    alone, still in flight when another server failed, would land after the caller's next step
+    (a pause after the release's resume, a resume after the next push's pause). ``settle=False``
+    for calls that wait on one another (forming a group, its bytes): theirs end only once the
+    caller, told of the failure, tears the group down."""
     calls = {url: in_thread(partial(step, url), "weight-sync-http") for url in urls}
     return collect_answers(calls, timeout_s, what, settle=settle)
 

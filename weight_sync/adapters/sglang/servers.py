@@ -81,4 +81,4 @@ def release_servers(urls: Sequence[str], timeout_s: float = 30.0) -> None:
         label = str(info.get("weight_version"))
         release(engines[url], None, past=label_past(label), resume=True, timeout_s=timeout_s)
 
-    fan_out(list(engines), free, timeout_s * 4 + 1.0, "release", settle=True)
+    fan_out(list(engines), free, timeout_s * 4 + 1.0, "release")

@@ -80,30 +80,29 @@ class ServersClient:
         self._each(
             "init_weight_transfer_engine",
             lambda url: {"init_info": {**init_info, "server_url": url}},
+            settle=False,
         )
 
     def start_weight_update(self) -> None:
-        self._each("start_weight_update", lambda url: None, settle=True)
+        self._each("start_weight_update", lambda url: None)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self._each("update_weights", lambda url: {"update_info": update_info})
+        self._each("update_weights", lambda url: {"update_info": update_info}, settle=False)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         body = None if weight_version is None else {"weight_version": weight_version}
-        self._each("finish_weight_update", lambda url: body, settle=True)
+        self._each("finish_weight_update", lambda url: body)
 
     def shutdown_weight_transfer_engine(self) -> None:
-        self._each("shutdown_weight_transfer_engine", lambda url: None, settle=True)
+        self._each("shutdown_weight_transfer_engine", lambda url: None)
 
     def _each(
-        self, path: str, body: Callable[[str], Mapping[str, Any] | None], settle: bool = False
+        self, path: str, body: Callable[[str], Mapping[str, Any] | None], settle: bool = True
     ) -> None:
-        """``settle``: for the steps each server does alone (opening, closing a session;
-        leaving the group): every call finishes before a failure is raised, or one still in
-        flight would land after the release that follows -- a session opened on a server then,
-        or a version set over the release's "none". The steps that wait on the group (forming
-        it, the bytes) are not settled: their calls on the other servers end only once the
-        trainer, told of the failure, tears the group down."""
+        """``settle`` (see ``fan_out``): the steps each server takes alone (opening, closing a
+        session; leaving the group) -- a late one would land after the release that follows,
+        a session opened then, or a version set over its "none". Not the steps that wait on the
+        group (forming it, the bytes)."""
 
         def step(url: str) -> Any:
             return call(url, path, body(url), timeout_s=self.timeout_s, method="POST")
@@ -157,7 +156,6 @@ def pause(urls: Sequence[str], mode: PauseMode, timeout_s: float) -> None:
         lambda url: call(url, f"pause?mode={mode}", timeout_s=timeout_s),
         timeout_s + 1.0,
         "pause",
-        settle=True,  # a pause landing after release's resume would leave its server paused
     )
 
 
@@ -209,16 +207,15 @@ def reset_caches(urls: Sequence[str], timeout_s: float) -> None:
 
 
 def resume(urls: Sequence[str], *, quiet: bool) -> None:
-    """Resume generation everywhere; ``quiet``: after a failed push, only log a failure. Every
-    call finishes first (settled): a resume still in flight could land after the next push's
-    pause and let a server generate while its weights change."""
+    """Resume generation everywhere; ``quiet``: after a failed push, only log a failure (every
+    call finishes first, as ``fan_out`` settles: a late resume could let a server generate
+    while the next push changes its weights)."""
     try:
         fan_out(
             urls,
             lambda url: call(url, "resume", timeout_s=_QUICK_S),
             _QUICK_S + 1.0,
             "resume",
-            settle=True,
         )
     except ServerError as exc:
         if not quiet:
