@@ -95,14 +95,8 @@ class WeightSyncWorker:
         stats. Answers during a push when the actor was made with ``remote_worker``. After a
         push from many senders (``LaneUpdater``), it speaks for every lane together: the
         version every lane committed, their buckets summed, the least advanced lane's phase."""
-        if self.__dict__.get("_weight_sync_by_lanes"):
-            lanes: Lanes | None = self.__dict__.get("_weight_sync_lanes")
-            left: SyncStatus | None = self.__dict__.get("_weight_sync_lanes_left")
-            if lanes is not None:
-                return lanes.status()
-            if left is not None:  # they were left; what they landed is what it holds
-                return left
-        return self._weight_sync_state().status()
+        lanes: Lanes | None = self.__dict__.get("_weight_sync_lanes")
+        return lanes.status() if lanes is not None else self._weight_sync_state().status()
 
     # -- helpers users may call or override ------------------------------------------------------
 
@@ -165,7 +159,6 @@ class WeightSyncWorker:
         return self._weight_sync_state().prepare(request_json, check, lambda: destinations)
 
     def _weight_sync_push(self, request_json: str, timeout_s: float | None = None) -> PushReply:
-        self._weight_sync_by_lanes = False
         state = self._weight_sync_state()
         check, destinations, own = state.or_leave(self._weight_sync_targets)  # the user's hooks
         return state.push(request_json, check, self.load_weights, destinations, own)
@@ -174,7 +167,6 @@ class WeightSyncWorker:
         self._weight_sync_state().cancel(version)
 
     def _weight_sync_receive(self, version: int, timeout_s: float | None = None) -> ReceiveReport:
-        self._weight_sync_by_lanes = False
         state = self._weight_sync_state()
         destinations = state.or_leave(self.weight_sync_destinations)
         return state.receive(version, self.load_weights, destinations)
@@ -234,20 +226,15 @@ class WeightSyncWorker:
         if one_group and (missing := _no_group(lanes)):
             raise WeightSyncError(missing)  # checked before the push too: a backstop
         if lanes is None:  # new senders, over Gloo lanes
-            before = self.sync_status()
             self._weight_sync_drop_lanes()
             lanes = self._weight_sync_lanes = Lanes(
                 _endpoints(endpoints),
                 slot,
                 self.weight_sync_device,
                 min(wait_s, 60.0),
-                before=before,
+                record=self._weight_sync_state(),
             )
-        elif not self.__dict__.get("_weight_sync_by_lanes"):  # one sender pushed since
-            lanes.adopt(self.sync_status())
-        self._weight_sync_by_lanes = True
-        single = self._weight_sync_state()
-        single.saw(version)  # spent here from now, landed or not
+        self._weight_sync_state().saw(version)  # spent here from now, landed or not
         layout = self.__dict__.get("_weight_sync_layout")
         assert layout is not None, "the trainer checks the layout with every worker first"
         try:
@@ -255,10 +242,7 @@ class WeightSyncWorker:
         except Exception as exc:
             why = f"its weights could not be had ({type(exc).__name__}: {first_line(exc)})"
             assembly = Refusal(layout, why)
-        try:
-            return lanes.receive(assembly, push, wait_s, f"worker {slot - 1}")
-        finally:  # what a later push from one sender is checked against
-            single.adopt(lanes.status())
+        return lanes.receive(assembly, push, wait_s, f"worker {slot - 1}")
 
     def _weight_sync_lanes_join(
         self,
@@ -285,7 +269,7 @@ class WeightSyncWorker:
                 self.weight_sync_device,
                 spec.rendezvous_timeout_s,
                 rounds,
-                before=self.sync_status(),
+                record=self._weight_sync_state(),
             )
         except BaseException:
             group.close()
@@ -312,12 +296,9 @@ class WeightSyncWorker:
 
     def _weight_sync_drop_lanes(self) -> None:
         """Leave the lanes of earlier senders, if any (and the one group they came over); what
-        they landed here stays this worker's status (set first: a status call may come from
-        another thread meanwhile)."""
-        lanes = self.__dict__.get("_weight_sync_lanes")
+        they landed here stays this worker's status (``Lanes.record``)."""
+        lanes = self.__dict__.pop("_weight_sync_lanes", None)
         if lanes is not None:
-            self._weight_sync_lanes_left = _left_behind(lanes.status())
-            del self.__dict__["_weight_sync_lanes"]
             lanes.close()
 
     def _weight_sync_state(self) -> Receiver:
@@ -439,20 +420,3 @@ def _no_group(lanes: Lanes | None) -> str | None:
             "their next push forms the group again"
         )
     return None
-
-
-def _left_behind(status: SyncStatus) -> SyncStatus:
-    """What a worker holds once it left its lanes: in no group; where it left them mid-push
-    (their receive still running: the trainer gave up on it), no version."""
-    if status.phase == "idle":
-        return status.model_copy(update={"in_group": False})
-    return status.model_copy(
-        update={
-            "in_group": False,
-            "phase": "idle",
-            "pushing": None,
-            "version": None,
-            "dirty": True,
-            "last_error": "it left its lanes mid-push",
-        }
-    )

@@ -60,7 +60,7 @@ from weight_sync.errors import (
 )
 from weight_sync.receive.assembly import Assembly
 from weight_sync.receive.inbound import Lanes
-from weight_sync.receive.receiver import Loader, expecting
+from weight_sync.receive.receiver import Loader, Receiver, expecting
 from weight_sync.result import PushResult
 from weight_sync.send.senders import (
     Outbound,
@@ -84,7 +84,6 @@ from weight_sync.transport.rounds import LanePath, Rounds, SendLane, lane_paths_
 from weight_sync.wire.blame import lone_sender_gone
 from weight_sync.wire.blocks import BlockLayout
 from weight_sync.wire.lane_rules import Share, called_off, share_of
-from weight_sync.wire.metadata import SyncStatus
 from weight_sync.wire.state_dict import StateDict
 
 __all__ = ["JobSync", "LaunchEnv", "launch_env"]
@@ -313,8 +312,9 @@ class JobSync:
         assert self._one_group is not None, "the one group forms before any push"
         return SendLane(lane, self._one_group, self._paths[self.rank].targets)
 
-    def _follow(self, before: SyncStatus | None) -> Lanes:
-        """A receiving rank's lanes from every sender (over the one group, if there is one)."""
+    def _follow(self, record: Receiver | None) -> Lanes:
+        """A receiving rank's lanes from every sender (over the one group, if there is one);
+        ``record``: what this rank holds, kept from the lanes these replace."""
         rounds = None
         if self._one_group is not None:
             rounds = Rounds(self._one_group, range(self.senders), self._paths)
@@ -324,7 +324,7 @@ class JobSync:
             lambda: self._device,
             self.config.rendezvous_timeout_s,
             rounds,
-            before=before,
+            record=record,
         )
 
     def _renew_one_group(self) -> None:
@@ -347,7 +347,7 @@ class JobSync:
         elif failure is None:
             assert self._lanes is not None
             try:
-                lanes = self._follow(self._lanes.status())
+                lanes = self._follow(self._lanes.record)
             except Exception as exc:  # raised once the others know (see formed_everywhere)
                 failure = exc
         try:
@@ -359,7 +359,7 @@ class JobSync:
         if lanes is not None:
             old, self._lanes = self._lanes, lanes
             assert old is not None
-            old.close()  # after: its group is gone already, and its status is the new lanes'
+            old.close()  # after: its group is gone already, and its record is the new lanes'
         self._renew = False
 
     # -- the senders ---------------------------------------------------------------------------

@@ -55,7 +55,13 @@ _PHASES = typing.get_args(Phase)  # a push's phases in the order it goes through
 
 class Lanes:
     """A member's lanes from ``endpoints`` (each sender's store, in sender order), as member
-    ``slot`` (1-based) of each."""
+    ``slot`` (1-based) of each.
+
+    What the member holds is one record, ``record``: the receiver of its one-sender pushes
+    where it takes those too (a worker, a vLLM worker), else one of the lanes' own. A push
+    writes it as any push does -- no version claimed from the first byte, the version once
+    every lane committed -- so a member's status reads one state, whichever senders pushed.
+    """
 
     def __init__(
         self,
@@ -64,14 +70,14 @@ class Lanes:
         device: Callable[[], torch.device],
         timeout_s: float,
         rounds: Rounds | None = None,
-        before: SyncStatus | None = None,
+        record: Receiver | None = None,
     ) -> None:
         """``timeout_s`` bounds dialling each sender's store. ``rounds``: the lanes' buckets
         come over one group, taken in its rounds (each lane's own group then only votes).
-        ``before``: what this member held as these lanes were made (through lanes they
-        replace, or one sender's pushes), which it holds until their first push begins."""
+        ``record``: what this member holds (see the class), kept from before these lanes."""
         self.endpoints = list(endpoints)
         self.rounds = rounds
+        self.record = record if record is not None else Receiver(device)
         self.inbound = [
             Inbound(
                 address,
@@ -86,22 +92,17 @@ class Lanes:
         self.verdicts = Verdicts(
             dist.PrefixStore(VERDICTS, self.inbound[0].raw_store), len(endpoints)
         )
-        # The version every lane committed here; the last of those that covered every tensor.
-        self.held: int | None = None
-        self.full: int | None = None
         self.layout: BlockLayout | None = None  # the last layout this member took
-        self.error: str | None = None  # why the last push failed here
-        self.last: ReceiveReport | None = None  # the last push every lane committed
-        if before is not None:
-            self.adopt(before)
+        # ``record.changes`` when these lanes last wrote it: where it moved since (one sender
+        # pushed, or the lanes are new), each lane's receiver takes what it says first.
+        self._synced: int | None = None
+        self._receiving = False
+        self._closed = False
 
-    def adopt(self, status: SyncStatus) -> None:
-        """Pushes reached this member's model by another route (one sender's), which reports
-        ``status``: hold what it says; no lane's bytes are a delta base any more."""
-        self.held, self.full = status.version, status.full_version
-        self.error, self.last = status.last_error, status.last
-        for lane in self.inbound:
-            lane.member.receiver.adopt(status)
+    @property
+    def held(self) -> int | None:
+        """The version every lane committed here (or one sender's push, since)."""
+        return self.record.version
 
     def receive(self, assembly: Assembly, push: int, wait_s: float, member: str) -> int | None:
         """Push ``push`` on every lane the layout gives blocks to, each on a thread of its own,
@@ -113,6 +114,8 @@ class Lanes:
         active = {s: lane for s, lane in enumerate(self.inbound) if assembly.layout.sent_by(s)}
         if not active:  # no tensor has an element: nothing moves, the version stays
             return self.held
+        if self.record.changes != self._synced:
+            self._adopt(self.record.status())
         for sender, lane in active.items():
             lane.member.retarget(
                 assembly.check(sender),
@@ -121,7 +124,8 @@ class Lanes:
             )
         # From the first byte the lanes land apart: this member holds neither the version it
         # held nor, until every lane commits, a whole one (as a one-sender receiver's state).
-        held, base, self.held, self.full = self.held, self.full, None, None
+        before = self.record.changing()
+        self._synced, self._receiving = self.record.changes, True
         versions = {sender: lane.member.receiver.version for sender, lane in active.items()}
         if self.rounds is not None:
             self.rounds.begin(active)
@@ -130,19 +134,46 @@ class Lanes:
                 s: pool.submit(self._lane, s, lane, wait_s, push) for s, lane in active.items()
             }
             outcomes = {s: _outcome(call) for s, call in calls.items()}
+        self._receiving = False
         try:
-            self.held = self._settle(outcomes, assembly, push, member)
+            held = self._settle(outcomes, assembly, push, member)
         except Exception as exc:
-            self.error = first_line(exc)
-            if all(
+            untouched = all(
                 lane.member.receiver.version == versions[sender] and not lane.member.receiver.dirty
                 for sender, lane in active.items()
-            ):  # no lane committed (a lane may commit and then fail), nor wrote a byte
-                self.held, self.full = held, base
+            )  # no lane committed (a lane may commit and then fail), nor wrote a byte
+            self._write(before if untouched else _unheld(before), first_line(exc))
             raise
-        self.error, self.full = None, base if assembly.layout.partial else self.held
-        self.last = _together([lane.member.receiver.status().last for lane in active.values()])
-        return self.held
+        full = before.full_version if assembly.layout.partial else held
+        statuses = [lane.member.receiver.status() for lane in active.values()]
+        self._write(
+            before.model_copy(
+                update={
+                    "version": held,
+                    "full_version": full,
+                    "dirty": False,
+                    "buckets_done": sum(status.buckets_done for status in statuses),
+                    "buckets_total": sum(status.buckets_total for status in statuses),
+                    "last": _together([status.last for status in statuses]),
+                }
+            ),
+            None,
+        )
+        return held
+
+    def _adopt(self, status: SyncStatus) -> None:
+        """Each lane's receiver holds what the member does (the versions a partial push is
+        checked against; no delta base: the model's bytes came by another route)."""
+        for lane in self.inbound:
+            lane.member.receiver.adopt(status)
+        self._synced = self.record.changes
+
+    def _write(self, status: SyncStatus, error: str | None) -> None:
+        """What the member holds after a push of these lanes (unless they were left meanwhile:
+        ``close`` said what it holds then)."""
+        if not self._closed:
+            self.record.adopt(status.model_copy(update={"last_error": error}))
+            self._synced = self.record.changes
 
     def _lane(self, sender: int, lane: Inbound, wait_s: float, push: int) -> int:
         """One lane's receive, on its thread; over one group its rounds go on without it after."""
@@ -182,31 +213,34 @@ class Lanes:
     def lost(self, why: str) -> None:
         """What every lane committed did not reach the model after all (an engine's reload
         failed): this member holds no version, and says ``why``."""
-        self.held = self.full = None
-        self.error = why
+        self._write(_unheld(self.record.status()), why)
 
     def status(self) -> SyncStatus:
-        """This member's state as one receiver's would read: the version every lane committed,
-        the push in flight at its least advanced lane's phase, the buckets of every lane, and
-        the last push every lane committed, as they received it together."""
+        """This member's state (``record``), with a push of these lanes in flight at its least
+        advanced lane's phase and the buckets of every lane; in a group where every lane is."""
+        held = self.record.status()
         lanes = [lane.member.receiver.status() for lane in self.inbound]
+        in_group = held.in_group or all(status.in_group for status in lanes)
         busy = [status.phase for status in lanes if status.phase != "idle"]
+        if not busy:
+            return held.model_copy(update={"in_group": in_group})
         pushing = [status.pushing for status in lanes if status.pushing is not None]
-        return SyncStatus(
-            version=self.held,
-            full_version=self.full,
-            dirty=self.held is None,
-            phase=min(busy, key=_PHASES.index, default="idle"),
-            pushing=max(pushing, default=None),
-            buckets_done=sum(status.buckets_done for status in lanes),
-            buckets_total=sum(status.buckets_total for status in lanes),
-            in_group=all(status.in_group for status in lanes),
-            last=self.last,
-            last_error=self.error,
+        return held.model_copy(
+            update={
+                "phase": min(busy, key=_PHASES.index),
+                "pushing": max(pushing, default=None),
+                "buckets_done": sum(status.buckets_done for status in lanes),
+                "buckets_total": sum(status.buckets_total for status in lanes),
+                "in_group": in_group,
+            }
         )
 
     def close(self) -> None:
-        """Leave every lane, and the one group their buckets came over (if they did)."""
+        """Leave every lane, and the one group their buckets came over (if they did). Left
+        mid-push (the senders gave up on this member), the member holds no version."""
+        if self._receiving:
+            self._write(_unheld(self.record.status()), "it left its lanes mid-push")
+        self._closed = True
         for lane in self.inbound:
             lane.member.shutdown()
         if self.rounds is not None:
@@ -382,6 +416,11 @@ def _together(reports: Sequence[ReceiveReport | None]) -> ReceiveReport | None:
         seconds=max(r.seconds for r in kept),
         checksums=tuple(c for r in kept for c in r.checksums or ()) if checked else None,
     )
+
+
+def _unheld(status: SyncStatus) -> SyncStatus:
+    """``status`` once bytes of a push that did not commit reached the model: no version."""
+    return status.model_copy(update={"version": None, "full_version": None, "dirty": True})
 
 
 def _outcome(call: Future[int]) -> tuple[int | None, BaseException | None]:

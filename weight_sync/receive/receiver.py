@@ -124,12 +124,25 @@ class Receiver:
         have receivers of their own): a later trainer starts above it here too."""
         self._state.highest_version = max(self._state.highest_version, version)
 
+    @property
+    def changes(self) -> int:
+        """How many times what the model holds changed (see ``adopt``)."""
+        return self._state.changes
+
+    def changing(self) -> SyncStatus:
+        """Bytes of another route are about to reach the model this receiver loads: from here
+        it claims no version, until that route says what landed (``adopt``). Returns what it
+        held, for the route to restore where none of its bytes landed."""
+        held = self.status()
+        self._state.touch()
+        return held
+
     def adopt(self, status: SyncStatus) -> None:
-        """Pushes reached the model this receiver loads by another route (one sender's and
-        many senders' pushes into the same worker each have receivers of their own), and that
-        route reports ``status``: from now on this receiver holds what it says -- the
-        versions a partial push is checked against -- and its bytes are no delta base (a
-        delta built on one would land on weights it was not built on)."""
+        """A push reached the model this receiver loads by another route (a push from many
+        senders: each lane has a receiver of its own, and this one is the member's record of
+        what it holds), and that route reports ``status``: from now on this receiver holds what
+        it says -- the versions a partial push is checked against -- and its bytes are no
+        delta base (a delta built on one would land on weights it was not built on)."""
         self._state.adopt(status)
         self.saw(status.version or 0)
 

@@ -75,6 +75,10 @@ class ReceiveState:
         self._progress = (0, 0)  # buckets done, of how many
         self._last: ReceiveReport | None = None
         self._last_error: str | None = None
+        # How many times what the model holds changed: a push from many senders, whose lanes
+        # each have a receiver of their own, tells by it whether anything else wrote the model
+        # since its lanes did (``receive.inbound.Lanes``).
+        self.changes = 0
 
     @property
     def prepared(self) -> Push | None:
@@ -150,20 +154,23 @@ class ReceiveState:
         self._progress = (done + 1, total)
 
     def adopt(self, status: SyncStatus) -> None:
-        """The model took pushes by another route, which now reports ``status``: hold what it
-        says (versions, last push, last error); whatever base these bytes were, they are not
-        it any more."""
+        """The model took a push by another route, which reports ``status``: hold what it says
+        (versions, the push's buckets, last push, last error); whatever base these bytes were,
+        they are not it any more."""
         self.version, self.full_version, self.dirty = (
             status.version,
             status.full_version,
             status.dirty,
         )
         self.delta_base = None
+        self._progress = (status.buckets_done, status.buckets_total)
         self._last, self._last_error = status.last, status.last_error
+        self.changes += 1
 
     def touch(self) -> None:
         """The model is about to change: until a commit, this worker holds no version."""
         self.version, self.full_version, self.dirty, self.delta_base = None, None, True, None
+        self.changes += 1
 
     def stage(self, staged: Staged) -> None:
         self._staged = staged
@@ -202,6 +209,7 @@ class ReceiveState:
             else None
         )
         self._last_error = None
+        self.changes += 1
 
     def fail(self, exc: BaseException) -> None:
         self._phase = "idle"

@@ -50,7 +50,6 @@ class WeightSyncExtension:
 
     def weight_sync_prepare(self, request_json: str) -> str:
         receiver, target = self._weight_sync_state()
-        self._weight_sync_by_lanes = False
         return self._weight_sync_reply(
             lambda: receiver.prepare(request_json, target.check).model_dump_json()
         )
@@ -90,7 +89,6 @@ class WeightSyncExtension:
         the engine (the engine's workers are consecutive members)."""
         member = self._weight_sync_lanes()
         slot += int(getattr(self, "rank", 0))
-        self._weight_sync_by_lanes = True
 
         def receive() -> str:
             member.connect(endpoints, slot, min(wait_s, 60.0))
@@ -100,13 +98,13 @@ class WeightSyncExtension:
 
     def weight_sync_lanes_leave(self, endpoints: list[list[Any]]) -> str:
         """The senders at ``endpoints`` left: let go of their lanes, unless other senders' took
-        their place. What they landed stays this worker's status: its one-sender receiver took
-        it over after each of their pushes."""
+        their place. What they landed stays this worker's status (its one-sender receiver is
+        the record every lane writes: ``Lanes.record``)."""
         member = self.__dict__.get("_weight_sync_lane_member")
 
         def leave() -> None:
-            if member is not None and member.leave(endpoints):
-                self._weight_sync_by_lanes = False
+            if member is not None:
+                member.leave(endpoints)
 
         return self._weight_sync_reply(leave)
 
@@ -117,15 +115,12 @@ class WeightSyncExtension:
         return reply.model_dump_json()
 
     def _weight_sync_status(self) -> SyncStatus:
-        """The one-sender receiver's status; after a push from many senders, every lane's
-        together (``Lanes.status``)."""
-        status = self._weight_sync_state()[0].status()
+        """The one-sender receiver's status (every push's record, from one sender or many),
+        with its lanes' push in flight, if any (``Lanes.status``)."""
         member = self.__dict__.get("_weight_sync_lane_member")
-        if member is None or not self.__dict__.get("_weight_sync_by_lanes"):
-            return status
-        if member.lanes is None:  # its lanes did not form: it holds no version
-            return status.model_copy(update={"version": None, "dirty": True})
-        return member.lanes.status()
+        if member is not None and member.lanes is not None:
+            return member.lanes.status()
+        return self._weight_sync_state()[0].status()
 
     def _weight_sync_lanes(self) -> LaneMember:
         member = self.__dict__.get("_weight_sync_lane_member")

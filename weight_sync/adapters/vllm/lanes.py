@@ -399,16 +399,16 @@ class LaneMember:
         if joined == self._joined:
             return
         self.close()
-        self.lanes = Lanes(joined[0], slot, lambda: self._single.device, timeout_s)
+        self.lanes = Lanes(
+            joined[0], slot, lambda: self._single.device, timeout_s, record=self._single
+        )
         self._joined = joined
 
-    def leave(self, endpoints: Sequence[Sequence[Any]]) -> bool:
+    def leave(self, endpoints: Sequence[Sequence[Any]]) -> None:
         """The senders at ``endpoints`` left: let go of their lanes, unless lanes from other
-        senders took their place (then False)."""
-        if self._joined is None or self._joined[0] != _addresses(endpoints):
-            return False
-        self.close()
-        return True
+        senders took their place."""
+        if self._joined is not None and self._joined[0] == _addresses(endpoints):
+            self.close()
 
     def holds(self, digest: str) -> bool:
         return self._layout is not None and self._layout.digest == digest
@@ -441,20 +441,14 @@ class LaneMember:
         whole: list[tuple[str, torch.Tensor]] = []
         assembly = Assembly(self._layout, None, whole.extend)
         self._single.saw(version)  # spent here from now, landed or not: never sent again
-        # What one sender's pushes left since the lanes' last push, if any (the lanes keep no
-        # delta base to lose here: they hand whole tensors to a reload, never write in place).
-        self.lanes.adopt(self._single.status())
+        held = self.lanes.receive(assembly, push, wait_s, name)
         try:
-            held = self.lanes.receive(assembly, push, wait_s, name)
-            try:
-                with self._target.reload():
-                    self._target.load(whole)
-            except Exception as exc:
-                why = f"{name} received every lane but its engine did not load them: {first_line(exc)}"
-                self.lanes.lost(why)
-                raise WeightSyncError(why) from exc
-        finally:  # what a later push from one sender is checked against
-            self._single.adopt(self.lanes.status())
+            with self._target.reload():
+                self._target.load(whole)
+        except Exception as exc:
+            why = f"{name} received every lane but its engine did not load them: {first_line(exc)}"
+            self.lanes.lost(why)
+            raise WeightSyncError(why) from exc
         assert held == version, (held, version)
         return held
 
