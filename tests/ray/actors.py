@@ -332,7 +332,7 @@ class LMWorker(WeightSyncWorker):
     def renew(self, fused: bool = True) -> None:
         """Start over as ``LMWorker(fused)`` would, in this process (its lanes and group let go
         first): tests reuse workers, whose start costs ~1.7 s of the 2 cores."""
-        self._weight_sync_drop_lanes()
+        self.lose_lanes()
         self._weight_sync_leave()
         self.__dict__.clear()
         self.__init__(fused)  # type: ignore[misc]
@@ -390,6 +390,10 @@ class LMWorker(WeightSyncWorker):
         """From now, joining one group raises once joined: a worker that fails after the group
         formed with it (fault injection)."""
         self._fail_after_join = True
+
+    def lose_lanes(self) -> None:
+        """Let go of its lanes as if another updater's had taken their place."""
+        self._weight_sync_member().close()
 
     def _weight_sync_lanes_join(self, *args: Any, **kwargs: Any) -> None:
         super()._weight_sync_lanes_join(*args, **kwargs)

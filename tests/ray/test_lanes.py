@@ -376,7 +376,7 @@ def test_a_worker_that_lost_the_one_group_refuses_the_push_and_the_next_forms_it
     push after it forms the group again, every worker rejoining, and lands."""
     ranks, workers = lanes
     assert [r.version for r in on_all(ranks, "lanes_push")] == [1, 1]
-    ray.get(workers[0]._weight_sync_drop_lanes.remote(), timeout=TIMEOUT)
+    ray.get(workers[0].lose_lanes.remote(), timeout=TIMEOUT)
     started = time.monotonic()
     (kind, why), (other, _) = on_all(ranks, "lanes_push")
     assert time.monotonic() - started < 30

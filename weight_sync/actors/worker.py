@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import ray
@@ -17,8 +17,9 @@ import torch
 
 from weight_sync.control.lane_store import NO_ONE_GROUP
 from weight_sync.errors import WeightSyncError, first_line
-from weight_sync.receive.assembly import Assembly, Refusal, layout_of_push
+from weight_sync.receive.assembly import Assembly, Refusal
 from weight_sync.receive.inbound import Lanes
+from weight_sync.receive.member import Member
 from weight_sync.receive.receiver import Check, Receiver, expecting
 from weight_sync.transport import TorchGroup
 from weight_sync.transport.devices import CPU, module_device
@@ -34,7 +35,6 @@ from weight_sync.wire.metadata import (
     SyncStatus,
     TensorMeta,
 )
-from weight_sync.wire.versions import past_sent
 
 SYNC_GROUP = "weight_sync"  # the protocol's calls; one at a time
 STATUS_GROUP = "weight_sync_status"  # health: answers while a push runs
@@ -95,8 +95,8 @@ class WeightSyncWorker:
         stats. Answers during a push when the actor was made with ``remote_worker``. After a
         push from many senders (``LaneUpdater``), it speaks for every lane together: the
         version every lane committed, their buckets summed, the least advanced lane's phase."""
-        lanes: Lanes | None = self.__dict__.get("_weight_sync_lanes")
-        return lanes.status() if lanes is not None else self._weight_sync_state().status()
+        member: Member | None = self.__dict__.get("_weight_sync_member_state")  # made on a push
+        return member.status() if member is not None else self._weight_sync_state().status()
 
     # -- helpers users may call or override ------------------------------------------------------
 
@@ -195,18 +195,16 @@ class WeightSyncWorker:
         ``layout_json`` is None where the trainer believes this worker holds it already.
         ``one_group``: the endpoints of the senders whose buckets come over the one group this
         worker must hold with them."""
-        if one_group is not None and (
-            missing := _no_group(self._weight_sync_lanes_from(one_group))
-        ):
+        member = self._weight_sync_member()
+        if one_group is not None and (missing := _no_group(member.lanes_from(one_group))):
             return [missing]
-        held = self.__dict__.get("_weight_sync_layout")
-        layout = layout_of_push(layout_json, digest, held, max_metadata_bytes)
-        if isinstance(layout, str):
-            return [layout]
-        self._weight_sync_layout = layout
-        sent = self._weight_sync_state().highest_version
-        held = self.weights_version()
-        return self._weight_sync_assembly(layout).problems(held) + past_sent(version, sent)
+        return member.check(
+            layout_json,
+            digest,
+            version,
+            max_metadata_bytes,
+            lambda layout: self._weight_sync_assembly(layout).problems(member.record.version),
+        )
 
     def _weight_sync_lanes_receive(
         self,
@@ -222,27 +220,18 @@ class WeightSyncWorker:
         ``slot`` of each sender's store at ``endpoints``; returns the version every lane
         committed. ``one_group``: their buckets come over the one group this worker joined
         with them (``_weight_sync_lanes_join``)."""
-        lanes = self._weight_sync_lanes_from(endpoints)
-        if one_group and (missing := _no_group(lanes)):
+        member = self._weight_sync_member()
+        if one_group and (missing := _no_group(member.lanes_from(endpoints))):
             raise WeightSyncError(missing)  # checked before the push too: a backstop
-        if lanes is None:  # new senders, over Gloo lanes
-            self._weight_sync_drop_lanes()
-            lanes = self._weight_sync_lanes = Lanes(
-                _endpoints(endpoints),
-                slot,
-                self.weight_sync_device,
-                min(wait_s, 60.0),
-                record=self._weight_sync_state(),
-            )
-        self._weight_sync_state().saw(version)  # spent here from now, landed or not
-        layout = self.__dict__.get("_weight_sync_layout")
+        member.follow(endpoints, slot, min(wait_s, 60.0))  # new senders: over Gloo lanes
+        layout = member.layout
         assert layout is not None, "the trainer checks the layout with every worker first"
         try:
             assembly = self._weight_sync_assembly(layout)  # the user's hooks, called again
         except Exception as exc:
             why = f"its weights could not be had ({type(exc).__name__}: {first_line(exc)})"
             assembly = Refusal(layout, why)
-        return lanes.receive(assembly, push, wait_s, f"worker {slot - 1}")
+        return member.receive(assembly, push, version, wait_s, f"worker {slot - 1}")
 
     def _weight_sync_lanes_join(
         self,
@@ -256,26 +245,16 @@ class WeightSyncWorker:
         this worker's lanes from them (one per sender) take their buckets from it, in rounds."""
         spec = GroupSpec.model_validate_json(spec_json)
         device = self.weight_sync_device() if spec.backend == "nccl" else None
-        endpoints = _endpoints(endpoints)
         # Joined before the earlier lanes are left: a join that comes too late (this actor was
         # busy past the senders' rendezvous bound) fails, and leaves those lanes as they were.
         group = TorchGroup.join(spec, None, device)
         try:
             senders = range(len(endpoints))  # the group's first ranks
             rounds = Rounds(group, senders, lane_paths_over(group, len(senders)))
-            lanes = Lanes(
-                endpoints,
-                slot,
-                self.weight_sync_device,
-                spec.rendezvous_timeout_s,
-                rounds,
-                record=self._weight_sync_state(),
-            )
+            self._weight_sync_member().follow(endpoints, slot, spec.rendezvous_timeout_s, rounds)
         except BaseException:
             group.close()
             raise
-        self._weight_sync_drop_lanes()
-        self._weight_sync_lanes = lanes
 
     def _weight_sync_lanes_leave(
         self, endpoints: list[tuple[str, int]], timeout_s: float | None = None
@@ -283,23 +262,17 @@ class WeightSyncWorker:
         """The senders at ``endpoints`` left (``LaneUpdater.close``): let go of their lanes,
         and of the one group they came over, unless lanes from other senders took their
         place. What the lanes landed stays this worker's status."""
-        if self._weight_sync_lanes_from(endpoints) is not None:
-            self._weight_sync_drop_lanes()
+        self._weight_sync_member().leave(endpoints)
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _weight_sync_lanes_from(self, endpoints: Sequence[tuple[str, int]]) -> Lanes | None:
-        """This worker's lanes, if they are from the senders at ``endpoints`` (else None: it
-        has none, or other senders' took their place)."""
-        lanes: Lanes | None = self.__dict__.get("_weight_sync_lanes")
-        return lanes if lanes is not None and lanes.endpoints == _endpoints(endpoints) else None
-
-    def _weight_sync_drop_lanes(self) -> None:
-        """Leave the lanes of earlier senders, if any (and the one group they came over); what
-        they landed here stays this worker's status (``Lanes.record``)."""
-        lanes = self.__dict__.pop("_weight_sync_lanes", None)
-        if lanes is not None:
-            lanes.close()
+    def _weight_sync_member(self) -> Member:
+        """This worker's end of pushes from many senders, writing what it holds to the same
+        receiver as pushes from one."""
+        member = self.__dict__.get("_weight_sync_member_state")
+        if member is None:
+            member = self._weight_sync_member_state = Member(self._weight_sync_state())
+        return member
 
     def _weight_sync_state(self) -> Receiver:
         # Tolerates a subclass that forgot super().__init__().
@@ -402,12 +375,6 @@ def _in_group(method: Callable[..., Any], group: str) -> Callable[..., Any]:
     del in_group.__wrapped__  # type: ignore[attr-defined]
     in_group.__ray_concurrency_group__ = group  # type: ignore[attr-defined]
     return in_group
-
-
-def _endpoints(given: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
-    """The senders' store endpoints as a lane compares them (Ray may hand tuples back as
-    lists)."""
-    return [(str(address), int(port)) for address, port in given]
 
 
 def _no_group(lanes: Lanes | None) -> str | None:

@@ -64,8 +64,8 @@ from weight_sync.control.http import ServerError, check_urls
 from weight_sync.control.keys import KEPT_PLANS, Retention, read_bounded, take, wait_all
 from weight_sync.control.lane_store import VERDICTS
 from weight_sync.errors import SyncTimeoutError, WeightSyncError, first_line
-from weight_sync.receive.assembly import Assembly, layout_of_push
-from weight_sync.receive.inbound import Lanes
+from weight_sync.receive.assembly import Assembly
+from weight_sync.receive.member import Member
 from weight_sync.receive.receiver import Receiver
 from weight_sync.result import PushResult
 from weight_sync.send.senders import Senders, nothing_moves
@@ -73,7 +73,6 @@ from weight_sync.transport.rendezvous import open_store
 from weight_sync.wire.blocks import BlockLayout
 from weight_sync.wire.metadata import SyncPlan
 from weight_sync.wire.state_dict import Rename, StateDict
-from weight_sync.wire.versions import past_sent
 
 logger = logging.getLogger(__name__)
 
@@ -372,46 +371,35 @@ class LaneMember:
     driven (over HTTP by ``VLLMLaneServers``: ``StoreLaneMember``; over Ray by ``LaneUpdater``,
     through ``VLLMEngine``): the push's layout checked against the engine, every sender's lane
     followed at once, and the whole tensors loaded in one reload once every lane committed.
-    ``single``: the worker's receiver of one-sender pushes -- the versions of both kinds stay
-    past every version either was sent."""
+    ``single``: the worker's receiver of one-sender pushes, the record of what it holds
+    (``receive.member.Member``)."""
 
     def __init__(self, target: ReloadTarget, single: Receiver) -> None:
         self._target = target
-        self._single = single
-        self.lanes: Lanes | None = None
-        self._joined: tuple[list[tuple[str, int]], int] | None = None  # endpoints, slot
-        self._layout: BlockLayout | None = None
+        self.member = Member(single)
 
     @property
     def held(self) -> int | None:
-        """The version every lane committed and the engine loaded here."""
-        return self.lanes.held if self.lanes is not None else None
+        """The version every lane committed and the engine loaded here (None without lanes)."""
+        return self.member.record.version if self.member.lanes is not None else None
 
     @property
     def sent(self) -> int:
         """The highest version this worker was ever sent, by one sender or many."""
-        return self._single.highest_version
+        return self.member.record.highest_version
 
     def connect(self, endpoints: Sequence[Sequence[Any]], slot: int, timeout_s: float) -> None:
         """Follow the lanes of the senders whose stores are at ``endpoints``, as member
         ``slot`` of each (dialled again only when either changed)."""
-        joined = (_addresses(endpoints), slot)
-        if joined == self._joined:
-            return
-        self.close()
-        self.lanes = Lanes(
-            joined[0], slot, lambda: self._single.device, timeout_s, record=self._single
-        )
-        self._joined = joined
+        self.member.follow(endpoints, slot, timeout_s)
 
     def leave(self, endpoints: Sequence[Sequence[Any]]) -> None:
         """The senders at ``endpoints`` left: let go of their lanes, unless lanes from other
         senders took their place."""
-        if self._joined is not None and self._joined[0] == _addresses(endpoints):
-            self.close()
+        self.member.leave(endpoints)
 
     def holds(self, digest: str) -> bool:
-        return self._layout is not None and self._layout.digest == digest
+        return self.member.holds(digest)
 
     def check(
         self, layout_json: str | None, digest: str, version: int, max_metadata_bytes: int
@@ -422,40 +410,38 @@ class LaneMember:
         if replicas > 1:  # slots are counted per engine core; its replicas' workers would clash
             why = f"a data-parallel engine (data_parallel_size={replicas}) cannot take a push"
             return [f"{why} from many senders yet: start one server or engine per replica"]
-        layout = layout_of_push(layout_json, digest, self._layout, max_metadata_bytes)
-        if isinstance(layout, str):
-            return [layout]
+        return self.member.check(layout_json, digest, version, max_metadata_bytes, self._problems)
+
+    def _problems(self, layout: BlockLayout) -> list[str]:
         if layout.partial:
             why = "a vLLM engine takes a push from many senders whole (one reload of every tensor)"
             return [f"{why}: push the full state dict, without partial=True"]
-        self._layout = layout
         # The layout's tensors, whole, as a plan's: vLLM's loader takes whole checkpoint tensors.
         plan = SyncPlan.model_construct(alignment=1, tensors=layout.tensors, buckets=())
-        return list(self._target.check(plan, partial=False)) + past_sent(version, self.sent)
+        return list(self._target.check(plan, partial=False))
 
     def receive(self, push: int, version: int, wait_s: float, name: str) -> int:
         """Take push ``push`` (of ``version``) on every lane at once, then load it whole in one
         reload; the version held here, else raises (and this worker holds none). ``name``
         names this worker in errors."""
-        assert self.lanes is not None and self._layout is not None, "connect and check first"
+        lanes, layout = self.member.lanes, self.member.layout
+        assert lanes is not None and layout is not None, "connect and check first"
         whole: list[tuple[str, torch.Tensor]] = []
-        assembly = Assembly(self._layout, None, whole.extend)
-        self._single.saw(version)  # spent here from now, landed or not: never sent again
-        held = self.lanes.receive(assembly, push, wait_s, name)
+        held = self.member.receive(
+            Assembly(layout, None, whole.extend), push, version, wait_s, name
+        )
         try:
             with self._target.reload():
                 self._target.load(whole)
         except Exception as exc:
             why = f"{name} received every lane but its engine did not load them: {first_line(exc)}"
-            self.lanes.lost(why)
+            lanes.lost(why)
             raise WeightSyncError(why) from exc
         assert held == version, (held, version)
         return held
 
     def close(self) -> None:
-        lanes, self.lanes, self._joined = self.lanes, None, None
-        if lanes is not None:
-            lanes.close()
+        self.member.close()
 
 
 class StoreLaneMember:
@@ -521,8 +507,3 @@ class StoreLaneMember:
 
     def close(self) -> None:
         self.member.close()
-
-
-def _addresses(endpoints: Sequence[Sequence[Any]]) -> list[tuple[str, int]]:
-    """Senders' stores as given over JSON (lists), as ``Lanes`` names them."""
-    return [(str(host), int(port)) for host, port in endpoints]

@@ -1,0 +1,112 @@
+"""A member's end of pushes from many senders, whatever carries the calls to it: a Ray worker's
+methods (``actors.worker``), a vLLM worker's ``collective_rpc`` (``adapters.vllm``), a vLLM
+server's store. The push's layout is checked and kept here, the lanes from its senders followed
+(``receive.inbound.Lanes``), and every push written to one record of what the member holds --
+the ``Receiver`` of its one-sender pushes, which those write too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from weight_sync.receive.assembly import Assembly, layout_of_push
+from weight_sync.receive.inbound import Lanes
+from weight_sync.receive.receiver import Receiver
+from weight_sync.transport.rounds import Rounds
+from weight_sync.wire.blocks import BlockLayout
+from weight_sync.wire.metadata import SyncStatus
+from weight_sync.wire.versions import past_sent
+
+Endpoints = list[tuple[str, int]]
+
+
+class Member:
+    """What one member holds and the lanes it follows; ``record``: its one-sender receiver."""
+
+    def __init__(self, record: Receiver) -> None:
+        self.record = record
+        self.lanes: Lanes | None = None
+        self.layout: BlockLayout | None = None  # the last layout checked here
+        self._joined: tuple[Endpoints, int] | None = None  # the lanes' senders, and our slot
+
+    def status(self) -> SyncStatus:
+        """What this member holds, with its lanes' push in flight, if any."""
+        return self.lanes.status() if self.lanes is not None else self.record.status()
+
+    def holds(self, digest: str) -> bool:
+        """Whether this member holds the layout ``digest`` names (else it is sent one)."""
+        return self.layout is not None and self.layout.digest == digest
+
+    def check(
+        self,
+        layout_json: str | None,
+        digest: str,
+        version: int,
+        max_metadata_bytes: int,
+        problems: Callable[[BlockLayout], Sequence[str]],
+    ) -> list[str]:
+        """What of a push this member cannot take -- empty: all of it --, before any byte moves:
+        its layout (``layout_json``, bounded and validated; None where this member holds it),
+        whatever ``problems`` finds in it against the member's weights, and ``version``, which
+        must be past every version this member was sent (by one sender or many)."""
+        layout = layout_of_push(layout_json, digest, self.layout, max_metadata_bytes)
+        if isinstance(layout, str):
+            return [layout]
+        self.layout = layout
+        return [*problems(layout), *past_sent(version, self.record.highest_version)]
+
+    def lanes_from(self, endpoints: Sequence[Sequence[Any]]) -> Lanes | None:
+        """This member's lanes, if they are from the senders at ``endpoints`` (else None: it
+        has none, or other senders' took their place)."""
+        if self._joined is not None and self._joined[0] == addresses(endpoints):
+            return self.lanes
+        return None
+
+    def follow(
+        self,
+        endpoints: Sequence[Sequence[Any]],
+        slot: int,
+        timeout_s: float,
+        rounds: Rounds | None = None,
+    ) -> Lanes:
+        """Follow the lanes of the senders at ``endpoints`` as member ``slot`` of each (dialled
+        again only when either changed), their buckets over ``rounds`` of one group, if given
+        (then always anew: it is a new group). ``timeout_s`` bounds dialling each sender's
+        store. The new lanes are made before the old are left: where they cannot be, this
+        member keeps the lanes it had."""
+        joined = (addresses(endpoints), slot)
+        if self.lanes is not None and rounds is None and joined == self._joined:
+            return self.lanes
+        lanes = Lanes(
+            joined[0], slot, lambda: self.record.device, timeout_s, rounds, record=self.record
+        )
+        self.close()
+        self.lanes, self._joined = lanes, joined
+        return lanes
+
+    def leave(self, endpoints: Sequence[Sequence[Any]]) -> None:
+        """The senders at ``endpoints`` left: let go of their lanes, unless lanes from other
+        senders took their place. What they landed stays in ``record``."""
+        if self.lanes_from(endpoints) is not None:
+            self.close()
+
+    def receive(
+        self, assembly: Assembly, push: int, version: int, wait_s: float, name: str
+    ) -> int | None:
+        """Take push ``push`` (of ``version``) on every lane at once, landing where
+        ``assembly`` says (``Lanes.receive``); ``name`` names this member in errors."""
+        assert self.lanes is not None, "follow the senders' lanes first"
+        self.record.saw(version)  # spent here from now, landed or not: never sent again
+        return self.lanes.receive(assembly, push, wait_s, name)
+
+    def close(self) -> None:
+        """Leave the lanes (and the one group their buckets came over, if they did)."""
+        lanes, self.lanes, self._joined = self.lanes, None, None
+        if lanes is not None:
+            lanes.close()
+
+
+def addresses(endpoints: Sequence[Sequence[Any]]) -> Endpoints:
+    """Senders' stores as a member compares them (Ray and JSON hand tuples back as lists)."""
+    return [(str(address), int(port)) for address, port in endpoints]
