@@ -75,7 +75,7 @@ class Lanes:
         """``timeout_s`` bounds dialling each sender's store. ``rounds``: the lanes' buckets
         come over one group, taken in its rounds (each lane's own group then only votes).
         ``record``: what this member holds (see the class), kept from before these lanes."""
-        self.endpoints = list(endpoints)
+        self.endpoints, self.slot = list(endpoints), slot
         self.rounds = rounds
         self.record = record if record is not None else Receiver(device)
         self.inbound = [
@@ -125,7 +125,7 @@ class Lanes:
         # From the first byte the lanes land apart: this member holds neither the version it
         # held nor, until every lane commits, a whole one (as a one-sender receiver's state).
         before = self.record.changing()
-        self._synced, self._receiving = self.record.changes, True
+        self._receiving = True
         versions = {sender: lane.member.receiver.version for sender, lane in active.items()}
         if self.rounds is not None:
             self.rounds.begin(active)
@@ -166,7 +166,6 @@ class Lanes:
         checked against; no delta base: the model's bytes came by another route)."""
         for lane in self.inbound:
             lane.member.receiver.adopt(status)
-        self._synced = self.record.changes
 
     def _write(self, status: SyncStatus, error: str | None) -> None:
         """What the member holds after a push of these lanes (unless they were left meanwhile:

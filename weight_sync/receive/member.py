@@ -18,8 +18,6 @@ from weight_sync.wire.blocks import BlockLayout
 from weight_sync.wire.metadata import SyncStatus
 from weight_sync.wire.versions import past_sent
 
-Endpoints = list[tuple[str, int]]
-
 
 class Member:
     """What one member holds and the lanes it follows; ``record``: its one-sender receiver."""
@@ -28,7 +26,6 @@ class Member:
         self.record = record
         self.lanes: Lanes | None = None
         self.layout: BlockLayout | None = None  # the last layout checked here
-        self._joined: tuple[Endpoints, int] | None = None  # the lanes' senders, and our slot
 
     def status(self) -> SyncStatus:
         """What this member holds, with its lanes' push in flight, if any."""
@@ -59,9 +56,8 @@ class Member:
     def lanes_from(self, endpoints: Sequence[Sequence[Any]]) -> Lanes | None:
         """This member's lanes, if they are from the senders at ``endpoints`` (else None: it
         has none, or other senders' took their place)."""
-        if self._joined is not None and self._joined[0] == addresses(endpoints):
-            return self.lanes
-        return None
+        lanes = self.lanes
+        return lanes if lanes is not None and lanes.endpoints == addresses(endpoints) else None
 
     def follow(
         self,
@@ -75,14 +71,19 @@ class Member:
         (then always anew: it is a new group). ``timeout_s`` bounds dialling each sender's
         store. The new lanes are made before the old are left: where they cannot be, this
         member keeps the lanes it had."""
-        joined = (addresses(endpoints), slot)
-        if self.lanes is not None and rounds is None and joined == self._joined:
-            return self.lanes
+        held = self.lanes_from(endpoints)
+        if held is not None and held.slot == slot and rounds is None:
+            return held
         lanes = Lanes(
-            joined[0], slot, lambda: self.record.device, timeout_s, rounds, record=self.record
+            addresses(endpoints),
+            slot,
+            lambda: self.record.device,
+            timeout_s,
+            rounds,
+            record=self.record,
         )
         self.close()
-        self.lanes, self._joined = lanes, joined
+        self.lanes = lanes
         return lanes
 
     def leave(self, endpoints: Sequence[Sequence[Any]]) -> None:
@@ -102,11 +103,11 @@ class Member:
 
     def close(self) -> None:
         """Leave the lanes (and the one group their buckets came over, if they did)."""
-        lanes, self.lanes, self._joined = self.lanes, None, None
+        lanes, self.lanes = self.lanes, None
         if lanes is not None:
             lanes.close()
 
 
-def addresses(endpoints: Sequence[Sequence[Any]]) -> Endpoints:
+def addresses(endpoints: Sequence[Sequence[Any]]) -> list[tuple[str, int]]:
     """Senders' stores as a member compares them (Ray and JSON hand tuples back as lists)."""
     return [(str(address), int(port)) for address, port in endpoints]
