@@ -222,6 +222,7 @@ def _a_receiving_rank_cannot_follow(ctx: RankContext) -> tuple[str, str, float]:
     """A job of two senders and two receiving ranks makes a ``JobSync``; rank 3 cannot follow
     the senders' lanes (fault injection: dialling their stores raises there)."""
     import weight_sync.launch.job_sync as torchrun
+    from weight_sync.receive import member
 
     store = open_store("127.0.0.1", ctx.ports()[0], ctx.world_size, 30, ctx.listener(0))
     dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=ctx.world_size,
@@ -231,7 +232,7 @@ def _a_receiving_rank_cannot_follow(ctx: RankContext) -> tuple[str, str, float]:
         def cannot(*args: object, **kwargs: object) -> None:
             raise TransportError("the senders' stores are out of reach (fault injection)")
 
-        torchrun.Lanes = cannot  # type: ignore[assignment,misc]
+        member.Lanes = cannot  # type: ignore[assignment,misc]
     started = time.monotonic()
     try:
         sync = torchrun.JobSync(SyncConfig(rendezvous_timeout_s=60), senders=2)

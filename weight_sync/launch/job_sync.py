@@ -48,7 +48,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from pydantic import ValidationError
 from typing_extensions import Self
 
 from weight_sync.config import SyncConfig
@@ -60,6 +59,7 @@ from weight_sync.errors import (
 )
 from weight_sync.receive.assembly import Assembly
 from weight_sync.receive.inbound import Lanes
+from weight_sync.receive.member import Member
 from weight_sync.receive.receiver import Loader, Receiver, expecting
 from weight_sync.result import PushResult
 from weight_sync.send.senders import (
@@ -82,8 +82,7 @@ from weight_sync.transport.devices import CPU, module_device
 from weight_sync.transport.rendezvous import open_store
 from weight_sync.transport.rounds import LanePath, Rounds, SendLane, lane_paths_over
 from weight_sync.wire.blame import lone_sender_gone
-from weight_sync.wire.blocks import BlockLayout
-from weight_sync.wire.lane_rules import Share, called_off, share_of
+from weight_sync.wire.lane_rules import Share, called_off, row_digest, share_of
 from weight_sync.wire.state_dict import StateDict
 
 __all__ = ["JobSync", "LaunchEnv", "launch_env"]
@@ -192,7 +191,7 @@ class JobSync:
         self._paths: list[LanePath] = []  # each lane's way over it
         self._renew = False  # this rank's last push failed once the bytes began
         self._out: Outbound | None = None  # a sender's lane
-        self._lanes: Lanes | None = None  # a receiving rank's, one per sender
+        self._member: Member | None = None  # a receiving rank's: what it holds, its lanes
         self._control: dist.ProcessGroup | None = None  # several senders: every rank, Gloo
         self._verdicts: Verdicts | None = None  # a sender's, with several
         self._pushes = 0  # pushes begun (every rank, with several senders)
@@ -227,8 +226,9 @@ class JobSync:
             failure = None
             self._endpoints = endpoints
             if self.rank >= senders:
+                self._member = Member(Receiver(lambda: self._device))
                 try:
-                    self._lanes = self._follow(None)
+                    self._follow()
                 except Exception as exc:  # raised once the others know: they do not wait for it
                     failure = exc
             formed_everywhere(failure, "follow the senders' lanes", None, control_device(None))
@@ -266,11 +266,11 @@ class JobSync:
         closed."""
         if self._out is not None:
             return (self._out.pusher.version if self.senders == 1 else self._committed) or None
-        if self._lanes is None:
+        if self._member is None or self._member.lanes is None:
             return None
         if self.senders == 1:
-            return self._lanes.inbound[0].member.receiver.version
-        return self._lanes.held
+            return self._member.lanes.inbound[0].member.receiver.version
+        return self._member.record.version
 
     def close(self) -> None:
         """Leave. On a sender the other ranks' next ``receive`` raises; the default group is
@@ -279,9 +279,9 @@ class JobSync:
         out, self._out = self._out, None
         if out is not None:
             out.close()
-        if self._lanes is not None:
-            self._lanes.close()
-        self._lanes, self._verdicts = None, None
+        if self._member is not None:
+            self._member.close()
+        self._member, self._verdicts = None, None
         if self._one_group is not None:
             self._one_group.close()
             self._one_group = None
@@ -312,20 +312,15 @@ class JobSync:
         assert self._one_group is not None, "the one group forms before any push"
         return SendLane(lane, self._one_group, self._paths[self.rank].targets)
 
-    def _follow(self, record: Receiver | None) -> Lanes:
-        """A receiving rank's lanes from every sender (over the one group, if there is one);
-        ``record``: what this rank holds, kept from the lanes these replace."""
+    def _follow(self) -> Lanes:
+        """A receiving rank's lanes from every sender (over the one group, if there is one:
+        then anew, the group being new)."""
+        assert self._member is not None
         rounds = None
         if self._one_group is not None:
             rounds = Rounds(self._one_group, range(self.senders), self._paths)
-        return Lanes(
-            self._endpoints,
-            self.rank - self.senders + 1,
-            lambda: self._device,
-            self.config.rendezvous_timeout_s,
-            rounds,
-            record=record,
-        )
+        slot = self.rank - self.senders + 1
+        return self._member.follow(self._endpoints, slot, self.config.rendezvous_timeout_s, rounds)
 
     def _renew_one_group(self) -> None:
         """Every rank at once, as a push begins over one group: where any rank's last push
@@ -341,25 +336,14 @@ class JobSync:
         if group is not None:
             group.close()
         failure = self._form_one_group()
-        lanes = None
         if self._out is not None:
             self._out.pusher.regroup()  # the lane forms again, over the new group
         elif failure is None:
-            assert self._lanes is not None
-            try:
-                lanes = self._follow(self._lanes.record)
+            try:  # the old lanes' group is gone already: nothing of them is worth keeping
+                self._follow()
             except Exception as exc:  # raised once the others know (see formed_everywhere)
                 failure = exc
-        try:
-            formed_everywhere(failure, "form the one group again", self._control, CPU)
-        except BaseException:
-            if lanes is not None:
-                lanes.close()
-            raise
-        if lanes is not None:
-            old, self._lanes = self._lanes, lanes
-            assert old is not None
-            old.close()  # after: its group is gone already, and its record is the new lanes'
+        formed_everywhere(failure, "form the one group again", self._control, CPU)
         self._renew = False
 
     # -- the senders ---------------------------------------------------------------------------
@@ -431,7 +415,7 @@ class JobSync:
         lanes did not)."""
         if self._closed:
             raise WeightSyncError("this JobSync is closed; make a new one on every rank")
-        if self._lanes is None:
+        if self._member is None:
             raise ValueError("the senders push: call push (or update) there")
         if (model is None) == (load_weights is None):
             raise ValueError("pass a model, or a load_weights callable, not both")
@@ -444,7 +428,8 @@ class JobSync:
             )
         wait_s = timeout_s if timeout_s is not None else self.config.push_timeout_s
         if self.senders == 1:
-            lane = self._lanes.inbound[0]
+            assert self._member.lanes is not None, "a receiving rank follows from the start"
+            lane = self._member.lanes.inbound[0]
             lane.member.retarget(*_target(model, load_weights))
             try:
                 return lane.receive(wait_s)
@@ -455,9 +440,10 @@ class JobSync:
         if self._buckets is not None:
             self._renew_one_group()
         self._pushes += 1
-        assembly = self._agree_as_receiver(model, load_weights)
+        assembly, version = self._agree_as_receiver(model, load_weights)
         try:
-            held = self._lanes.receive(assembly, self._pushes, wait_s, f"rank {self.rank}")
+            name = f"rank {self.rank}"
+            held = self._member.receive(assembly, self._pushes, version, wait_s, name)
         except BaseException:  # once agreed: whatever failed may have left the group aborted
             self._renew = True
             raise
@@ -479,7 +465,8 @@ class JobSync:
         rows = self._gather(values, digest)
         reason = called_off(rows[: self.senders])
         if reason is None and self._lacks_layout(rows):
-            self._send_layout(share.layout if self.rank == 0 else None)
+            assert share.layout is not None, "a sender without one refused: the push is off"
+            self._send_layout(share.layout.wire if self.rank == 0 else None)
         refusals = self._gather_refusals([])
         if share.error is not None:
             raise share.error
@@ -491,26 +478,31 @@ class JobSync:
             )
         return share, max(row[1] for row in rows[: self.senders])
 
-    def _agree_as_receiver(self, model: torch.nn.Module | None, load_weights: Any) -> Assembly:
+    def _agree_as_receiver(
+        self, model: torch.nn.Module | None, load_weights: Any
+    ) -> tuple[Assembly, int]:
         """A receiving rank's half of ``_agree_as_sender``: the layout (from rank 0, when this
-        rank lacks it), checked against its model."""
-        assert self._lanes is not None
-        layout = self._lanes.layout
-        held = bytes.fromhex(layout.digest) if layout is not None else bytes(32)
+        rank lacks it) and the version, checked as any member checks a push (``Member.check``:
+        the layout bounded, its tensors against this rank's model, the version past every one
+        this rank was sent). Returns where the lanes land, and the push's version."""
+        member = self._member
+        assert member is not None
+        held = bytes.fromhex(member.layout.digest) if member.layout is not None else bytes(32)
         rows = self._gather([0, 0, 0], held)
         reason = called_off(rows[: self.senders])
+        version = max(row[1] for row in rows[: self.senders])
         problems: list[str] = []
-        assembly = None
+        target = model.state_dict(keep_vars=True) if model is not None else None
+        load = load_weights if target is None else None
         if reason is None:
-            try:
-                if self._lacks_layout(rows):
-                    layout = self._lanes.layout = self._send_layout(None)
-                assert layout is not None
-                target = model.state_dict(keep_vars=True) if model is not None else None
-                assembly = Assembly(layout, target, load_weights if target is None else None)
-                problems = assembly.problems(self._lanes.held)
-            except WeightSyncError as exc:  # a layout this rank cannot read: refused here
-                problems = [str(exc)]
+            layout_json = self._send_layout(None) if self._lacks_layout(rows) else None
+            problems = member.check(
+                layout_json,
+                row_digest(rows[0]),
+                version,
+                self.config.max_metadata_bytes,
+                lambda layout: Assembly(layout, target, load).problems(member.record.version),
+            )
         refusals = self._gather_refusals(problems)
         if reason is not None:
             raise WeightSyncError(f"the senders called the push off ({reason}); nothing changed")
@@ -520,8 +512,8 @@ class JobSync:
             raise WeightSyncError(
                 f"ranks {refusals} refused the push before any byte moved; nothing changed here"
             )
-        assert assembly is not None
-        return assembly
+        assert member.layout is not None
+        return Assembly(member.layout, target, load), version
 
     def _lacks_layout(self, rows: list[tuple[int, ...]]) -> bool:
         """Whether a receiving rank holds another layout than the senders' (then rank 0 sends
@@ -537,30 +529,18 @@ class JobSync:
         rows = self._gather([int(bool(problems)), 0, 0], bytes(32))
         return [r for r, row in enumerate(rows) if row[0] and r >= self.senders]
 
-    def _send_layout(self, layout: BlockLayout | None) -> BlockLayout | None:
-        """Rank 0's layout to every rank, as JSON (no pickle). Rank 0 refused a layout over its
-        ``max_metadata_bytes`` before the push began; every rank takes both broadcasts before
-        checking the size against its own (a rank leaving between them would hang the rest)."""
-        raw = layout.wire.encode() if layout is not None else b""
+    def _send_layout(self, layout: str | None) -> str:
+        """Rank 0's layout (``layout``, its JSON: no pickle) to every rank, read back as JSON;
+        every rank takes both broadcasts before any checks what came (``Member.check``: a rank
+        leaving between them would hang the rest)."""
+        raw = layout.encode() if layout is not None else b""
         size = torch.tensor([len(raw)], dtype=torch.int64)
         before_any_byte(lambda: dist.broadcast(size, src=0, group=self._control))
         buffer = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else None
         if buffer is None:
             buffer = torch.empty(int(size), dtype=torch.uint8)
         before_any_byte(lambda: dist.broadcast(buffer, src=0, group=self._control))
-        if layout is not None:
-            return layout
-        if int(size) > self.config.max_metadata_bytes:
-            raise WeightSyncError(
-                f"the push's layout is {int(size)} bytes, over max_metadata_bytes="
-                f"{self.config.max_metadata_bytes} here; raise it in SyncConfig on every rank"
-            )
-        try:
-            return BlockLayout.model_validate_json(bytes(buffer.tolist()))
-        except ValidationError as exc:
-            raise WeightSyncError(
-                f"rank 0 sent a malformed layout: {exc.errors()[0]['msg']}"
-            ) from exc
+        return layout if layout is not None else buffer.numpy().tobytes().decode("utf-8", "replace")
 
 
 def _ensure_world(config: SyncConfig, init_method: str | None) -> bool:

@@ -135,13 +135,16 @@ def layout_of_push(
     layout = held
     if layout_json is not None:
         if len(layout_json) > max_metadata_bytes:
-            return f"a layout of {len(layout_json)} bytes exceeds max_metadata_bytes"
+            return (
+                f"a layout of {len(layout_json)} bytes exceeds max_metadata_bytes="
+                f"{max_metadata_bytes}: raise it in SyncConfig"
+            )
         try:
             layout = BlockLayout.model_validate_json(layout_json)
         except ValidationError as exc:
             return f"malformed layout: {exc.errors()[0]['msg']}"
     if layout is None or layout.digest != digest:
-        return "this worker does not hold the push's layout (it restarted?): push again"
+        return "this member does not hold the push's layout (it restarted?): push again"
     return layout
 
 

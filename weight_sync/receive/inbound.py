@@ -44,7 +44,6 @@ from weight_sync.receive.receiver import Loader, Receiver, expecting
 from weight_sync.transport.rendezvous import open_store
 from weight_sync.transport.rounds import Rounds
 from weight_sync.wire.blame import lanes_failed
-from weight_sync.wire.blocks import BlockLayout
 from weight_sync.wire.metadata import Phase, ReceiveReport, SyncStatus
 from weight_sync.wire.versions import held_across_lanes
 
@@ -92,7 +91,6 @@ class Lanes:
         self.verdicts = Verdicts(
             dist.PrefixStore(VERDICTS, self.inbound[0].raw_store), len(endpoints)
         )
-        self.layout: BlockLayout | None = None  # the last layout this member took
         # ``record.changes`` when these lanes last wrote it: where it moved since (one sender
         # pushed, or the lanes are new), each lane's receiver takes what it says first.
         self._synced: int | None = None
@@ -104,16 +102,20 @@ class Lanes:
         """The version every lane committed here (or one sender's push, since)."""
         return self.record.version
 
-    def receive(self, assembly: Assembly, push: int, wait_s: float, member: str) -> int | None:
-        """Push ``push`` on every lane the layout gives blocks to, each on a thread of its own,
-        landing where ``assembly`` says. Returns the version every lane committed, or raises:
-        the lanes' common error (a refusal, a push called off), else ``SenderFailedError``
-        naming the senders whose lanes did not commit here (``member`` names this one); where
-        no lane's byte reached the model (refused, called off), the version held stays. A
-        layout with no block (no tensor has an element) moves nothing: the version stays."""
+    def receive(
+        self, assembly: Assembly, push: int, version: int, wait_s: float, member: str
+    ) -> int | None:
+        """Push ``push`` (of ``version``) on every lane the layout gives blocks to, each on a
+        thread of its own, landing where ``assembly`` says. Returns the version every lane
+        committed, or raises: the lanes' common error (a refusal, a push called off), else
+        ``SenderFailedError`` naming the senders whose lanes did not commit here (``member``
+        names this one); where no lane's byte reached the model (refused, called off), the
+        version held stays. A layout with no block (no tensor has an element) moves nothing:
+        the version stays, and is not spent."""
         active = {s: lane for s, lane in enumerate(self.inbound) if assembly.layout.sent_by(s)}
         if not active:  # no tensor has an element: nothing moves, the version stays
             return self.held
+        self.record.saw(version)  # spent here from now, landed or not: never sent again
         if self.record.changes != self._synced:
             self._adopt(self.record.status())
         for sender, lane in active.items():

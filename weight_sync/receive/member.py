@@ -98,8 +98,7 @@ class Member:
         """Take push ``push`` (of ``version``) on every lane at once, landing where
         ``assembly`` says (``Lanes.receive``); ``name`` names this member in errors."""
         assert self.lanes is not None, "follow the senders' lanes first"
-        self.record.saw(version)  # spent here from now, landed or not: never sent again
-        return self.lanes.receive(assembly, push, wait_s, name)
+        return self.lanes.receive(assembly, push, version, wait_s, name)
 
     def close(self) -> None:
         """Leave the lanes (and the one group their buckets came over, if they did)."""

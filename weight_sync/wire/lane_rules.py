@@ -260,3 +260,8 @@ def row_tensor(values: list[int], digest: bytes) -> torch.Tensor:
     int64), as one tensor of fixed size to all-gather."""
     words = [int.from_bytes(digest[i : i + 8], "little", signed=True) for i in range(0, 32, 8)]
     return torch.tensor(values + words, dtype=torch.int64)
+
+
+def row_digest(row: Sequence[int], values: int = 3) -> str:
+    """The layout digest (hex) a gathered row carries after its ``values`` (``row_tensor``)."""
+    return b"".join(int(w).to_bytes(8, "little", signed=True) for w in row[values:]).hex()
