@@ -64,6 +64,7 @@ from weight_sync.receive.receiver import Loader, Receiver, expecting
 from weight_sync.result import PushResult
 from weight_sync.send.senders import (
     Outbound,
+    agree,
     agree_on_config,
     before_any_byte,
     form_one_group,
@@ -82,6 +83,7 @@ from weight_sync.transport.devices import CPU, module_device
 from weight_sync.transport.rendezvous import open_store
 from weight_sync.transport.rounds import LanePath, Rounds, SendLane, lane_paths_over
 from weight_sync.wire.blame import lone_sender_gone
+from weight_sync.wire.blocks import BlockLayout
 from weight_sync.wire.lane_rules import Share, called_off, row_digest, share_of
 from weight_sync.wire.state_dict import StateDict
 
@@ -461,22 +463,20 @@ class JobSync:
         receiving rank can take the layout. Any failure raises on every rank, nothing sent."""
         assert self._out is not None
         share = share_of(state_dict, options, self.senders, self.rank, self.config)
-        values, digest = share.row(self._out.pusher.next_version)
-        rows = self._gather(values, digest)
-        reason = called_off(rows[: self.senders])
-        if reason is None and self._lacks_layout(rows):
-            assert share.layout is not None, "a sender without one refused: the push is off"
-            self._send_layout(share.layout.wire if self.rank == 0 else None)
-        refusals = self._gather_refusals([])
-        if share.error is not None:
-            raise share.error
-        if reason is not None:
-            raise ValueError(f"{reason}; nothing was sent")
-        if refusals:
-            raise PlanMismatchError(
-                {r - self.senders: ["refused the push's layout (see that rank)"] for r in refusals}
-            )
-        return share, max(row[1] for row in rows[: self.senders])
+
+        def refused(
+            layout: BlockLayout | None, version: int, rows: list[tuple[int, ...]]
+        ) -> Exception | None:
+            if layout is not None and self._lacks_layout(rows):
+                self._send_layout(layout.wire if self.rank == 0 else None)
+            if not (refusals := self._gather_refusals([])):
+                return None
+            why = ["refused the push's layout (see that rank)"]
+            return PlanMismatchError({r - self.senders: why for r in refusals})
+
+        return share, agree(
+            share, self._out.pusher.next_version, self._gather, self.senders, refused
+        )
 
     def _agree_as_receiver(
         self, model: torch.nn.Module | None, load_weights: Any

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import logging
 import threading
@@ -287,33 +288,28 @@ class Senders:
         if partial:
             options["partial"] = True
         share = share_of(state_dict, options, self.senders, self.rank, self.config)
-        values, digest = share.row(self.out.pusher.next_version)
-        rows = gather_rows(values, digest, self.control)
-        reason = called_off(rows)
-        chosen = max(row[1] for row in rows)
-        problems: dict[int, list[str]] = {}
-        unchecked: WeightSyncError | None = None  # rank 0 could not ask every member
-        if reason is None and self.rank == 0:
-            assert share.layout is not None
-            try:
-                problems = check(share.layout, chosen)
-            except WeightSyncError as exc:  # raised below, once every sender has the word
-                unchecked = exc
-        word = self.from_rank_0(lambda: int(bool(problems)) | 2 * int(unchecked is not None))
-        if share.error is not None:
-            raise share.error
-        if reason is not None:
-            raise ValueError(f"{reason}; nothing was sent")
-        if unchecked is not None:
-            raise unchecked
-        if word & 2:
-            raise WeightSyncError(
-                "rank 0 could not check the layout with every member (see its error); nothing "
-                "was sent"
-            )
-        if word:
-            raise PlanMismatchError(problems)  # by member on rank 0; the others learn only that
-        return share, chosen
+
+        def refused(layout: BlockLayout | None, chosen: int, _: object) -> Exception | None:
+            problems: dict[int, list[str]] = {}
+            unchecked: WeightSyncError | None = None  # rank 0 could not ask every member
+            if layout is not None and self.rank == 0:
+                try:
+                    problems = check(layout, chosen)
+                except WeightSyncError as exc:  # raised once every sender has the word
+                    unchecked = exc
+            word = self.from_rank_0(lambda: int(bool(problems)) | 2 * int(unchecked is not None))
+            if unchecked is not None:
+                return unchecked
+            if word & 2:
+                return WeightSyncError(
+                    "rank 0 could not check the layout with every member (see its error); "
+                    "nothing was sent"
+                )
+            # By member on rank 0; the others learn only that.
+            return PlanMismatchError(problems) if word else None
+
+        gather = functools.partial(gather_rows, group=self.control)
+        return share, agree(share, self.out.pusher.next_version, gather, self.senders, refused)
 
     def conclude(self, landed: Callable[[], None], elsewhere: Callable[[], Exception]) -> None:
         """Once every lane committed, what rank 0 alone checks -- ``landed()``: that the members
@@ -469,6 +465,37 @@ def push_share(
         partial=share.layout.partial,
         seconds=time.monotonic() - started,
     )
+
+
+def agree(
+    share: Share,
+    next_version: int,
+    gather: Callable[[list[int], bytes], list[tuple[int, ...]]],
+    senders: int,
+    refused: Callable[[BlockLayout | None, int, list[tuple[int, ...]]], Exception | None],
+) -> int:
+    """One sender's part in the agreement before any byte of a push from ``senders`` senders
+    moves, every rank of the agreement at once: the senders' rows (``Share.row``, the first
+    ``senders`` of those ``gather`` returns) say whether the push goes ahead (``called_off``)
+    and at which version; then the members' word, ``refused(layout, version, rows)`` -- the
+    layout None where the push is off; ``rows``, every rank's; a collective of its own, so
+    every rank gets the same word -- says whether they take it. Returns the version; else
+    raises, on every sender once every rank has the word: this sender's own mistake first,
+    then why the push is off, then the members' refusal. Ray workers and ``vllm serve``
+    (``Senders.agree``: rank 0 asks them) and a launched job's receiving ranks (``JobSync``:
+    they are ranks of the agreement) differ only in ``refused``."""
+    values, digest = share.row(next_version)
+    rows = gather(values, digest)
+    reason = called_off(rows[:senders])
+    version = max(row[1] for row in rows[:senders])
+    refusal = refused(share.layout if reason is None else None, version, rows)
+    if share.error is not None:
+        raise share.error
+    if reason is not None:
+        raise ValueError(f"{reason}; nothing was sent")
+    if refusal is not None:
+        raise refusal
+    return version
 
 
 def nothing_moves(share: Share, committed: int) -> PushResult | None:
