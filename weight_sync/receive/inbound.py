@@ -97,11 +97,6 @@ class Lanes:
         self._receiving = False
         self._closed = False
 
-    @property
-    def held(self) -> int | None:
-        """The version every lane committed here (or one sender's push, since)."""
-        return self.record.version
-
     def receive(
         self, assembly: Assembly, push: int, version: int, wait_s: float, member: str
     ) -> int | None:
@@ -114,7 +109,7 @@ class Lanes:
         the version stays, and is not spent."""
         active = {s: lane for s, lane in enumerate(self.inbound) if assembly.layout.sent_by(s)}
         if not active:  # no tensor has an element: nothing moves, the version stays
-            return self.held
+            return self.record.version
         self.record.saw(version)  # spent here from now, landed or not: never sent again
         if self.record.changes != self._synced:
             self._adopt(self.record.status())
