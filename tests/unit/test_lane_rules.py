@@ -17,6 +17,8 @@ from weight_sync.wire.lane_rules import (
     called_off,
     config_disagreement,
     config_row,
+    proposal,
+    row_digest,
     row_tensor,
 )
 from weight_sync.wire.metadata import ReceiveReport
@@ -42,6 +44,28 @@ def row(refused: int = 0, proposal: int = 3, named: int = 0, digest: tuple = A) 
 def test_called_off_table(rows: list[tuple], reason: str | None) -> None:
     got = called_off(rows)
     assert (got is None) if reason is None else (got is not None and reason in got), got
+
+
+@pytest.mark.parametrize(
+    ("rows", "senders", "expected"),
+    [
+        ([row(), row(proposal=5)], 2, (None, 5)),
+        # Receiving ranks' rows (zeros, the layout they hold) decide nothing.
+        ([row(), row(proposal=5), row(refused=0, proposal=0, digest=B)], 2, (None, 5)),
+        ([row(proposal=4), row(refused=1, proposal=9), row(proposal=0)], 2, ("refused", 9)),
+    ],
+)
+def test_proposal_reads_the_senders_rows_only(
+    rows: list[tuple], senders: int, expected: tuple[str | None, int]
+) -> None:
+    reason, version = proposal(rows, senders)
+    assert version == expected[1]
+    assert (reason is None) if expected[0] is None else (reason and expected[0] in reason)
+
+
+def test_a_row_gives_back_the_digest_it_was_made_with() -> None:
+    digest = bytes(range(32))
+    assert row_digest(row_tensor([1, 2, 3], digest).tolist()) == digest.hex()
 
 
 def test_a_share_proposes_past_its_own_version_and_names_its_digest() -> None:

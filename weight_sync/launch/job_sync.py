@@ -84,7 +84,7 @@ from weight_sync.transport.rendezvous import open_store
 from weight_sync.transport.rounds import LanePath, Rounds, SendLane, lane_paths_over
 from weight_sync.wire.blame import lone_sender_gone
 from weight_sync.wire.blocks import BlockLayout
-from weight_sync.wire.lane_rules import Share, called_off, row_digest, share_of
+from weight_sync.wire.lane_rules import Share, proposal, row_digest, share_of
 from weight_sync.wire.state_dict import StateDict
 
 __all__ = ["JobSync", "LaunchEnv", "launch_env"]
@@ -489,8 +489,7 @@ class JobSync:
         assert member is not None
         held = bytes.fromhex(member.layout.digest) if member.layout is not None else bytes(32)
         rows = self._gather([0, 0, 0], held)
-        reason = called_off(rows[: self.senders])
-        version = max(row[1] for row in rows[: self.senders])
+        reason, version = proposal(rows, self.senders)
         problems: list[str] = []
         target = model.state_dict(keep_vars=True) if model is not None else None
         load = load_weights if target is None else None

@@ -1,8 +1,9 @@
 """A member's end of pushes from many senders, whatever carries the calls to it: a Ray worker's
 methods (``actors.worker``), a vLLM worker's ``collective_rpc`` (``adapters.vllm``), a vLLM
-server's store, a launched job's collectives (``launch.job_sync``). The push's layout is checked and kept here, the lanes from its senders followed
-(``receive.inbound.Lanes``), and every push written to one record of what the member holds --
-the ``Receiver`` of its one-sender pushes, which those write too.
+server's store, a launched job's collectives (``launch.job_sync``). The push's layout is
+checked and kept here, the lanes from its senders followed (``receive.inbound.Lanes``), and
+every push written to one record of what the member holds -- the ``Receiver`` of its
+one-sender pushes, which those write too.
 """
 
 from __future__ import annotations

@@ -46,9 +46,9 @@ from weight_sync.transport.rounds import LanePath, SendLane, lane_paths_over
 from weight_sync.wire.blocks import BlockLayout
 from weight_sync.wire.lane_rules import (
     Share,
-    called_off,
     config_disagreement,
     config_row,
+    proposal,
     row_tensor,
     share_of,
 )
@@ -486,8 +486,7 @@ def agree(
     they are ranks of the agreement) differ only in ``refused``."""
     values, digest = share.row(next_version)
     rows = gather(values, digest)
-    reason = called_off(rows[:senders])
-    version = max(row[1] for row in rows[:senders])
+    reason, version = proposal(rows, senders)
     refusal = refused(share.layout if reason is None else None, version, rows)
     if share.error is not None:
         raise share.error

@@ -255,6 +255,13 @@ def called_off(senders: list[tuple[int, ...]]) -> str | None:
     return None
 
 
+def proposal(rows: Sequence[tuple[int, ...]], senders: int) -> tuple[str | None, int]:
+    """Why a push is called off (``called_off``: None, it goes ahead), and its version -- the
+    highest any sender proposed --, from every rank's row of its agreement (the ``senders``
+    senders' first): what senders and receiving ranks alike decide from the same rows."""
+    return called_off(list(rows[:senders])), max(row[1] for row in rows[:senders])
+
+
 def row_tensor(values: list[int], digest: bytes) -> torch.Tensor:
     """A rank's row of an agreement, ``values`` then its layout digest (32 bytes as four
     int64), as one tensor of fixed size to all-gather."""
