@@ -1,8 +1,8 @@
 """Run inside node 0 of a three-node cluster (``tests/deploy/test_shaped_links.py``): a sharded
-trainer of two ranks, rank 0 on node 0 and rank 1 on node 1 (FSDP2 over Gloo across the link),
-each with a ``LaneUpdater`` over the same two workers on node 2 (``one_group``: over one group,
-each lane entering node 2 at one worker, which relays it to the other). Three pushes after Adam
-steps, each checked bit for bit against the model gathered on the ranks; then rank 1 dies once
+trainer of two ranks, rank 0 on node 0 and rank 1 on node 1 (FSDP2 over Gloo across the link), each
+with a ``WeightUpdater(senders=...)`` over the same two workers on node 2 (``one_group``: over one
+group, each lane entering node 2 at one worker, which relays it to the other). Three pushes after
+Adam steps, each checked bit for bit against the model gathered on the ranks; then rank 1 dies once
 the senders agreed on a fourth push. Prints what every push did as one ``RESULT {json}`` line.
 Classes are defined here, in ``__main__``, so Ray ships them by value."""
 
@@ -54,7 +54,7 @@ class Rank:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        from weight_sync.actors import LaneUpdater
+        from weight_sync.actors import WeightUpdater
 
         store = open_store(*master, self.world_size, TIMEOUT_S, self.listener)
         dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world_size,
@@ -63,11 +63,11 @@ class Rank:
         fully_shard(self.model, mesh=init_device_mesh("cpu", (self.world_size,)))
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-2)
         config = SyncConfig(interface=NODE_LINK, push_timeout_s=TIMEOUT_S)
-        self.lanes = LaneUpdater(workers, config, one_group=one_group)
+        self.lanes = WeightUpdater(workers, config, senders=dist.group.WORLD, one_group=one_group)
 
     def targets(self) -> list[int]:
         """The ranks of the one group this rank's lane sends to (none: lanes of their own)."""
-        senders = self.lanes._lanes
+        senders = self.lanes._pushes._lanes
         return list(senders.paths[senders.rank].targets) if senders.paths else []
 
     def step(self, step: int) -> None:
@@ -82,7 +82,7 @@ class Rank:
         """This rank's lane of one push; ``die``: its process ends once the senders agreed,
         before its lane moves a byte."""
         if die:
-            self.lanes._lanes.out.push = lambda *args, **kwargs: os._exit(9)
+            self.lanes._pushes._lanes.out.push = lambda *args, **kwargs: os._exit(9)
         started = time.monotonic()
         try:
             result = self.lanes.push(self.model.state_dict())

@@ -106,10 +106,10 @@ def test_a_follower_killed_mid_push_is_named_and_the_rest_go_on(
 def test_a_sharded_trainer_across_nodes_pushes_from_every_rank_and_a_dead_one_is_named(
     three_nodes: ShapedCluster, over: str
 ) -> None:
-    """``LaneUpdater`` across real interfaces: trainer ranks on two nodes (FSDP2 over Gloo across
-    the link), two workers on a third. Three pushes after Adam steps land bit for bit; then rank
-    1 dies once the senders agreed: rank 0 names it within the push's bound and neither worker
-    claims the version (rank 0's lane may have landed). Over one group each lane enters the
+    """``WeightUpdater(senders=...)`` across real interfaces: trainer ranks on two nodes (FSDP2 over
+    Gloo across the link), two workers on a third. Three pushes after Adam steps land bit for bit;
+    then rank 1 dies once the senders agreed: rank 0 names it within the push's bound and neither
+    worker claims the version (rank 0's lane may have landed). Over one group each lane enters the
     workers' node once, at a worker of its own, which relays it to the other."""
     result = _driven(three_nodes, "lanes_fault", timeout=240, args=[over])
     assert result["targets"] == ([[2], [3]] if over == "one_group" else [[], []]), result

@@ -495,10 +495,12 @@ class ShardedTrainer:
         return push_sharded(self.model.state_dict(), self.updater)
 
     def lanes_setup(self, workers: list, one_group: bool = False, **config: Any) -> None:
-        """Every rank: a LaneUpdater over the same workers (a collective)."""
-        from weight_sync.actors.lanes import LaneUpdater
+        """Every rank: a WeightUpdater with senders over the same workers (a collective)."""
+        from weight_sync.actors import WeightUpdater
 
-        self.lanes = LaneUpdater(workers, SyncConfig(**config), one_group=one_group)
+        self.lanes = WeightUpdater(
+            workers, SyncConfig(**config), senders=dist.group.WORLD, one_group=one_group
+        )
 
     def lanes_push(
         self,
@@ -512,9 +514,9 @@ class ShardedTrainer:
         starts the second (the lane's group must have formed: push once before). ``only``:
         these tensors, as a partial push."""
         if die == "mid":
-            _die_on_second_bucket(self.lanes._lanes.out.pusher.group)
+            _die_on_second_bucket(self.lanes._pushes._lanes.out.pusher.group)
         elif die:
-            self.lanes._lanes.out.push = lambda *args, **kwargs: os._exit(9)
+            self.lanes._pushes._lanes.out.push = lambda *args, **kwargs: os._exit(9)
         state = self.model.state_dict()
         if only is not None:
             state = {name: state[name] for name in only}
@@ -528,7 +530,7 @@ class ShardedTrainer:
 
     def lanes_one_group(self) -> str | None:
         """The id of the one group this rank's lanes send over (a new one once it re-forms)."""
-        group = self.lanes._lanes.one_group
+        group = self.lanes._pushes._lanes.one_group
         return None if group is None else group._spec.group_id
 
     def full_digests(self) -> dict[str, str]:

@@ -77,7 +77,7 @@ class Policy:
 
     def baseline_bytes(self) -> int:
         """Bytes of the trainer's copy of the weights (SyncConfig.delta)."""
-        return self.updater._wire.baseline_bytes
+        return self.updater._pushes._wire.baseline_bytes
 
     def add_workers(self, workers: list) -> None:
         self.updater.add_workers(workers)

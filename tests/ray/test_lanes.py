@@ -1,6 +1,6 @@
 """A sharded trainer pushing from every rank to Ray workers: two FSDP2 ranks (a real Gloo world
-in real Ray actors), each with a ``LaneUpdater`` over the same two workers, each pushing its own
-shards at once; the workers put every tensor together in their models."""
+in real Ray actors), each with a ``WeightUpdater(senders=...)`` over the same two workers, each
+pushing its own shards at once; the workers put every tensor together in their models."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def said_first(message: str) -> bool:
 
 class Pool:
     """Actors started once and reused by the tests that take ``lanes``: the two trainer ranks
-    (FSDP2 over a Gloo world of two Ray actors), each test making a ``LaneUpdater`` on every
+    (FSDP2 over a Gloo world of two Ray actors), each test making a ``WeightUpdater`` on every
     rank, closed at its end; and the workers, each started over in place before a test takes it
     (``LMWorker.renew``: as a new one would be). A start costs ~4 s of the 2 cores for the pair
     of ranks, ~1.7 s a worker: most of such a test. What a test may have left unsound -- a rank
@@ -90,9 +90,9 @@ def pool() -> Iterator[Pool]:
 
 @pytest.fixture
 def lanes(request: pytest.FixtureRequest, pool: Pool) -> Iterator[tuple[list, list]]:
-    """Two trainer ranks with a LaneUpdater each, and two workers as new; ``param``:
-    (``fused``: their models stack q, k and v in one tensor, which a trainer's push does not
-    fit; the ``SyncConfig`` of every rank)."""
+    """Two trainer ranks with a WeightUpdater each (senders: their group), and two workers as
+    new; ``param``: (``fused``: their models stack q, k and v in one tensor, which a trainer's
+    push does not fit; the ``SyncConfig`` of every rank)."""
     fused, config = getattr(request, "param", ((False, False), {}))
     workers = pool.workers(fused)
     failed = request.session.testsfailed
@@ -117,7 +117,7 @@ def lanes(request: pytest.FixtureRequest, pool: Pool) -> Iterator[tuple[list, li
 
 
 # Each case also over one group of the senders and the workers, the lanes' buckets taken in
-# rounds (``LaneUpdater(one_group=True)``), rather than over a Gloo group per lane.
+# rounds (``WeightUpdater(senders=..., one_group=True)``), rather than over a Gloo group per lane.
 ONE_GROUP = {"one_group": True}
 LANES_AND_ONE_GROUP = pytest.mark.parametrize(
     "lanes",
@@ -360,7 +360,7 @@ def test_a_worker_failing_once_the_one_group_formed_fails_every_sender_at_once()
                 ray.get(setup, timeout=TIMEOUT)
             errors.append(str(raised.value))
         assert time.monotonic() - started < 60  # not the 900 s push_timeout_s of rank 1's wait
-        assert "WorkerFailedError" in errors[0] and "did not join the one group" in errors[0]
+        assert "WorkerFailedError" in errors[0] and "joining the one group failed" in errors[0]
         assert "rank 0 failed before the push" in errors[1], errors[1]
     finally:
         kill([*ranks, *workers])
@@ -413,7 +413,7 @@ def test_a_worker_without_the_one_group_refuses_a_push_over_it() -> None:
 def test_closing_the_senders_has_the_workers_let_go_of_their_lanes(
     lanes: tuple[list, list],
 ) -> None:
-    """``LaneUpdater.close`` on rank 0 has every worker leave the lanes (and the one group):
+    """``WeightUpdater.close`` on rank 0 has every worker leave the lanes (and the one group):
     no group held past the senders, the version they landed still reported."""
     ranks, workers = lanes
     assert [r.version for r in on_all(ranks, "lanes_push")] == [1, 1]
@@ -469,7 +469,7 @@ def test_ranks_that_disagree_on_a_field_that_must_agree_are_told_on_every_rank(
     pool: Pool,
 ) -> None:
     """Rank 1 gives another ``cast_dtype`` (and, over one group, the NCCL backend): every
-    rank's ``LaneUpdater`` raises ``ValueError`` as it is made, naming the field and each
+    rank's ``WeightUpdater`` raises ``ValueError`` as it is made, naming the field and each
     rank's value, before anything forms -- and the ranks make one that lands right after."""
     workers = pool.workers((False, False))
     ranks = pool.ranks()
@@ -531,13 +531,13 @@ class Plain:
 def test_one_group_takes_only_workers_that_can_join_it() -> None:
     """Refused in the constructor, before any group or collective: an engine's workers cannot
     join one group yet."""
-    from weight_sync.actors import LaneUpdater
+    from weight_sync.actors import WeightUpdater
 
     plain = Plain.remote()
     try:
         assert ray.get(plain.ping.remote(), timeout=TIMEOUT)
         with pytest.raises(ValueError, match="one_group takes WeightSyncWorker actors"):
-            LaneUpdater([plain], one_group=True)
+            WeightUpdater([plain], senders=object(), one_group=True)  # type: ignore[arg-type]
     finally:
         ray.kill(plain)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from weight_sync import SyncConfig
 from weight_sync.receive.inbound import _together
@@ -78,6 +79,98 @@ def test_a_share_proposes_past_its_own_version_and_names_its_digest() -> None:
 
 
 @pytest.mark.parametrize(
+    ("state", "options", "error", "says"),
+    [
+        (object(), {}, TypeError, "each rank's own state dict"),  # e.g. a ShardedSource
+        ({}, {"transform": lambda s: s}, ValueError, r"takes no \['transform'\] yet"),
+        ({}, {"partial": 1}, TypeError, "partial must be a bool"),
+        ({}, {"version": 0}, ValueError, "version"),
+    ],
+)
+def test_a_share_keeps_the_callers_mistake_to_raise_once_every_sender_agreed(
+    state: object, options: dict, error: type, says: str
+) -> None:
+    """A sender's mistake is not raised where it is found -- the other senders would wait for
+    it in the agreement -- but kept in the share, which says so in its row."""
+    from weight_sync.wire.lane_rules import share_of
+
+    share = share_of(state, options, 2, 0, SyncConfig())
+    assert isinstance(share.error, error) and share.layout is None, share.error
+    with pytest.raises(error, match=says):
+        raise share.error
+    assert share.row(1)[0][0] == 1
+
+
+def test_options_given_as_none_are_not_given() -> None:
+    from weight_sync.wire.lane_rules import share_of
+
+    given = {"rename": None, "transform": None, "version": None, "partial": False}
+    share = share_of({"w": torch.ones(4)}, given, 2, 0, SyncConfig())
+    assert share.error is None and share.layout is not None and share.named == 0
+
+
+class _Refusal(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("role", "rows", "refusal", "raises", "ahead"),
+    [
+        ("sender", [row(), row(proposal=5), row(proposal=0)], None, None, True),
+        ("receiver", [row(), row(proposal=5), row(proposal=0)], None, None, True),
+        # A sender's own mistake comes first, even where the members refused too.
+        ("sender", [row(refused=1), row(), row(proposal=0)], "members", "own shard", False),
+        ("sender", [row(), row(digest=B), row(proposal=0)], None, "state dicts differ", False),
+        # A receiving rank did nothing wrong: the senders' word, as a runtime failure.
+        ("receiver", [row(), row(digest=B), row(proposal=0)], "members", "called the push off",
+         False),
+        ("sender", [row(), row(), row(proposal=0)], "members", _Refusal, True),
+        ("receiver", [row(), row(), row(proposal=0)], "members", _Refusal, True),
+    ],
+)  # fmt: skip
+def test_every_rank_of_an_agreement_raises_in_one_order(
+    role: str, rows: list[tuple], refusal: str | None, raises: object, ahead: bool
+) -> None:
+    """``send.senders.agree`` on a sender (its share; a share refused here raises its own
+    error) and on a launched job's receiving rank (no share: its row names the layout it holds):
+    the members' word is asked whether or not the push goes ahead (it is a collective), then
+    the rank raises its own mistake, why the push is off, the members' refusal -- or returns the
+    highest version any sender proposed."""
+    from weight_sync.errors import WeightSyncError
+    from weight_sync.send.senders import agree
+
+    own = ValueError("this rank's own shard") if rows[0][0] else None
+    share = Share({}, None, own, 0) if role == "sender" else None
+    sent: list[tuple[list[int], bytes]] = []
+    asked: list[tuple[bool, int]] = []
+
+    def gather(values: list[int], digest: bytes) -> list[tuple]:
+        sent.append((values, digest))
+        return rows
+
+    def refused(go: bool, version: int, _: object) -> Exception | None:
+        asked.append((go, version))
+        return _Refusal() if refusal else None
+
+    held = "ab" * 32
+    run = lambda: agree(share, 4, gather, 2, refused, held)
+    if raises is None:
+        assert run() == 5
+    elif isinstance(raises, str):
+        error = ValueError if role == "sender" else WeightSyncError
+        with pytest.raises(error, match=raises):
+            run()
+    else:
+        with pytest.raises(raises):  # type: ignore[call-overload]
+            run()
+    assert asked == [(ahead, max(r[1] for r in rows[:2]))]
+    if role == "receiver":
+        assert sent == [([0, 0, 0], bytes.fromhex(held))]
+    else:
+        assert sent[0][0] == [int(own is not None), 4, 0]
+
+
+@pytest.mark.parametrize(
     ("config", "host"),
     [("cpu:gloo,cuda:nccl", True), ("cpu:gloo,cuda:gloo", True), ("cuda:nccl", False),
      ("nccl", False), ("gloo", True), ("cuda:nccl-legacy", False)],
@@ -90,19 +183,6 @@ def test_control_tensors_live_on_the_host_wherever_the_group_takes_them(
     assert takes_host_tensors(config) is host
 
 
-def _lane_updater(config: object) -> object:
-    from weight_sync.actors import LaneUpdater
-
-    return LaneUpdater([object()], config)  # type: ignore[arg-type]
-
-
-def _lane_servers(config: object) -> object:
-    from weight_sync.adapters.vllm import VLLMLaneServers
-
-    return VLLMLaneServers(["http://127.0.0.1:8000"], config)  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize("make", [_lane_updater, _lane_servers])
 @pytest.mark.parametrize(
     ("config", "error", "says"),
     [
@@ -111,10 +191,31 @@ def _lane_servers(config: object) -> object:
     ],
 )
 def test_senders_say_what_to_change_before_any_collective(
-    make: object, config: object, error: type, says: str
+    config: object, error: type, says: str
 ) -> None:
+    from weight_sync.adapters.vllm import VLLMServers
+
     with pytest.raises(error, match=says):
-        make(config)  # type: ignore[operator]
+        VLLMServers(["http://127.0.0.1:8000"], config, senders=object())  # type: ignore[arg-type]
+
+
+def test_the_ray_front_checks_its_workers_whatever_the_senders() -> None:
+    from weight_sync.actors import WeightUpdater
+
+    for senders in (None, object()):
+        with pytest.raises(TypeError, match="not a Ray actor handle"):
+            WeightUpdater([object()], senders=senders)  # type: ignore[arg-type, list-item]
+    with pytest.raises(ValueError, match="one_group is for a push from many senders"):
+        WeightUpdater([], one_group=True)
+
+
+def test_sglang_fronts_refuse_many_senders_as_they_are_made() -> None:
+    """SGLang's update routes load whole tensors from one source: a front given ``senders``
+    says so at construction, before any server is called (none listens at this URL)."""
+    from weight_sync.adapters.sglang import SGLangServers
+
+    with pytest.raises(ValueError, match="cannot take a push from many senders"):
+        SGLangServers(["http://127.0.0.1:9"], senders=object())  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

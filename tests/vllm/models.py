@@ -200,8 +200,9 @@ def reference(
 class LaneTrainer:
     """One of ``world_size`` ranks of a sharded trainer (Gloo among the actors): a
     ``transformers`` model with Adam whose state dict is pushed as DTensors sharded over every
-    rank (rank 0's weights, scattered), each rank sending its own shards with a ``LaneUpdater``;
-    ``reference`` answers for what was last pushed, as ``Trainer``'s."""
+    rank (rank 0's weights, scattered), each rank sending its own shards with a
+    ``WeightUpdater(senders=...)``; ``reference`` answers for what was last pushed, as
+    ``Trainer``'s."""
 
     def __init__(self, config: dict[str, Any], rank: int, world_size: int, seed: int = 3) -> None:
         torch.set_num_threads(1)
@@ -218,13 +219,13 @@ class LaneTrainer:
     def setup(self, port: int, engines: list, **sync: Any) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        from weight_sync.actors import LaneUpdater
+        from weight_sync.actors import WeightUpdater
 
         store = open_store("127.0.0.1", port, self.world_size, 60, self.listener)
         dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world_size,
                                 timeout=datetime.timedelta(seconds=60))  # fmt: skip
         self.mesh = init_device_mesh("cpu", (self.world_size,))
-        self.updater = LaneUpdater(engines, SyncConfig(**sync))
+        self.updater = WeightUpdater(engines, SyncConfig(**sync), senders=dist.group.WORLD)
 
     def step(self) -> None:
         self.trainer.step()
@@ -240,7 +241,7 @@ class LaneTrainer:
             state["model.layers.0.mlp.extra.weight"] = torch.ones(8, 64)
         sharded = {n: distribute_tensor(t, self.mesh, [Shard(0)]) for n, t in state.items()}
         if die and self.rank == 1:
-            self.updater._lanes.out.push = lambda *args, **kwargs: os._exit(9)
+            self.updater._pushes._lanes.out.push = lambda *args, **kwargs: os._exit(9)
         try:
             result = self.updater.push(sharded)
         except Exception as exc:

@@ -1,6 +1,7 @@
 """Every rank of a sharded trainer pushing its own shards into real vLLM engines on Ray
-(``LaneUpdater`` to ``VLLMEngine`` actors): two trainer actors, the offline fp32 engine and the
-bf16 engine with tensor parallelism 2 (two members, each of its workers following both lanes).
+(``WeightUpdater(senders=...)`` to ``VLLMEngine`` actors): two trainer actors, the offline fp32
+engine and the bf16 engine with tensor parallelism 2 (two members, each of its workers following
+both lanes).
 
 Checked as tests/vllm/test_engine.py checks one sender: each engine generates what the
 trainer's whole model would, labelled with the push's version.
@@ -25,7 +26,8 @@ BF16 = 5e-2  # tests/vllm/test_engine.py's tolerance for a bf16 engine
 
 @pytest.fixture
 def sharded(engines: dict[str, Any]) -> Iterator[list[Any]]:
-    """Two trainer ranks with a LaneUpdater each, to the fp32 engine and the bf16 TP-2 one."""
+    """Two trainer ranks with a WeightUpdater each (senders: their group), to the fp32 engine and
+    the bf16 TP-2 one."""
     ranks = [LaneTrainer.remote(QWEN2, rank, RANKS) for rank in range(RANKS)]
     port = ray.get(ranks[0].port.remote(), timeout=TIMEOUT)
     targets = [engines["qwen2"], engines["qwen2_tp2_bf16"]]

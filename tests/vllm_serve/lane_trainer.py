@@ -1,4 +1,5 @@
-"""One rank of a sharded trainer pushing into ``vllm serve`` from every rank: ``VLLMLaneServers``.
+"""One rank of a sharded trainer pushing into ``vllm serve`` from every rank: ``VLLMServers``
+with ``senders``.
 
 Every rank holds the test's ``transformers`` model as DTensors sharded over the trainers' mesh
 (``distribute_tensor``: rank 0's weights, scattered) and pushes its own shards. Run as
@@ -32,7 +33,7 @@ from tests import forked
 from tests.reference import Trainer
 from tests.vllm.models import QWEN2
 from weight_sync import SyncConfig
-from weight_sync.adapters.vllm.lanes import VLLMLaneServers
+from weight_sync.adapters.vllm import VLLMServers
 
 TIMEOUT_S = 120.0
 RANKS = 2  # trainer ranks of a job
@@ -52,7 +53,7 @@ def run(scenario: str, urls: list[str], out: Path) -> None:
             state["model.layers.0.mlp.extra.weight"] = torch.ones(8, 64)
         return {name: distribute_tensor(t, mesh, [Shard(0)]) for name, t in state.items()}
 
-    with VLLMLaneServers(urls, config) as servers:
+    with VLLMServers(urls, config, senders=dist.group.WORLD) as servers:
         if scenario == "refuse":
             try:
                 servers.push(sharded(extra=True))
@@ -75,11 +76,12 @@ def run(scenario: str, urls: list[str], out: Path) -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(record))
 
 
-def _die_after_update(servers: VLLMLaneServers) -> None:
+def _die_after_update(servers: VLLMServers) -> None:
     """Rank 1 exits as soon as it has posted its lane's receive command (fault injection)."""
-    if servers.rank != 1:
+    if dist.get_rank() != 1:
         return
-    commands = servers._lanes.out.commands
+    assert servers._lanes is not None
+    commands = servers._lanes._lanes.out.commands
     post = commands.update_weights
 
     def update_then_die(update_info: dict[str, Any]) -> None:

@@ -1,5 +1,5 @@
 """Every rank of a sharded trainer pushing its own shards into real ``vllm serve`` processes
-(``VLLMLaneServers``): two trainer ranks under ``mp.spawn``, the session's two servers.
+(``VLLMServers`` with ``senders``): two trainer ranks under ``mp.spawn``, the session's two servers.
 
 Each push is checked as tests/vllm_serve/test_serve.py checks one: the servers generate what
 the trainer's whole model would, serve the version, and are resumed.

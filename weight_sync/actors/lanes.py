@@ -1,8 +1,8 @@
-"""``LaneUpdater``: every rank of a sharded trainer pushing its own shards to Ray workers.
+"""``RayLanes``: every rank of a sharded trainer pushing its own shards to Ray workers.
 
 The trainer actors of one sharded trainer (FSDP2 over their own torch.distributed group) each
-make a ``LaneUpdater`` over the same workers, and each calls ``push(model.state_dict())`` at the
-same point. Each sender pushes the blocks of its own shards over a lane of its own (an ordinary
+make a ``WeightUpdater(workers, senders=group)`` over the same workers (this class underneath),
+and each calls ``push(model.state_dict())`` at the same point. Each sender pushes the blocks of its own shards over a lane of its own (an ordinary
 push over the store plane: see ``send.senders``), and every worker runs one receive
 per lane at once, writing each block where it belongs (``WeightSyncWorker``'s
 ``_weight_sync_lanes_*``; a ``VLLMEngine`` forwards them to its vLLM workers, each a member of
@@ -26,18 +26,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ray
 import torch
 import torch.distributed as dist
 from ray.actor import ActorHandle
-from typing_extensions import Self
 
+from weight_sync.actors.members import RayMembers
 from weight_sync.config import SyncConfig
 from weight_sync.control.deadline import Deadline
 from weight_sync.control.lane_store import NO_ONE_GROUP
+from weight_sync.control.plane import collect
 from weight_sync.errors import (
     PlanMismatchError,
     WeightSyncError,
@@ -52,17 +53,18 @@ from weight_sync.transport.devices import current_gpu, gpu_uuid
 from weight_sync.wire.blocks import BlockLayout
 from weight_sync.wire.lane_rules import Share
 from weight_sync.wire.metadata import GroupSpec, MemberInfo
-from weight_sync.wire.state_dict import Rename, StateDict
+from weight_sync.wire.state_dict import StateDict
 
 logger = logging.getLogger(__name__)
 
 
-class LaneUpdater:
+class RayLanes:
     """This trainer rank's end of pushes from every rank of a sharded trainer to ``workers``
-    (``WeightSyncWorker`` or ``VLLMEngine`` actors; the same list on every rank).
+    (``WeightSyncWorker`` or ``VLLMEngine`` actors; the same list on every rank): what
+    ``WeightUpdater(workers, senders=group)`` runs.
 
-    Made on every rank of ``group`` (the trainers' torch.distributed group, default: the default
-    group) at once: a collective. Its ranks ``0..n-1`` are the senders; the DTensors pushed must
+    Made on every rank of ``group`` (the trainers' torch.distributed group) at once: a
+    collective. Its ranks ``0..n-1`` are the senders; the DTensors pushed must
     lie on meshes of them (see docs/many-senders.md).
 
     ``one_group``: every lane's buckets go over one group of the senders and the workers, point
@@ -80,14 +82,13 @@ class LaneUpdater:
         group: dist.ProcessGroup | None = None,
         one_group: bool = False,
     ) -> None:
-        if not workers:
-            raise ValueError("a LaneUpdater needs at least one worker")
         if one_group and not all(hasattr(w, "_weight_sync_lanes_join") for w in workers):
             raise ValueError(
                 "one_group takes WeightSyncWorker actors: a VLLMEngine's workers cannot join "
                 "one group yet; leave one_group unset (Gloo lanes)"
             )
         self._workers = list(workers)
+        self._plane = RayMembers(self._workers)  # how a worker's failed call ended
         self._over_one_group = one_group
         # NCCL members must each hold a GPU of their own: asked of the workers in ``_probe``.
         self._one_nccl_group = (
@@ -99,7 +100,7 @@ class LaneUpdater:
             config,
             group,
             lambda given: self._probe(given.rpc_timeout_s),
-            "LaneUpdater",
+            "WeightUpdater",
             self._invite if one_group else None,
         )
         try:
@@ -121,47 +122,38 @@ class LaneUpdater:
         """The last version every lane committed on every worker (0: none yet)."""
         return self._committed
 
-    def push(
-        self,
-        state_dict: StateDict,
-        *,
-        rename: Rename | None = None,
-        version: int | None = None,
-        partial: bool = False,
-    ) -> PushResult:
+    @property
+    def workers(self) -> tuple[ActorHandle, ...]:
+        return tuple(self._workers)
+
+    def push(self, state_dict: StateDict | object, options: Mapping[str, Any]) -> PushResult:
         """Push this rank's shards of ``state_dict`` while every other trainer rank pushes its
         own; returns once every worker holds every lane (``PushResult`` of the whole push).
-        ``rename``, ``version`` and ``partial`` as ``WeightUpdater.push`` (the same on every
-        rank).
+        ``options``: ``rename``, ``version`` and ``partial`` as ``WeightUpdater.push`` (the same
+        on every rank; any other is refused, ``lane_rules.share_of``).
 
         Raises, on every rank: ``TypeError``/``ValueError`` for a state dict some rank refused
         (nothing sent), ``PlanMismatchError`` where workers refused the layout (nothing sent),
         ``SenderFailedError`` naming the trainer ranks whose lanes did not land, and
         ``WorkerFailedError`` where workers' receives failed (named on rank 0)."""
         if self._closed:
-            raise WeightSyncError("this LaneUpdater is closed")
+            raise WeightSyncError("this WeightUpdater is closed")
         try:
-            return self._push(state_dict, rename, version, partial)
+            return self._push(state_dict, options)
         except PlanMismatchError:  # a refusal: ``_push`` says whether the group needs forming
             raise
         except WeightSyncError:  # a runtime failure, on every rank (a caller's error is not)
             self._failed = True
             raise
 
-    def _push(
-        self, state_dict: StateDict, rename: Rename | None, version: int | None, partial: bool
-    ) -> PushResult:
+    def _push(self, state_dict: StateDict | object, options: Mapping[str, Any]) -> PushResult:
         if self._over_one_group and self._lanes.renew_one_group(self._failed):
             self._held.reset()  # their new lanes: checked afresh
         self._failed = False
         started = time.monotonic()  # after the renewal, bounded by its own rendezvous
         try:
             share, chosen = self._lanes.agree(
-                state_dict,
-                rename,
-                version,
-                lambda layout, v: self._check_workers(layout, v, started),
-                partial,
+                state_dict, options, lambda layout, v: self._check_workers(layout, v, started)
             )
         except PlanMismatchError:  # refused before any byte: the group is whole ...
             self._failed = self._lost_group  # ... unless a worker lacks it (rank 0 knows)
@@ -215,25 +207,12 @@ class LaneUpdater:
         if self.rank == 0:
             self._release_workers()
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def _probe(self, timeout_s: float) -> int:
         """Rank 0: ask every worker how many members it brings (a vLLM engine with tensor
         parallelism 2 brings two, taking consecutive slots) and the highest version it was ever
         sent; returns the members in all."""
-        try:
-            infos: list[MemberInfo] = ray.get(
-                [worker._weight_sync_info.remote(timeout_s) for worker in self._workers],
-                timeout=timeout_s,
-            )
-        except Exception as exc:
-            raise WorkerFailedError(
-                f"a worker did not answer ({first_line(exc)})", list(range(len(self._workers)))
-            ) from exc
+        calls = [worker._weight_sync_info.remote(timeout_s) for worker in self._workers]
+        infos: list[MemberInfo] = self._answers(calls, "asking the workers", timeout_s)
         ranks = [info.ranks for info in infos]
         if self._over_one_group and any(count != 1 for count in ranks):
             raise ValueError(
@@ -274,14 +253,8 @@ class LaneUpdater:
             for spec, slot, worker in zip(specs, self._slots, self._workers, strict=True)
         ]
 
-        def joined() -> None:
-            try:  # they formed with the senders: their answers are on the way
-                ray.get(calls, timeout=specs[0].rendezvous_timeout_s)
-            except Exception as exc:
-                raise WorkerFailedError(
-                    f"a worker did not join the one group ({first_line(exc)})",
-                    list(range(len(self._workers))),
-                ) from exc
+        def joined() -> None:  # they formed with the senders: their answers are on the way
+            self._answers(calls, "joining the one group", specs[0].rendezvous_timeout_s)
 
         return joined
 
@@ -302,15 +275,8 @@ class LaneUpdater:
             )
             for worker, lacks in zip(self._workers, self._held.lacking(layout.digest), strict=True)
         ]
-        try:
-            answers: list[list[str]] = ray.get(
-                calls, timeout=deadline.left(self.config.rpc_timeout_s)
-            )
-        except Exception as exc:
-            raise WorkerFailedError(
-                f"a worker did not answer the layout check ({first_line(exc)}); nothing was sent",
-                list(range(len(self._workers))),
-            ) from exc
+        rpc_s = deadline.left(self.config.rpc_timeout_s)
+        answers: list[list[str]] = self._answers(calls, "the layout check (nothing sent)", rpc_s)
         for index, problems in enumerate(answers):
             if problems:
                 self._held.forgot(index)  # layouts go to it in full until it takes one
@@ -326,27 +292,23 @@ class LaneUpdater:
         if not calls:
             return
         deadline = Deadline(self.config.push_timeout_s + 5, "the workers' receives", started)
-        done, _ = ray.wait(list(calls), num_returns=len(calls), timeout=deadline.remaining())
-        failed: dict[int, str] = {}
-        for index, call in enumerate(calls):
-            if call not in done:
-                failed[index] = "did not finish its receive in time"
-                continue
-            try:
-                ray.get(call)
-            except Exception as exc:
-                failed[index] = first_line(exc)
-        if failed and error is None:
+        outcomes = collect(self._plane, [call.future() for call in calls], deadline.remaining())
+        if outcomes.ok:
+            return
+        failed = outcomes.error("the workers' receives", deadline.seconds)
+        if error is None:
             self._held.reset()
-            raise WorkerFailedError(
-                "workers did not hold the push: "
-                + "; ".join(f"worker {i}: {why}" for i, why in failed.items()),
-                sorted(failed),
-            )
-        if failed:
-            logger.info(
-                "push %d: workers %s failed too: %s", self._lanes.pushes, sorted(failed), failed
-            )
+            raise failed
+        logger.info("push %d: %s", self._lanes.pushes, failed)
+
+    def _answers(self, calls: Sequence[Any], what: str, timeout_s: float) -> list[Any]:
+        """Rank 0: every worker's answer to ``calls`` (one each), within ``timeout_s``; else
+        the error naming who failed and how, by the rules every push's members are blamed by
+        (``wire.blame.Outcomes``): a worker dead or silent, one that raised."""
+        outcomes = collect(self._plane, [call.future() for call in calls], timeout_s)
+        if not outcomes.ok:
+            raise outcomes.error(what, timeout_s)
+        return outcomes.results
 
 
 def _current_gpu() -> str | None:

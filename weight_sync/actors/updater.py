@@ -1,8 +1,11 @@
-"""``WeightUpdater``: the push protocol (``weight_sync.send.pusher``) over Ray actors.
+"""``WeightUpdater``: pushes to Ray actors, from one trainer process or from every rank of a
+sharded trainer.
 
-The protocol itself -- plan, prepare, transfer, commit, blame -- lives in ``Pusher``; this adds
+One sender: the push protocol (``weight_sync.send.pusher``) over Ray actors (``RayPusher``);
+the protocol itself -- plan, prepare, transfer, commit, blame -- lives in ``Pusher``, this adds
 what is Ray's: members given as actor handles (``RayMembers``), replacements for dropped ones,
-and per-push figures through Ray's metrics.
+and per-push figures through Ray's metrics. Many senders (``senders=group``): every rank's own
+lane (``weight_sync.actors.lanes``).
 """
 
 from __future__ import annotations
@@ -12,28 +15,138 @@ import secrets
 from collections.abc import Sequence
 
 import ray
+import torch.distributed as dist
 from ray.actor import ActorHandle
 from typing_extensions import Self
 
+from weight_sync.actors.lanes import RayLanes
 from weight_sync.actors.members import RayMembers
 from weight_sync.actors.metrics import PushMetrics
 from weight_sync.config import SyncConfig
+from weight_sync.result import PushResult
 from weight_sync.send.pusher import Pusher
+from weight_sync.send.routes import Route
+from weight_sync.send.sharded import ShardedSource
+from weight_sync.transport.base import Transport
+from weight_sync.wire.mapping import Transform
+from weight_sync.wire.state_dict import Rename, StateDict
 
 logger = logging.getLogger(__name__)
 
 
-class WeightUpdater(Pusher):
-    """Pushes named tensors from this process (rank 0) to ``workers`` (``WeightSyncWorker`` actors,
-    or engines such as ``VLLMEngine``).
+class WeightUpdater:
+    """Pushes named tensors to ``workers`` (``WeightSyncWorker`` actors, or engines such as
+    ``VLLMEngine``), from this process -- or, with ``senders`` (the trainers'
+    torch.distributed group: ``dist.group.WORLD``, or a subgroup such as one replica of a
+    hybrid-sharded trainer), from every rank of a sharded trainer at once, each sending its own
+    shards over a lane of its own (docs/many-senders.md). With ``senders`` it is made on every
+    rank of that group at once, over the same workers (a collective), and every rank calls
+    ``push`` at the same point; ``one_group`` then moves every lane's buckets over one group of
+    the senders and the workers, in rounds (the NCCL design).
 
-    The group is formed lazily on the first push and reused. A failed push tears it down,
-    drops the workers that died or froze, and the next push forms a new group over the rest.
-    ``push`` calls from several threads are serialised.
+    One sender: the group is formed lazily on the first push and reused. A failed push tears it
+    down, drops the workers that died or froze, and the next push forms a new group over the
+    rest. ``push`` calls from several threads are serialised.
     """
 
+    def __init__(
+        self,
+        workers: Sequence[ActorHandle],
+        config: SyncConfig | None = None,
+        *,
+        senders: dist.ProcessGroup | None = None,
+        one_group: bool = False,
+    ) -> None:
+        if senders is None and one_group:
+            raise ValueError(
+                "one_group is for a push from many senders (senders=the trainers' group); one "
+                "sender's push has one group already"
+            )
+        handles = _check_handles(workers, [])
+        self._pushes: RayPusher | RayLanes = (
+            RayPusher(handles, config)
+            if senders is None
+            else RayLanes(handles, config, group=senders, one_group=one_group)
+        )
+
+    @property
+    def config(self) -> SyncConfig:
+        return self._pushes.config
+
+    @property
+    def version(self) -> int:
+        """The last version committed on every worker (0 before the first)."""
+        return self._pushes.version
+
+    @property
+    def workers(self) -> tuple[ActorHandle, ...]:
+        """The workers pushes go to: those given, minus (one sender) any dropped after dying or
+        freezing."""
+        return self._pushes.workers
+
+    @property
+    def group(self) -> Transport | None:
+        """One sender: the sync group (this process is rank 0), None until a push forms it; see
+        ``Pusher.group``. Many senders: None (each lane has its own)."""
+        return self._pushes.group if isinstance(self._pushes, RayPusher) else None
+
+    @property
+    def routes(self) -> list[Route]:
+        """One sender: how each worker receives through the current group (``Pusher.routes``).
+        Many senders: every lane goes over a group of its own (``"group"``)."""
+        if isinstance(self._pushes, RayPusher):
+            return self._pushes.routes
+        return ["group"] * len(self._pushes.workers)
+
+    def push(
+        self,
+        state_dict: StateDict | ShardedSource,
+        *,
+        rename: Rename | None = None,
+        transform: Transform | None = None,
+        partial: bool = False,
+        version: int | None = None,
+    ) -> PushResult:
+        """Send every tensor to every worker; returns once all of them hold it (see
+        ``Pusher.push``: the options, the errors). With ``senders``, this rank's shards of the
+        state dict while every other rank pushes its own (``transform`` and a
+        ``ShardedSource`` are one sender's); ``SenderFailedError`` names the trainer ranks
+        whose lanes did not land."""
+        if isinstance(self._pushes, RayPusher):
+            return self._pushes.push(
+                state_dict, rename=rename, transform=transform, partial=partial, version=version
+            )
+        options = {"rename": rename, "transform": transform, "version": version, "partial": partial}
+        return self._pushes.push(state_dict, options)
+
+    def add_workers(self, workers: Sequence[ActorHandle]) -> None:
+        """Add workers (e.g. replacements for dropped ones). The current group is left; the next
+        push forms one over everybody and sends the newcomers the full weights. One sender's:
+        many senders' lanes form once over the workers given."""
+        if isinstance(self._pushes, RayPusher):
+            self._pushes.add_workers(workers)
+            return
+        raise ValueError(
+            "a push from many senders goes to the workers it was made with: make a new "
+            "WeightUpdater on every trainer rank over the new workers"
+        )
+
+    def close(self) -> None:
+        """Leave (see ``Pusher.close``; many senders: ``RayLanes.close``). Idempotent."""
+        self._pushes.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class RayPusher(Pusher):
+    """One sender's pushes: ``Pusher`` over ``RayMembers``."""
+
     def __init__(self, workers: Sequence[ActorHandle], config: SyncConfig | None = None) -> None:
-        self._members = RayMembers(_check_handles(workers, []))
+        self._members = RayMembers(workers)
         config = config if config is not None else SyncConfig()
         metrics = (
             PushMetrics(secrets.token_hex(4)) if config.metrics and ray.is_initialized() else None
@@ -42,24 +155,15 @@ class WeightUpdater(Pusher):
 
     @property
     def workers(self) -> tuple[ActorHandle, ...]:
-        """The workers pushes go to: those given, minus any dropped after dying or freezing."""
         return self._members.handles
 
     def add_workers(self, workers: Sequence[ActorHandle]) -> None:
-        """Add workers (e.g. replacements for dropped ones). The current group is left; the next
-        push forms one over everybody and sends the newcomers the full weights."""
         with self._lock:
             self._check_open()
             added = _check_handles(workers, self.workers)
             self._teardown()
             self._members.add(added)
             logger.info("added %d worker(s); %d in all", len(added), len(self._members))
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
 
 def _check_handles(

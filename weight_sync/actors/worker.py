@@ -93,7 +93,7 @@ class WeightSyncWorker:
     def sync_status(self) -> SyncStatus:
         """Version, dirty flag, the push in flight (phase, buckets done) and the last push's
         stats. Answers during a push when the actor was made with ``remote_worker``. After a
-        push from many senders (``LaneUpdater``), it speaks for every lane together: the
+        push from many senders (``RayLanes``), it speaks for every lane together: the
         version every lane committed, their buckets summed, the least advanced lane's phase."""
         member: Member | None = self.__dict__.get("_weight_sync_member_state")  # made on a push
         return member.status() if member is not None else self._weight_sync_state().status()
@@ -179,7 +179,7 @@ class WeightSyncWorker:
     def _weight_sync_leave(self, timeout_s: float | None = None) -> None:
         self._weight_sync_state().leave()
 
-    # -- a push from many senders (weight_sync.actors.lanes: LaneUpdater) ----------------------
+    # -- a push from many senders (weight_sync.actors.lanes: RayLanes) -------------------------
 
     def _weight_sync_lanes_check(
         self,
@@ -241,7 +241,7 @@ class WeightSyncWorker:
         timeout_s: float | None = None,
     ) -> None:
         """Join the one group the lanes of the senders at ``endpoints`` move their buckets over
-        (``LaneUpdater(one_group=True)``), as the rank ``spec_json`` names, while they do;
+        (``WeightUpdater(one_group=True)``), as the rank ``spec_json`` names, while they do;
         this worker's lanes from them (one per sender) take their buckets from it, in rounds."""
         spec = GroupSpec.model_validate_json(spec_json)
         device = self.weight_sync_device() if spec.backend == "nccl" else None
@@ -259,7 +259,7 @@ class WeightSyncWorker:
     def _weight_sync_lanes_leave(
         self, endpoints: list[tuple[str, int]], timeout_s: float | None = None
     ) -> None:
-        """The senders at ``endpoints`` left (``LaneUpdater.close``): let go of their lanes,
+        """The senders at ``endpoints`` left (``RayLanes.close``): let go of their lanes,
         and of the one group they came over, unless lanes from other senders took their
         place. What the lanes landed stays this worker's status."""
         self._weight_sync_member().leave(endpoints)

@@ -83,8 +83,7 @@ from weight_sync.transport.devices import CPU, module_device
 from weight_sync.transport.rendezvous import open_store
 from weight_sync.transport.rounds import LanePath, Rounds, SendLane, lane_paths_over
 from weight_sync.wire.blame import lone_sender_gone
-from weight_sync.wire.blocks import BlockLayout
-from weight_sync.wire.lane_rules import Share, proposal, row_digest, share_of
+from weight_sync.wire.lane_rules import Share, row_digest, share_of
 from weight_sync.wire.state_dict import StateDict
 
 __all__ = ["JobSync", "LaunchEnv", "launch_env"]
@@ -374,7 +373,8 @@ class JobSync:
             self._renew_one_group()
         started = time.monotonic()  # the push's bound counts from here, as on Ray
         self._pushes += 1
-        share, version = self._agree_as_sender(state_dict, options)
+        share = share_of(state_dict, options, self.senders, self.rank, self.config)
+        version = self._agree(share, None, None)
         assert self._verdicts is not None
         if (empty := nothing_moves(share, self._committed)) is not None:
             return empty
@@ -442,7 +442,11 @@ class JobSync:
         if self._buckets is not None:
             self._renew_one_group()
         self._pushes += 1
-        assembly, version = self._agree_as_receiver(model, load_weights)
+        target = model.state_dict(keep_vars=True) if model is not None else None
+        load = load_weights if target is None else None
+        version = self._agree(None, target, load)
+        assert self._member.layout is not None, "an agreed push's layout is held"
+        assembly = Assembly(self._member.layout, target, load)
         try:
             name = f"rank {self.rank}"
             held = self._member.receive(assembly, self._pushes, version, wait_s, name)
@@ -455,64 +459,47 @@ class JobSync:
 
     # -- several senders: agreeing before any byte moves, reporting after ------------------------
 
-    def _agree_as_sender(
-        self, state_dict: StateDict, options: Mapping[str, Any]
-    ) -> tuple[Share, int]:
-        """Every rank at once, before any lane moves a byte: the senders' layouts are one, each
-        sender's share passes its checks, the version is past every sender's, and every
-        receiving rank can take the layout. Any failure raises on every rank, nothing sent."""
-        assert self._out is not None
-        share = share_of(state_dict, options, self.senders, self.rank, self.config)
+    def _agree(self, share: Share | None, target: dict[str, torch.Tensor] | None, load: Any) -> int:
+        """Every rank at once, before any lane moves a byte (``send.senders.agree``): the
+        senders' layouts are one, each sender's ``share`` passes its checks, the version is past
+        every sender's, and every receiving rank takes the layout -- sent by rank 0 to those
+        that lack it, checked as any member checks a push (``Member.check``: the layout bounded,
+        its tensors against ``target`` or for ``load``, the version past every one this rank was
+        sent). Returns the version; any failure raises on every rank, nothing sent."""
+        member = self._member
 
-        def refused(
-            layout: BlockLayout | None, version: int, rows: list[tuple[int, ...]]
-        ) -> Exception | None:
-            if layout is not None and self._lacks_layout(rows):
-                self._send_layout(layout.wire if self.rank == 0 else None)
-            if not (refusals := self._gather_refusals([])):
+        def refused(ahead: bool, version: int, rows: list[tuple[int, ...]]) -> Exception | None:
+            problems: list[str] = []
+            layout_json: str | None = None
+            if ahead and self._lacks_layout(rows):  # rank 0 sends it, every other rank reads it
+                mine = share.layout if share is not None and self.rank == 0 else None
+                layout_json = self._send_layout(mine.wire if mine is not None else None)
+            if ahead and member is not None:
+                problems = member.check(
+                    layout_json,
+                    row_digest(rows[0]),
+                    version,
+                    self.config.max_metadata_bytes,
+                    lambda layout: Assembly(layout, target, load).problems(member.record.version),
+                )
+            refusals = self._gather_refusals(problems)
+            if problems:
+                return PlanMismatchError({self.rank - self.senders: problems})
+            if not refusals:
                 return None
+            if member is not None:
+                return WeightSyncError(
+                    f"ranks {refusals} refused the push before any byte moved; nothing changed here"
+                )
             why = ["refused the push's layout (see that rank)"]
             return PlanMismatchError({r - self.senders: why for r in refusals})
 
-        return share, agree(
-            share, self._out.pusher.next_version, self._gather, self.senders, refused
-        )
-
-    def _agree_as_receiver(
-        self, model: torch.nn.Module | None, load_weights: Any
-    ) -> tuple[Assembly, int]:
-        """A receiving rank's half of ``_agree_as_sender``: the layout (from rank 0, when this
-        rank lacks it) and the version, checked as any member checks a push (``Member.check``:
-        the layout bounded, its tensors against this rank's model, the version past every one
-        this rank was sent). Returns where the lanes land, and the push's version."""
-        member = self._member
+        if share is not None:
+            assert self._out is not None
+            return agree(share, self._out.pusher.next_version, self._gather, self.senders, refused)
         assert member is not None
-        held = bytes.fromhex(member.layout.digest) if member.layout is not None else bytes(32)
-        rows = self._gather([0, 0, 0], held)
-        reason, version = proposal(rows, self.senders)
-        problems: list[str] = []
-        target = model.state_dict(keep_vars=True) if model is not None else None
-        load = load_weights if target is None else None
-        if reason is None:
-            layout_json = self._send_layout(None) if self._lacks_layout(rows) else None
-            problems = member.check(
-                layout_json,
-                row_digest(rows[0]),
-                version,
-                self.config.max_metadata_bytes,
-                lambda layout: Assembly(layout, target, load).problems(member.record.version),
-            )
-        refusals = self._gather_refusals(problems)
-        if reason is not None:
-            raise WeightSyncError(f"the senders called the push off ({reason}); nothing changed")
-        if problems:
-            raise PlanMismatchError({self.rank - self.senders: problems})
-        if refusals:
-            raise WeightSyncError(
-                f"ranks {refusals} refused the push before any byte moved; nothing changed here"
-            )
-        assert member.layout is not None
-        return Assembly(member.layout, target, load), version
+        held = member.layout.digest if member.layout is not None else None
+        return agree(None, 0, self._gather, self.senders, refused, held)
 
     def _lacks_layout(self, rows: list[tuple[int, ...]]) -> bool:
         """Whether a receiving rank holds another layout than the senders' (then rank 0 sends

@@ -31,7 +31,7 @@ class Held:
     digests, most recent last, as many as the member's own cache keeps (``size``). A guess kept
     so that a plan travels in full only to members that lack it: a member that lost one asks
     for it (or refuses), and the push goes the long way. The one record of it, whatever the
-    front: ``Roster`` keeps one for one sender's members, ``LaneUpdater`` for its workers."""
+    front: ``Roster`` keeps one for one sender's members, ``RayLanes`` for its workers."""
 
     def __init__(self, members: int = 0, size: int = PLAN_CACHE_SIZE) -> None:
         assert size >= 1, "a member holds at least the plan it was last sent"

@@ -150,7 +150,7 @@ def members_nccl_problem(infos: Sequence[MemberInfo], trainer_gpu: str | None = 
     """Why these members cannot all be ranks of one NCCL group beside a trainer rank on
     ``trainer_gpu`` -- one of them does not receive on a GPU, or two ranks would share one --
     or None if they can. For a group they join as ranks of their own
-    (``LaneUpdater(one_group=True)``), where no ring stands in for a member on a GPU taken."""
+    (``WeightUpdater(one_group=True)``), where no ring stands in for a member on a GPU taken."""
     owners: dict[str, int | None] = {trainer_gpu: None} if trainer_gpu is not None else {}
     for index, info in enumerate(infos):
         problem = _claim_gpus(owners, index, info)

@@ -53,7 +53,7 @@ from weight_sync.wire.lane_rules import (
     share_of,
 )
 from weight_sync.wire.metadata import GroupSpec
-from weight_sync.wire.state_dict import Rename, StateDict
+from weight_sync.wire.state_dict import StateDict
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ def lane_config(config: SyncConfig, one_group: bool = False) -> SyncConfig:
         raise ValueError(
             "a push from several senders runs its lanes over Gloo (CUDA tensors go through the "
             "host); leave SyncConfig.backend unset or 'gloo', or move the buckets over one "
-            "group (JobSync or LaneUpdater with one_group=True)"
+            "group (JobSync or WeightUpdater with one_group=True)"
         )
     return config.model_copy(
         update={"group_mode": "standalone", "same_host": "group", "backend": "gloo"}
@@ -267,34 +267,26 @@ class Senders:
 
     def agree(
         self,
-        state_dict: StateDict,
-        rename: Rename | None,
-        version: int | None,
+        state_dict: StateDict | object,
+        options: Mapping[str, Any],
         check: Callable[[BlockLayout, int], dict[int, list[str]]],
-        partial: bool = False,
     ) -> tuple[Share, int]:
         """Begin push ``pushes``, every sender at once, before any lane moves a byte: this
-        rank's share of ``state_dict`` passes its checks, the senders' layouts are one, the
-        version is past every sender's, and on rank 0 ``check`` finds nothing the members cannot
-        take at that version (problems by member; a ``WeightSyncError`` when it could not ask
-        them all). Returns the share and the version; raises on every sender otherwise, each
-        learning the word before any raises."""
+        rank's share of ``state_dict`` (with ``options``: ``lane_rules.share_of``) passes its
+        checks, the senders' layouts are one, the version is past every sender's, and on rank 0
+        ``check`` finds nothing the members cannot take at that version (problems by member; a
+        ``WeightSyncError`` when it could not ask them all). Returns the share and the version;
+        raises on every sender otherwise, each learning the word before any raises."""
         self.pushes += 1
-        options = {
-            key: value
-            for key, value in (("rename", rename), ("version", version))
-            if value is not None
-        }
-        if partial:
-            options["partial"] = True
         share = share_of(state_dict, options, self.senders, self.rank, self.config)
 
-        def refused(layout: BlockLayout | None, chosen: int, _: object) -> Exception | None:
+        def refused(ahead: bool, chosen: int, _: object) -> Exception | None:
             problems: dict[int, list[str]] = {}
             unchecked: WeightSyncError | None = None  # rank 0 could not ask every member
-            if layout is not None and self.rank == 0:
+            if ahead and self.rank == 0:
+                assert share.layout is not None, "an agreed push has a layout"
                 try:
-                    problems = check(layout, chosen)
+                    problems = check(share.layout, chosen)
                 except WeightSyncError as exc:  # raised once every sender has the word
                     unchecked = exc
             word = self.from_rank_0(lambda: int(bool(problems)) | 2 * int(unchecked is not None))
@@ -468,29 +460,36 @@ def push_share(
 
 
 def agree(
-    share: Share,
+    share: Share | None,
     next_version: int,
     gather: Callable[[list[int], bytes], list[tuple[int, ...]]],
     senders: int,
-    refused: Callable[[BlockLayout | None, int, list[tuple[int, ...]]], Exception | None],
+    refused: Callable[[bool, int, list[tuple[int, ...]]], Exception | None],
+    held: str | None = None,
 ) -> int:
-    """One sender's part in the agreement before any byte of a push from ``senders`` senders
-    moves, every rank of the agreement at once: the senders' rows (``Share.row``, the first
-    ``senders`` of those ``gather`` returns) say whether the push goes ahead (``called_off``)
-    and at which version; then the members' word, ``refused(layout, version, rows)`` -- the
-    layout None where the push is off; ``rows``, every rank's; a collective of its own, so
-    every rank gets the same word -- says whether they take it. Returns the version; else
-    raises, on every sender once every rank has the word: this sender's own mistake first,
-    then why the push is off, then the members' refusal. Ray workers and ``vllm serve``
-    (``Senders.agree``: rank 0 asks them) and a launched job's receiving ranks (``JobSync``:
-    they are ranks of the agreement) differ only in ``refused``."""
-    values, digest = share.row(next_version)
+    """One rank's part in the agreement before any byte of a push from ``senders`` senders
+    moves, every rank of the agreement at once. ``share``: a sender's (``Share.row`` its row);
+    None: a launched job's receiving rank, a rank of the agreement too (its row names the
+    layout it ``held``, a digest). The senders' rows (the first ``senders`` of those ``gather``
+    returns) say whether the push goes ahead (``called_off``) and at which version; then the
+    members' word, ``refused(ahead, version, rows)`` -- a collective of its own, so every rank
+    gets the same word -- says whether they take it. Returns the version; else raises, on every
+    rank once every rank has the word: a sender's own mistake first, then why the push is off,
+    then the members' refusal. Ray workers and ``vllm serve`` (``Senders.agree``: rank 0 asks
+    them) and a launched job (``JobSync``: its receiving ranks are ranks of the agreement)
+    differ only in ``refused``."""
+    if share is not None:
+        values, digest = share.row(next_version)
+    else:
+        values, digest = [0, 0, 0], bytes.fromhex(held) if held is not None else bytes(32)
     rows = gather(values, digest)
     reason, version = proposal(rows, senders)
-    refusal = refused(share.layout if reason is None else None, version, rows)
-    if share.error is not None:
+    refusal = refused(reason is None, version, rows)
+    if share is not None and share.error is not None:
         raise share.error
     if reason is not None:
+        if share is None:  # not this rank's mistake: the senders'
+            raise WeightSyncError(f"the senders called the push off ({reason}); nothing changed")
         raise ValueError(f"{reason}; nothing was sent")
     if refusal is not None:
         raise refusal

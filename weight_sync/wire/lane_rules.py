@@ -19,7 +19,7 @@ The verdict after, from every sender's report, is ``wire.blame.judge``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, get_args
 
@@ -155,7 +155,7 @@ class Share:
 
 
 def share_of(
-    state_dict: StateDict,
+    state_dict: StateDict | object,
     options: Mapping[str, Any],
     senders: int,
     sender: int,
@@ -166,9 +166,17 @@ def share_of(
     mistake is kept in ``Share.error``, to raise once every sender agreed to call it off.
     ``options``: ``version``; ``rename`` (name -> the workers' name, None drops it), applied
     before the layout, so that every lane and every member speak the workers' names; and
-    ``partial`` (some of the members' tensors only), which the layout carries to them."""
+    ``partial`` (some of the members' tensors only), which the layout carries to them. An
+    option given as None is not given (a front passes each of its own)."""
+    options = {key: value for key, value in options.items() if value is not None}
     named = options.get("version")
     try:
+        if not isinstance(state_dict, Mapping | Iterable):
+            raise TypeError(
+                "a push from many senders takes each rank's own state dict (name -> tensor or "
+                f"DTensor), not a {type(state_dict).__name__}; a ShardedSource gathers the "
+                "shards to one sender instead"
+            )
         unknown = set(options) - {"version", "rename", "partial"}
         if unknown:
             raise ValueError(
@@ -179,7 +187,7 @@ def share_of(
         if not isinstance(partial, bool):
             raise TypeError(f"partial must be a bool, got {type(partial).__name__}")
         check_version(named)
-        items = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
+        items: Iterable[Any] = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
         rename = options.get("rename")
         entries = list(renaming(rename)(items) if rename is not None else items)
         if len({name for name, _ in entries}) != len(entries):

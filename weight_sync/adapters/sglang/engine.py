@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -38,6 +38,9 @@ from weight_sync.adapters.sglang.pusher import PauseMode, SGLangPusher
 from weight_sync.config import SyncConfig
 from weight_sync.control.http import ServerError
 from weight_sync.wire.versions import label_version
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 __all__ = ["ActorEngine", "RemoteSGLangEngine", "SGLangEngine", "SGLangUpdater", "start_engine"]
 
@@ -197,10 +200,16 @@ class SGLangUpdater(SGLangPusher):
         config: SyncConfig | None = None,
         *,
         pause_mode: PauseMode = "retract",
+        senders: dist.ProcessGroup | None = None,
     ) -> None:
         if not isinstance(engines, list | tuple) or not all(
             isinstance(engine, ray.actor.ActorHandle) for engine in engines
         ):
             raise TypeError("engines must be a list of SGLangEngine actor handles")
         self.actors = list(engines)
-        super().__init__([ActorEngine(actor) for actor in engines], config, pause_mode=pause_mode)
+        super().__init__(
+            [ActorEngine(actor) for actor in engines],
+            config,
+            pause_mode=pause_mode,
+            senders=senders,
+        )

@@ -43,6 +43,7 @@ from functools import partial
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from typing_extensions import Self
 
 from weight_sync.adapters.sglang.buckets import Bucket, pack, plan_buckets
@@ -86,7 +87,11 @@ class SGLangPusher:
     this with the engines made from URLs or Ray actors.
 
     The group forms at the first push, over every tensor-parallel rank of every engine, and is
-    kept; it is formed again after a push that failed other than by a refusal."""
+    kept; it is formed again after a push that failed other than by a refusal.
+
+    ``senders`` (a push from every rank of a sharded trainer, as ``WeightUpdater`` and
+    ``VLLMServers`` take one) is refused: SGLang's update routes load whole tensors from one
+    source."""
 
     def __init__(
         self,
@@ -94,7 +99,14 @@ class SGLangPusher:
         config: SyncConfig | None = None,
         *,
         pause_mode: PauseMode = "retract",
+        senders: dist.ProcessGroup | None = None,
     ) -> None:
+        if senders is not None:
+            raise ValueError(
+                "SGLang engines cannot take a push from many senders: their update routes load "
+                "whole tensors from one source, not blocks from every trainer rank. Push from one "
+                "rank: gather the shards there (a ShardedSource, or each DTensor's full_tensor())"
+            )
         if config is not None and not isinstance(config, SyncConfig):
             raise TypeError(f"config must be a SyncConfig, got {type(config).__name__}")
         if pause_mode not in ("retract", "abort"):

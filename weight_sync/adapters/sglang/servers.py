@@ -25,12 +25,16 @@ import ipaddress
 import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from weight_sync.adapters.sglang.client import HTTPEngine
 from weight_sync.adapters.sglang.pusher import PauseMode, SGLangPusher, release
 from weight_sync.config import SyncConfig
 from weight_sync.control.http import check_urls, fan_out
 from weight_sync.wire.versions import label_past
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 __all__ = ["SGLangServers", "release_servers"]
 
@@ -54,6 +58,7 @@ class SGLangServers(SGLangPusher):
         *,
         pause_mode: PauseMode = "retract",
         checkpoint: str | Path | None = None,
+        senders: dist.ProcessGroup | None = None,
     ) -> None:
         self.urls = check_urls(urls, "SGLang")
         config = config or SyncConfig()
@@ -65,7 +70,10 @@ class SGLangServers(SGLangPusher):
                 "this host they reach, or interface="
             )
         super().__init__(
-            [HTTPEngine(url, checkpoint) for url in self.urls], config, pause_mode=pause_mode
+            [HTTPEngine(url, checkpoint) for url in self.urls],
+            config,
+            pause_mode=pause_mode,
+            senders=senders,
         )
 
 

@@ -10,15 +10,14 @@
 * ``VLLMServers`` (``servers.py``) -- pushes into running ``vllm serve`` processes over HTTP,
   from a trainer with neither Ray nor vLLM; ``ServerProcess`` (``process.py``) starts one
   locally.
-* ``VLLMLaneServers`` (``lanes.py`` here) -- the same, from every rank of a sharded trainer at once,
-  each rank sending its own shards.
+  With ``senders`` (``lanes.py``), from every rank of a sharded trainer at once, each rank
+  sending its own shards.
 
 Nothing here imports vLLM until it is used, so this package imports where vLLM is absent.
 """
 
 from weight_sync.adapters.vllm.engine import NO_VERSION, RemoteVLLMEngine, VLLMEngine
 from weight_sync.adapters.vllm.extension import EXTENSION, WeightSyncExtension
-from weight_sync.adapters.vllm.lanes import VLLMLaneServers
 from weight_sync.adapters.vllm.process import ServerProcess
 from weight_sync.adapters.vllm.servers import VLLMServers
 
@@ -28,7 +27,6 @@ __all__ = [
     "RemoteVLLMEngine",
     "ServerProcess",
     "VLLMEngine",
-    "VLLMLaneServers",
     "VLLMServers",
     "WeightSyncExtension",
 ]

@@ -208,7 +208,7 @@ class VLLMEngine:
             if self._paused:
                 await self._settle()
 
-    # -- a push from many senders (weight_sync.actors.LaneUpdater) -----------------------------
+    # -- a push from many senders (weight_sync.actors.lanes.RayLanes) -----------------------
 
     async def _weight_sync_lanes_check(
         self,
@@ -257,7 +257,7 @@ class VLLMEngine:
     async def _weight_sync_lanes_leave(
         self, endpoints: list[list[Any]], timeout_s: float | None = None
     ) -> None:
-        """The senders at ``endpoints`` left (``LaneUpdater.close``): every worker lets go of
+        """The senders at ``endpoints`` left (``RayLanes.close``): every worker lets go of
         their lanes, unless lanes from other senders took their place."""
         await self._call("weight_sync_lanes_leave", timeout_s, endpoints)
 

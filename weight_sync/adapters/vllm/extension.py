@@ -5,7 +5,7 @@ engine; vLLM appends this class to its worker's bases, and the engine-side membe
 (``VLLMEngine``) reaches it through ``collective_rpc``. Each method is one step of a push on
 this worker: it joins the sync group, checks a push against the engine's model before any byte
 moves, receives buckets and reloads them into the model (``reload.ReloadTarget``: one reload
-per push), commits. A push from every rank of a sharded trainer (``LaneUpdater``) takes two
+per push), commits. A push from every rank of a sharded trainer (``RayLanes``) takes two
 steps instead: the layout checked, then every lane received and loaded (``lanes.LaneMember``).
 
 Every method answers with a ``WorkerReply`` in JSON and never raises: vLLM turns a worker's

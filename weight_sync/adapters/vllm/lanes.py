@@ -1,12 +1,13 @@
 """Pushes from every rank of a sharded trainer into running ``vllm serve`` processes.
 
-``VLLMLaneServers`` is ``VLLMServers`` for a trainer sharded over K ranks (FSDP2, DTensor):
-made on every trainer rank, each pushing its own shards over a lane of its own (an ordinary push
-over the store plane, ``send.senders``) while every vLLM worker process of every server
-follows all K lanes at once::
+``ServerLanes`` is what ``VLLMServers(urls, senders=group)`` runs for a trainer sharded over K
+ranks (FSDP2, DTensor): made on every trainer rank, each pushing its own shards over a lane of
+its own (an ordinary push over the store plane, ``send.senders``) while every vLLM worker
+process of every server follows all K lanes at once::
 
     # on every rank of the trainers' torch.distributed group
-    servers = VLLMLaneServers(["http://10.0.0.2:8000", "http://10.0.0.3:8000"])
+    urls = ["http://10.0.0.2:8000", "http://10.0.0.3:8000"]
+    servers = VLLMServers(urls, senders=dist.group.WORLD)
     for step in range(steps):
         ...  # train
         servers.push(model.state_dict())      # this rank's shards; every rank at once
@@ -28,10 +29,10 @@ vLLM's weight-transfer API carries it, one HTTP call per server per step, made b
   servers are labelled ``"none"`` and resumed, as ``VLLMServers`` does.
 
 Pausing, resetting the prefix cache and resuming are ``VLLMServers``' (``servers.py``), on rank
-0. A server that restarted needs a new ``VLLMLaneServers`` (its workers no longer follow the
-lanes); the one-sender ``VLLMServers`` forms its group again by itself. The worker's half,
-``LaneMember``, is also what each worker of a ``VLLMEngine`` on Ray runs for a ``LaneUpdater``
-(``extension.py``).
+0. A server that restarted needs new ``VLLMServers`` on every rank (its workers no longer
+follow the lanes); one sender's forms its group again by itself. The worker's half,
+``LaneMember``, is also what each worker of a ``VLLMEngine`` on Ray runs for a
+``WeightUpdater`` with ``senders`` (``extension.py``).
 """
 
 from __future__ import annotations
@@ -39,13 +40,12 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from typing_extensions import Self
 
 from weight_sync.adapters.vllm.reload import ReloadTarget
 from weight_sync.adapters.vllm.servers import (
@@ -60,7 +60,7 @@ from weight_sync.adapters.vllm.servers import (
 from weight_sync.config import SyncConfig
 from weight_sync.control.deadline import Deadline
 from weight_sync.control.futures import in_thread
-from weight_sync.control.http import ServerError, check_urls
+from weight_sync.control.http import ServerError
 from weight_sync.control.keys import KEPT_PLANS, Retention, read_bounded, take, wait_all
 from weight_sync.control.lane_store import VERDICTS
 from weight_sync.errors import SyncTimeoutError, WeightSyncError, first_line
@@ -72,11 +72,11 @@ from weight_sync.send.senders import Senders, nothing_moves
 from weight_sync.transport.rendezvous import open_store
 from weight_sync.wire.blocks import BlockLayout
 from weight_sync.wire.metadata import SyncPlan
-from weight_sync.wire.state_dict import Rename, StateDict
+from weight_sync.wire.state_dict import StateDict
 
 logger = logging.getLogger(__name__)
 
-_EPOCH = 1  # a VLLMLaneServers forms its lanes once
+_EPOCH = 1  # a ServerLanes forms its lanes once
 # In rank 0's store, beside the verdicts (``lanes/``): what the workers check, and their answers.
 _CHECK = "check"  # JSON {"push", "digest", "version"}: the push the workers check now
 _LAYOUT = "layout/"  # + digest: the layout itself
@@ -87,32 +87,30 @@ _SENT = "sent/"  # + epoch/slot: the highest version a worker was ever sent
 _CHECK_BYTES = 256
 
 
-class VLLMLaneServers:
+class ServerLanes:
     """This trainer rank's end of pushes from every rank of a sharded trainer into ``vllm
-    serve`` processes at ``urls`` (the same list on every rank; see the module doc).
+    serve`` processes at ``urls`` (the same list on every rank; see the module doc): what
+    ``VLLMServers(urls, senders=group)`` runs, which checks the arguments first.
 
-    Made on every rank of ``group`` (the trainers' torch.distributed group, default: the default
-    group) at once: a collective. Its ranks ``0..n-1`` are the senders; the DTensors pushed must
-    lie on meshes of them (docs/many-senders.md). ``config`` and ``pause_mode`` as
-    ``VLLMServers``'; rank 0 makes every HTTP call."""
+    Made on every rank of ``group`` (the trainers' torch.distributed group) at once: a
+    collective. Its ranks ``0..n-1`` are the senders; the DTensors pushed must lie on meshes of
+    them (docs/many-senders.md). ``config`` and ``pause_mode`` as ``VLLMServers``'; rank 0 makes
+    every HTTP call."""
 
     def __init__(
         self,
         urls: Sequence[str],
-        config: SyncConfig | None = None,
-        *,
-        group: dist.ProcessGroup | None = None,
-        pause_mode: PauseMode = "keep",
+        config: SyncConfig | None,
+        group: dist.ProcessGroup,
+        pause_mode: PauseMode,
     ) -> None:
-        self.urls = check_urls(urls, "vLLM")
-        if pause_mode not in ("keep", "wait", "abort"):
-            raise ValueError(f"pause_mode must be 'keep', 'wait' or 'abort', got {pause_mode!r}")
+        self.urls = list(urls)
         self.pause_mode = pause_mode
         self._lanes = Senders(
             config,
             group,
             lambda given: count_workers(self.urls, given.rpc_timeout_s),
-            "VLLMLaneServers",
+            "VLLMServers",
         )
         self._client = ServersClient(self.urls, self._lanes.config.push_timeout_s)
         self.config = self._lanes.config
@@ -138,15 +136,11 @@ class VLLMLaneServers:
         """The last version every lane committed on every worker (0: none yet)."""
         return self._committed
 
-    def push(
-        self,
-        state_dict: StateDict,
-        *,
-        rename: Rename | None = None,
-        version: int | None = None,
-    ) -> PushResult:
+    def push(self, state_dict: StateDict | object, options: Mapping[str, Any]) -> PushResult:
         """Push this rank's shards of ``state_dict`` while every other trainer rank pushes its
         own; returns once every server serves the version, its prefix cache reset, resumed.
+        ``options``: ``rename`` and ``version`` as ``VLLMServers.push`` (the same on every rank;
+        any other is refused, ``lane_rules.share_of``).
 
         Raises, on every rank and before any byte moves: ``TypeError``/``ValueError`` for a
         state dict some rank refused, ``PlanMismatchError`` where a server's engine cannot load
@@ -155,11 +149,11 @@ class VLLMLaneServers:
         ``ServerError`` where servers failed (named on rank 0) -- the servers then report no
         version and serve again, until a push repairs them."""
         if self._closed:
-            raise WeightSyncError("this VLLMLaneServers is closed; create a new one on every rank")
+            raise WeightSyncError("these VLLMServers are closed; create new ones on every rank")
         started = time.monotonic()
         try:
             share, chosen = self._lanes.agree(
-                state_dict, rename, version, lambda layout, v: self._check(layout, v, started)
+                state_dict, options, lambda layout, v: self._check(layout, v, started)
             )
         except BaseException:
             self._end_session()  # rank 0, where its check paused the servers
@@ -208,12 +202,6 @@ class VLLMLaneServers:
             except ServerError as exc:
                 logger.warning("leaving the servers: %s", exc)
         self._lanes.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _join(self) -> int:
         """Rank 0: every worker follows the lanes from now; the highest version any was sent."""
@@ -368,7 +356,7 @@ class VLLMLaneServers:
 
 class LaneMember:
     """One vLLM worker's end of pushes from every rank of a sharded trainer, however they are
-    driven (over HTTP by ``VLLMLaneServers``: ``StoreLaneMember``; over Ray by ``LaneUpdater``,
+    driven (over HTTP by ``ServerLanes``: ``StoreLaneMember``; over Ray by ``RayLanes``,
     through ``VLLMEngine``): the push's layout checked against the engine, every sender's lane
     followed at once, and the whole tensors loaded in one reload once every lane committed.
     ``single``: the worker's receiver of one-sender pushes, the record of what it holds
@@ -445,7 +433,7 @@ class LaneMember:
 
 
 class StoreLaneMember:
-    """A ``LaneMember`` driven by ``VLLMLaneServers`` over HTTP: it takes a slot in rank 0's
+    """A ``LaneMember`` driven by ``ServerLanes`` over HTTP: it takes a slot in rank 0's
     store (``address``, ``port``), says there the highest version this worker was sent, follows
     every sender's lane (``lanes``: their stores), and answers each check in that store."""
 

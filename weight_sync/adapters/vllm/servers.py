@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from typing_extensions import Self
 
@@ -46,6 +46,11 @@ from weight_sync.send.sharded import ShardedSource
 from weight_sync.wire.mapping import Transform
 from weight_sync.wire.state_dict import Rename, StateDict
 from weight_sync.wire.versions import NO_VERSION, check_version, label_version
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from weight_sync.adapters.vllm.lanes import ServerLanes
 
 __all__ = [
     "NO_VERSION",
@@ -245,9 +250,12 @@ class VLLMServers:
     the push itself, and the calls around it (pause, cache reset, resume) are each bounded by
     ``rpc_timeout_s``. ``pause_mode``: what pausing does to requests in flight -- ``"keep"``
     freezes them (recomputed with the new weights on resume), ``"wait"`` lets them finish with
-    the old weights first, ``"abort"`` ends them.
+    the old weights first, ``"abort"`` ends them. ``senders``: the trainers' torch.distributed
+    group (``dist.group.WORLD``, or a subgroup), every rank of which makes ``VLLMServers`` over
+    the same URLs at once and pushes its own shards at the same point (``lanes.py``,
+    docs/many-senders.md); rank 0 makes every HTTP call. None: this process pushes alone.
 
-    The group forms at the first push, over every worker of every server (a server with tensor
+    One sender's group forms at the first push, over every worker of every server (a server with tensor
     parallelism 2 is two members, counted by ``GET /get_world_size``). It is formed again after
     a push failed other than by a refusal, and whenever a server reports a version other than
     the last one pushed (it restarted, or its worker released it after a trainer died): a
@@ -260,6 +268,7 @@ class VLLMServers:
         config: SyncConfig | None = None,
         *,
         pause_mode: PauseMode = "keep",
+        senders: dist.ProcessGroup | None = None,
     ) -> None:
         self.urls = check_urls(urls, "vLLM")
         if config is not None and not isinstance(config, SyncConfig):
@@ -268,6 +277,12 @@ class VLLMServers:
             raise ValueError(f"pause_mode must be 'keep', 'wait' or 'abort', got {pause_mode!r}")
         self.config = config or SyncConfig()
         self.pause_mode = pause_mode
+        self._lanes: ServerLanes | None = None  # many senders: every rank's lane
+        if senders is not None:
+            from weight_sync.adapters.vllm.lanes import ServerLanes  # it builds on this module
+
+            self._lanes = ServerLanes(self.urls, config, senders, pause_mode)
+            self.config = self._lanes.config
         self._client = ServersClient(self.urls, self.config.push_timeout_s)
         self._plane: Any = None
         self._pusher: Any = None
@@ -279,6 +294,8 @@ class VLLMServers:
     @property
     def version(self) -> int | None:
         """The last version committed on every server by this object (None before the first)."""
+        if self._lanes is not None:
+            return self._lanes.version or None
         return self._version
 
     def versions(self) -> list[int | None]:
@@ -306,8 +323,15 @@ class VLLMServers:
         versions, and are resumed);
         otherwise a ``WeightSyncError`` -- ``ServerError`` naming the servers that failed where
         that is known -- after which the servers still reachable report no version and serve
-        again, until a push repairs them."""
+        again, until a push repairs them.
+
+        With ``senders``: this rank's shards of the state dict while every other rank pushes
+        its own (``transform`` and a ``ShardedSource`` are one sender's), each error raised on
+        every rank; ``SenderFailedError`` names the trainer ranks whose lanes did not land."""
         check_version(version)
+        if self._lanes is not None:
+            options = {"rename": rename, "transform": transform, "version": version}
+            return self._lanes.push(state_dict, options)
         with self._lock:
             if self._closed:
                 raise WeightSyncError("these VLLMServers are closed; create new ones")
@@ -353,6 +377,8 @@ class VLLMServers:
             if not self._closed:
                 self._closed = True
                 self._discard()
+        if self._lanes is not None:
+            self._lanes.close()
 
     def __enter__(self) -> Self:
         return self
