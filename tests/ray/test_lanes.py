@@ -528,6 +528,30 @@ class Plain:
         return True
 
 
+@pytest.mark.parametrize("one_group", [False, True], ids=["lanes", "one_group"])
+def test_a_trainer_of_one_rank_pushes_through_the_same_front(pool: Pool, one_group: bool) -> None:
+    """``senders`` over a group of one rank -- the K = 1 case of a push from every rank: a
+    trainer sharded over a mesh of one, its one lane landing bit for bit on both workers, twice,
+    and the workers letting go of it when it closes."""
+    rank = ShardedTrainer.remote(0, 1)
+    workers = pool.workers((False, False))
+    try:
+        ray.get(rank.setup.remote(ray.get(rank.port.remote(), timeout=TIMEOUT), None))
+        ray.get(rank.lanes_setup.remote(workers, one_group=one_group), timeout=TIMEOUT)
+        for version in (1, 2):
+            ray.get(rank.step.remote(), timeout=TIMEOUT)
+            result = ray.get(rank.lanes_push.remote(), timeout=TIMEOUT)
+            assert result.version == version and result.tensors > 0, result
+            want = ray.get(rank.full_digests.remote(), timeout=TIMEOUT)
+            got = ray.get([w.weight_sync_digests.remote() for w in workers], timeout=TIMEOUT)
+            assert got == [want] * 2
+        ray.get(rank.lanes_close.remote(), timeout=TIMEOUT)
+        for status in ray.get([w.sync_status.remote() for w in workers], timeout=TIMEOUT):
+            assert status.version == 2 and not status.in_group, status
+    finally:
+        kill([rank, *workers])
+
+
 def test_one_group_takes_only_workers_that_can_join_it() -> None:
     """Refused in the constructor, before any group or collective: an engine's workers cannot
     join one group yet."""

@@ -8,6 +8,7 @@ import pytest
 
 from weight_sync.wire.versions import (
     NO_VERSION,
+    agreed_version,
     check_version,
     choose_version,
     held_across_lanes,
@@ -48,6 +49,21 @@ def test_a_push_takes_the_named_version_or_the_lowest_free_one(
     named: int | None, lowest: int, chosen: int
 ) -> None:
     assert choose_version(named, lowest) == chosen
+
+
+@pytest.mark.parametrize(("proposed", "named", "version", "why"), [
+    ([3, 5], [0, 0], 5, None),  # none given: past every sender's
+    ([7, 7], [7, 7], 7, None),  # all given one, past every sender's
+    ([7, 3], [7, 0], 7, "named versions [0, 7]"),  # given to one sender only
+    ([5, 5], [2, 2], 5, "named versions [2]"),  # given one not past a sender's (it proposed 5)
+    ([8, 9], [8, 9], 9, "named versions [8, 9]"),  # given two
+])  # fmt: skip
+def test_many_senders_take_the_highest_proposal_and_one_version_if_given_one(
+    proposed: list[int], named: list[int], version: int, why: str | None
+) -> None:
+    got, said = agreed_version(proposed, named)
+    assert got == version
+    assert (said is None) if why is None else (said is not None and why in said), said
 
 
 @pytest.mark.parametrize(("named", "lowest"), [(7, 8), (1, 8), (3, 4)])

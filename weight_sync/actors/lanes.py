@@ -2,11 +2,12 @@
 
 The trainer actors of one sharded trainer (FSDP2 over their own torch.distributed group) each
 make a ``WeightUpdater(workers, senders=group)`` over the same workers (this class underneath),
-and each calls ``push(model.state_dict())`` at the same point. Each sender pushes the blocks of its own shards over a lane of its own (an ordinary
-push over the store plane: see ``send.senders``), and every worker runs one receive
-per lane at once, writing each block where it belongs (``WeightSyncWorker``'s
-``_weight_sync_lanes_*``; a ``VLLMEngine`` forwards them to its vLLM workers, each a member of
-its own, which load whole tensors once every lane committed). Around the lanes, as in a
+and each calls ``push(model.state_dict())`` at the same point. Each sender pushes the blocks of
+its own shards over a lane of its own (an ordinary push over the store plane: see
+``send.senders``), and every worker runs one receive per lane at once, writing each block where
+it belongs (``WeightSyncWorker``'s ``_weight_sync_lanes_*``; a ``VLLMEngine`` forwards them to
+its vLLM workers, each a member of its own, which load whole tensors once every lane
+committed). Around the lanes, as in a
 launched job (``weight_sync.launch.job_sync``):
 
 * when they form, rank 0 asks every worker how many members it brings and the highest version

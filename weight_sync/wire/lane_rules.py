@@ -38,7 +38,7 @@ from weight_sync.wire.blocks import (
 from weight_sync.wire.mapping import rename as renaming
 from weight_sync.wire.metadata import TensorMeta
 from weight_sync.wire.state_dict import StateDict, check_state_dict, is_dtensor, wire_dtype
-from weight_sync.wire.versions import check_version
+from weight_sync.wire.versions import agreed_version, check_version
 
 Entries = Sequence[tuple[str, torch.Tensor]]
 
@@ -254,20 +254,15 @@ def called_off(senders: list[tuple[int, ...]]) -> str | None:
             "the trainer ranks' state dicts differ (names, dtypes, shapes or placements): every "
             "sender must push the same model's state_dict()"
         )
-    version, named = max(row[1] for row in senders), {row[2] for row in senders}
-    if len(named) > 1 or named - {0, version}:
-        return (
-            f"the senders named versions {sorted(named)}; they must all name one version, past "
-            f"every sender's ({version})"
-        )
-    return None
+    return agreed_version([row[1] for row in senders], [row[2] for row in senders])[1]
 
 
 def proposal(rows: Sequence[tuple[int, ...]], senders: int) -> tuple[str | None, int]:
-    """Why a push is called off (``called_off``: None, it goes ahead), and its version -- the
-    highest any sender proposed --, from every rank's row of its agreement (the ``senders``
+    """Why a push is called off (``called_off``: None, it goes ahead), and its version
+    (``versions.agreed_version``), from every rank's row of its agreement (the ``senders``
     senders' first): what senders and receiving ranks alike decide from the same rows."""
-    return called_off(list(rows[:senders])), max(row[1] for row in rows[:senders])
+    rows = list(rows[:senders])
+    return called_off(rows), agreed_version([row[1] for row in rows], [row[2] for row in rows])[0]
 
 
 def row_tensor(values: list[int], digest: bytes) -> torch.Tensor:

@@ -72,6 +72,20 @@ def choose_version(named: int | None, lowest: int, who: str = "workers") -> int:
     return named
 
 
+def agreed_version(proposed: Sequence[int], named: Sequence[int]) -> tuple[int, str | None]:
+    """``choose_version`` for a push from many senders, each of which proposed a version (the
+    one it was given, else its lowest free one) and says the one it was given (0: none): the
+    push takes the highest proposed; where the senders were given versions that are not one
+    version past every sender's, also why it cannot (the push is then called off)."""
+    version, given = max(proposed), set(named)
+    if len(given) > 1 or given - {0, version}:
+        return version, (
+            f"the senders named versions {sorted(given)}; they must all name one version, past "
+            f"every sender's ({version})"
+        )
+    return version, None
+
+
 def past_sent(version: int, sent: int) -> list[str]:
     """A member's problem with a push's ``version`` when it is not past ``sent``, the highest
     version the member was ever sent (by one sender or many)."""

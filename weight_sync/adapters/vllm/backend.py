@@ -103,8 +103,8 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
     # The worker's own server (``vllm serve``), where the trainer drives it over HTTP: if the
     # trainer dies, the worker's watchdog releases that server (see ``_Watchdog``).
     server_url: str | None = None
-    # Every sender's store, where a sharded trainer pushes from each rank (``VLLMServers`` with ``senders``):
-    # ``address``/``port`` are then rank 0's.
+    # Every sender's store, where a sharded trainer pushes from each rank (``VLLMServers`` with
+    # ``senders``): ``address``/``port`` are then rank 0's.
     lanes: list[list[Any]] | None = None
 
 

@@ -255,11 +255,11 @@ class VLLMServers:
     the same URLs at once and pushes its own shards at the same point (``lanes.py``,
     docs/many-senders.md); rank 0 makes every HTTP call. None: this process pushes alone.
 
-    One sender's group forms at the first push, over every worker of every server (a server with tensor
-    parallelism 2 is two members, counted by ``GET /get_world_size``). It is formed again after
-    a push failed other than by a refusal, and whenever a server reports a version other than
-    the last one pushed (it restarted, or its worker released it after a trainer died): a
-    restarted server at the same URL rejoins with full weights at the next push.
+    One sender's group forms at the first push, over every worker of every server (a server
+    with tensor parallelism 2 is two members, counted by ``GET /get_world_size``). It is formed
+    again after a push failed other than by a refusal, and whenever a server reports a version
+    other than the last one pushed (it restarted, or its worker released it after a trainer
+    died): a restarted server at the same URL rejoins with full weights at the next push.
     """
 
     def __init__(
@@ -328,10 +328,10 @@ class VLLMServers:
         With ``senders``: this rank's shards of the state dict while every other rank pushes
         its own (``transform`` and a ``ShardedSource`` are one sender's), each error raised on
         every rank; ``SenderFailedError`` names the trainer ranks whose lanes did not land."""
-        check_version(version)
-        if self._lanes is not None:
+        if self._lanes is not None:  # a caller's mistake raises once every rank agreed
             options = {"rename": rename, "transform": transform, "version": version}
             return self._lanes.push(state_dict, options)
+        check_version(version)
         with self._lock:
             if self._closed:
                 raise WeightSyncError("these VLLMServers are closed; create new ones")
