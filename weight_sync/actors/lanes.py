@@ -51,6 +51,7 @@ from weight_sync.send.roster import Held
 from weight_sync.send.routes import members_nccl_problem
 from weight_sync.send.senders import Senders, nothing_moves
 from weight_sync.transport.devices import current_gpu, gpu_uuid
+from weight_sync.wire.blame import Outcomes
 from weight_sync.wire.blocks import BlockLayout
 from weight_sync.wire.lane_rules import Share
 from weight_sync.wire.metadata import GroupSpec, MemberInfo
@@ -293,7 +294,7 @@ class RayLanes:
         if not calls:
             return
         deadline = Deadline(self.config.push_timeout_s + 5, "the workers' receives", started)
-        outcomes = collect(self._plane, [call.future() for call in calls], deadline.remaining())
+        outcomes = self._outcomes(calls, deadline.remaining())
         if outcomes.ok:
             return
         failed = outcomes.error("the workers' receives", deadline.seconds)
@@ -306,10 +307,14 @@ class RayLanes:
         """Rank 0: every worker's answer to ``calls`` (one each), within ``timeout_s``; else
         the error naming who failed and how, by the rules every push's members are blamed by
         (``wire.blame.Outcomes``): a worker dead or silent, one that raised."""
-        outcomes = collect(self._plane, [call.future() for call in calls], timeout_s)
+        outcomes = self._outcomes(calls, timeout_s)
         if not outcomes.ok:
             raise outcomes.error(what, timeout_s)
         return outcomes.results
+
+    def _outcomes(self, calls: Sequence[Any], timeout_s: float) -> Outcomes:
+        """How each worker's Ray call ended, within ``timeout_s`` (``control.plane.collect``)."""
+        return collect(self._plane, [call.future() for call in calls], timeout_s)
 
 
 def _current_gpu() -> str | None:
