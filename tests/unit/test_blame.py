@@ -192,3 +192,29 @@ def test_a_lone_senders_death_is_said_first_and_keeps_the_type() -> None:
         "trainer rank 0 died or left mid-push: the push did not commit on rank 2 "
         "(TransportError: a collective failed (Connection closed by peer))"
     )
+
+
+@pytest.mark.parametrize(
+    ("words", "blamed", "said"),
+    [
+        ([{"version": 4}, {"version": 4}], [], []),
+        # a worker whose engine did not load the lanes: blamed with its reason, kept
+        ([{"version": 4}, {"error": "out of memory"}], [1], ["worker 1: out of memory"]),
+        # a worker that wrote no word (its update call returned without one)
+        ([{}, {"version": 4}], [0], ["worker 0: gave no word on the push"]),
+        ([{"error": "a"}, {"error": "b"}], [0, 1], ["worker 0: a", "worker 1: b"]),
+    ],
+)
+def test_vllm_workers_words_on_a_push_from_many_senders_are_blamed_by_the_same_rules(
+    words: list[dict], blamed: list[int], said: list[str]
+) -> None:
+    """``vllm serve``'s workers answer a push from many senders in rank 0's store, not as
+    calls; their words become ``Outcomes`` and its ``error``, as one sender's members' do."""
+    from weight_sync.adapters.vllm.lanes import load_outcomes
+
+    result = load_outcomes(words)
+    assert result.ok == (not blamed)
+    if blamed:
+        error = result.error("loading the push", 5.0)
+        assert type(error) is WorkerFailedError and error.workers == blamed
+        assert error.dropped == [] and all(part in str(error) for part in said)

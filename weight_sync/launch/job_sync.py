@@ -71,9 +71,9 @@ from weight_sync.send.senders import (
     formed_everywhere,
     gather_rows,
     lane_config,
-    needed_anywhere,
     nothing_moves,
     push_share,
+    renew_one_group,
     share_endpoints,
 )
 from weight_sync.send.sharded import control_device
@@ -301,6 +301,7 @@ class JobSync:
         Returns what failed in connecting them, to be raised once every rank knows (the pairs
         they join connect point to point: a pair that cannot fails its two ranks only)."""
         assert self._buckets is not None
+        self._one_group = None
         self._one_group = form_one_group(self._buckets, None, control_device(None))
         try:
             self._paths = lane_paths_over(self._one_group, self.senders)
@@ -324,28 +325,26 @@ class JobSync:
         return self._member.follow(self._endpoints, slot, self.config.rendezvous_timeout_s, rounds)
 
     def _renew_one_group(self) -> None:
-        """Every rank at once, as a push begins over one group: where any rank's last push
-        failed once its bytes began (the group is then aborted, or may be), leave the group
-        and form it again, every receiving rank following the senders' lanes anew (keeping
-        the version it holds), before the push's agreement. One small all-reduce otherwise."""
+        """Every rank at once, as a push begins over one group (``renew_one_group``): where any
+        rank's last push failed once its bytes began, every rank forms the group again -- a
+        receiving rank following the senders' lanes anew (keeping the version it holds) --
+        before the push's agreement."""
         assert self._control is not None
-        if not needed_anywhere(self._renew or self._one_group is None, self._control):
-            return
-        logger.info("rank %d: forming the one group again after a failed push", self.rank)
-        self._renew = True  # until every rank has it again
-        group, self._one_group = self._one_group, None
-        if group is not None:
-            group.close()
-        failure = self._form_one_group()
-        if self._out is not None:
-            self._out.pusher.regroup()  # the lane forms again, over the new group
-        elif failure is None:
-            try:  # the old lanes' group is gone already: nothing of them is worth keeping
-                self._follow()
-            except Exception as exc:  # raised once the others know (see formed_everywhere)
-                failure = exc
-        formed_everywhere(failure, "form the one group again", self._control, CPU)
-        self._renew = False
+
+        def form() -> Exception | None:
+            self._renew = True  # until every rank has it again
+            failure = self._form_one_group()
+            if self._out is not None:
+                self._out.pusher.regroup()  # the lane forms again, over the new group
+            elif failure is None:
+                try:  # the old lanes' group is gone already: nothing of them is worth keeping
+                    self._follow()
+                except Exception as exc:  # raised once the others know
+                    failure = exc
+            return failure
+
+        if renew_one_group(self._renew, self._one_group, self._control, form):
+            self._renew = False
 
     # -- the senders ---------------------------------------------------------------------------
 

@@ -240,7 +240,8 @@ class Senders:
             self.store = dist.PrefixStore(VERDICTS, store)
             self.verdicts = Verdicts(self.store, self.senders)
             if invite is not None:
-                self._form_one_group(given, invite)
+                failure = self._form_one_group(given, invite)
+                formed_everywhere(failure, "learn the one group's routes", self.control, CPU)
         except BaseException:
             self._close(out)
             raise
@@ -360,31 +361,31 @@ class Senders:
             self.one_group.close()
 
     def renew_one_group(self, needed: bool) -> bool:
-        """Every sender at once, before a push over the one group: where any of them says it is
-        ``needed`` (its last push failed: the group may be aborted, or a member may have lost
-        it), leave it and form a new one, every member rejoining, and have every lane form its
-        own group again over the members' new lanes. One small all-reduce otherwise. Returns
+        """Every sender at once, before a push over the one group (``renew_one_group``): where
+        any of them says it is ``needed`` (its last push failed), every member rejoins a new
+        one and every lane forms its own group again over the members' new lanes. Returns
         whether it formed the group again."""
         assert self._invite is not None
-        if not needed_anywhere(needed or self.one_group is None, self.control):  # None: failed
-            return False
-        logger.info("forming the one group again after a failed push")
-        self.out.pusher.regroup()
-        group, self.one_group = self.one_group, None
-        if group is not None:
-            group.close()
-        self._form_one_group(self._given, self._invite)
-        return True
+        invite = self._invite
 
-    def _form_one_group(self, config: SyncConfig, invite: Invite) -> None:
+        def form() -> Exception | None:
+            self.out.pusher.regroup()
+            return self._form_one_group(self._given, invite)
+
+        return renew_one_group(needed, self.one_group, self.control, form)
+
+    def _form_one_group(self, config: SyncConfig, invite: Invite) -> Exception | None:
         """Form the one group with the members, then tell every sender whether each member
         joined it: one may fail after the group formed (a sender's store it cannot reach), and
-        the senders must not go on without it, waiting on each other, while rank 0 raises."""
+        the senders must not go on without it, waiting on each other, while rank 0 raises.
+        Returns what failed on this rank in learning the group's routes, to be raised once
+        every sender knows (``formed_everywhere``)."""
         answers: list[Callable[[], None]] = []  # rank 0: what waits for the members' joins
 
         def ask(specs: list[GroupSpec]) -> None:
             answers.append(invite(specs, self.endpoints))
 
+        self.one_group = None
         self.one_group = form_one_group(config, self.control, CPU, ask, self.members)
         failure: Exception | None = None
         try:
@@ -398,7 +399,7 @@ class Senders:
             return 0
 
         self.from_rank_0(joined)
-        formed_everywhere(failure, "learn the one group's routes", self.control, CPU)
+        return failure
 
     def _over_one_group(self, lane: Transport) -> Transport:
         assert self.one_group is not None, "the one group forms before any push"
@@ -506,6 +507,28 @@ def nothing_moves(share: Share, committed: int) -> PushResult | None:
         return None
     logger.info("empty state dict: nothing to push (version stays %d)", committed)
     return PushResult(committed, 0, 0, 0.0)
+
+
+def renew_one_group(
+    needed: bool,
+    group: TorchGroup | None,
+    control: dist.ProcessGroup | None,
+    form: Callable[[], Exception | None],
+) -> bool:
+    """Every rank of ``control`` at once, as a push over one group begins: where any rank says
+    it is ``needed`` (its last push failed once bytes began: the group may be aborted, or a
+    member may have lost it) or the group is missing (None: forming it failed), leave ``group``
+    and ``form`` a new one -- each rank's own part of forming it, which returns what failed
+    there, raised on every rank once all know. One small all-reduce otherwise. Returns whether
+    it formed the group again. The one renewal of a push from many senders, whoever the
+    members are (Ray workers invited to join, or the receiving ranks of a launched job)."""
+    if not needed_anywhere(needed or group is None, control):
+        return False
+    logger.info("forming the one group again after a failed push")
+    if group is not None:
+        group.close()
+    formed_everywhere(form(), "form the one group again", control, CPU)
+    return True
 
 
 def needed_anywhere(needed: bool, group: dist.ProcessGroup | None) -> bool:

@@ -63,13 +63,14 @@ from weight_sync.control.futures import in_thread
 from weight_sync.control.http import ServerError
 from weight_sync.control.keys import KEPT_PLANS, Retention, read_bounded, take, wait_all
 from weight_sync.control.lane_store import VERDICTS
-from weight_sync.errors import SyncTimeoutError, WeightSyncError, first_line
+from weight_sync.errors import WeightSyncError, WorkerFailedError, first_line
 from weight_sync.receive.assembly import Assembly
 from weight_sync.receive.member import Member
 from weight_sync.receive.receiver import Receiver
 from weight_sync.result import PushResult
 from weight_sync.send.senders import Senders, nothing_moves
 from weight_sync.transport.rendezvous import open_store
+from weight_sync.wire.blame import Outcomes
 from weight_sync.wire.blocks import BlockLayout
 from weight_sync.wire.metadata import SyncPlan
 from weight_sync.wire.state_dict import StateDict
@@ -217,7 +218,7 @@ class ServerLanes:
             }
         )
         deadline = Deadline(self.config.rendezvous_timeout_s, "the vLLM workers' joining")
-        return max(int(sent) for sent in self._answers(f"{_SENT}{_EPOCH}/", deadline, "join"))
+        return max(int(sent) for sent in self._answers(f"{_SENT}{_EPOCH}/", deadline, "joining"))
 
     # -- rank 0: the HTTP calls around the lanes ---------------------------------------------------
 
@@ -241,10 +242,7 @@ class ServerLanes:
             self._session = True
             self._client.start_weight_update()
             checked = f"{_CHECKED}{self._lanes.pushes}/"
-            answers = [
-                json.loads(answer)
-                for answer in self._answers(checked, deadline, "check the layout", delete=True)
-            ]
+            answers = self._answers(checked, deadline, "layout check", delete=True)
         except Exception as exc:  # a store error too: rank 0 must still give the word
             self._end_session()
             raise ServerError(
@@ -280,21 +278,18 @@ class ServerLanes:
 
     def _loaded_everywhere(self) -> None:
         """Every worker's word on the push (``StoreLaneMember.receive``, which never raises):
-        ``ServerError`` naming those that did not load it."""
-        push = self._lanes.pushes
-        failed = {}
-        keys = self._worker_keys(f"{_LANDED}{push}/")
+        ``ServerError`` naming those that did not load it, by ``wire.blame``'s rules."""
+        keys = self._worker_keys(f"{_LANDED}{self._lanes.pushes}/")
         found = take(self._lanes.store, keys)
-        for worker, key in enumerate(keys):
-            outcome = json.loads(found[key]) if key in found else {}
-            if "version" not in outcome:
-                failed[f"vLLM worker {worker}"] = outcome.get("error", "gave no word on the push")
-        if failed:
-            raise ServerError(
-                "the lanes committed, but vLLM workers did not load them: "
-                + "; ".join(f"{who}: {why}" for who, why in failed.items()),
-                failed,
-            )
+        outcomes = load_outcomes([json.loads(found[key]) if key in found else {} for key in keys])
+        if outcomes.ok:
+            return
+        error = outcomes.error(
+            "the lanes committed, but loading them into the engines", self.config.push_timeout_s
+        )
+        assert isinstance(error, WorkerFailedError), error  # only raised outcomes: blamed
+        failed = {f"vLLM worker {worker}": why for worker, why in outcomes.raised.items()}
+        raise ServerError(str(error), failed, error.workers)
 
     def _worker_keys(self, prefix: str) -> list[str]:
         """Each vLLM worker's key under ``prefix``, in order (a worker writes under its slot,
@@ -303,17 +298,19 @@ class ServerLanes:
 
     def _answers(
         self, prefix: str, deadline: Deadline, what: str, *, delete: bool = False
-    ) -> list[bytes]:
-        """Every vLLM worker's answer under ``prefix``, in order, within ``deadline``
-        (``delete``: read once); ``SyncTimeoutError`` naming the workers that gave none."""
+    ) -> list[Any]:
+        """Every vLLM worker's answer under ``prefix`` (JSON), in order, within ``deadline``
+        (``delete``: read once); where some gave none, the error ``wire.blame`` says for
+        ``what`` (``SyncTimeoutError`` when none answered; else the silent ones blamed)."""
         keys = self._worker_keys(prefix)
         found = wait_all(self._lanes.store, keys, deadline, delete=delete)
-        missing = [worker for worker, key in enumerate(keys) if key not in found]
-        if missing:
-            raise SyncTimeoutError(
-                f"vLLM workers {missing} did not {what} within {deadline.seconds}s"
-            )
-        return [found[key] for key in keys]
+        words = [json.loads(found[key]) if key in found else None for key in keys]
+        outcomes = Outcomes(
+            words, late=[worker for worker, word in enumerate(words) if word is None]
+        )
+        if not outcomes.ok:
+            raise outcomes.error(f"the vLLM workers' {what}", deadline.seconds)
+        return words
 
     def _failed(self, update: Future[None], error: BaseException, started: float) -> None:
         """The push failed: the servers claim no version and serve again (the push's error is
@@ -349,6 +346,20 @@ class ServerLanes:
     def _wait(self, update: Future[None], started: float) -> None:
         deadline = Deadline(self.config.push_timeout_s + 5, "the servers' update calls", started)
         update.result(timeout=deadline.remaining())
+
+
+def load_outcomes(words: Sequence[Mapping[str, Any]]) -> Outcomes:
+    """How a push ended at each vLLM worker, from its word in rank 0's store (``{"version"}``,
+    or ``{"error"}``; empty where it gave none): one that did not load the push answered and
+    lives, so it is blamed and kept -- ``wire.blame``'s rule for a call that raised."""
+    return Outcomes(
+        list(words),
+        raised={
+            worker: str(word.get("error", "gave no word on the push"))
+            for worker, word in enumerate(words)
+            if "version" not in word
+        },
+    )
 
 
 # -- inside each vLLM worker process --------------------------------------------------------------
