@@ -62,7 +62,10 @@ def close_from_another_thread_rank(ctx: RankContext, mode: str) -> dict:
 def test_close_from_another_thread_returns_at_once_and_ends_the_wait(mode: str) -> None:
     _, member = run_ranks(close_from_another_thread_rank, 2, mode)
     assert member["what"] == "TransportError", member
-    assert member["close_s"] < 0.1, member
+    # "At once": without the close the wait would end at rank 0's close (3 s) or the
+    # collective's bound (30 s). The close itself took 0.20 s once in CI with the suite running
+    # beside it on a slow day (a fixed loop 2.2x its usual time), so 1 s, not 0.1.
+    assert member["close_s"] < 1.0, member
     assert member["raised_after_s"] < 0.5, member
 
 

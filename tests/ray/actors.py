@@ -502,6 +502,10 @@ class ShardedTrainer:
             workers, SyncConfig(**config), senders=dist.group.WORLD, one_group=one_group
         )
 
+    def lanes_routes(self) -> tuple[list[str], bool]:
+        """How each worker takes this rank's lane, and whether its group is formed."""
+        return self.lanes.routes, self.lanes.group is not None
+
     def lanes_push(
         self,
         version: int | None = None,
@@ -514,7 +518,7 @@ class ShardedTrainer:
         starts the second (the lane's group must have formed: push once before). ``only``:
         these tensors, as a partial push."""
         if die == "mid":
-            _die_on_second_bucket(self.lanes._pushes._lanes.out.pusher.group)
+            _die_on_second_bucket(self.lanes.group)  # this rank's lane's group
         elif die:
             self.lanes._pushes._lanes.out.push = lambda *args, **kwargs: os._exit(9)
         state = self.model.state_dict()

@@ -532,12 +532,14 @@ class Plain:
 def test_a_trainer_of_one_rank_pushes_through_the_same_front(pool: Pool, one_group: bool) -> None:
     """``senders`` over a group of one rank -- the K = 1 case of a push from every rank: a
     trainer sharded over a mesh of one, its one lane landing bit for bit on both workers, twice,
-    and the workers letting go of it when it closes."""
+    the front's ``routes`` and ``group`` its lane's, and the workers letting go of it when it
+    closes."""
     rank = ShardedTrainer.remote(0, 1)
     workers = pool.workers((False, False))
     try:
         ray.get(rank.setup.remote(ray.get(rank.port.remote(), timeout=TIMEOUT), None))
         ray.get(rank.lanes_setup.remote(workers, one_group=one_group), timeout=TIMEOUT)
+        assert ray.get(rank.lanes_routes.remote(), timeout=TIMEOUT) == ([], False)  # not formed
         for version in (1, 2):
             ray.get(rank.step.remote(), timeout=TIMEOUT)
             result = ray.get(rank.lanes_push.remote(), timeout=TIMEOUT)
@@ -545,6 +547,8 @@ def test_a_trainer_of_one_rank_pushes_through_the_same_front(pool: Pool, one_gro
             want = ray.get(rank.full_digests.remote(), timeout=TIMEOUT)
             got = ray.get([w.weight_sync_digests.remote() for w in workers], timeout=TIMEOUT)
             assert got == [want] * 2
+            # The front's routes and group are the lane's, as one sender's are its group's.
+            assert ray.get(rank.lanes_routes.remote(), timeout=TIMEOUT) == (["group"] * 2, True)
         ray.get(rank.lanes_close.remote(), timeout=TIMEOUT)
         for status in ray.get([w.sync_status.remote() for w in workers], timeout=TIMEOUT):
             assert status.version == 2 and not status.in_group, status

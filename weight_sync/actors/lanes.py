@@ -48,8 +48,9 @@ from weight_sync.errors import (
 )
 from weight_sync.result import PushResult
 from weight_sync.send.roster import Held
-from weight_sync.send.routes import members_nccl_problem
+from weight_sync.send.routes import Route, members_nccl_problem
 from weight_sync.send.senders import Senders, nothing_moves
+from weight_sync.transport.base import Transport
 from weight_sync.transport.devices import current_gpu, gpu_uuid
 from weight_sync.wire.blame import Outcomes
 from weight_sync.wire.blocks import BlockLayout
@@ -127,6 +128,16 @@ class RayLanes:
     @property
     def workers(self) -> tuple[ActorHandle, ...]:
         return tuple(self._workers)
+
+    @property
+    def group(self) -> Transport | None:
+        """This rank's lane's group, None until a push forms it."""
+        return self._lanes.out.pusher.group
+
+    @property
+    def routes(self) -> list[Route]:
+        """How each worker takes this rank's lane (``Pusher.routes``)."""
+        return self._lanes.out.pusher.routes
 
     def push(self, state_dict: StateDict | object, options: Mapping[str, Any]) -> PushResult:
         """Push this rank's shards of ``state_dict`` while every other trainer rank pushes its

@@ -86,17 +86,15 @@ class WeightUpdater:
 
     @property
     def group(self) -> Transport | None:
-        """One sender: the sync group (this process is rank 0), None until a push forms it; see
-        ``Pusher.group``. Many senders: None (each lane has its own)."""
-        return self._pushes.group if isinstance(self._pushes, RayPusher) else None
+        """The group this process sends over (it is rank 0), None until a push forms it; see
+        ``Pusher.group``. Many senders: this rank's lane's."""
+        return self._pushes.group
 
     @property
     def routes(self) -> list[Route]:
-        """One sender: how each worker receives through the current group (``Pusher.routes``).
-        Many senders: every lane goes over a group of its own (``"group"``)."""
-        if isinstance(self._pushes, RayPusher):
-            return self._pushes.routes
-        return ["group"] * len(self._pushes.workers)
+        """How each worker receives through that group (``Pusher.routes``; empty while none is
+        formed). Many senders: a lane reaches every worker through its group (``"group"``)."""
+        return self._pushes.routes
 
     def push(
         self,

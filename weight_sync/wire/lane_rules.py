@@ -246,15 +246,7 @@ def called_off(senders: list[tuple[int, ...]]) -> str | None:
     """Why a push from many senders is called off before any byte moves, from every sender's
     row (``Share.row``: refused, proposed version, named version, then the layout digest's
     words): the same answer on every rank, which gathered the same rows. None: it goes ahead."""
-    refused = [rank for rank, row in enumerate(senders) if row[0]]
-    if refused:
-        return f"trainer rank(s) {refused} refused their shards (see their errors)"
-    if len({row[3:] for row in senders}) > 1:
-        return (
-            "the trainer ranks' state dicts differ (names, dtypes, shapes or placements): every "
-            "sender must push the same model's state_dict()"
-        )
-    return agreed_version([row[1] for row in senders], [row[2] for row in senders])[1]
+    return proposal(senders, len(senders))[0]
 
 
 def proposal(rows: Sequence[tuple[int, ...]], senders: int) -> tuple[str | None, int]:
@@ -262,7 +254,16 @@ def proposal(rows: Sequence[tuple[int, ...]], senders: int) -> tuple[str | None,
     (``versions.agreed_version``), from every rank's row of its agreement (the ``senders``
     senders' first): what senders and receiving ranks alike decide from the same rows."""
     rows = list(rows[:senders])
-    return called_off(rows), agreed_version([row[1] for row in rows], [row[2] for row in rows])[0]
+    version, named_apart = agreed_version([row[1] for row in rows], [row[2] for row in rows])
+    refused = [rank for rank, row in enumerate(rows) if row[0]]
+    if refused:
+        return f"trainer rank(s) {refused} refused their shards (see their errors)", version
+    if len({row[3:] for row in rows}) > 1:
+        return (
+            "the trainer ranks' state dicts differ (names, dtypes, shapes or placements): every "
+            "sender must push the same model's state_dict()"
+        ), version
+    return named_apart, version
 
 
 def row_tensor(values: list[int], digest: bytes) -> torch.Tensor:
