@@ -29,11 +29,13 @@ Several senders (``JobSync(senders=K)``: ranks ``0..K-1`` a sharded trainer, eve
 its own shards; see docs/many-senders.md): each sender is the above on a lane of its own -- its
 store, its ``Pusher``, a standalone group with the receiving ranks -- and each receiving rank
 runs one ``Receiver`` per lane, on a thread each, placing the lanes' blocks in its model
-(``receive.assembly``). Around the lanes, every rank agrees before any byte moves (a gather of
-fixed-size rows over a Gloo group of the job: each sender's checks, version and layout digest;
-the layout itself to receiving ranks that lack it; their refusals), and after them rank 0 judges
-the senders' reports in its store; a receiving rank holds a version only once every lane
-committed it there.
+(``receive.assembly``). The lanes, their verdicts and the one group are those of every
+front's senders (``send.senders.Senders``), the receiving ranks being ranks of its group: they
+follow the lanes as those form, and again when the one group forms anew. Around the lanes,
+every rank agrees before any byte moves (a gather of fixed-size rows over that Gloo group:
+each sender's checks, version and layout digest; the layout itself to receiving ranks that
+lack it; their refusals), and after them rank 0 judges the senders' reports in its store; a
+receiving rank holds a version only once every lane committed it there.
 """
 
 from __future__ import annotations
@@ -51,37 +53,30 @@ import torch.distributed as dist
 from typing_extensions import Self
 
 from weight_sync.config import SyncConfig
-from weight_sync.control.lane_store import VERDICTS, Verdicts
 from weight_sync.errors import (
     PlanMismatchError,
     TransportError,
     WeightSyncError,
 )
 from weight_sync.receive.assembly import Assembly
-from weight_sync.receive.inbound import Lanes
 from weight_sync.receive.member import Member
 from weight_sync.receive.receiver import Loader, Receiver, expecting
 from weight_sync.result import PushResult
 from weight_sync.send.senders import (
     Outbound,
+    Senders,
     agree,
-    agree_on_config,
     before_any_byte,
-    form_one_group,
     formed_everywhere,
     gather_rows,
     lane_config,
     nothing_moves,
-    push_share,
-    renew_one_group,
     share_endpoints,
 )
 from weight_sync.send.sharded import control_device
 from weight_sync.transport import TorchGroup
-from weight_sync.transport.base import Transport
 from weight_sync.transport.devices import CPU, module_device
-from weight_sync.transport.rendezvous import open_store
-from weight_sync.transport.rounds import LanePath, Rounds, SendLane, lane_paths_over
+from weight_sync.transport.rounds import LanePath, Rounds
 from weight_sync.wire.blame import lone_sender_gone
 from weight_sync.wire.lane_rules import Share, row_digest, share_of
 from weight_sync.wire.state_dict import StateDict
@@ -187,15 +182,11 @@ class JobSync:
         if senders > 1:
             self.config = lane_config(self.config, one_group)  # the lanes' own groups: Gloo
         self.senders = senders
-        self._one_group: TorchGroup | None = None  # one_group: every lane's buckets go over it
-        self._buckets = buckets if one_group else None  # and the config it is formed with
-        self._paths: list[LanePath] = []  # each lane's way over it
+        self._one_group = one_group  # every lane's buckets over one group of every rank
         self._renew = False  # this rank's last push failed once the bytes began
+        self._senders: Senders | None = None  # several senders: every rank's part in the lanes
         self._out: Outbound | None = None  # a sender's lane
         self._member: Member | None = None  # a receiving rank's: what it holds, its lanes
-        self._control: dist.ProcessGroup | None = None  # several senders: every rank, Gloo
-        self._verdicts: Verdicts | None = None  # a sender's, with several
-        self._pushes = 0  # pushes begun (every rank, with several senders)
         self._committed = 0  # a sender's, with several: the last push every lane committed
         self._closed = False
         self._device = CPU  # where this rank's model lives: set by each receive
@@ -208,36 +199,23 @@ class JobSync:
                     f"a job of {self.world_size} ranks, {senders} of them sending, has nobody to "
                     "push to: launch more ranks, or name fewer senders"
                 )
-            if senders > 1:  # every rank's first collective: nothing formed yet
-                sender = self.rank < senders
-                agree_on_config(buckets, sender, one_group, None, control_device(None))
-            wrap = None  # a sender's: its lane's buckets over the one group
-            if one_group:
-                failure = self._form_one_group()
-                formed_everywhere(failure, "connect the one group", None, control_device(None))
-                wrap = self._over_one_group if self.rank < senders else None
-            mine: tuple[str, int] | Exception | None = None
-            if self.rank < senders:
-                try:
-                    self._out = Outbound(self.config, self.world_size - senders, wrap)
-                    mine = self._out.address
-                except Exception as exc:  # raised once the others know (see share_endpoints)
-                    mine = exc
-            endpoints = share_endpoints(mine, senders, None, control_device(None))
-            failure = None
-            self._endpoints = endpoints
-            if self.rank >= senders:
+            receiving = self.rank >= senders
+            if receiving:
                 self._member = Member(Receiver(lambda: self._device))
-                try:
-                    self._follow()
-                except Exception as exc:  # raised once the others know: they do not wait for it
-                    failure = exc
-            formed_everywhere(failure, "follow the senders' lanes", None, control_device(None))
-            if senders > 1:
-                self._control = dist.new_group(backend="gloo", timeout=_timeout(self.config))
-                if self.rank < senders:
-                    store = open_store(*endpoints[0], 1, self.config.rendezvous_timeout_s, None)
-                    self._verdicts = Verdicts(dist.PrefixStore(VERDICTS, store), senders)
+            if senders == 1:
+                self._form_alone()
+            else:  # the senders' lanes, every receiving rank a rank of their agreement
+                receivers = self.world_size - senders
+                self._senders = Senders(
+                    buckets,
+                    None,
+                    lambda _: receivers,
+                    "JobSync",
+                    one_group=one_group,
+                    receivers=receivers,
+                    follow=self._follow if receiving else None,
+                )
+                self._out = None if receiving else self._senders.out
         except BaseException:
             self.close()
             raise
@@ -278,14 +256,14 @@ class JobSync:
         destroyed only if ``JobSync`` made it. Idempotent."""
         self._closed = True
         out, self._out = self._out, None
-        if out is not None:
-            out.close()
         if self._member is not None:
             self._member.close()
-        self._member, self._verdicts = None, None
-        if self._one_group is not None:
-            self._one_group.close()
-            self._one_group = None
+        self._member = None
+        senders, self._senders = self._senders, None
+        if senders is not None:
+            senders.close()  # this rank's lane with it
+        elif out is not None:
+            out.close()
         if self._owns_world and dist.is_initialized():
             self._owns_world = False
             dist.destroy_process_group()
@@ -296,55 +274,47 @@ class JobSync:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _form_one_group(self) -> Exception | None:
-        """Every rank at once: the one group every lane's buckets go over, and their routes.
-        Returns what failed in connecting them, to be raised once every rank knows (the pairs
-        they join connect point to point: a pair that cannot fails its two ranks only)."""
-        assert self._buckets is not None
-        self._one_group = None
-        self._one_group = form_one_group(self._buckets, None, control_device(None))
-        try:
-            self._paths = lane_paths_over(self._one_group, self.senders)
-        except Exception as exc:
-            return exc
-        return None
+    def _form_alone(self) -> None:
+        """Every rank at once, with one sender: rank 0's lane, its store's address shared over
+        the job's group, every other rank following it (what failed on one rank raised on every
+        rank once all know: the others do not wait for it)."""
+        mine: tuple[str, int] | Exception | None = None
+        if self.rank == 0:
+            try:
+                self._out = Outbound(self.config, self.world_size - 1)
+                mine = self._out.address
+            except Exception as exc:  # raised once the others know (see share_endpoints)
+                mine = exc
+        device = control_device(None)
+        endpoints = share_endpoints(mine, 1, None, device)
+        failure = None
+        if self._member is not None:
+            try:
+                self._follow(endpoints, None, [])
+            except Exception as exc:
+                failure = exc
+        formed_everywhere(failure, "follow the sender's lane", None, device)
 
-    def _over_one_group(self, lane: Transport) -> Transport:
-        """A sender's lane, each time it forms: its buckets over the one group of the moment."""
-        assert self._one_group is not None, "the one group forms before any push"
-        return SendLane(lane, self._one_group, self._paths[self.rank].targets)
-
-    def _follow(self) -> Lanes:
-        """A receiving rank's lanes from every sender (over the one group, if there is one:
-        then anew, the group being new)."""
+    def _follow(
+        self, endpoints: list[tuple[str, int]], one_group: TorchGroup | None, paths: list[LanePath]
+    ) -> None:
+        """A receiving rank's lanes from every sender (over ``one_group`` along ``paths``, if
+        there is one: then anew, the group being new)."""
         assert self._member is not None
-        rounds = None
-        if self._one_group is not None:
-            rounds = Rounds(self._one_group, range(self.senders), self._paths)
+        rounds = Rounds(one_group, range(self.senders), paths) if one_group is not None else None
         slot = self.rank - self.senders + 1
-        return self._member.follow(self._endpoints, slot, self.config.rendezvous_timeout_s, rounds)
+        self._member.follow(endpoints, slot, self.config.rendezvous_timeout_s, rounds)
 
-    def _renew_one_group(self) -> None:
-        """Every rank at once, as a push begins over one group (``renew_one_group``): where any
-        rank's last push failed once its bytes began, every rank forms the group again -- a
-        receiving rank following the senders' lanes anew (keeping the version it holds) --
-        before the push's agreement."""
-        assert self._control is not None
-
-        def form() -> Exception | None:
-            self._renew = True  # until every rank has it again
-            failure = self._form_one_group()
-            if self._out is not None:
-                self._out.pusher.regroup()  # the lane forms again, over the new group
-            elif failure is None:
-                try:  # the old lanes' group is gone already: nothing of them is worth keeping
-                    self._follow()
-                except Exception as exc:  # raised once the others know
-                    failure = exc
-            return failure
-
-        if renew_one_group(self._renew, self._one_group, self._control, form):
+    def _begin(self) -> Senders:
+        """Every rank at once, as a push from several senders begins: over one group, formed
+        again first where any rank's last push failed once its bytes began (the group is then
+        aborted, or may be; ``Senders.renew_one_group``)."""
+        assert self._senders is not None
+        if self._one_group:
+            self._senders.renew_one_group(self._renew)
             self._renew = False
+        self._senders.pushes += 1
+        return self._senders
 
     # -- the senders ---------------------------------------------------------------------------
 
@@ -368,26 +338,14 @@ class JobSync:
         if self.senders == 1:
             self.last_result = self._out.push(state_dict, options)
             return self.last_result
-        if self._buckets is not None:
-            self._renew_one_group()
+        senders = self._begin()
         started = time.monotonic()  # the push's bound counts from here, as on Ray
-        self._pushes += 1
         share = share_of(state_dict, options, self.senders, self.rank, self.config)
         version = self._agree(share, None, None)
-        assert self._verdicts is not None
         if (empty := nothing_moves(share, self._committed)) is not None:
             return empty
         try:
-            self.last_result = push_share(
-                self._out,
-                share,
-                version,
-                self._verdicts,
-                self._pushes,
-                self.rank,
-                started,
-                self.config.push_timeout_s,
-            )
+            self.last_result = senders.push(share, version, started)
         except BaseException:  # once agreed: whatever failed may have left the group aborted
             self._renew = True
             raise
@@ -421,7 +379,7 @@ class JobSync:
         if (model is None) == (load_weights is None):
             raise ValueError("pass a model, or a load_weights callable, not both")
         self._device = module_device(model) if model is not None else CPU
-        group = self._one_group
+        group = self._senders.one_group if self._senders is not None else None
         if group is not None and group.is_nccl and self._device not in (CPU, group.device):
             raise ValueError(
                 f"this rank's model is on {self._device}, its one NCCL group on {group.device}: "
@@ -438,9 +396,7 @@ class JobSync:
                 if not lane.sender_gone:
                     raise
                 raise lone_sender_gone(f"rank {self.rank}", exc) from exc
-        if self._buckets is not None:
-            self._renew_one_group()
-        self._pushes += 1
+        push = self._begin().pushes
         target = model.state_dict(keep_vars=True) if model is not None else None
         load = load_weights if target is None else None
         version = self._agree(None, target, load)
@@ -448,7 +404,7 @@ class JobSync:
         assembly = Assembly(self._member.layout, target, load)
         try:
             name = f"rank {self.rank}"
-            held = self._member.receive(assembly, self._pushes, version, wait_s, name)
+            held = self._member.receive(assembly, push, version, wait_s, name)
         except BaseException:  # once agreed: whatever failed may have left the group aborted
             self._renew = True
             raise
@@ -506,8 +462,8 @@ class JobSync:
         return any(row[3:] != rows[0][3:] for row in rows[self.senders :])
 
     def _gather(self, values: list[int], digest: bytes) -> list[tuple[int, ...]]:
-        assert self._control is not None
-        return gather_rows(values, digest, self._control)
+        assert self._senders is not None
+        return gather_rows(values, digest, self._senders.control)
 
     def _gather_refusals(self, problems: list[str]) -> list[int]:
         """The receiving ranks that refused the layout (this one, if ``problems``)."""
@@ -518,13 +474,15 @@ class JobSync:
         """Rank 0's layout (``layout``, its JSON: no pickle) to every rank, read back as JSON;
         every rank takes both broadcasts before any checks what came (``Member.check``: a rank
         leaving between them would hang the rest)."""
+        assert self._senders is not None
+        control = self._senders.control
         raw = layout.encode() if layout is not None else b""
         size = torch.tensor([len(raw)], dtype=torch.int64)
-        before_any_byte(lambda: dist.broadcast(size, src=0, group=self._control))
+        before_any_byte(lambda: dist.broadcast(size, src=0, group=control))
         buffer = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else None
         if buffer is None:
             buffer = torch.empty(int(size), dtype=torch.uint8)
-        before_any_byte(lambda: dist.broadcast(buffer, src=0, group=self._control))
+        before_any_byte(lambda: dist.broadcast(buffer, src=0, group=control))
         return layout if layout is not None else buffer.numpy().tobytes().decode("utf-8", "replace")
 
 
@@ -553,10 +511,6 @@ def _ensure_world(config: SyncConfig, init_method: str | None) -> bool:
         timeout=datetime.timedelta(seconds=config.rendezvous_timeout_s),
     )
     return True
-
-
-def _timeout(config: SyncConfig) -> datetime.timedelta:
-    return datetime.timedelta(seconds=config.push_timeout_s)
 
 
 def _target(model: torch.nn.Module | None, load_weights: Any) -> tuple[Any, Any, Any]:

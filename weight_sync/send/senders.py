@@ -183,16 +183,27 @@ def form_one_group(
         raise
 
 
+# A receiving rank of the senders' group (a launched job's) follows the senders' lanes, at the
+# stores ``endpoints`` name, their buckets over the one group and ``paths`` where there is one.
+Follow = Callable[[list[tuple[str, int]], TorchGroup | None, list[LanePath]], None]
+
+
 class Senders:
-    """One trainer rank's part in pushes from every rank of a sharded trainer, whatever the
-    members are (Ray workers, the workers of vLLM servers): the senders' Gloo group the
-    agreement runs over, this rank's lane, and the verdicts in rank 0's store. Made on every
-    rank of ``group`` (the trainers' torch.distributed group; None: the default group) at once,
-    a collective; ``members(config)`` is asked on rank 0 only. ``owner`` names the caller's
-    class in what it tells a caller to change. ``invite``: the lanes' buckets go over one group
-    of the senders and the members (``form_one_group``, which asks the members to join through
-    it, each a rank past the senders' in member order, with the senders' ``endpoints``: the
-    lanes to take those buckets), on ``config``'s backend."""
+    """One rank's part in pushes from every rank of a sharded trainer, whatever the members
+    are: the Gloo group the agreement runs over (``control``), this rank's lane, and the
+    verdicts in rank 0's store. Made on every rank of ``group`` (the trainers' torch.distributed
+    group; None: the default group) at once, a collective; ``members(config)`` is asked on
+    rank 0 only. ``owner`` names the caller's class in what it tells a caller to change.
+
+    The members are reached one of two ways. Called by rank 0 (Ray workers, the workers of
+    ``vllm serve``): every rank of ``group`` sends, and ``invite`` (with a one group) asks the
+    members to join it, each a rank past the senders' in member order, with the senders'
+    ``endpoints``: the lanes to take those buckets. Or ranks of ``group`` themselves (a
+    launched job, ``JobSync``): its last ``receivers`` ranks receive -- ranks of the agreement,
+    with no lane of their own (``out``) -- each following the lanes with ``follow`` as they
+    form, and again whenever the one group does. ``one_group`` (implied by ``invite``): the
+    lanes' buckets go over one group of the senders and the members (``form_one_group``), on
+    ``config``'s backend."""
 
     def __init__(
         self,
@@ -201,6 +212,10 @@ class Senders:
         members: Callable[[SyncConfig], int],
         owner: str,
         invite: Invite | None = None,
+        *,
+        one_group: bool = False,
+        receivers: int = 0,
+        follow: Follow | None = None,
     ) -> None:
         if config is not None and not isinstance(config, SyncConfig):
             raise TypeError(f"config must be a SyncConfig, got {type(config).__name__}")
@@ -210,8 +225,12 @@ class Senders:
                 "init_process_group on every trainer rank first"
             )
         given = config or SyncConfig()
-        self.config = lane_config(given, one_group=invite is not None)
-        self.rank, self.senders = dist.get_rank(group), dist.get_world_size(group)
+        self._given, self._invite, self._follow = given, invite, follow
+        self._one = one_group or invite is not None
+        self.config = lane_config(given, one_group=self._one)
+        self.rank = dist.get_rank(group)
+        self.senders = dist.get_world_size(group) - receivers
+        assert follow is None or self.rank >= self.senders, "only a receiving rank follows"
         ranks = dist.get_process_group_ranks(group) if group is not None else None
         timeout = datetime.timedelta(seconds=self.config.push_timeout_s)
         # Named from its ranks (use_local_synchronization), not from the world's count of
@@ -221,32 +240,42 @@ class Senders:
         self.control = dist.new_group(
             ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
         )
-        agree_on_config(given, True, invite is not None, self.control)
-        self.one_group: TorchGroup | None = None  # with ``invite``: every lane's buckets
+        sending = self.rank < self.senders
+        agree_on_config(given, sending, self._one, self.control)
+        self.one_group: TorchGroup | None = None  # with ``one_group``: every lane's buckets
         self.paths: list[LanePath] = []  # and each lane's way to the members over it
-        out: Outbound | None = None
+        self._out: Outbound | None = None
         try:
             self.members = self.from_rank_0(lambda: members(self.config))
-            wrap = self._over_one_group if invite is not None else None  # once the lane forms
-            mine: tuple[str, int] | Exception
-            try:
-                out = self.out = Outbound(self.config, self.members, wrap)
-                mine = out.address
-            except Exception as exc:  # raised once the others know (see share_endpoints)
-                mine = exc
+            wrap = self._over_one_group if self._one else None  # once the lane forms
+            mine: tuple[str, int] | Exception | None = None
+            if sending:
+                try:
+                    self._out = Outbound(self.config, self.members, wrap)
+                    mine = self._out.address
+                except Exception as exc:  # raised once the others know (see share_endpoints)
+                    mine = exc
             self.endpoints = share_endpoints(mine, self.senders, self.control, CPU)
-            store = open_store(*self.endpoints[0], 1, self.config.rendezvous_timeout_s, None)
-            # Rank 0's store: the verdicts, and whatever else its members answer there.
-            self.store = dist.PrefixStore(VERDICTS, store)
-            self.verdicts = Verdicts(self.store, self.senders)
-            if invite is not None:
-                failure = self._form_one_group(given, invite)
-                formed_everywhere(failure, "learn the one group's routes", self.control, CPU)
+            if sending:
+                store = open_store(*self.endpoints[0], 1, self.config.rendezvous_timeout_s, None)
+                # Rank 0's store: the verdicts, and whatever else its members answer there.
+                self.store = dist.PrefixStore(VERDICTS, store)
+                self.verdicts = Verdicts(self.store, self.senders)
+            # What the others say of a rank whose part failed (the same words on every rank).
+            what = "learn the one group's routes"
+            if receivers:
+                what = "follow the senders' lanes" + (f" or {what}" if self._one else "")
+            formed_everywhere(self._form(), what, self.control, CPU)
         except BaseException:
-            self._close(out)
+            self.close()
             raise
         self.pushes = 0
-        self._given, self._invite = given, invite
+
+    @property
+    def out(self) -> Outbound:
+        """This sender's lane."""
+        assert self._out is not None, "a receiving rank has no lane"
+        return self._out
 
     def from_rank_0(self, value: Callable[[], int]) -> int:
         """``value()`` (never negative) on rank 0, on every sender; where it raises there, it
@@ -347,46 +376,62 @@ class Senders:
         )
 
     def close(self) -> None:
-        self._close(self.out)
-
-    def _close(self, out: Outbound | None) -> None:
-        """Leave the lane (``out``) and the one group, whatever of them formed. The senders'
-        control group stays registered with torch.distributed: a group made with
-        ``use_local_synchronization`` is named from its ranks and the count of groups alive on
-        this rank, so destroying one would name a later group like one still alive (refused),
-        or -- destroyed on some ranks only -- differently from rank to rank (a hang)."""
-        if out is not None:
-            out.close()
-        if self.one_group is not None:
-            self.one_group.close()
+        """Leave this rank's lane and the one group, whatever of them formed (a receiving
+        rank's lanes are its caller's to leave). The control group stays registered with
+        torch.distributed: a group made with ``use_local_synchronization`` is named from its
+        ranks and the count of groups alive on this rank, so destroying one would name a later
+        group like one still alive (refused), or -- destroyed on some ranks only -- differently
+        from rank to rank (a hang)."""
+        if self._out is not None:
+            self._out.close()
+        group, self.one_group = self.one_group, None
+        if group is not None:
+            group.close()
 
     def renew_one_group(self, needed: bool) -> bool:
-        """Every sender at once, before a push over the one group (``renew_one_group``): where
-        any of them says it is ``needed`` (its last push failed), every member rejoins a new
-        one and every lane forms its own group again over the members' new lanes. Returns
-        whether it formed the group again."""
-        assert self._invite is not None
-        invite = self._invite
+        """Every rank at once, before a push over the one group (``renew_one_group``): where
+        any of them says it is ``needed`` (its last push failed), every member joins a new one
+        -- rejoining, or following the lanes anew --, and every lane forms its own group again
+        over it. Returns whether it formed the group again."""
+        assert self._one, "a one group to renew"
 
         def form() -> Exception | None:
-            self.out.pusher.regroup()
-            return self._form_one_group(self._given, invite)
+            if self._out is not None:
+                self._out.pusher.regroup()  # the lane forms again, over the new group
+            return self._form()
 
         return renew_one_group(needed, self.one_group, self.control, form)
 
-    def _form_one_group(self, config: SyncConfig, invite: Invite) -> Exception | None:
-        """Form the one group with the members, then tell every sender whether each member
-        joined it: one may fail after the group formed (a sender's store it cannot reach), and
-        the senders must not go on without it, waiting on each other, while rank 0 raises.
-        Returns what failed on this rank in learning the group's routes, to be raised once
-        every sender knows (``formed_everywhere``)."""
+    def _form(self) -> Exception | None:
+        """This rank's part in forming what the lanes move over: the one group, if any, then on
+        a receiving rank its following of the lanes. Returns what failed here, to be raised
+        once every rank knows (``formed_everywhere``): the others do not wait for this one."""
+        failure = self._form_one_group() if self._one else None
+        if failure is None and self._follow is not None:
+            try:
+                self._follow(self.endpoints, self.one_group, self.paths)
+            except Exception as exc:
+                failure = exc
+        return failure
+
+    def _form_one_group(self) -> Exception | None:
+        """Form the one group, asking the members called by rank 0 to join (``invite``), then
+        tell every rank whether each of those joined it: one may fail after the group formed (a
+        sender's store it cannot reach), and the senders must not go on without it, waiting on
+        each other, while rank 0 raises. Returns what failed on this rank in learning the
+        group's routes."""
         answers: list[Callable[[], None]] = []  # rank 0: what waits for the members' joins
+        invite = self._invite
 
         def ask(specs: list[GroupSpec]) -> None:
+            assert invite is not None
             answers.append(invite(specs, self.endpoints))
 
         self.one_group = None
-        self.one_group = form_one_group(config, self.control, CPU, ask, self.members)
+        called = self.members if invite is not None else 0  # members outside ``control``
+        self.one_group = form_one_group(
+            self._given, self.control, CPU, ask if invite is not None else None, called
+        )
         failure: Exception | None = None
         try:
             self.paths = lane_paths_over(self.one_group, self.senders)
@@ -398,7 +443,8 @@ class Senders:
                 wait()
             return 0
 
-        self.from_rank_0(joined)
+        if invite is not None:
+            self.from_rank_0(joined)
         return failure
 
     def _over_one_group(self, lane: Transport) -> Transport:
