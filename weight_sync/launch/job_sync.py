@@ -20,8 +20,9 @@ the push did not commit there (``PlanMismatchError`` when this rank refused it).
 
 The control plane: rank 0 listens on a store of its own (``SyncConfig.master_addr`` or
 ``interface``: loopback unless named, so a job across nodes must name rank 0's address) and tells
-the ranks where with one broadcast over the default group; each step of a push is then a command
-in that store, which every rank reads in order and answers. Bytes travel over the dedicated group
+the ranks where over a Gloo group of the job (``send.senders.Senders``', as with several
+senders); each step of a push is then a command in that store, which every rank reads in order
+and answers. Bytes travel over the dedicated group
 (``group_mode='job'``: ``new_group`` over the default group, Gloo; an NCCL push stands alone, see
 ``transport.torch_group``). Ranks are the job's ranks: rank r of the job is rank r of the group.
 
@@ -67,13 +68,10 @@ from weight_sync.send.senders import (
     Senders,
     agree,
     before_any_byte,
-    formed_everywhere,
     gather_rows,
     lane_config,
     nothing_moves,
-    share_endpoints,
 )
-from weight_sync.send.sharded import control_device
 from weight_sync.transport import TorchGroup
 from weight_sync.transport.devices import CPU, module_device
 from weight_sync.transport.rounds import LanePath, Rounds
@@ -184,7 +182,7 @@ class JobSync:
         self.senders = senders
         self._one_group = one_group  # every lane's buckets over one group of every rank
         self._renew = False  # this rank's last push failed once the bytes began
-        self._senders: Senders | None = None  # several senders: every rank's part in the lanes
+        self._senders: Senders | None = None  # every rank's part in the senders' lanes
         self._out: Outbound | None = None  # a sender's lane
         self._member: Member | None = None  # a receiving rank's: what it holds, its lanes
         self._committed = 0  # a sender's, with several: the last push every lane committed
@@ -202,20 +200,19 @@ class JobSync:
             receiving = self.rank >= senders
             if receiving:
                 self._member = Member(Receiver(lambda: self._device))
-            if senders == 1:
-                self._form_alone()
-            else:  # the senders' lanes, every receiving rank a rank of their agreement
-                receivers = self.world_size - senders
-                self._senders = Senders(
-                    buckets,
-                    None,
-                    lambda _: receivers,
-                    "JobSync",
-                    one_group=one_group,
-                    receivers=receivers,
-                    follow=self._follow if receiving else None,
-                )
-                self._out = None if receiving else self._senders.out
+            receivers = self.world_size - senders
+            # The senders' lanes, every receiving rank a rank of their group and agreement.
+            self._senders = Senders(
+                buckets,
+                None,
+                lambda _: receivers,
+                "JobSync",
+                one_group=one_group,
+                receivers=receivers,
+                follow=self._follow if receiving else None,
+                lanes=senders > 1,
+            )
+            self._out = None if receiving else self._senders.out
         except BaseException:
             self.close()
             raise
@@ -273,27 +270,6 @@ class JobSync:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _form_alone(self) -> None:
-        """Every rank at once, with one sender: rank 0's lane, its store's address shared over
-        the job's group, every other rank following it (what failed on one rank raised on every
-        rank once all know: the others do not wait for it)."""
-        mine: tuple[str, int] | Exception | None = None
-        if self.rank == 0:
-            try:
-                self._out = Outbound(self.config, self.world_size - 1)
-                mine = self._out.address
-            except Exception as exc:  # raised once the others know (see share_endpoints)
-                mine = exc
-        device = control_device(None)
-        endpoints = share_endpoints(mine, 1, None, device)
-        failure = None
-        if self._member is not None:
-            try:
-                self._follow(endpoints, None, [])
-            except Exception as exc:
-                failure = exc
-        formed_everywhere(failure, "follow the sender's lane", None, device)
 
     def _follow(
         self, endpoints: list[tuple[str, int]], one_group: TorchGroup | None, paths: list[LanePath]

@@ -203,7 +203,9 @@ class Senders:
     with no lane of their own (``out``) -- each following the lanes with ``follow`` as they
     form, and again whenever the one group does. ``one_group`` (implied by ``invite``): the
     lanes' buckets go over one group of the senders and the members (``form_one_group``), on
-    ``config``'s backend."""
+    ``config``'s backend. ``lanes`` (default): each lane's own group is a standalone Gloo group
+    (``lane_config``); False -- a launched job's one sender -- its push runs on ``config`` as
+    given (``group_mode="job"``: ``new_group`` of the job, NCCL allowed)."""
 
     def __init__(
         self,
@@ -216,6 +218,7 @@ class Senders:
         one_group: bool = False,
         receivers: int = 0,
         follow: Follow | None = None,
+        lanes: bool = True,
     ) -> None:
         if config is not None and not isinstance(config, SyncConfig):
             raise TypeError(f"config must be a SyncConfig, got {type(config).__name__}")
@@ -227,7 +230,7 @@ class Senders:
         given = config or SyncConfig()
         self._given, self._invite, self._follow = given, invite, follow
         self._one = one_group or invite is not None
-        self.config = lane_config(given, one_group=self._one)
+        self.config = lane_config(given, one_group=self._one) if lanes else given
         self.rank = dist.get_rank(group)
         self.senders = dist.get_world_size(group) - receivers
         assert follow is None or self.rank >= self.senders, "only a receiving rank follows"
