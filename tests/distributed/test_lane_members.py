@@ -123,15 +123,20 @@ def test_a_member_new_to_a_lane_goes_straight_to_the_push_it_is_asked_for() -> N
 
 
 def test_rank_0_deletes_the_reports_of_settled_pushes() -> None:
-    """The senders' reports and rank 0's verdict stay two pushes, then go."""
+    """The senders' reports and rank 0's verdict stay two pushes, then go; a lone sender's
+    verdict, which nobody else reads, is never stored."""
     listener = bind_listener("127.0.0.1")
     store = open_store("127.0.0.1", listener.getsockname()[1], 1, 30, listener)
-    verdicts = Verdicts(store, senders=1)
+    verdicts, alone = Verdicts(store, senders=2), Verdicts(store, senders=1)
     for push in range(1, 6):
         outcome = {"nbytes": push, "buckets": 1, "wire": push}
-        assert verdicts.settle(push, 0, outcome, Deadline(10, "the test"))["nbytes"] == push
-    held = [store.check([f"{push}/0", f"{push}/verdict"]) for push in range(1, 6)]
+        store.set(f"{push}/1", json.dumps(outcome))  # sender 1's report, as its client sets it
+        assert verdicts.settle(push, 0, outcome, Deadline(10, "the test"))["nbytes"] == 2 * push
+    held = [store.check([f"{push}/0", f"{push}/1", f"{push}/verdict"]) for push in range(1, 6)]
     assert held == [False, False, False, True, True]
+    keys = store.num_keys()
+    assert alone.settle(9, 0, {"nbytes": 9, "buckets": 1, "wire": 9}, Deadline(10, "the test"))
+    assert store.num_keys() == keys
 
 
 def test_a_lane_broken_by_a_worker_found_dead_on_another_raises_that_worker() -> None:

@@ -7,8 +7,9 @@ Scenarios:
 * ``steps`` -- three optimizer steps on rank 0, a push after each;
 * ``long`` -- twelve, rank 0 counting the keys its control store holds after each push;
 * ``refuse`` -- rank 0 is handed a state dict it refuses itself (the others hear the push was
-  called off), then rank 2's model has a layer of another shape: the push is refused everywhere
-  before any byte moves; rank 2 then takes the right model and the next push lands;
+  called off); a push lands; then rank 2's model has a layer of another shape (the layout it
+  holds from that push no longer fits it): the push is refused everywhere before any byte
+  moves; rank 2 then takes the right model, at stale weights, and the next push lands;
 * ``kill_receiver`` -- rank 2 dies on the first bucket of the second push;
 * ``kill_trainer`` -- rank 0 dies in the middle of sending the second push: once rank 1 has
   its first bucket, rank 0 still has most of them to send.
@@ -54,8 +55,6 @@ def run(scenario: str, out: Path, init_method: str | None = None) -> None:
     if scenario == "silent_trainer":  # rank 0 alive, its store up, but it never pushes
         _wait_silently(sync, model, record, out)
         return
-    if scenario == "refuse" and rank == 2:
-        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
     if scenario == "refuse":  # first, a state dict rank 0 itself refuses before sending
         try:
             sync.push({"weight": "not a tensor"}) if rank == 0 else sync.receive(model)  # type: ignore[dict-item]
@@ -94,7 +93,9 @@ def run(scenario: str, out: Path, init_method: str | None = None) -> None:
             record["versions"].append(None)
             if big:  # a rank is gone: the job is over (a launcher would restart it)
                 break
-        if scenario == "refuse" and rank == 2 and step == 0:
+        if scenario == "refuse" and rank == 2 and step == 0:  # for the push of step 1
+            model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
+        elif scenario == "refuse" and rank == 2 and step == 1:
             model = make_model()  # the right shapes, its own (stale) weights: the push must land
     if scenario == "named":  # a version already served: refused on rank 0, nothing sent
         try:

@@ -240,14 +240,15 @@ def _disagree(config: SyncConfig, senders: int, one_group: bool, out: Path) -> N
 
 
 def _refusals(sync: JobSync, model: torch.nn.Module, record: dict[str, Any]) -> None:
-    """Two pushes refused before any byte moves: by a sender, then by a receiver."""
-    for case in ("sender", "receiver"):
+    """Three pushes refused before any byte moves: by a sender, by a receiver, then by every
+    sender (a transform, which takes whole tensors, of DTensors)."""
+    for case in ("sender", "receiver", "transform"):
         try:
             if sync.is_sender:
                 state = model.state_dict()
                 if case == "sender" and sync.rank == 1:
                     state = {**state, "scale": "not a tensor"}
-                sync.push(state)
+                sync.push(state, transform=(lambda items: items) if case == "transform" else None)
             elif case == "receiver" and sync.rank == sync.senders:
                 sync.receive(make_model(wide_last=8))  # a last layer of another shape
             else:

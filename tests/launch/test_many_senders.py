@@ -23,11 +23,6 @@ pytestmark = pytest.mark.timeout(300)
 DEATH = "trainer rank 1 died or left mid-push"  # what every survivor says first
 
 
-def said_first(message: str) -> bool:
-    """Whether ``message`` leads with rank 1's death (a member's, once it named itself)."""
-    return message.split(" holds no version: ", 1)[-1].startswith(DEATH)
-
-
 def _reports(out: Path, ranks: range | tuple[int, ...]) -> list[dict[str, Any]]:
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in ranks]
 
@@ -191,13 +186,17 @@ def test_refusals_before_any_byte_then_pushes_land(tmp_path: Path, over: str) ->
     _join_all(context, LAUNCH_S)
     assert [p.exitcode for p in context.processes] == [0] * 4
     reports = _reports(tmp_path, range(4))
-    first, second = zip(*(report["refused"] for report in reports), strict=True)
+    first, second, third = zip(*(report["refused"] for report in reports), strict=True)
     assert first[1].startswith("TypeError: 'scale'")  # the sender that refused says why
     assert first[0].startswith("ValueError: trainer rank(s) [1] refused")
-    assert all(text.startswith("WeightSyncError: the senders called") for text in first[2:])
-    assert "'2.weight': sent float32[7, 50], model has float32[8, 50]" in second[2]
-    assert all(text.startswith("PlanMismatchError") for text in second[:2])
-    assert second[3].startswith("WeightSyncError: ranks [2] refused")
+    assert all(text.startswith("WeightSyncError: the push was called off by the senders") for text in first[2:])
+    misfit = "'2.weight': sent float32[7, 50], model has float32[8, 50]"
+    assert misfit in second[2]
+    # The senders name the rank that refused and what it could not take, as one sender does.
+    assert all(t.startswith("PlanMismatchError") and f"worker 0: {misfit}" in t for t in second[:2])
+    assert second[3].startswith("WeightSyncError: ranks [2] refused the push before any byte")
+    assert all(text.startswith("ValueError: transform takes whole tensors") for text in third[:2])
+    assert all(text.startswith("WeightSyncError: the push was called off by the senders") for text in third[2:])
     assert all(report["after_refusals"] is None for report in reports)
     _assert_steps(reports)
 
@@ -237,7 +236,7 @@ def test_a_sender_killed_mid_push(tmp_path: Path) -> None:
     for report in receivers:
         (lost,) = report["errors"]
         assert lost["type"] == "SenderFailedError" and lost["senders"] == [1], lost
-        assert said_first(lost["message"]), lost
+        assert lost["message"].startswith(DEATH), lost
         assert lost["seconds"] < sharded_job.KILLED_TIMEOUT_S + 5
         assert report["versions"] == [1, None] and report["held"] is None
         assert report["now"] != report["at"]["1"]  # lane 0's blocks of version 2 landed
@@ -272,7 +271,7 @@ def test_a_sender_killed_mid_push_over_one_group(tmp_path: Path) -> None:
     for report in _reports(tmp_path, (0, 2, 3)):
         (error,) = report["errors"]
         assert error["type"] == "SenderFailedError" and error["senders"] == [1], error
-        assert said_first(error["message"]), error
+        assert error["message"].startswith(DEATH), error
         assert error["seconds"] < sharded_job.KILLED_TIMEOUT_S + 5, error
         assert report["versions"] == [1, None], report
         assert report["held"] == (1 if report["rank"] == 0 else None), report

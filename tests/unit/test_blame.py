@@ -17,7 +17,6 @@ from weight_sync.wire.blame import (
     excuse_followers,
     judge,
     lanes_failed,
-    lone_sender_gone,
 )
 
 
@@ -159,8 +158,12 @@ REFUSED = WeightSyncError("refused: unknown tensor")
         # Rank 1's store closed: its death first, whatever rank 0's lane saw with it.
         ({0: TransportError("a collective failed"), 1: TransportError("store closed")}, 2, [1],
          SenderFailedError, [1],
-         ("worker 0 holds no version: trainer rank 1 died or left mid-push (those of [0] failed "
+         ("trainer rank 1 died or left mid-push: worker 0 holds no version (those of [0] failed "
           "with them) -- rank 1: TransportError: store closed")),
+        # A lone sender's death (K = 1): said first, the symptom its lane saw after it.
+        ({0: TransportError("a collective failed")}, 1, [0], SenderFailedError, [0],
+         "trainer rank 0 died or left mid-push: worker 0 holds no version -- rank 0: "
+         "TransportError: a collective failed"),
         # Every sender alive, every lane's collective failed: a receiving rank, not a sender.
         ({0: TransportError("a"), 1: TransportError("b")}, 2, [], TransportError, None,
          "worker 0 holds no version: trainer ranks [0, 1] did not commit their lanes here"),
@@ -182,16 +185,6 @@ def test_lanes_failed_table(
     assert type(error) is raised and str(error).startswith(lead), error
     if senders is not None:
         assert isinstance(error, SenderFailedError) and error.senders == senders
-
-
-def test_a_lone_senders_death_is_said_first_and_keeps_the_type() -> None:
-    seen = TransportError("a collective failed (Connection closed by peer)")
-    error = lone_sender_gone("rank 2", seen)
-    assert type(error) is TransportError
-    assert str(error) == (
-        "trainer rank 0 died or left mid-push: the push did not commit on rank 2 "
-        "(TransportError: a collective failed (Connection closed by peer))"
-    )
 
 
 @pytest.mark.parametrize(

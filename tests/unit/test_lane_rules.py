@@ -39,7 +39,7 @@ def row(refused: int = 0, proposal: int = 3, named: int = 0, digest: tuple = A) 
         ([row(), row(refused=1)], "trainer rank(s) [1] refused"),
         ([row(), row(digest=B)], "state dicts differ"),
         ([row(named=7, proposal=7), row()], "named versions [0, 7]"),  # one named, one not
-        ([row(named=2, proposal=5), row(named=2, proposal=5)], "named versions [2]"),  # stale
+        ([row(named=2, proposal=5), row(named=2, proposal=5)], "version 2 is not past"),  # stale
     ],
 )
 def test_called_off_table(rows: list[tuple], reason: str | None) -> None:
@@ -81,8 +81,8 @@ def test_a_share_proposes_past_its_own_version_and_names_its_digest() -> None:
 @pytest.mark.parametrize(
     ("state", "options", "error", "says"),
     [
-        (object(), {}, TypeError, "each rank's own state dict"),  # e.g. a ShardedSource
-        ({}, {"transform": lambda s: s}, ValueError, r"takes no \['transform'\] yet"),
+        (object(), {}, TypeError, "push their own state dict"),  # e.g. a ShardedSource
+        ({}, {"fuse": True}, ValueError, r"unknown push option\(s\) \['fuse'\]"),
         ({}, {"partial": 1}, TypeError, "partial must be a bool"),
         ({}, {"version": 0}, ValueError, "version"),
     ],
@@ -109,6 +109,26 @@ def test_options_given_as_none_are_not_given() -> None:
     assert share.error is None and share.layout is not None and share.named == 0
 
 
+@pytest.mark.parametrize(("senders", "sender"), [(1, 0), (2, 0), (2, 1)])
+def test_a_transform_of_whole_tensors_runs_before_the_layout_then_rename(
+    senders: int, sender: int
+) -> None:
+    """Every lane and every member speak the names (and shapes) the transform and then rename
+    make: one sender's lane holds the whole push; several split its blocks."""
+    from weight_sync.wire.lane_rules import share_of
+    from weight_sync.wire.mapping import fuse
+
+    state = {"a.q.w": torch.ones(2, 4), "a.k.w": torch.zeros(2, 4), "b": torch.ones(3)}
+    options = {"transform": fuse(["q", "k"], into="qk"), "rename": lambda n: f"m.{n}"}
+    share = share_of(state, options, senders, sender, SyncConfig())
+    assert share.error is None and share.layout is not None, share.error
+    assert {t.name: t.shape for t in share.layout.tensors} == {"m.a.qk.w": (4, 4), "m.b": (3,)}
+    sent = sum(block.numel for block in share.layout.sent_by(sender))
+    assert sent == (16 + 3 if senders == 1 else sum(t.numel() for t in share.lane.values()))
+    if senders == 1:
+        assert torch.equal(share.lane["m.a.qk.w"], torch.cat([torch.ones(2, 4), torch.zeros(2, 4)]))
+
+
 class _Refusal(Exception):
     pass
 
@@ -122,7 +142,7 @@ class _Refusal(Exception):
         ("sender", [row(refused=1), row(), row(proposal=0)], "members", "own shard", False),
         ("sender", [row(), row(digest=B), row(proposal=0)], None, "state dicts differ", False),
         # A receiving rank did nothing wrong: the senders' word, as a runtime failure.
-        ("receiver", [row(), row(digest=B), row(proposal=0)], "members", "called the push off",
+        ("receiver", [row(), row(digest=B), row(proposal=0)], "members", "called off by the senders",
          False),
         ("sender", [row(), row(), row(proposal=0)], "members", _Refusal, True),
         ("receiver", [row(), row(), row(proposal=0)], "members", _Refusal, True),
@@ -132,7 +152,8 @@ def test_every_rank_of_an_agreement_raises_in_one_order(
     role: str, rows: list[tuple], refusal: str | None, raises: object, ahead: bool
 ) -> None:
     """``send.senders.agree`` on a sender (its share; a share refused here raises its own
-    error) and on a launched job's receiving rank (no share: its row names the layout it holds):
+    error) and on a launched job's receiving rank (no share: its row is its own words and the
+    layout it holds):
     the members' word is asked whether or not the push goes ahead (it is a collective), then
     the rank raises its own mistake, why the push is off, the members' refusal -- or returns the
     highest version any sender proposed."""
@@ -152,7 +173,7 @@ def test_every_rank_of_an_agreement_raises_in_one_order(
         asked.append((go, version))
         return _Refusal() if refusal else None
 
-    held = "ab" * 32
+    held = ([1, 7, 0], "ab" * 32)  # a receiving rank's own words, and the layout it holds
     run = lambda: agree(share, 4, gather, 2, refused, held)
     if raises is None:
         assert run() == 5
@@ -165,7 +186,7 @@ def test_every_rank_of_an_agreement_raises_in_one_order(
             run()
     assert asked == [(ahead, max(r[1] for r in rows[:2]))]
     if role == "receiver":
-        assert sent == [([0, 0, 0], bytes.fromhex(held))]
+        assert sent == [([1, 7, 0], bytes.fromhex(held[1]))]
     else:
         assert sent[0][0] == [int(own is not None), 4, 0]
 

@@ -121,21 +121,15 @@ class Verdicts:
         deadline: Deadline,
     ) -> dict[str, Any]:
         """Report ``outcome`` (``{"error": ...}``, or the lane's nbytes, buckets and wire
-        bytes), then the verdict: judged here on rank 0, read elsewhere. Raises
+        bytes), then the verdict: judged here on rank 0, read elsewhere (a lone sender's judged
+        from its own report, nothing stored: nobody else reads it). Raises
         ``SenderFailedError`` when a lane did not land; else returns every lane's sums."""
-        self._store.set(f"{push}/{sender}", json.dumps(outcome))
-        if sender == 0:
-            keys = [f"{push}/{rank}" for rank in range(self._senders)]
-            self._kept.posted(push, keys)  # every sender read the older pushes' verdicts
-            found = wait_all(self._store, keys, deadline)  # the missing never reported
-            reports = {
-                rank: json.loads(found[key]) if key in found else None
-                for rank, key in enumerate(keys)
-            }
-            verdict = judge(reports)
-            self._kept.post(push, f"{push}/verdict", json.dumps(verdict))
+        if self._senders == 1:  # no other sender reads it, nobody reports for rank 0
+            verdict = judge({0: outcome})
         else:
-            verdict = self._wait(f"{push}/verdict", deadline)
+            self._store.set(f"{push}/{sender}", json.dumps(outcome))
+            key = f"{push}/verdict"
+            verdict = self._judged(push, deadline) if sender == 0 else self._wait(key, deadline)
         if "failed" in verdict:
             if outcome.get("broken") and verdict["dead"]:
                 # Workers died or froze mid-push: every lane has them, this one too, which
@@ -147,6 +141,36 @@ class Verdicts:
                 )
             raise SenderFailedError(verdict["failed"], verdict["senders"])
         return verdict
+
+    def _judged(self, push: int, deadline: Deadline) -> dict[str, Any]:
+        """Rank 0: every sender's report of push ``push`` (by the deadline: the missing never
+        reported), judged, the verdict posted for the others."""
+        keys = [f"{push}/{rank}" for rank in range(self._senders)]
+        self._kept.posted(push, keys)  # every sender read the older pushes' verdicts
+        found = wait_all(self._store, keys, deadline)
+        reports = {
+            rank: json.loads(found[key]) if key in found else None for rank, key in enumerate(keys)
+        }
+        verdict = judge(reports)
+        self._kept.post(push, f"{push}/verdict", json.dumps(verdict))
+        return verdict
+
+    def begin(self, push: int) -> None:
+        """Rank 0, as push ``push`` begins, before the agreement's first collective: the
+        receiving ranks of a launched job wait for this (``begun``), bounded by their receive's
+        own ``timeout_s``, rather than in that collective, bounded by the group's."""
+        self._kept.post(push, f"{push}/begin", "1")
+
+    def begun(self, push: int, deadline: Deadline) -> None:
+        """Wait until rank 0 began push ``push`` (``begin``): ``SyncTimeoutError`` at the
+        deadline, ``SenderFailedError`` naming rank 0 if its store is gone."""
+        try:
+            wait_one(self._store, f"{push}/begin", deadline)
+        except StoreGoneError as exc:
+            raise SenderFailedError(
+                f"trainer rank 0 died or left: push {push} will not begin ({first_line(exc)})",
+                [0],
+            ) from exc
 
     def report_for(self, push: int, sender: int, why: str) -> None:
         """A member saw ``sender``'s store close mid-push: its process is gone and will never

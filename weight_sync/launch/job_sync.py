@@ -12,31 +12,35 @@ job's default group. Every rank makes a ``JobSync`` at the same point (a collect
         version = sync.update(model)      # rank 0 pushes model.state_dict(), the others receive
     sync.close()
 
-It is the same push as ``WeightUpdater``'s -- ``weight_sync.send.pusher`` over the store-backed plane
-of ``weight_sync.control.store`` -- so the checks before any byte moves, versions that never repeat,
-two-phase commit, bounded waits and typed errors are the same: rank 0's ``push`` raises what
-``WeightUpdater.push`` raises, and every other rank's ``receive`` raises a ``WeightSyncError`` when
-the push did not commit there (``PlanMismatchError`` when this rank refused it).
+One push protocol, whatever the number of senders (``JobSync(senders=K)``: ranks ``0..K-1``,
+one by default; K > 1 a sharded trainer, every rank pushing its own shards, see
+docs/many-senders.md). A push is:
 
-The control plane: rank 0 listens on a store of its own (``SyncConfig.master_addr`` or
-``interface``: loopback unless named, so a job across nodes must name rank 0's address) and tells
-the ranks where over a Gloo group of the job (``send.senders.Senders``', as with several
-senders); each step of a push is then a command in that store, which every rank reads in order
-and answers. Bytes travel over the dedicated group
-(``group_mode='job'``: ``new_group`` over the default group, Gloo; an NCCL push stands alone, see
-``transport.torch_group``). Ranks are the job's ranks: rank r of the job is rank r of the group.
+1. the agreement, every rank at once, before any byte moves (``send.senders.agree``: a gather of
+   fixed-size rows over a Gloo group of the job): each sender's checks, version and layout
+   digest; the layout itself to receiving ranks that lack it; their word on it (``Member.check``:
+   the tensors against their model, the version past every one they were sent), each refusal
+   said to every rank. A receiving rank waits for rank 0 to begin (its ``timeout_s``) before it
+   joins: a wait in a collective would be bounded by the group alone, and leave it out of step;
+2. each sender's lane: its ordinary push (``send.pusher.Pusher``: prepare, transfer, two-phase
+   commit) over its own store, which every receiving rank reads in order -- one sender's lane
+   over a group made with ``new_group`` (``group_mode='job'``, Gloo; an NCCL push stands alone,
+   see ``transport.torch_group``), several senders' over a standalone Gloo group each, or
+   every lane's buckets over one group of every rank (``one_group``);
+3. the verdict: every sender reports how its lane ended in rank 0's store and rank 0 judges them
+   (``wire.blame``); a receiving rank holds a version only once every lane committed it there
+   (``receive.member.Member``, its blocks placed by ``receive.assembly``).
 
-Several senders (``JobSync(senders=K)``: ranks ``0..K-1`` a sharded trainer, every one pushing
-its own shards; see docs/many-senders.md): each sender is the above on a lane of its own -- its
-store, its ``Pusher``, a standalone group with the receiving ranks -- and each receiving rank
-runs one ``Receiver`` per lane, on a thread each, placing the lanes' blocks in its model
-(``receive.assembly``). The lanes, their verdicts and the one group are those of every
-front's senders (``send.senders.Senders``), the receiving ranks being ranks of its group: they
-follow the lanes as those form, and again when the one group forms anew. Around the lanes,
-every rank agrees before any byte moves (a gather of fixed-size rows over that Gloo group:
-each sender's checks, version and layout digest; the layout itself to receiving ranks that
-lack it; their refusals), and after them rank 0 judges the senders' reports in its store; a
-receiving rank holds a version only once every lane committed it there.
+So the checks before any byte moves, versions that never repeat, two-phase commit, bounded waits
+and typed errors are those of every front: a sender's ``push`` raises what ``WeightUpdater.push``
+raises, and every other rank's ``receive`` raises a ``WeightSyncError`` when the push did not
+commit there (``PlanMismatchError`` when this rank refused it; ``SenderFailedError`` naming the
+trainer ranks that died or failed, their death said first).
+
+Rank 0 listens on a store of its own (``SyncConfig.master_addr`` or ``interface``: loopback
+unless named, so a job across nodes must name rank 0's address), as every sender does for its
+lane, and the ranks learn where over that Gloo group (``send.senders.Senders``, the senders of
+every front). Ranks are the job's ranks: rank r of the job is rank r of the group.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ import datetime
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,14 +58,14 @@ import torch.distributed as dist
 from typing_extensions import Self
 
 from weight_sync.config import SyncConfig
+from weight_sync.control.deadline import Deadline
 from weight_sync.errors import (
     PlanMismatchError,
-    TransportError,
     WeightSyncError,
 )
 from weight_sync.receive.assembly import Assembly
 from weight_sync.receive.member import Member
-from weight_sync.receive.receiver import Loader, Receiver, expecting
+from weight_sync.receive.receiver import Receiver
 from weight_sync.result import PushResult
 from weight_sync.send.senders import (
     Outbound,
@@ -75,13 +79,15 @@ from weight_sync.send.senders import (
 from weight_sync.transport import TorchGroup
 from weight_sync.transport.devices import CPU, module_device
 from weight_sync.transport.rounds import LanePath, Rounds
-from weight_sync.wire.blame import lone_sender_gone
 from weight_sync.wire.lane_rules import Share, row_digest, share_of
 from weight_sync.wire.state_dict import StateDict
+from weight_sync.wire.versions import past_sent
 
 __all__ = ["JobSync", "LaunchEnv", "launch_env"]
 
 logger = logging.getLogger(__name__)
+
+_REFUSAL_BYTES = 1024  # what a receiving rank says of a layout it refuses, to the senders
 
 
 @dataclass(frozen=True)
@@ -133,7 +139,8 @@ class JobSync:
 
     ``senders``: how many ranks send, ranks ``0..senders-1``. One (the default): rank 0 pushes
     its state dict whole. More: the ranks of a sharded trainer (FSDP2, tensor parallel), each
-    pushing the blocks of its own shards at once over a lane of its own; see the module doc.
+    pushing the blocks of its own shards at once over a lane of its own. The same protocol
+    either way; see the module doc.
 
     ``one_group`` (with several senders): every lane's buckets go over one group of every rank,
     point to point, each receiving rank taking them in rounds (``transport.rounds``), rather
@@ -185,7 +192,7 @@ class JobSync:
         self._senders: Senders | None = None  # every rank's part in the senders' lanes
         self._out: Outbound | None = None  # a sender's lane
         self._member: Member | None = None  # a receiving rank's: what it holds, its lanes
-        self._committed = 0  # a sender's, with several: the last push every lane committed
+        self._committed = 0  # a sender's: the last push every lane committed
         self._closed = False
         self._device = CPU  # where this rank's model lives: set by each receive
         self.last_result: PushResult | None = None
@@ -241,11 +248,9 @@ class JobSync:
         before the first push, while this rank's weights are part-way through one, and once
         closed."""
         if self._out is not None:
-            return (self._out.pusher.version if self.senders == 1 else self._committed) or None
+            return self._committed or None
         if self._member is None or self._member.lanes is None:
             return None
-        if self.senders == 1:
-            return self._member.lanes.inbound[0].member.receiver.version
         return self._member.record.version
 
     def close(self) -> None:
@@ -295,27 +300,25 @@ class JobSync:
     # -- the senders ---------------------------------------------------------------------------
 
     def push(self, state_dict: StateDict, **options: Any) -> PushResult:
-        """A sender: send ``state_dict`` to every receiving rank (``options``: those of
-        ``WeightUpdater.push``); the others call ``receive`` meanwhile. With several senders,
-        every sender calls it at once with its own shards of the same state dict, and each
-        returns once every lane committed (``SenderFailedError`` naming the senders that did
-        not, when one failed or died).
-
-        Every push is framed by a ``begin`` and an ``end`` command, whatever happens in between
-        (a refusal, a state dict refused here before anything was sent, a failure part-way): a
-        receiving rank's ``receive`` ends with the push, and skips what is left of one it gave
-        up on."""
+        """A sender: send ``state_dict`` to every receiving rank (``options``: ``version``,
+        ``rename``, ``transform`` -- whole tensors only -- and ``partial``, as
+        ``WeightUpdater.push`` takes them); the others call ``receive`` meanwhile. Every sender
+        calls it at once with its own shards of the same state dict (one sender: the whole of
+        it), and each returns once every lane committed (``SenderFailedError`` naming the
+        senders that did not, when one failed or died). A mistake in the state dict or the
+        options raises on the sender that made it, once every rank agreed to call the push off:
+        nothing is sent anywhere."""
         if self._closed:
             raise WeightSyncError("this JobSync is closed; make a new one on every rank")
         if self._out is None:
             raise ValueError(
                 f"rank {self.rank} receives: only ranks 0..{self.senders - 1} push (call receive)"
             )
-        if self.senders == 1:
-            self.last_result = self._out.push(state_dict, options)
-            return self.last_result
-        senders = self._begin()
         started = time.monotonic()  # the push's bound counts from here, as on Ray
+        assert self._senders is not None
+        if self.rank == 0:  # the receiving ranks wait for this, bounded by their timeout_s
+            self._senders.verdicts.begin(self._senders.pushes + 1)
+        senders = self._begin()
         share = share_of(state_dict, options, self.senders, self.rank, self.config)
         version = self._agree(share, None, None)
         if (empty := nothing_moves(share, self._committed)) is not None:
@@ -362,16 +365,12 @@ class JobSync:
                 "call torch.cuda.set_device on the model's GPU before making the JobSync"
             )
         wait_s = timeout_s if timeout_s is not None else self.config.push_timeout_s
-        if self.senders == 1:
-            assert self._member.lanes is not None, "a receiving rank follows from the start"
-            lane = self._member.lanes.inbound[0]
-            lane.member.retarget(*_target(model, load_weights))
-            try:
-                return lane.receive(wait_s)
-            except TransportError as exc:
-                if not lane.sender_gone:
-                    raise
-                raise lone_sender_gone(f"rank {self.rank}", exc) from exc
+        assert self._senders is not None and self._member.lanes is not None, "followed at once"
+        # Until rank 0 begins the push, not in the agreement's first collective: that would
+        # wait out the group's bound (push_timeout_s), and a rank that gave up there could not
+        # take the next push. One that gives up here takes this push at its next receive.
+        waiting = Deadline(wait_s, "waiting for the senders' push")
+        self._member.lanes.verdicts.begun(self._senders.pushes + 1, waiting)
         push = self._begin().pushes
         target = model.state_dict(keep_vars=True) if model is not None else None
         load = load_weights if target is None else None
@@ -396,16 +395,33 @@ class JobSync:
         every sender's, and every receiving rank takes the layout -- sent by rank 0 to those
         that lack it, checked as any member checks a push (``Member.check``: the layout bounded,
         its tensors against ``target`` or for ``load``, the version past every one this rank was
-        sent). Returns the version; any failure raises on every rank, nothing sent."""
+        sent). Returns the version; any failure raises on every rank, nothing sent.
+
+        One collective where every receiving rank holds the senders' layout and its model
+        takes it (a loop's every push after the first): each receiving rank's row carries its
+        word on the layout it holds and the highest version it was sent, so every rank judges
+        the push from the rows alone. A second round (the layout to ranks that lack it, each
+        rank's check, what each refused) only where a rank lacks the layout or refuses it."""
         member = self._member
+        senders = self.senders
 
         def refused(ahead: bool, version: int, rows: list[tuple[int, ...]]) -> Exception | None:
-            problems: list[str] = []
+            if not ahead:  # called off: the senders' word alone, on every rank
+                return None
+            lacking = self._lacks_layout(rows)
+            if not lacking and not any(row[0] for row in rows[senders:]):
+                refusals = {
+                    rank: stale
+                    for rank, row in enumerate(rows[senders:], senders)
+                    if (stale := past_sent(version, row[1]))
+                }
+                return self._refusal(refusals)
             layout_json: str | None = None
-            if ahead and self._lacks_layout(rows):  # rank 0 sends it, every other rank reads it
+            if lacking:  # rank 0 sends it, every other rank reads it
                 mine = share.layout if share is not None and self.rank == 0 else None
                 layout_json = self._send_layout(mine.wire if mine is not None else None)
-            if ahead and member is not None:
+            problems: list[str] = []
+            if member is not None:
                 problems = member.check(
                     layout_json,
                     row_digest(rows[0]),
@@ -413,24 +429,36 @@ class JobSync:
                     self.config.max_metadata_bytes,
                     lambda layout: Assembly(layout, target, load).problems(member.record.version),
                 )
-            refusals = self._gather_refusals(problems)
-            if problems:
-                return PlanMismatchError({self.rank - self.senders: problems})
-            if not refusals:
-                return None
-            if member is not None:
-                return WeightSyncError(
-                    f"ranks {refusals} refused the push before any byte moved; nothing changed here"
-                )
-            why = ["refused the push's layout (see that rank)"]
-            return PlanMismatchError({r - self.senders: why for r in refusals})
+            refusals = {rank: [why] for rank, why in self._gather_refusals(problems).items()}
+            return self._refusal({**refusals, self.rank: problems} if problems else refusals)
 
         if share is not None:
             assert self._out is not None
-            return agree(share, self._out.pusher.next_version, self._gather, self.senders, refused)
+            return agree(share, self._out.pusher.next_version, self._gather, senders, refused)
         assert member is not None
-        held = member.layout.digest if member.layout is not None else None
-        return agree(None, 0, self._gather, self.senders, refused, held)
+        held, word = member.layout, 0
+        if held is not None:  # its word on the layout it holds, should the senders' be that
+            word = int(bool(Assembly(held, target, load).problems(member.record.version)))
+        row = [word, member.record.highest_version, 0]
+        digest = held.digest if held is not None else None
+        return agree(None, 0, self._gather, senders, refused, (row, digest))
+
+    def _refusal(self, refusals: dict[int, list[str]]) -> Exception | None:
+        """What this rank raises where receiving ranks refused the push (rank -> why): the
+        refusing rank its own words, a sender a ``PlanMismatchError`` naming each (as one
+        sender's members are named, ``worker <rank - senders>``), any other receiving rank that
+        the push is called off."""
+        if not refusals:
+            return None
+        me = self.rank - self.senders
+        if self.rank in refusals:
+            return PlanMismatchError({me: refusals[self.rank]})
+        if self._member is not None:
+            return WeightSyncError(
+                f"ranks {sorted(refusals)} refused the push before any byte moved: it is "
+                "called off, nothing changed here"
+            )
+        return PlanMismatchError({r - self.senders: why for r, why in refusals.items()})
 
     def _lacks_layout(self, rows: list[tuple[int, ...]]) -> bool:
         """Whether a receiving rank holds another layout than the senders' (then rank 0 sends
@@ -441,10 +469,24 @@ class JobSync:
         assert self._senders is not None
         return gather_rows(values, digest, self._senders.control)
 
-    def _gather_refusals(self, problems: list[str]) -> list[int]:
-        """The receiving ranks that refused the layout (this one, if ``problems``)."""
-        rows = self._gather([int(bool(problems)), 0, 0], bytes(32))
-        return [r for r, row in enumerate(rows) if row[0] and r >= self.senders]
+    def _gather_refusals(self, problems: list[str]) -> dict[int, str]:
+        """Why each receiving rank that refused the layout did (this one, if ``problems``), on
+        every rank: the senders name the ranks and what they could not take, as one sender's
+        members are named. Fixed-size UTF-8 rows (no pickle), cut at ``_REFUSAL_BYTES``."""
+        assert self._senders is not None
+        control = self._senders.control
+        said = "; ".join(problems).encode()[:_REFUSAL_BYTES] if problems else b""
+        mine = torch.zeros(_REFUSAL_BYTES + 1, dtype=torch.uint8)
+        mine[0] = int(bool(problems))
+        if said:
+            mine[1 : 1 + len(said)] = torch.frombuffer(bytearray(said), dtype=torch.uint8)
+        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
+        before_any_byte(lambda: dist.all_gather(rows, mine, group=control))
+        return {
+            rank: bytes(row[1:].tolist()).rstrip(b"\0").decode("utf-8", "replace")
+            for rank, row in enumerate(rows)
+            if row[0] and rank >= self.senders
+        }
 
     def _send_layout(self, layout: str | None) -> str:
         """Rank 0's layout (``layout``, its JSON: no pickle) to every rank, read back as JSON;
@@ -487,21 +529,3 @@ def _ensure_world(config: SyncConfig, init_method: str | None) -> bool:
         timeout=datetime.timedelta(seconds=config.rendezvous_timeout_s),
     )
     return True
-
-
-def _target(model: torch.nn.Module | None, load_weights: Any) -> tuple[Any, Any, Any]:
-    """(check, loader, destinations) for a push into ``model``, or through ``load_weights``."""
-    if model is None:
-        return expecting(lambda: None), lambda: Loader(load_weights), lambda: None
-    destinations = model.state_dict(keep_vars=True)
-
-    def load(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        with torch.no_grad():
-            for name, tensor in weights:
-                destinations[name].copy_(tensor)
-
-    return expecting(lambda: destinations), lambda: Loader(load), lambda: destinations
-
-
-def _refuse(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    raise AssertionError("receive() sets the target before any push")

@@ -1,4 +1,4 @@
-"""A member's side of a push from many senders: each lane's blocks, written where they belong.
+"""A member's side of a push from K senders (one or many): each lane's blocks, written where they belong.
 
 Each lane (one sender's share of a push, received by a ``Receiver`` of its own) is an ordinary
 push of the blocks that sender holds, named by their tensors' names and shaped as the blocks.
@@ -6,7 +6,8 @@ push of the blocks that sender holds, named by their tensors' names and shaped a
 each lane's Receiver needs: the check of the lane's plan against the lane's blocks, where each
 block lands (a view of the model's tensor: written in place where the view is contiguous, copied
 into where it is not), and, for a member that only loads, full tensors put together from every
-lane's blocks and handed on once complete.
+lane's blocks and handed on once complete -- a tensor one block holds whole (every tensor of a
+push from one sender) is handed on as it came, with no copy.
 """
 
 from __future__ import annotations
@@ -103,6 +104,9 @@ class Assembly:
         complete = []
         for name, tensor in weights:
             block, meta = blocks[name]
+            if block.numel == math.prod(meta.shape):  # the whole tensor: handed on as it came
+                complete.append((name, tensor))
+                continue
             with self._lock:
                 if name not in self._parts:
                     whole = torch.empty(meta.shape, dtype=meta.torch_dtype, device=tensor.device)

@@ -101,11 +101,11 @@ class Lanes:
         self, assembly: Assembly, push: int, version: int, wait_s: float, member: str
     ) -> int | None:
         """Push ``push`` (of ``version``) on every lane the layout gives blocks to, each on a
-        thread of its own, landing where ``assembly`` says. Returns the version every lane
-        committed, or raises: the lanes' common error (a refusal, a push called off), else
-        ``SenderFailedError`` naming the senders whose lanes did not commit here (``member``
-        names this one); where no lane's byte reached the model (refused, called off), the
-        version held stays. A layout with no block (no tensor has an element) moves nothing:
+        thread of its own (one lane: on the caller's), landing where ``assembly`` says. Returns
+        the version every lane committed, or raises: the lanes' common error (a refusal, a push
+        called off), else ``SenderFailedError`` naming the senders whose lanes did not commit
+        here (``member`` names this one); where no lane's byte reached the model (refused,
+        called off), the version held stays. A layout with no block (no tensor has an element) moves nothing:
         the version stays, and is not spent."""
         active = {s: lane for s, lane in enumerate(self.inbound) if assembly.layout.sent_by(s)}
         if not active:  # no tensor has an element: nothing moves, the version stays
@@ -126,11 +126,20 @@ class Lanes:
         versions = {sender: lane.member.receiver.version for sender, lane in active.items()}
         if self.rounds is not None:
             self.rounds.begin(active)
-        with ThreadPoolExecutor(len(active), thread_name_prefix="weight-sync-lane") as pool:
-            calls = {
-                s: pool.submit(self._lane, s, lane, wait_s, push) for s, lane in active.items()
-            }
-            outcomes = {s: _outcome(call) for s, call in calls.items()}
+        if len(active) == 1:  # one lane (a push from one sender): on this thread
+            ((sender, lane),) = active.items()
+            call: Future[int] = Future()
+            try:
+                call.set_result(self._lane(sender, lane, wait_s, push))
+            except Exception as exc:
+                call.set_exception(exc)
+            outcomes = {sender: _outcome(call)}
+        else:
+            with ThreadPoolExecutor(len(active), thread_name_prefix="weight-sync-lane") as pool:
+                calls = {
+                    s: pool.submit(self._lane, s, lane, wait_s, push) for s, lane in active.items()
+                }
+                outcomes = {s: _outcome(call) for s, call in calls.items()}
         self._receiving = False
         try:
             held = self._settle(outcomes, assembly, push, member)

@@ -515,12 +515,12 @@ def agree(
     gather: Callable[[list[int], bytes], list[tuple[int, ...]]],
     senders: int,
     refused: Callable[[bool, int, list[tuple[int, ...]]], Exception | None],
-    held: str | None = None,
+    held: tuple[list[int], str | None] = ([0, 0, 0], None),
 ) -> int:
     """One rank's part in the agreement before any byte of a push from ``senders`` senders
     moves, every rank of the agreement at once. ``share``: a sender's (``Share.row`` its row);
-    None: a launched job's receiving rank, a rank of the agreement too (its row names the
-    layout it ``held``, a digest). The senders' rows (the first ``senders`` of those ``gather``
+    None: a launched job's receiving rank, a rank of the agreement too, whose row is ``held``:
+    three words of its own (``JobSync`` says which) and the digest of the layout it holds. The senders' rows (the first ``senders`` of those ``gather``
     returns) say whether the push goes ahead (``called_off``) and at which version; then the
     members' word, ``refused(ahead, version, rows)`` -- a collective of its own, so every rank
     gets the same word -- says whether they take it. Returns the version; else raises, on every
@@ -531,7 +531,7 @@ def agree(
     if share is not None:
         values, digest = share.row(next_version)
     else:
-        values, digest = [0, 0, 0], bytes.fromhex(held) if held is not None else bytes(32)
+        values, digest = held[0], bytes.fromhex(held[1]) if held[1] is not None else bytes(32)
     rows = gather(values, digest)
     reason, version = proposal(rows, senders)
     refusal = refused(reason is None, version, rows)
@@ -539,7 +539,9 @@ def agree(
         raise share.error
     if reason is not None:
         if share is None:  # not this rank's mistake: the senders'
-            raise WeightSyncError(f"the senders called the push off ({reason}); nothing changed")
+            raise WeightSyncError(
+                f"the push was called off by the senders ({reason}); nothing changed"
+            )
         raise ValueError(f"{reason}; nothing was sent")
     if refusal is not None:
         raise refusal

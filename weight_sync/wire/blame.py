@@ -152,20 +152,14 @@ def lanes_failed(
         return next(iter(failed.values()))
     reasons = {sender: first_line(error) for sender, error in failed.items()}
     blamed, tail = blame(reasons, gone)
-    lead = deaths(sorted(gone)) or f"{_trainer_ranks(blamed)} did not commit {_lanes(blamed)} here"
-    why = f"{member} holds no version: {lead}{tail}"
+    if gone:  # a death is said first
+        why = f"{deaths(sorted(gone))}: {member} holds no version{tail}"
+    else:
+        why = f"{member} holds no version: {_trainer_ranks(blamed)} did not commit "
+        why += f"{_lanes(blamed)} here{tail}"
     if not gone and all(isinstance(error, TransportError) for error in failed.values()):
         return TransportError(f"{why} (a receiving rank left mid-push?)")
     return SenderFailedError(why, blamed)
-
-
-def lone_sender_gone(member: str, error: TransportError) -> TransportError:
-    """What ``member`` raises when the lone sender of a push (trainer rank 0) died or left
-    mid-push, which its lane saw as ``error`` (a collective or its store that failed): the
-    same type, its death said first."""
-    return TransportError(
-        f"{deaths([0])}: the push did not commit on {member} ({first_line(error)})"
-    )
 
 
 def deaths(gone: Sequence[int], silent: Sequence[int] = ()) -> str:

@@ -60,7 +60,7 @@ def layout_of(
     metas, spreads = [], []
     for name, tensor in entries:
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{name!r}: a sharded push takes tensors, got {type(tensor).__name__}")
+            raise TypeError(f"{name!r}: a push takes tensors, got {type(tensor).__name__}")
         metas.append(TensorMeta.of(name, tensor, wire_dtype(tensor.dtype, cast_dtype)))
         spreads.append(_spread(name, tensor, index, grids) if is_dtensor(tensor) else None)
     whole = Spread.everywhere(len(sender_ranks))
@@ -164,34 +164,47 @@ def share_of(
     """``sender``'s share of a push of ``state_dict`` by ``senders`` senders (the ranks
     ``0..senders-1`` of the trainers' group), checked as a push checks a state dict; a caller's
     mistake is kept in ``Share.error``, to raise once every sender agreed to call it off.
-    ``options``: ``version``; ``rename`` (name -> the workers' name, None drops it), applied
-    before the layout, so that every lane and every member speak the workers' names; and
-    ``partial`` (some of the members' tensors only), which the layout carries to them. An
-    option given as None is not given (a front passes each of its own)."""
+    ``options``: ``version``; ``transform`` (see ``wire.mapping``: whole tensors only, so no
+    DTensor) and then ``rename`` (name -> the workers' name, None drops it), applied before the
+    layout, so that every lane and every member speak the workers' names; and ``partial`` (some
+    of the members' tensors only), which the layout carries to them. An option given as None
+    is not given (a front passes each of its own)."""
     options = {key: value for key, value in options.items() if value is not None}
     named = options.get("version")
     try:
         if not isinstance(state_dict, Mapping | Iterable):
             raise TypeError(
-                "a push from many senders takes each rank's own state dict (name -> tensor or "
-                f"DTensor), not a {type(state_dict).__name__}; a ShardedSource gathers the "
-                "shards to one sender instead"
+                "the senders each push their own state dict (name -> tensor or DTensor: every "
+                f"sender sends its own shards, nothing is gathered), not a "
+                f"{type(state_dict).__name__}; a ShardedSource is for WeightUpdater without "
+                "senders="
             )
-        unknown = set(options) - {"version", "rename", "partial"}
+        unknown = set(options) - {"version", "rename", "transform", "partial"}
         if unknown:
             raise ValueError(
-                f"a push from many senders takes no {sorted(unknown)} yet: it sends blocks, "
-                "which a transform of whole tensors cannot be made of"
+                f"unknown push option(s) {sorted(unknown)}: a push takes version, rename, "
+                "transform and partial"
             )
         partial = options.get("partial", False)
         if not isinstance(partial, bool):
             raise TypeError(f"partial must be a bool, got {type(partial).__name__}")
         check_version(named)
         items: Iterable[Any] = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
-        rename = options.get("rename")
+        transform, rename = options.get("transform"), options.get("rename")
+        if transform is not None:
+            items = list(items)
+            sharded = [name for name, tensor in items if is_dtensor(tensor)]
+            if sharded:
+                raise ValueError(
+                    f"transform takes whole tensors, and {sharded[0]!r} is a DTensor: each "
+                    "sender holds its shards only. rename (names alone) can map sharded tensors"
+                )
+            items = transform(items)
         entries = list(renaming(rename)(items) if rename is not None else items)
         if len({name for name, _ in entries}) != len(entries):
-            raise ValueError("two tensors of the state dict end up under one name (rename)")
+            raise ValueError(
+                "two tensors of the state dict end up under one name (transform, rename)"
+            )
         layout = layout_of(entries, range(senders), config.cast_dtype, partial)
         if len(layout.wire) > config.max_metadata_bytes:
             raise ValueError(

@@ -64,26 +64,32 @@ def choose_version(named: int | None, lowest: int, who: str = "workers") -> int:
     if named is None:
         return lowest
     if named < lowest:
-        raise ValueError(
-            f"version {named} is not past what these {who} were already pushed (up to "
-            f"{lowest - 1}): a version names one set of weights for the life of the {who}. "
-            f"Name a version of at least {lowest}, or leave version out to continue the count"
-        )
+        raise ValueError(_stale(named, lowest, who))
     return named
 
 
 def agreed_version(proposed: Sequence[int], named: Sequence[int]) -> tuple[int, str | None]:
-    """``choose_version`` for a push from many senders, each of which proposed a version (the
-    one it was given, else its lowest free one) and says the one it was given (0: none): the
-    push takes the highest proposed; where the senders were given versions that are not one
-    version past every sender's, also why it cannot (the push is then called off)."""
+    """``choose_version`` for a push from K senders (one or many), each of which proposed a
+    version (the one it was given, else its lowest free one) and says the one it was given (0:
+    none): the push takes the highest proposed; where the senders were not all given one
+    version, or were given one that is not past every sender's, also why it cannot (the push
+    is then called off)."""
     version, given = max(proposed), set(named)
-    if len(given) > 1 or given - {0, version}:
+    if len(given) > 1:
         return version, (
             f"the senders named versions {sorted(given)}; they must all name one version, past "
             f"every sender's ({version})"
         )
-    return version, None
+    (one,) = given
+    return version, _stale(one, version, "members") if one not in (0, version) else None
+
+
+def _stale(named: int, lowest: int, who: str) -> str:
+    return (
+        f"version {named} is not past what these {who} were already pushed (up to "
+        f"{lowest - 1}): a version names one set of weights for the life of the {who}. "
+        f"Name a version of at least {lowest}, or leave version out to continue the count"
+    )
 
 
 def past_sent(version: int, sent: int) -> list[str]:
