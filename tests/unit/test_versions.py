@@ -15,6 +15,7 @@ from weight_sync.wire.versions import (
     label_past,
     label_version,
     past_sent,
+    proposed_version,
     unlabelled,
 )
 
@@ -49,6 +50,18 @@ def test_a_push_takes_the_named_version_or_the_lowest_free_one(
     named: int | None, lowest: int, chosen: int
 ) -> None:
     assert choose_version(named, lowest) == chosen
+
+
+@pytest.mark.parametrize(("named", "lowest", "proposed"), [
+    (0, 4, 4),  # none given: its lowest free one
+    (9, 4, 9),  # given one past it
+    (2, 4, 4),  # given a stale one: raised past it, so the senders call the push off
+])  # fmt: skip
+def test_a_sender_proposes_the_version_it_was_given_unless_it_is_stale(
+    named: int, lowest: int, proposed: int
+) -> None:
+    assert proposed_version(named, lowest) == proposed
+    assert (agreed_version([proposed], [named])[1] is None) == (named in (0, proposed))
 
 
 @pytest.mark.parametrize(("proposed", "named", "version", "why"), [

@@ -38,7 +38,7 @@ from weight_sync.wire.blocks import (
 from weight_sync.wire.mapping import rename as renaming
 from weight_sync.wire.metadata import TensorMeta
 from weight_sync.wire.state_dict import StateDict, check_state_dict, is_dtensor, wire_dtype
-from weight_sync.wire.versions import agreed_version, check_version
+from weight_sync.wire.versions import agreed_version, check_version, proposed_version
 
 Entries = Sequence[tuple[str, torch.Tensor]]
 
@@ -150,7 +150,7 @@ class Share:
     def row(self, next_version: int) -> tuple[list[int], bytes]:
         """This sender's row for ``called_off``, and its layout digest."""
         digest = bytes.fromhex(self.layout.digest) if self.layout is not None else bytes(32)
-        proposal = max(self.named, next_version)
+        proposal = proposed_version(self.named, next_version)
         return [int(self.error is not None), proposal, self.named], digest
 
 

@@ -68,6 +68,13 @@ def choose_version(named: int | None, lowest: int, who: str = "workers") -> int:
     return named
 
 
+def proposed_version(named: int, lowest: int) -> int:
+    """A sender's proposal for a push from K senders: the version it was given (``named``; 0:
+    none), or its ``lowest`` free one where that is higher -- so that a stale given version
+    raises the proposal past it, and ``agreed_version`` calls the push off."""
+    return max(named, lowest)
+
+
 def agreed_version(proposed: Sequence[int], named: Sequence[int]) -> tuple[int, str | None]:
     """``choose_version`` for a push from K senders (one or many), each of which proposed a
     version (the one it was given, else its lowest free one) and says the one it was given (0:
