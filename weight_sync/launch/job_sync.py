@@ -72,6 +72,7 @@ from weight_sync.send.senders import (
     Senders,
     agree,
     before_any_byte,
+    gather_bytes,
     gather_rows,
     lane_config,
     nothing_moves,
@@ -472,20 +473,14 @@ class JobSync:
     def _gather_refusals(self, problems: list[str]) -> dict[int, str]:
         """Why each receiving rank that refused the layout did (this one, if ``problems``), on
         every rank: the senders name the ranks and what they could not take, as one sender's
-        members are named. Fixed-size UTF-8 rows (no pickle), cut at ``_REFUSAL_BYTES``."""
+        members are named (UTF-8, cut at ``_REFUSAL_BYTES``)."""
         assert self._senders is not None
-        control = self._senders.control
-        said = "; ".join(problems).encode()[:_REFUSAL_BYTES] if problems else b""
-        mine = torch.zeros(_REFUSAL_BYTES + 1, dtype=torch.uint8)
-        mine[0] = int(bool(problems))
-        if said:
-            mine[1 : 1 + len(said)] = torch.frombuffer(bytearray(said), dtype=torch.uint8)
-        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
-        before_any_byte(lambda: dist.all_gather(rows, mine, group=control))
+        said = ("; ".join(problems) or "refused").encode() if problems else b""
+        rows = gather_bytes(said, _REFUSAL_BYTES, self._senders.control)
         return {
-            rank: bytes(row[1:].tolist()).rstrip(b"\0").decode("utf-8", "replace")
-            for rank, row in enumerate(rows)
-            if row[0] and rank >= self.senders
+            rank: raw.decode("utf-8", "replace")
+            for rank, raw in enumerate(rows)
+            if raw and rank >= self.senders
         }
 
     def _send_layout(self, layout: str | None) -> str:

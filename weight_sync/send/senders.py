@@ -641,17 +641,12 @@ def share_endpoints(
     in byte tensors of fixed size, on ``device``, which the group's backend takes). A sender
     that could not listen gives its error instead, which it raises once the others know: they
     raise ``TransportError`` at once rather than wait for it at their bound."""
-    mine = torch.zeros(_ENDPOINT_BYTES, dtype=torch.uint8, device=device)
-    if isinstance(endpoint, tuple):
-        raw = json.dumps(list(endpoint)).encode()
-        mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(rows, mine, group=group)
+    raw = json.dumps(list(endpoint)).encode() if isinstance(endpoint, tuple) else b""
+    rows = gather_bytes(raw, _ENDPOINT_BYTES, group, device)
     if isinstance(endpoint, Exception):
         raise endpoint
     endpoints = []
-    for sender, row in enumerate(rows[:senders]):
-        raw = bytes(row.cpu().tolist()).rstrip(b"\0")
+    for sender, raw in enumerate(rows[:senders]):
         if not raw:
             raise TransportError(
                 f"trainer rank {sender} could not listen for its lane (see its error); nothing "
@@ -660,6 +655,20 @@ def share_endpoints(
         address, port = json.loads(raw.decode())
         endpoints.append((str(address), int(port)))
     return endpoints
+
+
+def gather_bytes(
+    mine: bytes, size: int, group: dist.ProcessGroup | None, device: torch.device = CPU
+) -> list[bytes]:
+    """Every rank's ``mine`` (at most ``size`` bytes, cut there; empty: nothing to say), on
+    every rank of ``group``: one all-gather of fixed-size byte rows (no pickle), on ``device``,
+    which the group's backend takes. ``TransportError`` if a rank is gone."""
+    row = torch.zeros(size, dtype=torch.uint8, device=device)
+    if mine:
+        row[: min(len(mine), size)] = torch.frombuffer(bytearray(mine[:size]), dtype=torch.uint8)
+    rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
+    before_any_byte(lambda: dist.all_gather(rows, row, group=group))
+    return [bytes(r.cpu().tolist()).rstrip(b"\0") for r in rows]
 
 
 def formed_everywhere(
