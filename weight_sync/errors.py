@@ -84,7 +84,8 @@ class GroupFormationError(TransportError):
 
 
 class SenderFailedError(WeightSyncError):
-    """Trainer ranks of a push from many senders (``JobSync(senders=...)``) failed to send their
+    """Trainer ranks of a push over lanes -- many senders (``WeightUpdater``/``VLLMServers``
+    with ``senders``, ``JobSync(senders=K)``) or a launched job's one -- failed to send their
     share, or died: no member claims the push's version (the lanes that did land leave them
     holding blocks of two versions, reported as no version, until a push repairs them).
 
