@@ -430,8 +430,7 @@ class JobSync:
                     self.config.max_metadata_bytes,
                     lambda layout: Assembly(layout, target, load).problems(member.record.version),
                 )
-            refusals = {rank: [why] for rank, why in self._gather_refusals(problems).items()}
-            return self._refusal({**refusals, self.rank: problems} if problems else refusals)
+            return self._refusal(self._gather_refusals(problems))
 
         if share is not None:
             assert self._out is not None
@@ -470,18 +469,19 @@ class JobSync:
         assert self._senders is not None
         return gather_rows(values, digest, self._senders.control)
 
-    def _gather_refusals(self, problems: list[str]) -> dict[int, str]:
-        """Why each receiving rank that refused the layout did (this one, if ``problems``), on
-        every rank: the senders name the ranks and what they could not take, as one sender's
-        members are named (UTF-8, cut at ``_REFUSAL_BYTES``)."""
+    def _gather_refusals(self, problems: list[str]) -> dict[int, list[str]]:
+        """Why each receiving rank that refused the layout did, on every rank (this one's own
+        ``problems``; another's as it said them, UTF-8, cut at ``_REFUSAL_BYTES``): the senders
+        name the ranks and what they could not take, as one sender's members are named."""
         assert self._senders is not None
         said = ("; ".join(problems) or "refused").encode() if problems else b""
         rows = gather_bytes(said, _REFUSAL_BYTES, self._senders.control)
-        return {
-            rank: raw.decode("utf-8", "replace")
+        refusals = {
+            rank: [raw.decode("utf-8", "replace")]
             for rank, raw in enumerate(rows)
             if raw and rank >= self.senders
         }
+        return {**refusals, self.rank: problems} if problems else refusals
 
     def _send_layout(self, layout: str | None) -> str:
         """Rank 0's layout (``layout``, its JSON: no pickle) to every rank, read back as JSON;

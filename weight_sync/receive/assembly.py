@@ -1,4 +1,5 @@
-"""A member's side of a push from K senders (one or many): each lane's blocks, written where they belong.
+"""A member's side of a push from K senders (one or many): each lane's blocks, written where
+they belong.
 
 Each lane (one sender's share of a push, received by a ``Receiver`` of its own) is an ordinary
 push of the blocks that sender holds, named by their tensors' names and shaped as the blocks.

@@ -11,7 +11,7 @@ import json
 import logging
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -105,8 +105,8 @@ class Lanes:
         the version every lane committed, or raises: the lanes' common error (a refusal, a push
         called off), else ``SenderFailedError`` naming the senders whose lanes did not commit
         here (``member`` names this one); where no lane's byte reached the model (refused,
-        called off), the version held stays. A layout with no block (no tensor has an element) moves nothing:
-        the version stays, and is not spent."""
+        called off), the version held stays. A layout with no block (no tensor has an element)
+        moves nothing: the version stays, and is not spent."""
         active = {s: lane for s, lane in enumerate(self.inbound) if assembly.layout.sent_by(s)}
         if not active:  # no tensor has an element: nothing moves, the version stays
             return self.record.version
@@ -126,20 +126,19 @@ class Lanes:
         versions = {sender: lane.member.receiver.version for sender, lane in active.items()}
         if self.rounds is not None:
             self.rounds.begin(active)
-        if len(active) == 1:  # one lane (a push from one sender): on this thread
-            ((sender, lane),) = active.items()
-            call: Future[int] = Future()
+
+        def outcome(sender: int, lane: Inbound) -> tuple[int | None, BaseException | None]:
             try:
-                call.set_result(self._lane(sender, lane, wait_s, push))
+                return self._lane(sender, lane, wait_s, push), None
             except Exception as exc:
-                call.set_exception(exc)
-            outcomes = {sender: _outcome(call)}
+                return None, exc
+
+        if len(active) == 1:  # one lane (a push from one sender): on this thread
+            outcomes = {s: outcome(s, lane) for s, lane in active.items()}
         else:
             with ThreadPoolExecutor(len(active), thread_name_prefix="weight-sync-lane") as pool:
-                calls = {
-                    s: pool.submit(self._lane, s, lane, wait_s, push) for s, lane in active.items()
-                }
-                outcomes = {s: _outcome(call) for s, call in calls.items()}
+                calls = {s: pool.submit(outcome, s, lane) for s, lane in active.items()}
+                outcomes = {s: call.result() for s, call in calls.items()}
         self._receiving = False
         try:
             held = self._settle(outcomes, assembly, push, member)
@@ -426,13 +425,6 @@ def _together(reports: Sequence[ReceiveReport | None]) -> ReceiveReport | None:
 def _unheld(status: SyncStatus) -> SyncStatus:
     """``status`` once bytes of a push that did not commit reached the model: no version."""
     return status.model_copy(update={"version": None, "full_version": None, "dirty": True})
-
-
-def _outcome(call: Future[int]) -> tuple[int | None, BaseException | None]:
-    try:
-        return call.result(), None
-    except Exception as exc:
-        return None, exc
 
 
 def _unset(weights: Iterable[tuple[str, torch.Tensor]]) -> None:

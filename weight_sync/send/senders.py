@@ -515,15 +515,16 @@ def agree(
     gather: Callable[[list[int], bytes], list[tuple[int, ...]]],
     senders: int,
     refused: Callable[[bool, int, list[tuple[int, ...]]], Exception | None],
-    held: tuple[list[int], str | None] = ([0, 0, 0], None),
+    held: tuple[list[int], str | None] | None = None,
 ) -> int:
     """One rank's part in the agreement before any byte of a push from ``senders`` senders
     moves, every rank of the agreement at once. ``share``: a sender's (``Share.row`` its row);
     None: a launched job's receiving rank, a rank of the agreement too, whose row is ``held``:
-    three words of its own (``JobSync`` says which) and the digest of the layout it holds. The senders' rows (the first ``senders`` of those ``gather``
-    returns) say whether the push goes ahead (``called_off``) and at which version; then the
-    members' word, ``refused(ahead, version, rows)`` -- a collective of its own, so every rank
-    gets the same word -- says whether they take it. Returns the version; else raises, on every
+    three words of its own (``JobSync`` says which) and the digest of the layout it holds (None:
+    none). The senders' rows (the first ``senders`` of those ``gather`` returns) say whether
+    the push goes ahead (``called_off``) and at which version; then the members' word,
+    ``refused(ahead, version, rows)`` -- a collective of its own where it needs one, so every
+    rank gets the same word -- says whether they take it. Returns the version; else raises, on every
     rank once every rank has the word: a sender's own mistake first, then why the push is off,
     then the members' refusal. Ray workers and ``vllm serve`` (``Senders.agree``: rank 0 asks
     them) and a launched job (``JobSync``: its receiving ranks are ranks of the agreement)
@@ -531,6 +532,7 @@ def agree(
     if share is not None:
         values, digest = share.row(next_version)
     else:
+        assert held is not None, "a receiving rank gives its own row"
         values, digest = held[0], bytes.fromhex(held[1]) if held[1] is not None else bytes(32)
     rows = gather(values, digest)
     reason, version = proposal(rows, senders)
@@ -663,9 +665,9 @@ def gather_bytes(
     """Every rank's ``mine`` (at most ``size`` bytes, cut there; empty: nothing to say), on
     every rank of ``group``: one all-gather of fixed-size byte rows (no pickle), on ``device``,
     which the group's backend takes. ``TransportError`` if a rank is gone."""
-    row = torch.zeros(size, dtype=torch.uint8, device=device)
+    row, mine = torch.zeros(size, dtype=torch.uint8, device=device), mine[:size]
     if mine:
-        row[: min(len(mine), size)] = torch.frombuffer(bytearray(mine[:size]), dtype=torch.uint8)
+        row[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
     rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
     before_any_byte(lambda: dist.all_gather(rows, row, group=group))
     return [bytes(r.cpu().tolist()).rstrip(b"\0") for r in rows]
