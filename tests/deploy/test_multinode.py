@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -45,19 +46,64 @@ def metrics(cluster: ShapedCluster, node: int) -> str:
     return cluster.run(node, [sys.executable, "-c", script], timeout=30, check=False).stdout
 
 
-def test_job_submitted_to_a_two_node_cluster(cluster: ShapedCluster) -> None:
+def watch_version(cluster: ShapedCluster, node: int, version: int) -> subprocess.Popen[str]:
+    """A process inside node ``node`` that reads its metrics page every second and prints
+    ``seen`` (then ends) once ``weight_sync_version`` reads ``version`` there."""
+    ip = cluster.plan.nodes[node].ip
+    script = (
+        "import re, time, urllib.request\n"
+        f"pattern = re.compile(r'^ray_weight_sync_version{{[^}}]*}} {version}\\.0$', re.M)\n"
+        "while True:\n"
+        "    try:\n"
+        f"        page = urllib.request.urlopen('http://{ip}:{METRICS_PORT}/metrics', timeout=5)\n"
+        "        if pattern.search(page.read().decode()):\n"
+        "            print('seen', flush=True)\n"
+        "            break\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "    time.sleep(1)\n"
+    )
+    return subprocess.Popen(
+        cluster.command(node, [sys.executable, "-c", script]),
+        env=cluster.env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_job_submitted_to_a_two_node_cluster(cluster: ShapedCluster, tmp_path: Path) -> None:
     head_ip = cluster.plan.head.ip
-    submitted = cluster.run(0, [
+    submit = cluster.command(0, [
         "ray", "job", "submit", f"--address=http://{head_ip}:{DASHBOARD_PORT}",
         f"--runtime-env={REPO / 'deploy' / 'runtime_env.yaml'}", "--",
         "python", "-m", "weight_sync.tools.ray_job", "--workers", "3", "--size-mb", "8", "--pushes", "3",
-        "--spread", "--timeout", "120"], timeout=240, check=False,
+        "--spread", "--timeout", "120"],
     )  # fmt: skip
-    output = submitted.stdout + submitted.stderr
-    assert submitted.returncode == 0, output[-4000:]
+    # A gauge is on a metrics page only while the actor that sets it reports (Ray 2.60 drops it
+    # two export intervals after its process ends: open_telemetry_metric_recorder's gauge TTL),
+    # and the trainer ends with the job: the pages are read while the job runs.
+    watchers = [watch_version(cluster, node.index, 3) for node in cluster.plan.nodes]
+    log = tmp_path / "submit.log"
+    try:
+        with log.open("w") as out:
+            job = subprocess.run(submit, env=cluster.env(), stdout=out, stderr=subprocess.STDOUT,
+                                 timeout=240, check=False)  # fmt: skip
+        output = log.read_text()
+        report_line = re.search(r"^REPORT (.*)$", output, re.MULTILINE)
+        trainer_ip = json.loads(report_line.group(1))["trainer_node"]["ip"] if report_line else ""
+        trainer_node = next((n.index for n in cluster.plan.nodes if n.ip == trainer_ip), 0)
+        try:  # a gauge outlives its process by two export intervals
+            seen = watchers[trainer_node].communicate(timeout=30)[0].strip() == "seen"
+        except subprocess.TimeoutExpired:
+            seen = False
+    finally:
+        for watcher in watchers:
+            watcher.kill()
+            watcher.wait(timeout=10)
+    assert job.returncode == 0, output[-4000:]
     assert re.search(r"verified: 3/3 workers hold version 3, .* -- OK", output), output[-4000:]
-    report = json.loads(re.search(r"^REPORT (.*)$", output, re.MULTILINE).group(1))
-    trainer_ip = report["trainer_node"]["ip"]
+    assert report_line is not None, output[-4000:]
+    report = json.loads(report_line.group(1))
     ips = {trainer_ip, *(node["ip"] for node in report["worker_nodes"])}
     assert ips == {node.ip for node in cluster.plan.nodes}  # the group crosses the link
     # One mixed push: workers beside the trainer through shared memory; on the other node the
@@ -67,15 +113,13 @@ def test_job_submitted_to_a_two_node_cluster(cluster: ShapedCluster) -> None:
                 for i, away in enumerate(far)]  # fmt: skip
     assert report["routes"] == expected and set(expected) == {"shm", "group", "relay"}, report
     assert re.search(rf"group listens on {re.escape(trainer_ip)}\b", output), output[-4000:]
-    trainer_node = next(node.index for node in cluster.plan.nodes if node.ip == trainer_ip)
-    pushed, version = 0.0, None
-    for _ in range(30):  # Ray exports custom metrics every few seconds, not all in one round
+    pushed, expected_bytes = 0.0, 3 * 8_000_000 + 3 * 4 * 4096
+    for _ in range(30):  # Ray exports custom metrics every few seconds; counters stay
         text = metrics(cluster, trainer_node)
         found = re.findall(r"^ray_weight_sync_push_bytes_total\{[^}]*\} (\S+)$", text, re.MULTILINE)
         pushed = sum(float(value) for value in found)
-        version = re.search(r"^ray_weight_sync_version\{[^}]*\} 3\.0$", text, re.MULTILINE)
-        if pushed and version:
+        if pushed == expected_bytes:
             break
         time.sleep(1)
-    assert pushed == 3 * 8_000_000 + 3 * 4 * 4096, "weight_sync metrics missing from Prometheus"
-    assert version, text[-3000:]
+    assert pushed == expected_bytes, "weight_sync metrics missing from Prometheus"
+    assert seen, f"the version gauge never read 3 on the trainer node's page: {text[-3000:]}"

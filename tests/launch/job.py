@@ -82,6 +82,8 @@ def run(scenario: str, out: Path, init_method: str | None = None) -> None:
                 version = sync.update(model, version=named)
             record["versions"].append(version)
             record.setdefault("took", []).append(time.monotonic() - started)  # for the margins
+            if rank == 0 and sync.last_result is not None:  # the steps the lane's push took
+                record.setdefault("phases", []).append(sorted(sync.last_result.phases))
             if scenario == "long" and rank == 0:  # what rank 0's control store holds now
                 store = sync._out.plane._mailbox._store  # type: ignore[union-attr]
                 record.setdefault("keys", []).append(store.num_keys())

@@ -42,9 +42,14 @@ def _launch(command: list[str], out: Path) -> None:
 
 def _assert_steps(reports: list[dict[str, Any]]) -> None:
     """Three pushes landed on every rank, each holding exactly rank 0's weights, carried by
-    the job's own new_group."""
+    the job's own new_group: the first with a round of checks before the bytes (the ranks
+    learn the plan), each later one in one step on every rank (the store plane's one-call
+    push: a vote before the bytes, the commit on receipt)."""
     trainer = reports[0]
     assert trainer["mode"] == "job" and set(trainer["routes"]) == {"group"}
+    first, *later = trainer["phases"]
+    assert "prepare" in first and "commit" not in first, first
+    assert all("push" in phases and "prepare" not in phases for phases in later), later
     for report in reports:
         assert report["errors"] == [] and report["versions"] == [1, 2, 3]
         assert report["held"] == 3 and report["digests"] == trainer["digests"]

@@ -13,7 +13,7 @@ Scenarios:
 * ``refuse`` -- a state dict with a tensor the engine has no place for: refused on every rank
   before any byte moves; then the right one lands;
 * ``kill`` -- a push lands, then rank 1 dies in the second one, right after telling the
-  servers' workers to receive its lane (its bytes never come).
+  servers' workers to take its lane (its bytes never come).
 """
 
 from __future__ import annotations
@@ -77,18 +77,25 @@ def run(scenario: str, urls: list[str], out: Path) -> None:
 
 
 def _die_after_update(servers: VLLMServers) -> None:
-    """Rank 1 exits as soon as it has posted its lane's receive command (fault injection)."""
+    """Rank 1 exits as soon as it has posted the command that has the workers take its lane's
+    bytes: the one-call push of the steady state, or the receive of the long way (fault
+    injection)."""
     if dist.get_rank() != 1:
         return
     assert servers._lanes is not None
     commands = servers._lanes._lanes.out.commands
-    post = commands.update_weights
+    update, push = commands.update_weights, commands.push_weight_update
 
     def update_then_die(update_info: dict[str, Any]) -> None:
-        post(update_info)
+        update(update_info)
+        os._exit(9)
+
+    def push_then_die() -> None:
+        push()
         os._exit(9)
 
     commands.update_weights = update_then_die  # type: ignore[method-assign]
+    commands.push_weight_update = push_then_die  # type: ignore[method-assign]
 
 
 def spawned(index: int, world_size: int, scenario: str, urls: list[str], out: str) -> None:

@@ -99,6 +99,9 @@ class Commands:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.post("finish", {})
 
+    def push_weight_update(self) -> None:
+        self.post("push", {})
+
     def shutdown_weight_transfer_engine(self) -> None:
         self.post("shutdown", {})
 

@@ -22,7 +22,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -48,7 +48,8 @@ from weight_sync.wire.metadata import (
 logger = logging.getLogger(__name__)
 
 PREFIX = "weight_sync/control/plane/"
-_POLL_S = (0.001, 0.005)  # the first and the longest pause between looks for answers
+# The first and the longest pause between looks for answers awaited; none awaited, no looks.
+_POLL_S = (0.0005, 0.004)
 _COMMIT, _CANCEL = "commit", "cancel"
 MAX_REPLY_CHARS = 1 << 20
 
@@ -63,6 +64,14 @@ class Client(Protocol):
     def update_weights(self, update_info: dict[str, Any]) -> None: ...
 
     def finish_weight_update(self, weight_version: str | None = None) -> None: ...
+
+
+@runtime_checkable
+class OneCallClient(Client, Protocol):
+    """A client whose members also take a whole push in one step (``StoreMember.push``): a
+    sender's lane (``control.lane_store.Commands``), never vLLM's."""
+
+    def push_weight_update(self) -> None: ...
 
 
 # -- the member's end ------------------------------------------------------------------------------
@@ -83,9 +92,13 @@ class StoreMember:
         check: Check,
         loader: Callable[[], Loader],
         destinations: Callable[[], Mapping[str, torch.Tensor] | None] = lambda: None,
+        one_call: bool = False,
     ) -> None:
+        """``one_call``: this member offers the whole push in one step (``push``; its client
+        posts it, ``OneCallClient``), which ends in the commit: a round, not three."""
         self.receiver = receiver
         self.retarget(check, loader, destinations)
+        self._one_call = one_call
         self._store: Any = None
         self._slot = 0
         self._epoch = 0
@@ -119,7 +132,8 @@ class StoreMember:
         self._store = PrefixStore(PREFIX, open_store(address, port, 1, timeout_s, None))
         self._epoch = epoch
         self._slot = slot if slot is not None else int(self._store.add(f"{epoch}/slots", 1))
-        self._answer(f"info/{epoch}/{self._slot}", lambda: self.receiver.info().model_dump_json())
+        info = self.receiver.info(one_call=self._one_call)
+        self._answer(f"info/{epoch}/{self._slot}", info.model_dump_json)
 
         def join() -> None:
             spec_json = read_bounded(self._store, f"spec/{epoch}/{self._slot}", max_metadata_bytes)
@@ -130,9 +144,7 @@ class StoreMember:
     def start(self) -> None:
         """Check the push the trainer announced (fetching its plan from the store if this member
         does not hold it)."""
-        request_json = read_bounded(self._store, f"prepare/{self._epoch}", MAX_REPLY_CHARS)
-        request = PrepareRequest.model_validate_json(request_json)
-        self.pushing, self.prepared = request.version, None
+        request_json, request = self._announced()
 
         def prepare() -> str:
             # With its destinations, a member whose weights take every byte in place offers to
@@ -150,13 +162,48 @@ class StoreMember:
 
         self._answer(f"prepared/{request.version}/{self._slot}", prepare)
 
-    def receive(self, version: int) -> None:
+    def receive(self, version: int) -> bool:
+        """Take the push's bytes; returns whether that committed it too (a member that offered
+        one-call pushes is asked to commit on receipt: no ``finish`` follows)."""
+
         def receive() -> str:
             receiver = self.receiver
             loader, destinations = receiver.or_leave(lambda: (self._loader(), self._destinations()))
             return receiver.receive(version, loader, destinations).model_dump_json()
 
         self._answer(f"received/{version}/{self._slot}", receive)
+        return self._committed(version)
+
+    def push(self) -> bool:
+        """The whole push the trainer announced in one step (``Receiver.push``: the check, a
+        vote of every member before any byte, the bytes, the commit on receipt), for a member
+        that holds its plan; one that does not answers so, and the trainer takes the long way
+        (``start``, ``receive``). Returns whether the push committed here."""
+        request_json, request = self._announced()
+
+        def push() -> str:
+            receiver = self.receiver
+            loader, destinations = receiver.or_leave(lambda: (self._loader(), self._destinations()))
+            reply = receiver.push(request_json, self._check, loader, destinations)
+            self.prepared = reply.prepared
+            return reply.model_dump_json()
+
+        self._answer(f"pushed/{request.version}/{self._slot}", push)
+        return self._committed(request.version)
+
+    def _announced(self) -> tuple[str, PrepareRequest]:
+        """The push the trainer announced, now this member's."""
+        request_json = read_bounded(self._store, f"prepare/{self._epoch}", MAX_REPLY_CHARS)
+        request = PrepareRequest.model_validate_json(request_json)
+        self.pushing, self.prepared = request.version, None
+        return request_json, request
+
+    def _committed(self, version: int) -> bool:
+        """Whether push ``version`` committed here on receipt (then nothing more of it comes)."""
+        if self.receiver.version != version:
+            return False
+        self.pushing = None
+        return True
 
     def finish(self) -> bool:
         """Commit the push, or drop it: the trainer's verdict, once every member received it.
@@ -268,7 +315,13 @@ class ClientPlane:
         return [in_thread(lambda: self._end_session(ending))] * len(members)
 
     def push(self, request: PrepareRequest, timeout_s: float) -> list[Future[PushReply]]:
-        raise AssertionError("vLLM's workers never offer one-call pushes (MemberInfo.one_call)")
+        # Only members a sender's lane drives offer it (vLLM's workers never do).
+        client = self._client
+        assert isinstance(client, OneCallClient), "one-call pushes come from a OneCallClient"
+        self._mailbox.abandon("a later push began")
+        self._mailbox.post(f"prepare/{self._epoch}", request.model_dump_json())
+        call = in_thread(client.push_weight_update)
+        return self._round("pushed", request.version, call, PushReply)
 
     def receive(self, version: int, atomic: bool, timeout_s: float) -> list[Future[ReceiveReport]]:
         call = in_thread(lambda: self._client.update_weights({"version": version}))
@@ -364,6 +417,7 @@ class _Mailbox:
         self._lock = threading.Lock()
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._awaited = threading.Event()  # set by expect and close: the poller looks at once
 
     def post(self, key: str, value: str) -> None:
         with self._lock:
@@ -383,6 +437,7 @@ class _Mailbox:
                 # or it would come back from that call into a finalising interpreter
                 # (std::terminate: see transport.teardown).
                 self._thread = teardown.start("weight-sync-replies", self._poll, self.close)
+        self._awaited.set()
         return future
 
     def abandon(self, why: str) -> None:
@@ -397,6 +452,7 @@ class _Mailbox:
         with self._lock:
             self._closed, self._store = True, None
             self._give_up("the weight-transfer engine was shut down")
+        self._awaited.set()
 
     def _give_up(self, why: str) -> None:
         for future in self._pending.values():
@@ -404,6 +460,9 @@ class _Mailbox:
         self._pending.clear()
 
     def _poll(self) -> None:
+        """Look for the answers awaited, more slowly the longer none comes; with none awaited,
+        sleep until one is (``expect``): a round's first look comes half a millisecond after
+        it was posted, not after whatever pause the last round's looks had reached."""
         backoff = Backoff(*_POLL_S)
         while True:
             arrived = []
@@ -417,9 +476,13 @@ class _Mailbox:
                         arrived.append((future, self._store.get(key).decode()))
                         delete(self._store, [key])
                         del self._pending[key]
+                idle = not self._pending
             for future, value in arrived:
                 resolve(future, result=value)
-            if arrived:  # the next answer is likely near: look again soon
+            if idle:
+                self._awaited.wait()
+                self._awaited.clear()
+            if arrived or idle:  # the next answer is likely near: look again soon
                 backoff = Backoff(*_POLL_S)
             backoff.sleep()
 

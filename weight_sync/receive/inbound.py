@@ -272,8 +272,13 @@ class Inbound:
         self.sender_gone = False  # its store closed: the sender's process died or left
         self._over = over
         wrap = functools.partial(over[0].lane, over[1]) if over is not None else None
+        # Over one group a lane's receive first tells the rounds it was agreed (``update``):
+        # no one-call pushes there, whose agreement is a vote inside the call.
         self.member = StoreMember(
-            Receiver(device, wrap), expecting(lambda: None), lambda: Loader(_unset)
+            Receiver(device, wrap),
+            expecting(lambda: None),
+            lambda: Loader(_unset),
+            one_call=over is None,
         )
         self._next = 0  # the next command's number
 
@@ -342,7 +347,11 @@ class Inbound:
             # and the others told at once, not at their bound (``Rounds.done``).
             if self._over is not None:
                 self._over[0].agreed(self._over[1])
-            member.receive(int(arg["version"]))
+            if member.receive(int(arg["version"])):  # committed on receipt
+                return int(arg["version"])
+        elif op == "push":  # the whole push in one step, where every member offered it
+            if member.push():
+                return member.receiver.version
         elif op == "finish":
             version = member.pushing
             if member.finish():
