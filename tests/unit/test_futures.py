@@ -15,7 +15,14 @@ from weight_sync.control.futures import joined, resolve
 from weight_sync.control.http import ServerError, collect_answers
 from weight_sync.control.store import ClientPlane
 from weight_sync.errors import WeightSyncError
-from weight_sync.wire.metadata import ReceiveReport, SyncStatus, WorkerReply
+from weight_sync.wire.metadata import (
+    PrepareReply,
+    PrepareRequest,
+    PushReply,
+    ReceiveReport,
+    SyncStatus,
+    WorkerReply,
+)
 
 
 class Boom(Exception):
@@ -94,7 +101,7 @@ def test_a_commit_is_over_only_once_the_client_has_labelled_the_version() -> Non
         (committed,) = plane.commit(1, timeout_s=10)
         reply = WorkerReply(status=SyncStatus(version=1, dirty=False, phase="idle"))
         plane.post("committed/1/1", reply.model_dump_json())  # as StoreMember answers
-        time.sleep(0.3)  # the store plane polls every 1-5 ms: the answer has been read
+        time.sleep(0.3)  # the store plane looks every 0.5-4 ms: the answer has been read
         assert not committed.done()
         client.release.set()
         assert committed.result(timeout=10) is None
@@ -141,3 +148,46 @@ def test_a_failed_server_call_ends_the_wait_unless_the_calls_must_settle(settle:
     assert list(caught.value.servers) == ["dead"]
     assert running.done() is settle
     resolve(running, result={"ok": True})
+
+
+class _OneCallClient(_LabellingClient):
+    """A sender's lane as its plane sees it: the members also take a push in one step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pushed = threading.Event()
+
+    def push_weight_update(self) -> None:
+        self.pushed.set()
+
+
+@pytest.mark.timeout(60)
+def test_a_push_in_one_step_is_announced_and_answered_through_the_store() -> None:
+    """``ClientPlane.push`` (members that offered one-call pushes: a lane's): the request where
+    the members read it, the client told, each member's answer read as a ``PushReply`` -- also
+    an answer given after the plane sat idle, its poller asleep with nothing awaited."""
+    client = _OneCallClient()
+    plane = ClientPlane(client, 1, SyncConfig())
+    try:
+        time.sleep(0.2)  # nothing awaited: the poller sleeps until a round is posted
+        request = PrepareRequest(version=1, plan_digest="a" * 64, commit_on_receipt=True)
+        (answer,) = plane.push(request, timeout_s=10)
+        assert client.pushed.wait(10)
+        announced = plane._mailbox._store.get("prepare/0").decode()  # as StoreMember reads it
+        assert PrepareRequest.model_validate_json(announced) == request
+        time.sleep(0.2)  # the poller looks, and looks again, for an answer not yet given
+        report = ReceiveReport(version=1, nbytes=8, buckets=1, seconds=0.0)
+        reply = PushReply(prepared=PrepareReply(accepted=True), received=report)
+        status = SyncStatus(version=1, dirty=False, phase="idle")
+        plane.post(
+            "pushed/1/1",
+            WorkerReply(value=reply.model_dump_json(), status=status).model_dump_json(),
+        )
+        assert answer.result(timeout=10) == reply
+        assert not plane._mailbox._pending  # read once, and gone from the store
+    finally:
+        plane.close()
+    poller = plane._mailbox._thread
+    assert poller is not None
+    poller.join(timeout=5)
+    assert not poller.is_alive()  # close wakes a poller asleep with nothing awaited

@@ -167,9 +167,8 @@ class StoreMember:
         one-call pushes is asked to commit on receipt: no ``finish`` follows)."""
 
         def receive() -> str:
-            receiver = self.receiver
-            loader, destinations = receiver.or_leave(lambda: (self._loader(), self._destinations()))
-            return receiver.receive(version, loader, destinations).model_dump_json()
+            loader, destinations = self._landing()
+            return self.receiver.receive(version, loader, destinations).model_dump_json()
 
         self._answer(f"received/{version}/{self._slot}", receive)
         return self._committed(version)
@@ -182,9 +181,8 @@ class StoreMember:
         request_json, request = self._announced()
 
         def push() -> str:
-            receiver = self.receiver
-            loader, destinations = receiver.or_leave(lambda: (self._loader(), self._destinations()))
-            reply = receiver.push(request_json, self._check, loader, destinations)
+            loader, destinations = self._landing()
+            reply = self.receiver.push(request_json, self._check, loader, destinations)
             self.prepared = reply.prepared
             return reply.model_dump_json()
 
@@ -197,6 +195,10 @@ class StoreMember:
         request = PrepareRequest.model_validate_json(request_json)
         self.pushing, self.prepared = request.version, None
         return request_json, request
+
+    def _landing(self) -> tuple[Loader, Mapping[str, torch.Tensor] | None]:
+        """Where the bytes about to flow land (``Receiver.or_leave``: leaving if that fails)."""
+        return self.receiver.or_leave(lambda: (self._loader(), self._destinations()))
 
     def _committed(self, version: int) -> bool:
         """Whether push ``version`` committed here on receipt (then nothing more of it comes)."""
