@@ -9,6 +9,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import pytest
+import torch
 
 from weight_sync import SyncConfig
 from weight_sync.control.futures import joined, resolve
@@ -21,8 +22,10 @@ from weight_sync.wire.metadata import (
     PushReply,
     ReceiveReport,
     SyncStatus,
+    TensorMeta,
     WorkerReply,
 )
+from weight_sync.wire.planner import make_plan
 
 
 class Boom(Exception):
@@ -191,3 +194,39 @@ def test_a_push_in_one_step_is_announced_and_answered_through_the_store() -> Non
     assert poller is not None
     poller.join(timeout=5)
     assert not poller.is_alive()  # close wakes a poller asleep with nothing awaited
+
+
+class _SessionClient(_OneCallClient):
+    """Counts the sessions the plane ends (``finish_weight_update`` without a version)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release.set()
+        self.finished = 0
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.finished += 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("on_receipt", [False, True], ids=["vllm_session", "committed_on_receipt"])
+def test_a_push_committed_on_receipt_opens_no_session_to_end(on_receipt: bool) -> None:
+    """A prepared push that failed is ended as the members leave: with vLLM's workers, its
+    session (a ``finish`` after a cancel verdict, or vLLM refuses to release an engine). A push
+    its members commit on receipt (a lane's) opens none: a ``finish`` would have each member
+    wait on a verdict never posted -- for its store's timeout (a review found it)."""
+    client = _SessionClient()
+    plane = ClientPlane(client, 1, SyncConfig())
+    try:
+        plan = make_plan([TensorMeta.of("w", torch.zeros(4))], 1024, 64)
+        request = PrepareRequest(
+            version=1, plan_digest=plan.digest, plan=plan, commit_on_receipt=on_receipt
+        )
+        plane.prepare(request, plan, [0], [True], timeout_s=10)
+        for left in plane.leave(timeout_s=10):  # the push failed: the members leave
+            left.result(timeout=10)
+        assert client.finished == (0 if on_receipt else 1)
+        verdict = plane._mailbox._store.check(["verdict/1"])
+        assert verdict == (not on_receipt)  # the cancel verdict a session's finish reads
+    finally:
+        plane.close()

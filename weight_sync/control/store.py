@@ -183,7 +183,8 @@ class StoreMember:
         def push() -> str:
             loader, destinations = self._landing()
             reply = self.receiver.push(request_json, self._check, loader, destinations)
-            self.prepared = reply.prepared
+            prepared = reply.prepared  # lacking the plan or a delta's base is no verdict yet
+            self.prepared = None if prepared.need_plan or prepared.need_dense else prepared
             return reply.model_dump_json()
 
         self._answer(f"pushed/{request.version}/{self._slot}", push)
@@ -308,7 +309,10 @@ class ClientPlane:
         if plan.digest not in self._plans:
             self._plans.post(plan.digest, f"plan/{plan.digest}", plan.wire)
         self._mailbox.post(f"prepare/{self._epoch}", request.model_dump_json())
-        self._pushing = request.version
+        # A push its members commit on receipt (a lane's) opens no session to finish or cancel:
+        # a ``finish`` for it would have them wait on a verdict never posted; the lane's ``end``
+        # drops what a member prepared.
+        self._pushing = None if request.commit_on_receipt else request.version
         call = in_thread(self._client.start_weight_update)
         return self._round("prepared", request.version, call, PrepareReply)
 
