@@ -167,13 +167,7 @@ class Verdicts:
     def begun(self, push: int, deadline: Deadline) -> None:
         """Wait until rank 0 began push ``push`` (``begin``): ``SyncTimeoutError`` at the
         deadline, ``SenderFailedError`` naming rank 0 if its store is gone."""
-        try:
-            wait_one(self._store, f"{push}/begin", deadline)
-        except StoreGoneError as exc:
-            raise SenderFailedError(
-                f"trainer rank 0 died or left: push {push} will not begin ({first_line(exc)})",
-                [0],
-            ) from exc
+        self._from_rank_0(f"{push}/begin", deadline, f": push {push} will not begin")
 
     def report_for(self, push: int, sender: int, why: str) -> None:
         """A member saw ``sender``'s store close mid-push: its process is gone and will never
@@ -187,12 +181,17 @@ class Verdicts:
 
     def _wait(self, key: str, deadline: Deadline) -> dict[str, Any]:
         try:
-            return dict(json.loads(wait_one(self._store, key, deadline)))
+            gone = " before its verdict; no member claims the push"
+            return dict(json.loads(self._from_rank_0(key, deadline, gone)))
         except SyncTimeoutError as exc:
             raise SyncTimeoutError(f"rank 0 gave no verdict ({key}) in time") from exc
+
+    def _from_rank_0(self, key: str, deadline: Deadline, gone: str) -> bytes:
+        """``key``, which rank 0 posts, once it is there (``keys.wait_one``); its store gone,
+        ``SenderFailedError`` naming rank 0, ``gone`` saying what that means here."""
+        try:
+            return wait_one(self._store, key, deadline)
         except StoreGoneError as exc:
             raise SenderFailedError(
-                f"trainer rank 0 died or left before its verdict; no member claims the push "
-                f"({first_line(exc)})",
-                [0],
+                f"trainer rank 0 died or left{gone} ({first_line(exc)})", [0]
             ) from exc
