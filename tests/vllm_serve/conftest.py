@@ -1,10 +1,11 @@
 """Real ``vllm serve`` processes (the CPU build), shared by the tests of this folder; no Ray.
 
 The trainer is the test process itself: a ``transformers`` model pushed with ``VLLMServers``
-over HTTP. Two servers start together once for this folder (``local_servers``) (each costs 40-80 s of the 2 cores
-here: three processes, each importing vLLM); every test begins with a full push of its own and
+over HTTP. Two servers start together once for this folder (``local_servers``), the second with
+two tensor-parallel workers (``helpers.server_args``); each costs ~25 s of the 2 cores here,
+three or four processes each importing vLLM. Every test begins with a full push of its own and
 never relies on what an earlier one left. A test that kills a server starts it again at the same
-URL before it ends (``Servers.restart``).
+URL, with the same flags, before it ends (``Servers.restart``).
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from tests.vllm.models import QWEN2, save
 
 vllm = pytest.importorskip("vllm", reason="the vllm-serve tests need the vllm extra")
 
-from tests.vllm_serve.helpers import ARGS, READY_S, Servers
-from weight_sync.adapters.vllm.process import local_servers
+from tests.vllm_serve.helpers import READY_S, Servers, server_args
 from weight_sync.adapters.local_servers import stop_together
+from weight_sync.adapters.vllm.process import local_servers
 
 
 @pytest.fixture(scope="session")
@@ -35,7 +36,7 @@ def servers(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     logs.mkdir(parents=True, exist_ok=True)
     held = Servers(model_dir, logs)
     with local_servers(
-        model_dir, 2, args=ARGS, log_dir=str(logs), ready_timeout_s=READY_S
+        model_dir, 2, args=server_args, log_dir=str(logs), ready_timeout_s=READY_S
     ) as started:
         held.processes = list(started)
         try:

@@ -38,8 +38,16 @@ ARGS = [
     "--max-model-len", str(MAX_MODEL_LEN), "--generation-config", "vllm", "--seed", "0",
     "--skip-tokenizer-init", "--enable-scale-out",
 ]  # fmt: skip
-# Several single-worker servers on one node: vLLM's automatic binding would pin all to one core.
+# Several servers on one node: vLLM's automatic binding would pin all to one core.
 ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+TENSOR_PARALLEL = 1  # the index of the session's server of two tensor-parallel workers
+
+
+def server_args(index: int) -> list[str]:
+    """The flags of the session's server ``index``: server 1 runs two tensor-parallel workers
+    (vLLM's multiprocess executor), so a push to both servers meets one worker and two, and the
+    tensor-parallel tests need no server of their own (each start costs ~25 s of the 2 cores)."""
+    return [*ARGS, "--tensor-parallel-size", "2"] if index == TENSOR_PARALLEL else ARGS
 
 
 class Servers:
@@ -50,9 +58,10 @@ class Servers:
         self.processes: list[ServerProcess] = []
         self._starts = 0
 
-    def start(self, port: int = 0) -> ServerProcess:
+    def start(self, index: int, port: int = 0) -> ServerProcess:
         self._starts += 1
-        return ServerProcess(self.model, args=ARGS, env=ENV, port=port, ready_timeout_s=READY_S,
+        return ServerProcess(self.model, args=server_args(index), env=ENV, port=port,
+                             ready_timeout_s=READY_S,
                              log_path=str(self.logs / f"server-{self._starts}.log"))  # fmt: skip
 
     @property
@@ -63,7 +72,7 @@ class Servers:
         """Start server ``index`` again at the same URL (it was killed or stopped)."""
         old = self.processes[index]
         old.stop(timeout_s=30)
-        self.processes[index] = self.start(port=old.port)
+        self.processes[index] = self.start(index, port=old.port)
         assert self.processes[index].url == old.url
         return self.processes[index]
 

@@ -10,17 +10,15 @@ must land, bit for bit, and the server must keep serving.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.vllm.models import QWEN2
 from tests.vllm_serve.helpers import (
-    ARGS,
-    ENV,
     PROMPTS,
-    READY_S,
+    TENSOR_PARALLEL,
+    Servers,
     Trainer,
     all_resumed,
     assert_matches,
@@ -36,15 +34,11 @@ from weight_sync.adapters.vllm import ServerProcess, VLLMServers
 pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.fixture(scope="module")
-def server(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    logs = tmp_path_factory.mktemp("tensor_parallel")
-    started = ServerProcess(model_dir, args=[*ARGS, "--tensor-parallel-size", "2"], env=ENV,
-                            ready_timeout_s=READY_S, log_path=str(logs / "server.log"))  # fmt: skip
-    try:
-        yield started
-    finally:
-        started.stop(timeout_s=60)
+@pytest.fixture
+def server(servers: Servers) -> ServerProcess:
+    """The folder's server of two tensor-parallel workers (as it is now: a test before may have
+    restarted it)."""
+    return servers.processes[TENSOR_PARALLEL]
 
 
 @pytest.mark.parametrize("where", ["broadcast", "commit"])
