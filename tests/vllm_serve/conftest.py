@@ -2,10 +2,10 @@
 
 The trainer is the test process itself: a ``transformers`` model pushed with ``VLLMServers``
 over HTTP. Two servers start together once for this folder (``local_servers``), the second with
-two tensor-parallel workers (``helpers.server_args``); each costs ~25 s of the 2 cores here,
-three or four processes each importing vLLM. Every test begins with a full push of its own and
-never relies on what an earlier one left. A test that kills a server starts it again at the same
-URL, with the same flags, before it ends (``Servers.restart``).
+two tensor-parallel workers (``helpers.server_args``): a start is three processes (four with
+two workers), each importing vLLM, ~25 CPU-seconds alone. Every test begins with a full push
+of its own and never relies on what an earlier one left. A test that kills a server starts it
+again at the same URL, with the same flags, before it ends (``Servers.restart``).
 """
 
 from __future__ import annotations

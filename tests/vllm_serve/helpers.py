@@ -46,7 +46,7 @@ TENSOR_PARALLEL = 1  # the index of the session's server of two tensor-parallel 
 def server_args(index: int) -> list[str]:
     """The flags of the session's server ``index``: server 1 runs two tensor-parallel workers
     (vLLM's multiprocess executor), so a push to both servers meets one worker and two, and the
-    tensor-parallel tests need no server of their own (each start costs ~25 s of the 2 cores)."""
+    tensor-parallel tests need no server of their own (a start is ~25 CPU-seconds)."""
     return [*ARGS, "--tensor-parallel-size", "2"] if index == TENSOR_PARALLEL else ARGS
 
 
