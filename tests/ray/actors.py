@@ -12,20 +12,30 @@ import ray
 import torch
 import torch.distributed as dist
 
+from tests.ray.pool import start_over
 from tests.zoo import BufferModel, zoo
 from weight_sync import PushResult, SyncConfig, WeightSyncWorker, WeightUpdater, remote_worker
-from weight_sync.wire.checksums import state_dict_digests
 from weight_sync.errors import WeightSyncError
-from weight_sync.wire.mapping import fuse
-from weight_sync.wire.metadata import TensorMeta
 from weight_sync.send.sharded import ShardedSource, push_sharded
 from weight_sync.transport.rendezvous import bind_listener, open_store
+from weight_sync.wire.checksums import state_dict_digests
+from weight_sync.wire.mapping import fuse
+from weight_sync.wire.metadata import TensorMeta
 
 BIG = 300_000  # 1.2 MB tensors: split across the tests' 256 KiB buckets
 
 
+class Renewable(WeightSyncWorker):
+    """A worker the tests may reuse (tests/ray/pool.py): ``renew(**init)`` starts it over in
+    this process as ``__init__(**init)`` would in a new actor, its group let go of first."""
+
+    def renew(self, **init: Any) -> None:
+        self._weight_sync_leave()
+        start_over(self, **init)
+
+
 @ray.remote(num_cpus=0)
-class ZooWorker(WeightSyncWorker):
+class ZooWorker(Renewable):
     """Default load_weights into self.model, whose buffers hold every dtype."""
 
     def __init__(self, seed: int) -> None:
@@ -35,7 +45,7 @@ class ZooWorker(WeightSyncWorker):
 
 
 @ray.remote(num_cpus=0)
-class RecordingWorker(WeightSyncWorker):
+class RecordingWorker(Renewable):
     """A custom load_weights (as an inference engine would have), no self.model."""
 
     def __init__(self) -> None:
@@ -132,7 +142,7 @@ class _Tampered:
 
 
 @remote_worker(num_cpus=0)
-class SlowWorker(WeightSyncWorker):
+class SlowWorker(Renewable):
     """Every bucket goes through a slow load_weights, so that a push lasts long enough to be
     struck mid-broadcast; made with remote_worker, so sync_status answers meanwhile."""
 
@@ -253,6 +263,12 @@ class Trainer:
     def close(self) -> None:
         self.updater.close()
 
+    def renew(self, **init: Any) -> None:
+        """Start over as ``Trainer(**init)`` would (its updater closed first): tests reuse
+        actors (tests/ray/pool.py)."""
+        self.close()
+        start_over(self, **init)
+
 
 QKV = fuse(["q_proj", "k_proj", "v_proj"], into="qkv_proj")
 
@@ -323,19 +339,15 @@ class LMTrainer:
 
 
 @ray.remote(num_cpus=0)
-class LMWorker(WeightSyncWorker):
+class LMWorker(Renewable):
     def __init__(self, fused: bool = True) -> None:
         super().__init__()
         torch.set_num_threads(1)
         self.model = TinyLM(fused=fused, seed=1)
 
-    def renew(self, fused: bool = True) -> None:
-        """Start over as ``LMWorker(fused)`` would, in this process (its lanes and group let go
-        first): tests reuse workers, whose start costs ~1.7 s of the 2 cores."""
-        self.lose_lanes()
-        self._weight_sync_leave()
-        self.__dict__.clear()
-        self.__init__(fused)  # type: ignore[misc]
+    def renew(self, **init: Any) -> None:
+        self.lose_lanes()  # its lanes too, not only its group
+        super().renew(**init)
 
     def still_tied(self) -> bool:
         """The tie kept, and every parameter still a trainable leaf: pushes land in them in

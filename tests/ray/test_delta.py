@@ -13,6 +13,7 @@ import ray
 import torch
 
 from tests.ray.actors import _Tampered
+from tests.ray.pool import Lease, start_over
 from weight_sync import PushResult, SyncConfig, WeightUpdater
 from weight_sync.adapters.hf import HFWorker, load_model
 from weight_sync.wire.checksums import state_dict_digests
@@ -82,6 +83,11 @@ class Policy:
     def add_workers(self, workers: list) -> None:
         self.updater.add_workers(workers)
 
+    def renew(self, **init: Any) -> None:
+        """Start over as ``Policy(**init)`` would (tests/ray/pool.py), its updater closed first."""
+        self.close()
+        start_over(self, **init)
+
     def close(self) -> None:
         self.updater.close()
 
@@ -140,8 +146,8 @@ def fleet(ray_cluster: None) -> Iterator[list]:
         ray.kill(worker)
 
 
-def test_deltas_after_adam_steps_land_bit_for_bit(fleet: list) -> None:
-    policy = Policy.remote(fleet, checksum=True)
+def test_deltas_after_adam_steps_land_bit_for_bit(fleet: list, take: Lease) -> None:
+    [policy] = take(Policy, [{"workers": fleet, "checksum": True}])
     try:
         first = ray.get(policy.push.remote(), timeout=TIMEOUT)
         assert not first.delta and first.wire_bytes >= first.nbytes and "scan" not in first.phases
@@ -168,10 +174,12 @@ def test_deltas_after_adam_steps_land_bit_for_bit(fleet: list) -> None:
         ray.get(policy.close.remote(), timeout=TIMEOUT)
 
 
-def test_delta_true_with_every_worker_on_the_trainers_host_goes_dense(fleet: list) -> None:
+def test_delta_true_with_every_worker_on_the_trainers_host_goes_dense(
+    fleet: list, take: Lease
+) -> None:
     """Where bytes cost memory speed a delta is no faster (docs/delta.md): delta=True pushes
     dense, says why, and keeps no copy of the weights."""
-    policy = Policy.remote(fleet[:2], delta=True)
+    [policy] = take(Policy, [{"workers": fleet[:2], "delta": True}])
     try:
         for step in range(3):
             ray.get(policy.step.remote(step), timeout=TIMEOUT)
@@ -184,8 +192,10 @@ def test_delta_true_with_every_worker_on_the_trainers_host_goes_dense(fleet: lis
         ray.get(policy.close.remote(), timeout=TIMEOUT)
 
 
-def test_newcomers_a_new_trainer_and_a_returning_worker_get_dense_bytes(fleet: list) -> None:
-    policy = Policy.remote(fleet[:2], staging="atomic", checksum=True)
+def test_newcomers_a_new_trainer_and_a_returning_worker_get_dense_bytes(
+    fleet: list, take: Lease
+) -> None:
+    [policy] = take(Policy, [{"workers": fleet[:2], "staging": "atomic", "checksum": True}])
     try:
         ray.get(policy.push.remote(), timeout=TIMEOUT)
         ray.get(policy.step.remote(0), timeout=TIMEOUT)
@@ -212,9 +222,9 @@ def test_newcomers_a_new_trainer_and_a_returning_worker_get_dense_bytes(fleet: l
 
 @pytest.mark.parametrize("staging", ["stream", "atomic"])
 def test_a_damaged_delta_push_is_caught_and_the_next_push_repairs_it(
-    fleet: list, staging: str
+    fleet: list, take: Lease, staging: str
 ) -> None:
-    policy = Policy.remote(fleet, checksum=True, staging=staging)
+    [policy] = take(Policy, [{"workers": fleet, "checksum": True, "staging": staging}])
     try:
         first = ray.get(policy.push.remote(), timeout=TIMEOUT).version
         held = ray.get([w.weight_sync_digests.remote() for w in fleet], timeout=TIMEOUT)

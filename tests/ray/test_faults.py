@@ -18,6 +18,7 @@ import pytest
 import ray
 
 from tests.ray.actors import BIG, SlowWorker, Trainer
+from tests.ray.pool import Lease
 from tests.zoo import zoo
 from weight_sync import ChecksumMismatchError, SyncStatus, WorkerFailedError
 from weight_sync.wire.checksums import state_dict_digests
@@ -33,39 +34,56 @@ CONFIG: dict[str, Any] = dict(
 
 
 class Fleet:
-    """A trainer and its workers; every actor (and any stopped process) is killed at the end."""
+    """A trainer and its workers, taken from the module's actors (tests/ray/pool.py): started
+    over in place for each test, handed on to the next if it passes -- less any this test
+    struck (``strike``), which are killed, stopped ones woken first."""
 
-    def __init__(self, workers: int, base: dict[str, Any] = CONFIG, **config: Any) -> None:
-        self.workers = [SlowWorker.remote(seed=300 + i) for i in range(workers)]
-        self.trainer = Trainer.remote(self.workers, **{**base, **config})
+    def __init__(self, take: Lease, workers: int, config: dict[str, Any]) -> None:
+        self.take = take
+        self.workers = take(SlowWorker, [{"seed": 300 + i} for i in range(workers)])
+        self.trainer = self.new_trainer(self.workers, **config)
         self.pids = ray.get([w.pid.remote() for w in self.workers], timeout=TIMEOUT)
-        self.extra: list = []
 
-    def new_trainer(self, workers: list, **config: Any) -> None:
-        self.extra.append(self.trainer)
-        self.trainer = Trainer.remote(workers, **{**CONFIG, **config})
+    def new_trainer(self, workers: list, **config: Any) -> Any:
+        self.trainer = self.take(Trainer, [{"workers": workers, **config}])[0]
+        return self.trainer
 
-    def kill_all(self) -> None:
+    def add_worker(self, seed: int) -> Any:
+        [worker] = self.take(SlowWorker, [{"seed": seed}])
+        self.workers.append(worker)
+        self.pids.append(ray.get(worker.pid.remote(), timeout=TIMEOUT))
+        return worker
+
+    def strike(self, victim: int, sig: signal.Signals) -> None:
+        """Send ``sig`` to worker ``victim``, never handed on after."""
+        self.take.spoil(self.workers[victim])
+        os.kill(self.pids[victim], sig)
+
+    def kill_trainer(self, pid: int) -> None:
+        """SIGKILL the trainer (``pid``: asked before it was busy), never handed on after."""
+        self.take.spoil(self.trainer)
+        os.kill(pid, signal.SIGKILL)
+
+    def wake(self) -> None:
         for pid in self.pids:  # a stopped process must be woken (or killed) to go
             try:
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
-        for actor in [self.trainer, *self.extra, *self.workers]:
-            ray.kill(actor)
 
 
 @pytest.fixture
-def fleet_of() -> Iterator[Callable[..., Fleet]]:
+def fleet_of(take: Lease) -> Iterator[Callable[..., Fleet]]:
+    """``fleet_of(workers, base, **config)``: a ``Fleet`` with ``{**base, **config}``."""
     fleets: list[Fleet] = []
 
     def make(workers: int = 3, base: dict[str, Any] = CONFIG, **config: Any) -> Fleet:
-        fleets.append(Fleet(workers, base, **config))
+        fleets.append(Fleet(take, workers, {**base, **config}))
         return fleets[-1]
 
     yield make
     for fleet in fleets:
-        fleet.kill_all()
+        fleet.wake()
 
 
 def status(worker: Any) -> SyncStatus:
@@ -102,7 +120,7 @@ def strike(
     long after the signal it came."""
     pushing = fleet.trainer.push_zoo.remote(seed)
     wait_until(mid_push(fleet.workers[victim]), "the push to be under way")
-    os.kill(fleet.pids[victim], sig)
+    fleet.strike(victim, sig)
     struck = time.monotonic()
     with pytest.raises(WorkerFailedError) as info:
         ray.get(pushing, timeout=TIMEOUT)
@@ -144,10 +162,8 @@ def test_worker_killed_or_frozen_mid_broadcast_is_named_dropped_and_replaced(
     again = assert_next_push_lands(fleet, survivors, seed=3)  # a new group over the survivors
     assert again > first.version
 
-    replacement = SlowWorker.remote(seed=399)
-    fleet.workers.append(replacement)
     # Up first: its process start (seconds on 2 busy cores) is no part of the push's rpc bound.
-    ray.get(replacement.pid.remote(), timeout=TIMEOUT)
+    replacement = fleet.add_worker(seed=399)
     ray.get(fleet.trainer.add_workers.remote([replacement]), timeout=TIMEOUT)
     assert_next_push_lands(fleet, [*survivors, replacement], seed=4)  # full weights to the newcomer
 
@@ -164,7 +180,7 @@ def test_push_timeout_alone_bounds_a_push_with_a_frozen_worker(
     ray.get(fleet.trainer.push_zoo.remote(1), timeout=TIMEOUT)
     pushing = fleet.trainer.timed_push_zoo.remote(2)
     wait_until(mid_push(fleet.workers[1]), "the push to be under way")
-    os.kill(fleet.pids[1], signal.SIGSTOP)
+    fleet.strike(1, signal.SIGSTOP)
     outcome, seconds = ray.get(pushing, timeout=TIMEOUT)
     print(f"frozen worker reported after {seconds:.2f}s of push_timeout_s={push_timeout_s}")
     assert outcome == "WorkerFailedError" and seconds < push_timeout_s, (outcome, seconds)
@@ -177,9 +193,10 @@ def test_a_worker_that_never_joins_is_named_and_dropped(
 ) -> None:
     fleet = fleet_of(3)
     if how == "hangs-in-join":  # answers the probe, then never reaches the rendezvous
+        fleet.take.spoil(fleet.workers[2])
         ray.get(fleet.workers[2].hang_in_next_join.remote(120), timeout=TIMEOUT)
     else:  # a stopped process answers nothing at all
-        os.kill(fleet.pids[2], signal.SIGSTOP)
+        fleet.strike(2, signal.SIGSTOP)
     start = time.monotonic()
     with pytest.raises(WorkerFailedError) as info:
         ray.get(fleet.trainer.push_zoo.remote(5), timeout=TIMEOUT)
@@ -202,7 +219,7 @@ def test_trainer_killed_mid_push_leaves_workers_able_to_join_a_new_updater(
     ray.get(fleet.workers[0].tamper.remote(delay_s=0.05), timeout=TIMEOUT)
     pushing = fleet.trainer.push_zoo.remote(8)
     wait_until(mid_push(fleet.workers[0]), "the push to be under way")
-    os.kill(trainer_pid, signal.SIGKILL)
+    fleet.kill_trainer(trainer_pid)
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(pushing, timeout=TIMEOUT)
     wait_until(
@@ -217,7 +234,7 @@ def test_trainer_killed_mid_push_leaves_workers_able_to_join_a_new_updater(
         assert digests(fleet.workers) == [state_dict_digests(zoo(7, big=BIG))] * 2
     else:  # part-new weights: no version claimed
         assert versions(fleet.workers) == [None, None]
-    fleet.new_trainer(fleet.workers, staging=staging)
+    fleet.new_trainer(fleet.workers, **CONFIG, staging=staging)
     assert assert_next_push_lands(fleet, fleet.workers, seed=9) > first.version
 
 

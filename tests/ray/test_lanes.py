@@ -13,11 +13,11 @@ import pytest
 import ray
 
 from tests.ray.actors import BusyLMWorker, LMWorker, ShardedTrainer
+from tests.ray.pool import Reused
 from weight_sync.wire.metadata import GroupSpec
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("ray_cluster")]
 TIMEOUT = 120
-RENEW_S = 30  # a worker started over in place; one that takes longer is replaced
 
 DEATH = "trainer rank 1 died or left mid-push"  # what every survivor says first
 
@@ -32,7 +32,7 @@ class Pool:
 
     def __init__(self) -> None:
         self._ranks: list = []
-        self._idle: dict[bool, list] = {False: [], True: []}  # workers, by ``fused``
+        self._workers = Reused()
 
     def ranks(self) -> list:
         """The pair, started if there is none (held from the start, so that ``drop_ranks``
@@ -45,20 +45,10 @@ class Pool:
 
     def workers(self, fused: tuple[bool, ...]) -> list:
         """Workers as ``[LMWorker.remote(fused=f) for f in fused]`` would be."""
-        taken = [self._idle[f].pop() if self._idle[f] else None for f in fused]
-        renewing = [None if w is None else w.renew.remote(f) for w, f in zip(taken, fused)]
-        for i, done in enumerate(renewing):
-            if done is not None:
-                try:
-                    ray.get(done, timeout=RENEW_S)
-                except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
-                    ray.kill(taken[i])
-                    taken[i] = None
-        return [LMWorker.remote(fused=f) if w is None else w for w, f in zip(taken, fused)]
+        return self._workers.take(LMWorker, [{"fused": f} for f in fused])
 
-    def give_back(self, workers: list, fused: tuple[bool, ...]) -> None:
-        for worker, f in zip(workers, fused, strict=True):
-            self._idle[f].append(worker)
+    def give_back(self, workers: list) -> None:
+        self._workers.give_back(LMWorker, workers)
 
     def drop_ranks(self) -> None:
         kill(self._ranks)
@@ -66,7 +56,7 @@ class Pool:
 
     def close(self) -> None:
         self.drop_ranks()
-        kill([worker for idle in self._idle.values() for worker in idle])
+        self._workers.close()
 
 
 def kill(actors: list) -> None:
@@ -106,7 +96,7 @@ def lanes(request: pytest.FixtureRequest, pool: Pool) -> Iterator[tuple[list, li
         if not (passed and closed):
             pool.drop_ranks()
         if passed:  # started over before the next test takes them
-            pool.give_back(workers, fused)
+            pool.give_back(workers)
         else:
             kill(workers)
 
@@ -160,7 +150,9 @@ def test_a_state_dict_one_rank_refuses_sends_nothing_anywhere(lanes: tuple[list,
     before = ray.get([w.weight_sync_digests.remote() for w in workers], timeout=TIMEOUT)
     on_all(ranks, "step")
     refused = on_all(ranks, "lanes_push", 1)
-    assert all(kind == "ValueError" and why.startswith("version 1 is not past") for kind, why in refused), refused
+    assert all(
+        kind == "ValueError" and why.startswith("version 1 is not past") for kind, why in refused
+    ), refused
     assert ray.get([w.weight_sync_digests.remote() for w in workers], timeout=TIMEOUT) == before
     assert ray.get([w.weights_version.remote() for w in workers], timeout=TIMEOUT) == [1, 1]
     assert [r.version for r in on_all(ranks, "lanes_push", 5)] == [5, 5]
@@ -488,7 +480,7 @@ def test_ranks_that_disagree_on_a_field_that_must_agree_are_told_on_every_rank(
         passed = True
     finally:
         if passed:
-            pool.give_back(workers, (False, False))
+            pool.give_back(workers)
         else:
             pool.drop_ranks()
             kill(workers)

@@ -8,6 +8,7 @@ import pytest
 import ray
 
 from tests.ray.actors import BIG, FlakyWorker, RecordingWorker, Trainer, ZooWorker
+from tests.ray.pool import Lease
 from tests.zoo import zoo
 from weight_sync import PlanMismatchError, PushResult, WorkerFailedError
 from weight_sync.wire.checksums import state_dict_digests
@@ -113,90 +114,77 @@ def test_concurrent_pushes_are_serialised(fleet: tuple) -> None:
     assert digests == [state_dict_digests(zoo(last_seed, big=BIG))] * WORKERS
 
 
-def test_custom_load_weights_on_a_standalone_group(ray_cluster: None) -> None:
-    workers = [RecordingWorker.remote() for _ in range(2)]
+def test_custom_load_weights_on_a_standalone_group(take: Lease) -> None:
+    workers = take(RecordingWorker, [{}, {}])
     # Direct buckets without a destination: received into temporaries, then load_weights.
-    trainer = Trainer.remote(
-        workers, bucket_bytes=64 << 10, direct_min_bytes=100_000, group_mode="standalone"
-    )
-    try:
-        result = ray.get(trainer.push_zoo.remote(5), timeout=TIMEOUT)
-        want = state_dict_digests(zoo(5, big=BIG))
-        for worker in workers:
-            assert ray.get(worker.received_digests.remote(), timeout=TIMEOUT) == want
-            assert ray.get(worker.weights_version.remote(), timeout=TIMEOUT) == result.version
-            # load_weights runs per bucket (plus once for the empty tensors), not per tensor
-            assert ray.get(worker.load_calls.remote(), timeout=TIMEOUT) <= result.buckets + 1
-    finally:
-        ray.get(trainer.close.remote(), timeout=TIMEOUT)
-        for actor in [trainer, *workers]:
-            ray.kill(actor)
+    config = {"bucket_bytes": 64 << 10, "direct_min_bytes": 100_000, "group_mode": "standalone"}
+    [trainer] = take(Trainer, [{"workers": workers, **config}])
+    result = ray.get(trainer.push_zoo.remote(5), timeout=TIMEOUT)
+    want = state_dict_digests(zoo(5, big=BIG))
+    for worker in workers:
+        assert ray.get(worker.received_digests.remote(), timeout=TIMEOUT) == want
+        assert ray.get(worker.weights_version.remote(), timeout=TIMEOUT) == result.version
+        # load_weights runs per bucket (plus once for the empty tensors), not per tensor
+        assert ray.get(worker.load_calls.remote(), timeout=TIMEOUT) <= result.buckets + 1
 
 
-def test_a_worker_failing_mid_push_leaves_no_one_claiming_the_version(ray_cluster: None) -> None:
-    workers = [FlakyWorker.remote(seed=200 + i) for i in range(3)]
-    trainer = Trainer.remote(
-        workers, bucket_bytes=64 << 10, collective_timeout_s=20, rpc_timeout_s=30
-    )
-    try:
-        first = ray.get(trainer.push_zoo.remote(6), timeout=TIMEOUT)
-        ray.get(workers[1].fail_next_push.remote(2), timeout=TIMEOUT)  # fails on its 3rd bucket
-        with pytest.raises(WorkerFailedError) as info:
-            ray.get(trainer.push_zoo.remote(7), timeout=TIMEOUT)
-        assert 1 in info.value.workers and "injected load_weights failure" in str(info.value)
-        versions, _ = state(workers)
-        assert first.version not in versions  # partly updated weights claim no version
-        assert versions[1] is None
-        assert ray.get(trainer.version.remote(), timeout=TIMEOUT) == first.version
-        again = ray.get(trainer.push_zoo.remote(8), timeout=TIMEOUT)  # a new group, all healthy
-        assert again.version > first.version  # the failed push may have spent a number
-        versions, digests = state(workers)
-        assert versions == [again.version] * 3
-        assert digests == [state_dict_digests(zoo(8, big=BIG))] * 3
+def test_a_worker_failing_mid_push_leaves_no_one_claiming_the_version(
+    take: Lease,
+) -> None:
+    workers = take(FlakyWorker, [{"seed": 200 + i} for i in range(3)])
+    config = {"bucket_bytes": 64 << 10, "collective_timeout_s": 20, "rpc_timeout_s": 30}
+    [trainer] = take(Trainer, [{"workers": workers, **config}])
+    first = ray.get(trainer.push_zoo.remote(6), timeout=TIMEOUT)
+    ray.get(workers[1].fail_next_push.remote(2), timeout=TIMEOUT)  # fails on its 3rd bucket
+    with pytest.raises(WorkerFailedError) as info:
+        ray.get(trainer.push_zoo.remote(7), timeout=TIMEOUT)
+    assert 1 in info.value.workers and "injected load_weights failure" in str(info.value)
+    versions, _ = state(workers)
+    assert first.version not in versions  # partly updated weights claim no version
+    assert versions[1] is None
+    assert ray.get(trainer.version.remote(), timeout=TIMEOUT) == first.version
+    again = ray.get(trainer.push_zoo.remote(8), timeout=TIMEOUT)  # a new group, all healthy
+    assert again.version > first.version  # the failed push may have spent a number
+    versions, digests = state(workers)
+    assert versions == [again.version] * 3
+    assert digests == [state_dict_digests(zoo(8, big=BIG))] * 3
 
-        # A commit that fails on one worker: the others hold the version, so it is never reused.
-        ray.get(workers[2].fail_next_commit.remote(), timeout=TIMEOUT)
-        with pytest.raises(WorkerFailedError, match="injected commit failure"):
-            ray.get(trainer.push_zoo.remote(9), timeout=TIMEOUT)
-        spent = again.version + 1
-        assert state(workers)[0] == [spent, spent, None]
-        final = ray.get(trainer.push_zoo.remote(10), timeout=TIMEOUT)
-        assert final.version == spent + 1
-        assert state(workers) == ([final.version] * 3, [state_dict_digests(zoo(10, big=BIG))] * 3)
-    finally:
-        ray.get(trainer.close.remote(), timeout=TIMEOUT)
-        for actor in [trainer, *workers]:
-            ray.kill(actor)
+    # A commit that fails on one worker: the others hold the version, so it is never reused.
+    ray.get(workers[2].fail_next_commit.remote(), timeout=TIMEOUT)
+    with pytest.raises(WorkerFailedError, match="injected commit failure"):
+        ray.get(trainer.push_zoo.remote(9), timeout=TIMEOUT)
+    spent = again.version + 1
+    assert state(workers)[0] == [spent, spent, None]
+    final = ray.get(trainer.push_zoo.remote(10), timeout=TIMEOUT)
+    assert final.version == spent + 1
+    assert state(workers) == ([final.version] * 3, [state_dict_digests(zoo(10, big=BIG))] * 3)
 
 
 @pytest.mark.parametrize("after_calls", [0, 1], ids=["in_one_call", "at_the_receive"])
 def test_a_worker_whose_hook_fails_as_the_bytes_begin_fails_the_push_at_once(
-    ray_cluster: None, after_calls: int
+    take: Lease, after_calls: int
 ) -> None:
     """A worker's ``weight_sync_destinations`` raises as the bytes are about to flow -- in a
     push in one call (the steady state), or at the receive of a push prepared first (a new
     group's first): the worker leaves the group first, so the trainer and the others, about to
     vote or broadcast with it, fail at once rather than at the collective bound; it is named,
     no one claims the version, and the next push lands."""
-    workers = [FlakyWorker.remote(seed=300 + i) for i in range(3)]
-    trainer = Trainer.remote(workers, collective_timeout_s=60, rpc_timeout_s=60)
-    try:
-        first = ray.get(trainer.push_zoo.remote(1), timeout=TIMEOUT)
-        if after_calls:  # a failed push forms a new group: its first push is prepared first
-            ray.get(workers[0].fail_next_push.remote(0), timeout=TIMEOUT)
-            with pytest.raises(WorkerFailedError):
-                ray.get(trainer.push_zoo.remote(2), timeout=TIMEOUT)
-        ray.get(workers[1].fail_destinations.remote(after_calls), timeout=TIMEOUT)
-        kind, took = ray.get(trainer.timed_push_zoo.remote(3), timeout=TIMEOUT)
-        assert kind == "WorkerFailedError" and took < 30, (kind, took)  # the bound is 60 s
-        versions, _ = state(workers)
-        assert versions[1] is None or versions[1] <= first.version
-        again = ray.get(trainer.push_zoo.remote(4), timeout=TIMEOUT)
-        assert state(workers) == ([again.version] * 3, [state_dict_digests(zoo(4, big=BIG))] * 3)
-    finally:
-        ray.get(trainer.close.remote(), timeout=TIMEOUT)
-        for actor in [trainer, *workers]:
-            ray.kill(actor)
+    workers = take(FlakyWorker, [{"seed": 300 + i} for i in range(3)])
+    [trainer] = take(
+        Trainer, [{"workers": workers, "collective_timeout_s": 60, "rpc_timeout_s": 60}]
+    )
+    first = ray.get(trainer.push_zoo.remote(1), timeout=TIMEOUT)
+    if after_calls:  # a failed push forms a new group: its first push is prepared first
+        ray.get(workers[0].fail_next_push.remote(0), timeout=TIMEOUT)
+        with pytest.raises(WorkerFailedError):
+            ray.get(trainer.push_zoo.remote(2), timeout=TIMEOUT)
+    ray.get(workers[1].fail_destinations.remote(after_calls), timeout=TIMEOUT)
+    kind, took = ray.get(trainer.timed_push_zoo.remote(3), timeout=TIMEOUT)
+    assert kind == "WorkerFailedError" and took < 30, (kind, took)  # the bound is 60 s
+    versions, _ = state(workers)
+    assert versions[1] is None or versions[1] <= first.version
+    again = ray.get(trainer.push_zoo.remote(4), timeout=TIMEOUT)
+    assert state(workers) == ([again.version] * 3, [state_dict_digests(zoo(4, big=BIG))] * 3)
 
 
 GOOD_DIGEST = "0" * 64
@@ -264,31 +252,23 @@ def test_a_named_version_labels_the_push_and_one_not_past_the_workers_is_refused
 
 
 def test_a_new_trainer_continues_past_every_version_the_workers_were_sent(
-    ray_cluster: None,
+    take: Lease,
 ) -> None:
     """Trainer A pushes three versions and goes; trainer B, new over the same workers, takes
     version 4 -- never one the workers served -- refuses a named version they were already
     sent, and takes a named one past them (a trainer restarted from a checkpoint at that step)."""
-    workers = [ZooWorker.remote(seed=300 + i) for i in range(2)]
-    first = Trainer.remote(workers)
-    second = None
-    try:
-        for seed in (1, 2, 3):
-            ray.get(first.push_zoo.remote(seed), timeout=TIMEOUT)
-        ray.get(first.close.remote(), timeout=TIMEOUT)
-        second = Trainer.remote(workers)
-        with pytest.raises(
-            ValueError,
-            match=r"version 2 is not past what these workers were already pushed \(up to 3\)",
-        ):
-            ray.get(second.push_zoo.remote(4, version=2), timeout=TIMEOUT)
-        assert state(workers)[0] == [3, 3]
-        assert ray.get(second.push_zoo.remote(4), timeout=TIMEOUT).version == 4
-        assert ray.get(second.push_zoo.remote(5, version=40), timeout=TIMEOUT).version == 40
-        assert state(workers) == ([40, 40], [state_dict_digests(zoo(5, big=BIG))] * 2)
-    finally:
-        for trainer in (first, second):
-            if trainer is not None:
-                ray.get(trainer.close.remote(), timeout=TIMEOUT)
-        for actor in [first, *([second] if second is not None else []), *workers]:
-            ray.kill(actor)
+    workers = take(ZooWorker, [{"seed": 300 + i} for i in range(2)])
+    [first] = take(Trainer, [{"workers": workers}])
+    for seed in (1, 2, 3):
+        ray.get(first.push_zoo.remote(seed), timeout=TIMEOUT)
+    ray.get(first.close.remote(), timeout=TIMEOUT)
+    [second] = take(Trainer, [{"workers": workers}])
+    with pytest.raises(
+        ValueError,
+        match=r"version 2 is not past what these workers were already pushed \(up to 3\)",
+    ):
+        ray.get(second.push_zoo.remote(4, version=2), timeout=TIMEOUT)
+    assert state(workers)[0] == [3, 3]
+    assert ray.get(second.push_zoo.remote(4), timeout=TIMEOUT).version == 4
+    assert ray.get(second.push_zoo.remote(5, version=40), timeout=TIMEOUT).version == 40
+    assert state(workers) == ([40, 40], [state_dict_digests(zoo(5, big=BIG))] * 2)

@@ -14,6 +14,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from tests.ray.pool import start_over
 from tests.reference import Trainer as InProcess
 from weight_sync import PushResult, SyncConfig, WeightUpdater
 from weight_sync.adapters.hf import load_model
@@ -165,8 +166,7 @@ class Trainer:
         """Start over as ``Trainer(*args, **kwargs)`` would, in this process (its updater closed
         first): the tests reuse one actor, whose start costs ~3 s of the 2 cores."""
         self.close()
-        self.__dict__.clear()
-        self.__init__(*args, **kwargs)  # type: ignore[misc]
+        start_over(self, *args, **kwargs)
 
 
 def reference(
