@@ -18,6 +18,7 @@ from tests.vllm.models import MAX_MODEL_LEN, QWEN2
 from tests.vllm_serve.helpers import (
     LONG_PROMPTS,
     PROMPTS,
+    TENSOR_PARALLEL,
     TOLERANCE,
     Servers,
     Trainer,
@@ -235,10 +236,12 @@ def test_the_trainer_killed_mid_push_leaves_the_server_serving(
 def test_a_server_killed_mid_push_or_between_pushes_fails_fast_and_rejoins_when_restarted(
     servers: Servers, model_dir: str
 ) -> None:
-    """Server 1 is killed during a push, then pushed to while dead: each push raises a
-    ServerError naming it within push_timeout_s, and server 0 serves on (resumed, no version).
-    Restarted at the same URL, it rejoins with full weights at the next push."""
-    survivor, victim = servers.urls
+    """The server of one worker is killed during a push, then pushed to while dead: each push
+    raises a ServerError naming it within push_timeout_s, and the tensor-parallel one serves on
+    (resumed, no version). Restarted at the same URL, it rejoins with full weights at the next
+    push. (The one restarted is the server of one worker: three processes to start, not four.)"""
+    dead = 1 - TENSOR_PARALLEL
+    victim, survivor = servers.urls[dead], servers.urls[TENSOR_PARALLEL]
     trainer = Trainer(QWEN2, seed=8)
     # Tiny buckets over the group (the host ring would batch them): ~100 broadcasts, slowed.
     config = SyncConfig(
@@ -270,7 +273,7 @@ def test_a_server_killed_mid_push_or_between_pushes_fails_fast_and_rejoins_when_
         pushing_thread.start()
         assert started.wait(60)
         time.sleep(0.5)
-        servers.processes[1].kill()
+        servers.processes[dead].kill()
         pushing_thread.join(90)
         assert isinstance(outcome.get("error"), ServerError), outcome
         assert list(outcome["error"].servers) == [victim], outcome  # the dead one, not the other
@@ -290,7 +293,7 @@ def test_a_server_killed_mid_push_or_between_pushes_fails_fast_and_rejoins_when_
         ids, _ = complete(survivor, model_dir, PROMPTS[0])
         assert len(ids) == 8
 
-        servers.restart(1)
+        servers.restart(dead)
         push(pushing, trainer)
         for url in servers.urls:
             assert_matches(url, model_dir, trainer)
