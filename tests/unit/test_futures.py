@@ -230,3 +230,61 @@ def test_a_push_committed_on_receipt_opens_no_session_to_end(on_receipt: bool) -
         assert verdict == (not on_receipt)  # the cancel verdict a session's finish reads
     finally:
         plane.close()
+
+
+class _AskedAgainReceiver:
+    """A member's receiver whose every answer to a push is ``reply`` (a pure unit test's fake:
+    ``StoreMember`` only relays what it says)."""
+
+    version = None
+    max_metadata_bytes = 1 << 20
+
+    def __init__(self, reply: PrepareReply) -> None:
+        self.reply = reply
+
+    def prepare(self, request_json: str, check: Any, destinations: Any) -> PrepareReply:
+        return self.reply
+
+    def push(self, request_json: str, check: Any, loader: Any, destinations: Any) -> PushReply:
+        return PushReply(prepared=self.reply)
+
+    def or_leave(self, hook: Any) -> Any:
+        return hook()
+
+    def status(self) -> SyncStatus:
+        return SyncStatus(version=None, dirty=False, phase="idle")
+
+
+@pytest.mark.parametrize("step", ["start", "push"])
+@pytest.mark.parametrize(
+    ("reply", "kept"),
+    [
+        (PrepareReply(accepted=True), True),
+        (PrepareReply(accepted=False, problems=["'w': sent float64[4], model has float32[4]"]),
+         True),
+        (PrepareReply(accepted=False, need_dense=True), False),  # sent again dense
+        (PrepareReply(accepted=False, need_plan=True), False),  # sent again with its plan
+    ],
+    ids=["accepted", "refused", "needs-dense", "needs-plan"],
+)  # fmt: skip
+def test_a_member_keeps_as_its_verdict_only_a_reply_that_is_one(
+    step: str, reply: PrepareReply, kept: bool
+) -> None:
+    """What a store-plane member answered of a push is kept as its verdict (a refusal is raised
+    as ``PlanMismatchError`` if the push then ends here uncommitted) -- unless the member is to be
+    asked again within the push: then a sender that fails meanwhile is reported as the failure,
+    not as a refusal naming no problem. Both ways a push reaches a member, in steps or in one."""
+    from torch.distributed import HashStore, PrefixStore
+
+    from weight_sync.control.store import PREFIX, StoreMember
+
+    member = StoreMember(_AskedAgainReceiver(reply), check=lambda plan: [], loader=lambda: None)  # type: ignore[arg-type]
+    member._store = PrefixStore(PREFIX, HashStore())
+    plan = make_plan([TensorMeta.of("w", torch.zeros(4))], 1024, 64)
+    member._store.set(
+        "prepare/0", PrepareRequest(version=1, plan_digest=plan.digest).model_dump_json()
+    )
+    member._store.set(f"plan/{plan.digest}", plan.model_dump_json())
+    getattr(member, step)()
+    assert member.pushing == 1
+    assert member.prepared == (reply if kept else None)

@@ -157,7 +157,7 @@ class StoreMember:
                 reply = self.receiver.prepare(
                     whole.model_dump_json(), self._check, self._destinations
                 )
-            self.prepared = reply
+            self.prepared = _as_verdict(reply)
             return reply.model_dump_json()
 
         self._answer(f"prepared/{request.version}/{self._slot}", prepare)
@@ -183,8 +183,7 @@ class StoreMember:
         def push() -> str:
             loader, destinations = self._landing()
             reply = self.receiver.push(request_json, self._check, loader, destinations)
-            prepared = reply.prepared  # lacking the plan or a delta's base is no verdict yet
-            self.prepared = None if prepared.need_plan or prepared.need_dense else prepared
+            self.prepared = _as_verdict(reply.prepared)
             return reply.model_dump_json()
 
         self._answer(f"pushed/{request.version}/{self._slot}", push)
@@ -238,6 +237,14 @@ class StoreMember:
         self._store.set(key, reply.model_dump_json())
         if error is not None and reraise:
             raise error
+
+
+def _as_verdict(reply: PrepareReply) -> PrepareReply | None:
+    """``reply`` as this member's verdict on the push, or None where it is none yet: lacking
+    the plan or a delta's base, the member is asked again (the plan sent, or the push dense)
+    within the same push -- and a sender that fails before then must be reported as such,
+    not as a refusal that names no problem (``Inbound._ended``)."""
+    return None if reply.need_plan or reply.need_dense else reply
 
 
 # -- the trainer's end -----------------------------------------------------------------------------
