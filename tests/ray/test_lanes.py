@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from tests.ray.actors import BusyLMWorker, LMWorker, ShardedTrainer
-from tests.ray.pool import Reused
+from tests.ray.pool import Lease
 from weight_sync.wire.metadata import GroupSpec
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("ray_cluster")]
@@ -23,16 +23,15 @@ DEATH = "trainer rank 1 died or left mid-push"  # what every survivor says first
 
 
 class Pool:
-    """Actors started once and reused by the tests that take ``lanes``: the two trainer ranks
-    (FSDP2 over a Gloo world of two Ray actors), each test making a ``WeightUpdater`` on every
-    rank, closed at its end; and the workers, each started over in place before a test takes it
-    (``LMWorker.renew``: as a new one would be). A start costs ~4 s of the 2 cores for the pair
-    of ranks, ~1.7 s a worker: most of such a test. What a test may have left unsound -- a rank
-    killed on purpose, a close or a renewal that failed, the test itself failed -- is replaced."""
+    """The two trainer ranks (FSDP2 over a Gloo world of two Ray actors), started once and
+    reused by the tests that take ``lanes``, each test making a ``WeightUpdater`` on every rank,
+    closed at its end (a start costs ~4 s of the 2 cores for the pair: most of such a test).
+    What a test may have left unsound -- a rank killed on purpose, a close that failed, the test
+    itself failed -- is replaced. The workers come from the module's pool (``take``,
+    tests/ray/pool.py), each started over in place (``LMWorker.renew``)."""
 
     def __init__(self) -> None:
         self._ranks: list = []
-        self._workers = Reused()
 
     def ranks(self) -> list:
         """The pair, started if there is none (held from the start, so that ``drop_ranks``
@@ -43,20 +42,12 @@ class Pool:
             ray.get([rank.setup.remote(port, None) for rank in ranks], timeout=TIMEOUT)
         return self._ranks
 
-    def workers(self, fused: tuple[bool, ...]) -> list:
-        """Workers as ``[LMWorker.remote(fused=f) for f in fused]`` would be."""
-        return self._workers.take(LMWorker, [{"fused": f} for f in fused])
-
-    def give_back(self, workers: list) -> None:
-        self._workers.give_back(LMWorker, workers)
-
     def drop_ranks(self) -> None:
         kill(self._ranks)
         self._ranks = []
 
     def close(self) -> None:
         self.drop_ranks()
-        self._workers.close()
 
 
 def kill(actors: list) -> None:
@@ -74,12 +65,12 @@ def pool() -> Iterator[Pool]:
 
 
 @pytest.fixture
-def lanes(request: pytest.FixtureRequest, pool: Pool) -> Iterator[tuple[list, list]]:
+def lanes(request: pytest.FixtureRequest, pool: Pool, take: Lease) -> Iterator[tuple[list, list]]:
     """Two trainer ranks with a WeightUpdater each (senders: their group), and two workers as
     new; ``param``: (``fused``: their models stack q, k and v in one tensor, which a trainer's
     push does not fit; the ``SyncConfig`` of every rank)."""
     fused, config = getattr(request, "param", ((False, False), {}))
-    workers = pool.workers(fused)
+    workers = take(LMWorker, [{"fused": f} for f in fused])
     failed = request.session.testsfailed
     passed = closed = False
     try:
@@ -95,10 +86,6 @@ def lanes(request: pytest.FixtureRequest, pool: Pool) -> Iterator[tuple[list, li
     finally:
         if not (passed and closed):
             pool.drop_ranks()
-        if passed:  # started over before the next test takes them
-            pool.give_back(workers)
-        else:
-            kill(workers)
 
 
 # Each case also over one group of the senders and the workers, the lanes' buckets taken in
@@ -454,12 +441,12 @@ def test_a_worker_busy_with_its_own_methods_joins_the_one_group_meanwhile(pool: 
 
 
 def test_ranks_that_disagree_on_a_field_that_must_agree_are_told_on_every_rank(
-    pool: Pool,
+    pool: Pool, take: Lease
 ) -> None:
     """Rank 1 gives another ``cast_dtype`` (and, over one group, the NCCL backend): every
     rank's ``WeightUpdater`` raises ``ValueError`` as it is made, naming the field and each
     rank's value, before anything forms -- and the ranks make one that lands right after."""
-    workers = pool.workers((False, False))
+    workers = take(LMWorker, [{"fused": False}] * 2)
     ranks = pool.ranks()
     passed = False
     try:
@@ -479,11 +466,8 @@ def test_ranks_that_disagree_on_a_field_that_must_agree_are_told_on_every_rank(
         on_all(ranks, "lanes_close")
         passed = True
     finally:
-        if passed:
-            pool.give_back(workers)
-        else:
+        if not passed:
             pool.drop_ranks()
-            kill(workers)
 
 
 def test_one_group_over_nccl_refuses_workers_without_a_gpu_of_their_own() -> None:
@@ -517,13 +501,13 @@ class Plain:
 
 
 @pytest.mark.parametrize("one_group", [False, True], ids=["lanes", "one_group"])
-def test_a_trainer_of_one_rank_pushes_through_the_same_front(pool: Pool, one_group: bool) -> None:
+def test_a_trainer_of_one_rank_pushes_through_the_same_front(take: Lease, one_group: bool) -> None:
     """``senders`` over a group of one rank -- the K = 1 case of a push from every rank: a
     trainer sharded over a mesh of one, its one lane landing bit for bit on both workers, twice,
     the front's ``routes`` and ``group`` its lane's, and the workers letting go of it when it
     closes."""
     rank = ShardedTrainer.remote(0, 1)
-    workers = pool.workers((False, False))
+    workers = take(LMWorker, [{"fused": False}] * 2)
     try:
         ray.get(rank.setup.remote(ray.get(rank.port.remote(), timeout=TIMEOUT), None))
         ray.get(rank.lanes_setup.remote(workers, one_group=one_group), timeout=TIMEOUT)
@@ -541,7 +525,7 @@ def test_a_trainer_of_one_rank_pushes_through_the_same_front(pool: Pool, one_gro
         for status in ray.get([w.sync_status.remote() for w in workers], timeout=TIMEOUT):
             assert status.version == 2 and not status.in_group, status
     finally:
-        kill([rank, *workers])
+        kill([rank])
 
 
 def test_one_group_takes_only_workers_that_can_join_it() -> None:
