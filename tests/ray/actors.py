@@ -373,11 +373,17 @@ class LMWorker(Renewable):
         on its second call of a push (fault injection)."""
         self._fail_assembly = on
 
-    def _weight_sync_lanes_receive(self, *args: Any, **kwargs: Any) -> int | None:
-        if getattr(self, "_fail_assembly", False):
-            self.weight_sync_destinations = _injected_failure  # type: ignore[method-assign]
+    def _weight_sync_lanes_push(self, *args: Any, **kwargs: Any) -> int | None:
+        if getattr(self, "_fail_assembly", False):  # its first call of the push checks
+            calls, destinations = [0], self.weight_sync_destinations
+
+            def second_fails() -> Any:
+                calls[0] += 1
+                return destinations() if calls[0] == 1 else _injected_failure()
+
+            self.weight_sync_destinations = second_fails  # type: ignore[method-assign]
         try:
-            held = super()._weight_sync_lanes_receive(*args, **kwargs)
+            held = super()._weight_sync_lanes_push(*args, **kwargs)
         finally:
             self.__dict__.pop("weight_sync_destinations", None)
         if getattr(self, "_fail_after_lanes", False):

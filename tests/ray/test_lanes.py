@@ -4,6 +4,7 @@ pushing its own shards at once; the workers put every tensor together in their m
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from collections.abc import Iterator
@@ -11,9 +12,12 @@ from typing import Any
 
 import pytest
 import ray
+import torch.distributed as dist
 
 from tests.ray.actors import BusyLMWorker, LMWorker, ShardedTrainer
 from tests.ray.pool import Lease
+from weight_sync.control.lane_store import CHECKED, NO_ONE_GROUP, VERDICTS
+from weight_sync.transport.rendezvous import bind_listener, open_store
 from weight_sync.wire.metadata import GroupSpec
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("ray_cluster")]
@@ -370,16 +374,21 @@ def test_a_worker_that_lost_the_one_group_refuses_the_push_and_the_next_forms_it
 
 
 def test_a_worker_without_the_one_group_refuses_a_push_over_it() -> None:
-    """The backstop behind the layout check: a worker asked to take a push over one group it
-    holds none of refuses it, rather than listening on lanes of its own while the senders send
-    over the group."""
+    """The refusal a worker that lost the one group gives: asked to take a push over a group it
+    holds none of, it answers the check in rank 0's store through a client of its own (it
+    follows no lanes of those senders to answer through) rather than listening on lanes of its
+    own while the senders send over the group, and ends its call, holding what it held."""
+    listener = bind_listener("127.0.0.1")
+    address, port = listener.getsockname()[:2]
+    store = open_store(address, port, 1, 30.0, listener)  # rank 0's store, hosted here
     worker = LMWorker.remote(fused=False)
     try:
-        call = worker._weight_sync_lanes_receive.remote(
-            [("127.0.0.1", 1)], 1, 1, 1, 1.0, one_group=True
+        call = worker._weight_sync_lanes_push.remote(
+            [(address, port)], 1, 1, 1, "0" * 64, 1 << 20, 10.0, one_group=True
         )
-        with pytest.raises(ray.exceptions.RayTaskError, match="holds no one group"):
-            ray.get(call, timeout=TIMEOUT)
+        assert ray.get(call, timeout=TIMEOUT) is None  # it held nothing, and holds nothing
+        [problem] = json.loads(dist.PrefixStore(VERDICTS, store).get(f"{CHECKED}1/1"))
+        assert problem.startswith(NO_ONE_GROUP), problem
     finally:
         ray.kill(worker)
 

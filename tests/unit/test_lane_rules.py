@@ -269,10 +269,15 @@ def test_over_one_group_nccl_is_taken_and_the_lanes_vote_over_gloo() -> None:
 def test_a_data_parallel_vllm_engine_refuses_a_push_from_many_senders(
     replicas: int, refused: bool
 ) -> None:
-    """Its replicas' workers would take clashing slots: refused before any byte, by name."""
+    """Its replicas' workers would take clashing slots: refused before any byte, by name, in
+    the worker's answer to the push's check (in rank 0's store: here a store of its own)."""
+    import json
+
     import torch
+    import torch.distributed as dist
 
     from weight_sync.adapters.vllm.lanes import LaneMember
+    from weight_sync.control.lane_store import CHECKED, Checks
     from weight_sync.receive.receiver import Receiver
     from weight_sync.wire.lane_rules import layout_of
 
@@ -283,9 +288,13 @@ def test_a_data_parallel_vllm_engine_refuses_a_push_from_many_senders(
             return []
 
     layout = layout_of([("w", torch.zeros(4, 2))], range(2))
-    problems = LaneMember(Engine(), Receiver()).check(  # type: ignore[arg-type]
-        layout.wire, layout.digest, 1, 10_000
+    store = dist.HashStore()
+    checks = Checks(store)
+    checks.post_layout(layout)
+    LaneMember(Engine(), Receiver()).answer(  # type: ignore[arg-type]
+        checks, 1, 5, 1, layout.digest, 10_000
     )
+    problems = json.loads(store.get(f"{CHECKED}5/1"))
     assert bool(problems) == refused
     assert not refused or "data_parallel_size=2" in problems[0]
 

@@ -13,11 +13,13 @@ launched job (``weight_sync.launch.job_sync``):
 * when they form, rank 0 asks every worker how many members it brings and the highest version
   it was ever sent: the senders' versions go past it;
 * before any byte moves, the senders agree over a Gloo group of their own (each one's checks,
-  version and layout), and rank 0 has every worker check the layout and version against its
-  model (one Ray call each, the layout itself only when a worker lacks it); a refusal anywhere
-  raises on every sender;
-* rank 0 then starts each worker's receive (one Ray call per worker per push) and every sender
-  pushes its lane; each reports how its lane ended in rank 0's store, and rank 0 judges.
+  version and layout), and rank 0 starts the push on every worker -- one Ray call per worker
+  per push -- which checks the layout and version against its model and answers in rank 0's
+  store (``control.lane_store.Checks``: the layout posted there once, read only by a worker
+  that lacks it); a refusal anywhere raises on every sender, and rank 0's word in its store
+  calls the push off on every worker;
+* once agreed, that word sends every worker on to its lanes and every sender pushes its own;
+  each reports how its lane ended in rank 0's store, and rank 0 judges.
 
 The Ray glue stays thin: what a lane is and the verdict are ``send.senders``' and
 ``control.lane_store``', the agreement's rules ``wire.lane_rules``'.
@@ -28,6 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import ray
@@ -38,7 +41,7 @@ from ray.actor import ActorHandle
 from weight_sync.actors.members import RayMembers
 from weight_sync.config import SyncConfig
 from weight_sync.control.deadline import Deadline
-from weight_sync.control.lane_store import NO_ONE_GROUP
+from weight_sync.control.lane_store import NO_ONE_GROUP, Checks
 from weight_sync.control.plane import collect
 from weight_sync.errors import (
     PlanMismatchError,
@@ -47,12 +50,10 @@ from weight_sync.errors import (
     first_line,
 )
 from weight_sync.result import PushResult
-from weight_sync.send.roster import Held
 from weight_sync.send.routes import Route, members_nccl_problem
 from weight_sync.send.senders import Senders, nothing_moves
 from weight_sync.transport.base import Transport
 from weight_sync.transport.devices import current_gpu, gpu_uuid
-from weight_sync.wire.blame import Outcomes
 from weight_sync.wire.blocks import BlockLayout
 from weight_sync.wire.lane_rules import Share
 from weight_sync.wire.metadata import GroupSpec, MemberInfo
@@ -113,8 +114,9 @@ class RayLanes:
             raise
         self.config = self._lanes.config
         self.rank, self.senders = self._lanes.rank, self._lanes.senders
-        # Rank 0: the layout each worker holds (a worker keeps its last one).
-        self._held = Held(len(self._workers), size=1)
+        self._checks = Checks(self._lanes.store)  # rank 0's: each push's check, in its store
+        self._calls: list[Future[Any]] = []  # rank 0: each worker's call of the push under way
+        self._answered: list[Future[Any]] = []  # ... of those that answered its check
         self._committed = 0
         self._closed = False
         self._failed = False  # the last push failed: over one group, the next forms it again
@@ -160,16 +162,19 @@ class RayLanes:
             raise
 
     def _push(self, state_dict: StateDict | object, options: Mapping[str, Any]) -> PushResult:
-        if self._over_one_group and self._lanes.renew_one_group(self._failed):
-            self._held.reset()  # their new lanes: checked afresh
+        if self._over_one_group:
+            self._lanes.renew_one_group(self._failed)
         self._failed = False
         started = time.monotonic()  # after the renewal, bounded by its own rendezvous
+        self._calls, self._answered = [], []
         try:
             share, chosen = self._lanes.agree(
                 state_dict, options, lambda layout, v: self._check_workers(layout, v, started)
             )
-        except PlanMismatchError:  # refused before any byte: the group is whole ...
-            self._failed = self._lost_group  # ... unless a worker lacks it (rank 0 knows)
+        except BaseException as exc:
+            self._call_off()
+            if isinstance(exc, PlanMismatchError):  # refused before any byte: the group is
+                self._failed = self._lost_group  # whole, unless a worker lacks it (rank 0 knows)
             raise
         try:
             return self._send(share, chosen, started)
@@ -178,22 +183,11 @@ class RayLanes:
             raise
 
     def _send(self, share: Share, chosen: int, started: float) -> PushResult:
+        calls = self._calls  # rank 0: the workers' calls, which checked the push
+        if calls:
+            self._checks.decide(self._lanes.pushes, True)  # on to their lanes
         if (empty := nothing_moves(share, self._committed)) is not None:
             return empty
-        calls: list[Any] = []
-        if self.rank == 0:
-            over = {"one_group": True} if self._over_one_group else {}  # no VLLMEngine's kwarg
-            calls = [
-                worker._weight_sync_lanes_receive.remote(
-                    self._lanes.endpoints,
-                    slot,
-                    self._lanes.pushes,
-                    chosen,
-                    self._lanes.wait_s(started),
-                    **over,
-                )
-                for slot, worker in zip(self._slots, self._workers, strict=True)
-            ]
         try:
             result = self._lanes.push(share, chosen, started)
         except WeightSyncError as exc:
@@ -274,43 +268,100 @@ class RayLanes:
     def _check_workers(
         self, layout: BlockLayout, version: int, started: float
     ) -> dict[int, list[str]]:
-        """Rank 0: every worker checks the layout against its model (sent to those that do not
-        hold it). Returns each refusing worker's problems."""
+        """Rank 0: start the push on every worker -- one call each, which checks the layout
+        against its model and answers in rank 0's store (``Checks``: the layout posted there
+        once, read by a worker that lacks it), then waits for the word to go ahead and takes
+        the lanes. Returns each refusing worker's problems, once every worker answered."""
         deadline = Deadline(self.config.push_timeout_s, "the workers' layout checks", started)
-        over = {"one_group": self._lanes.endpoints} if self._over_one_group else {}
-        calls = [
-            worker._weight_sync_lanes_check.remote(
-                layout.wire if lacks else None,
-                layout.digest,
+        push = self._lanes.pushes
+        self._checks.post_layout(layout)
+        over = {"one_group": True} if self._over_one_group else {}  # no VLLMEngine's kwarg
+        self._calls = [
+            worker._weight_sync_lanes_push.remote(
+                self._lanes.endpoints,
+                slot,
+                push,
                 version,
+                layout.digest,
                 self.config.max_metadata_bytes,
+                self._lanes.wait_s(started),
                 **over,
-            )
-            for worker, lacks in zip(self._workers, self._held.lacking(layout.digest), strict=True)
+            ).future()
+            for slot, worker in zip(self._slots, self._workers, strict=True)
         ]
         rpc_s = deadline.left(self.config.rpc_timeout_s)
-        answers: list[list[str]] = self._answers(calls, "the layout check (nothing sent)", rpc_s)
-        for index, problems in enumerate(answers):
-            if problems:
-                self._held.forgot(index)  # layouts go to it in full until it takes one
-            else:
-                self._held.learnt(layout.digest, [index])
-        self._lost_group = any(p.startswith(NO_ONE_GROUP) for ps in answers for p in ps)
-        return {index: list(problems) for index, problems in enumerate(answers) if problems}
+        answers = self._checks.answers(
+            push,
+            self._lanes.members,
+            Deadline(rpc_s, "the workers' layout checks"),
+            lambda: any(call.done() for call in self._calls),
+        )
+        words = [self._of_worker(index, answers) for index in range(len(self._workers))]
+        self._answered = [self._calls[i] for i, word in enumerate(words) if word is not None]
+        outcomes = collect(self._plane, [self._word(i, w) for i, w in enumerate(words)], 0.0)
+        if not outcomes.ok:
+            raise outcomes.error("the layout check (nothing sent)", rpc_s)
+        found: list[list[str]] = outcomes.results
+        self._lost_group = any(p.startswith(NO_ONE_GROUP) for ps in found for p in ps)
+        return {index: problems for index, problems in enumerate(found) if problems}
 
-    def _blame_workers(self, calls: Sequence[Any], error: Exception | None, started: float) -> None:
+    def _of_worker(self, index: int, answers: list[list[str] | None]) -> list[str] | None:
+        """Worker ``index``'s problems, from those of its members (a vLLM engine brings one per
+        worker process, in consecutive slots); None unless every one of them answered."""
+        first = self._slots[index]
+        end = self._slots[index + 1] if index + 1 < len(self._slots) else len(answers) + 1
+        mine = answers[first - 1 : end - 1]
+        if any(word is None for word in mine):
+            return None
+        return list(dict.fromkeys(problem for word in mine for problem in word or ()))
+
+    def _word(self, index: int, word: list[str] | None) -> Future[Any]:
+        """Worker ``index``'s answer as a settled call -- or, where it gave none, its call:
+        ended (it died or raised before answering), or not (silent), for ``collect`` to sort."""
+        call = self._calls[index]
+        if word is None and not (call.done() and call.exception() is None):
+            return call
+        answered: Future[Any] = Future()
+        if word is None:
+            answered.set_exception(WeightSyncError("its push ended before it checked the layout"))
+        else:
+            answered.set_result(word)
+        return answered
+
+    def _call_off(self) -> None:
+        """Rank 0, once the push was refused or called off after the workers were asked: they
+        learn it goes no further, and end their calls, which rank 0 waits for (so that the next
+        look at a worker finds it as it was) within ``rpc_timeout_s``."""
+        calls, self._calls, answered, self._answered = self._calls, [], self._answered, []
+        if not calls:
+            return
+        try:
+            self._checks.decide(self._lanes.pushes, False)
+        except RuntimeError as exc:  # rank 0's own store: the workers' waits end at their bound
+            logger.warning("could not call push %d off: %s", self._lanes.pushes, exc)
+            return
+        outcomes = collect(self._plane, answered, self.config.rpc_timeout_s)  # not the silent
+        if not outcomes.ok:
+            logger.info(
+                "push %d called off: %s",
+                self._lanes.pushes,
+                outcomes.error("the workers' calls", self.config.rpc_timeout_s),
+            )
+
+    def _blame_workers(
+        self, calls: Sequence[Future[Any]], error: Exception | None, started: float
+    ) -> None:
         """Rank 0: every worker's receive, within what the push has left; raises
         ``WorkerFailedError`` naming those that died or raised (from ``error``, the senders'
         verdict, where there was one)."""
         if not calls:
             return
         deadline = Deadline(self.config.push_timeout_s + 5, "the workers' receives", started)
-        outcomes = self._outcomes(calls, deadline.remaining())
+        outcomes = collect(self._plane, calls, deadline.remaining())
         if outcomes.ok:
             return
         failed = outcomes.error("the workers' receives", deadline.seconds)
         if error is None:
-            self._held.reset()
             raise failed
         logger.info("push %d: %s", self._lanes.pushes, failed)
 
@@ -318,14 +369,10 @@ class RayLanes:
         """Rank 0: every worker's answer to ``calls`` (one each), within ``timeout_s``; else
         the error naming who failed and how, by the rules every push's members are blamed by
         (``wire.blame.Outcomes``): a worker dead or silent, one that raised."""
-        outcomes = self._outcomes(calls, timeout_s)
+        outcomes = collect(self._plane, [call.future() for call in calls], timeout_s)
         if not outcomes.ok:
             raise outcomes.error(what, timeout_s)
         return outcomes.results
-
-    def _outcomes(self, calls: Sequence[Any], timeout_s: float) -> Outcomes:
-        """How each worker's Ray call ended, within ``timeout_s`` (``control.plane.collect``)."""
-        return collect(self._plane, [call.future() for call in calls], timeout_s)
 
 
 def _current_gpu() -> str | None:

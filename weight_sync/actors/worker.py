@@ -15,11 +15,12 @@ from typing import Any
 import ray
 import torch
 
+from weight_sync.control.deadline import Deadline
 from weight_sync.control.lane_store import NO_ONE_GROUP
-from weight_sync.errors import WeightSyncError, first_line
+from weight_sync.errors import first_line
 from weight_sync.receive.assembly import Assembly, Refusal
 from weight_sync.receive.inbound import Lanes
-from weight_sync.receive.member import Member
+from weight_sync.receive.member import Member, answer_alone
 from weight_sync.receive.receiver import Check, Receiver, expecting
 from weight_sync.transport import TorchGroup
 from weight_sync.transport.devices import CPU, module_device
@@ -52,7 +53,6 @@ _METHOD_GROUPS = {
     "_weight_sync_prepare": SYNC_GROUP,
     "_weight_sync_cancel": SYNC_GROUP,
     "_weight_sync_leave": SYNC_GROUP,
-    "_weight_sync_lanes_check": SYNC_GROUP,
     # Form and leave groups, touching no weight: they must not wait for the actor's own
     # methods (the senders' rendezvous is bounded), unlike the lanes' receives, which write.
     "_weight_sync_lanes_join": SYNC_GROUP,
@@ -181,57 +181,46 @@ class WeightSyncWorker:
 
     # -- a push from many senders (weight_sync.actors.lanes: RayLanes) -------------------------
 
-    def _weight_sync_lanes_check(
-        self,
-        layout_json: str | None,
-        digest: str,
-        version: int,
-        max_metadata_bytes: int,
-        timeout_s: float | None = None,
-        one_group: list[tuple[str, int]] | None = None,
-    ) -> list[str]:
-        """What this worker cannot take of the push (its layout; ``version``, which must be
-        past every version it was sent) -- empty: all of it --, checked before any byte moves;
-        ``layout_json`` is None where the trainer believes this worker holds it already.
-        ``one_group``: the endpoints of the senders whose buckets come over the one group this
-        worker must hold with them."""
-        member = self._weight_sync_member()
-        if one_group is not None and (missing := _no_group(member.lanes_from(one_group))):
-            return [missing]
-        return member.check(
-            layout_json,
-            digest,
-            version,
-            max_metadata_bytes,
-            lambda layout: self._weight_sync_assembly(layout).problems(member.record.version),
-        )
-
-    def _weight_sync_lanes_receive(
+    def _weight_sync_lanes_push(
         self,
         endpoints: list[tuple[str, int]],
         slot: int,
         push: int,
         version: int,
+        digest: str,
+        max_metadata_bytes: int,
         wait_s: float,
         timeout_s: float | None = None,
         one_group: bool = False,
     ) -> int | None:
-        """Take push ``push`` (of ``version``) on every lane at once (a thread each), as member
-        ``slot`` of each sender's store at ``endpoints``; returns the version every lane
-        committed. ``one_group``: their buckets come over the one group this worker joined
-        with them (``_weight_sync_lanes_join``)."""
+        """Push ``push`` (of ``version``, its layout ``digest``) from the senders whose stores are
+        at ``endpoints``, as member ``slot`` of each, in one call: this worker's check before any
+        byte moves, answered in rank 0's store (the layout read there if it lacks it: what it
+        cannot take, its version past every version it was sent), then -- where rank 0 says
+        every member took it -- every lane at once (a thread each). Returns the version held.
+        ``one_group``: their buckets come over the one group this worker joined with them
+        (``_weight_sync_lanes_join``); holding none, it refuses the push."""
         member = self._weight_sync_member()
         if one_group and (missing := _no_group(member.lanes_from(endpoints))):
-            raise WeightSyncError(missing)  # checked before the push too: a backstop
+            answer_alone(endpoints[0], push, slot, [missing], min(wait_s, 60.0))
+            return member.record.version
         member.follow(endpoints, slot, min(wait_s, 60.0))  # new senders: over Gloo lanes
+        deadline = Deadline(wait_s, f"the senders' word on push {push}")
+
+        def problems(layout: BlockLayout) -> list[str]:
+            return self._weight_sync_assembly(layout).problems(member.record.version)
+
+        name = f"worker {slot - 1}"
+        if not member.agree(push, version, digest, max_metadata_bytes, problems, deadline, name):
+            return member.record.version  # called off: nothing moved
         layout = member.layout
-        assert layout is not None, "the trainer checks the layout with every worker first"
+        assert layout is not None, "checked against the layout just now"
         try:
             assembly = self._weight_sync_assembly(layout)  # the user's hooks, called again
         except Exception as exc:
             why = f"its weights could not be had ({type(exc).__name__}: {first_line(exc)})"
             assembly = Refusal(layout, why)
-        return member.receive(assembly, push, version, wait_s, f"worker {slot - 1}")
+        return member.receive(assembly, push, version, max(1.0, deadline.remaining()), name)
 
     def _weight_sync_lanes_join(
         self,

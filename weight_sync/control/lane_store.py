@@ -13,13 +13,17 @@ import json
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from weight_sync.control.deadline import Deadline
 from weight_sync.control.keys import (
+    KEPT_PLANS,
     KEPT_PUSHES,
     Retention,
     StoreGoneError,
+    delete,
+    read_bounded,
     wait_all,
     wait_one,
 )
@@ -31,6 +35,7 @@ from weight_sync.errors import (
     first_line,
 )
 from weight_sync.wire.blame import judge
+from weight_sync.wire.blocks import BlockLayout
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +44,10 @@ FLOOR = f"{COMMAND}floor"  # the first command still in the store: the older one
 BEGIN = f"{COMMAND}begin/"  # + push number: the sequence number of the push's ``begin``
 CLOSE = "close"
 VERDICTS = "lanes/"  # + push/sender: how each lane ended; + push/verdict: rank 0's verdict
+# Beside the verdicts, each push's check before any byte moves (``Checks``):
+LAYOUT = "layout/"  # + digest: a layout, posted once for every member that lacks it
+CHECKED = "checked/"  # + push/slot: a member's problems with the push (JSON list; empty: none)
+GO = "go/"  # + push: rank 0's word once every member answered, "1" (go ahead) or "0" (off)
 # A member's answer to a layout check over one group it holds none of (it restarted, or lanes
 # from other senders took its place): the senders form the group again before their next push.
 NO_ONE_GROUP = "this worker holds no one group with these senders"
@@ -195,3 +204,96 @@ class Verdicts:
             raise SenderFailedError(
                 f"trainer rank 0 died or left{gone} ({first_line(exc)})", [0]
             ) from exc
+
+
+class Checks:
+    """The members' check of each push before any byte moves, in rank 0's store (``store``: the
+    prefix the verdicts share): rank 0 posts the layout once by digest, every member reads it
+    there if it lacks it and answers with what of the push it cannot take, and -- where the
+    members are told in the same call that then receives the push (Ray workers, vLLM engines on
+    Ray) -- rank 0 posts whether the push goes ahead, which each member waits for before its
+    lanes begin. One protocol for every front whose members follow the lanes: ``vllm serve``'s
+    workers answer the same keys, told to check by an HTTP call."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self._layouts = Retention.in_store(store, KEPT_PLANS)  # rank 0's, by digest
+        self._words = Retention.in_store(store)  # rank 0's, by push
+
+    # -- rank 0 ------------------------------------------------------------------------------
+
+    def post_layout(self, layout: BlockLayout) -> None:
+        """Make ``layout`` readable by every member that lacks it (posted once per digest)."""
+        if layout.digest not in self._layouts:
+            self._layouts.post(layout.digest, f"{LAYOUT}{layout.digest}", layout.wire)
+
+    def answers(
+        self,
+        push: int,
+        members: int,
+        deadline: Deadline,
+        ended: Callable[[], bool] = lambda: False,
+    ) -> list[list[str] | None]:
+        """Each member's problems with push ``push`` (members by slot, 1..``members``), read
+        once; None for a member that gave none by ``deadline`` -- or by the moment ``ended()``
+        says a member's call ended before answering (it failed: its caller says how)."""
+        keys = [f"{CHECKED}{push}/{slot}" for slot in range(1, members + 1)]
+        found: dict[str, bytes] = {}
+        while len(found) < len(keys) and deadline.remaining() > 0:
+            missing = [key for key in keys if key not in found]
+            look = Deadline(min(_LOOK_S, deadline.remaining()), "a look for the members' checks")
+            found.update(wait_all(self._store, missing, look))
+            if len(found) < len(keys) and ended():  # one last look: it may have answered first
+                last = Deadline(0.0, "a last look for the members' checks")
+                found.update(wait_all(self._store, [k for k in keys if k not in found], last))
+                break
+        delete(self._store, list(found))  # read once; one set meanwhile stays, never taken
+        return [_problems(found[key]) if key in found else None for key in keys]
+
+    def decide(self, push: int, ahead: bool) -> None:
+        """Tell the members waiting on push ``push`` whether it goes ahead."""
+        self._words.post(push, f"{GO}{push}", "1" if ahead else "0")
+
+    # -- a member ----------------------------------------------------------------------------
+
+    def layout(self, digest: str, limit: int) -> str:
+        """The layout ``digest`` names, as rank 0 posted it (bounded by ``limit`` bytes)."""
+        return read_bounded(self._store, f"{LAYOUT}{digest}", limit)
+
+    def answer(self, push: int, slot: int, problems: list[str]) -> None:
+        """Member ``slot``'s problems with push ``push`` (empty: it takes all of it)."""
+        try:
+            self._store.set(f"{CHECKED}{push}/{slot}", json.dumps(problems))
+        except RuntimeError as exc:
+            raise _rank_0_gone(push, StoreGoneError(first_line(exc))) from exc
+
+    def ahead(self, push: int, deadline: Deadline) -> bool:
+        """Rank 0's word on push ``push``: whether every member took it and the senders go
+        ahead. ``SenderFailedError`` naming rank 0 if its store is gone, ``SyncTimeoutError``
+        at the deadline."""
+        try:
+            return wait_one(self._store, f"{GO}{push}", deadline) == b"1"
+        except StoreGoneError as exc:
+            raise _rank_0_gone(push, exc) from exc
+
+
+def _rank_0_gone(push: int, exc: StoreGoneError) -> SenderFailedError:
+    return SenderFailedError(
+        f"trainer rank 0 died or left before push {push} began ({first_line(exc)}); nothing "
+        "was sent",
+        [0],
+    )
+
+
+_LOOK_S = 0.25  # rank 0 looks this often whether a member's call ended before it answered
+
+
+def _problems(raw: bytes) -> list[str]:
+    """A member's answer as problems (one that cannot be read is one)."""
+    try:
+        problems = json.loads(raw)
+    except ValueError:
+        problems = None
+    if not isinstance(problems, list):
+        return [f"an answer that is no list of problems: {raw[:200]!r}"]
+    return [str(problem) for problem in problems]

@@ -25,6 +25,7 @@ from weight_sync.control.lane_store import (
     COMMAND,
     FLOOR,
     VERDICTS,
+    Checks,
     Verdicts,
 )
 from weight_sync.control.store import (
@@ -88,9 +89,9 @@ class Lanes:
             )
             for sender, (address, port) in enumerate(endpoints)
         ]
-        self.verdicts = Verdicts(
-            dist.PrefixStore(VERDICTS, self.inbound[0].raw_store), len(endpoints)
-        )
+        rank_0 = dist.PrefixStore(VERDICTS, self.inbound[0].raw_store)
+        self.verdicts = Verdicts(rank_0, len(endpoints))
+        self.checks = Checks(rank_0)  # each push's check, answered before its lanes begin
         # ``record.changes`` when these lanes last wrote it: where it moved since (one sender
         # pushed, or the lanes are new), each lane's receiver takes what it says first.
         self._synced: int | None = None

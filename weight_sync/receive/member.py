@@ -11,9 +11,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch.distributed as dist
+
+from weight_sync.control.deadline import Deadline
+from weight_sync.control.lane_store import VERDICTS, Checks
+from weight_sync.errors import first_line
 from weight_sync.receive.assembly import Assembly, layout_of_push
 from weight_sync.receive.inbound import Lanes
 from weight_sync.receive.receiver import Receiver
+from weight_sync.transport.rendezvous import open_store
 from weight_sync.transport.rounds import Rounds
 from weight_sync.wire.blocks import BlockLayout
 from weight_sync.wire.metadata import SyncStatus
@@ -53,6 +59,45 @@ class Member:
             return [layout]
         self.layout = layout
         return [*problems(layout), *past_sent(version, self.record.highest_version)]
+
+    def agree(
+        self,
+        push: int,
+        version: int,
+        digest: str,
+        max_metadata_bytes: int,
+        problems: Callable[[BlockLayout], Sequence[str]],
+        deadline: Deadline,
+        name: str,
+    ) -> bool:
+        """This member's word on push ``push`` before any byte moves, through the lanes it
+        follows (``answer``), then rank 0's: whether every member took the push and the
+        senders go ahead. ``name`` names this member in its answer."""
+        assert self.lanes is not None, "follow the senders' lanes first"
+        checks, slot = self.lanes.checks, self.lanes.slot
+        self.answer(checks, slot, push, version, digest, max_metadata_bytes, problems, name)
+        return checks.ahead(push, deadline)
+
+    def answer(
+        self,
+        checks: Checks,
+        slot: int,
+        push: int,
+        version: int,
+        digest: str,
+        max_metadata_bytes: int,
+        problems: Callable[[BlockLayout], Sequence[str]],
+        name: str,
+    ) -> None:
+        """Answer push ``push``'s check in rank 0's store (``checks``) as member ``slot``: what
+        of it this member cannot take (``check``; the layout ``digest`` names read there if this
+        member lacks it). A check that failed is one problem."""
+        try:
+            layout = None if self.holds(digest) else checks.layout(digest, max_metadata_bytes)
+            found = self.check(layout, digest, version, max_metadata_bytes, problems)
+        except Exception as exc:  # a refusal like any other: the push is called off
+            found = [f"{name} could not check the push: {first_line(exc)}"]
+        checks.answer(push, slot, found)
 
     def lanes_from(self, endpoints: Sequence[Sequence[Any]]) -> Lanes | None:
         """This member's lanes, if they are from the senders at ``endpoints`` (else None: it
@@ -111,3 +156,13 @@ class Member:
 def addresses(endpoints: Sequence[Sequence[Any]]) -> list[tuple[str, int]]:
     """Senders' stores as a member compares them (Ray and JSON hand tuples back as lists)."""
     return [(str(address), int(port)) for address, port in endpoints]
+
+
+def answer_alone(
+    endpoint: Sequence[Any], push: int, slot: int, problems: list[str], timeout_s: float
+) -> None:
+    """Answer push ``push``'s check as member ``slot`` where this member follows no lanes of its
+    senders to answer through (it lost the one group they move over): over a client of its own
+    to rank 0's store, at ``endpoint``."""
+    store = open_store(str(endpoint[0]), int(endpoint[1]), 1, timeout_s, None)
+    Checks(dist.PrefixStore(VERDICTS, store)).answer(push, slot, problems)

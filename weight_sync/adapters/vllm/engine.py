@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
-import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -210,44 +209,35 @@ class VLLMEngine:
 
     # -- a push from many senders (weight_sync.actors.lanes.RayLanes) -----------------------
 
-    async def _weight_sync_lanes_check(
-        self,
-        layout_json: str | None,
-        digest: str,
-        version: int,
-        max_metadata_bytes: int,
-        timeout_s: float | None = None,
-    ) -> list[str]:
-        """What every worker of the engine cannot take of the push (empty: all of it), checked
-        before any byte moves: the engine's own loader on meta tensors of the whole tensors."""
-        answers = await self._call(
-            "weight_sync_lanes_check", timeout_s, layout_json, digest, version, max_metadata_bytes
-        )
-        return list(dict.fromkeys(p for answer in answers for p in json.loads(answer or "[]")))
-
-    async def _weight_sync_lanes_receive(
+    async def _weight_sync_lanes_push(
         self,
         endpoints: list[list[Any]],
         slot: int,
         push: int,
         version: int,
+        digest: str,
+        max_metadata_bytes: int,
         wait_s: float,
         timeout_s: float | None = None,
     ) -> int | None:
-        """Take push ``push`` on every lane, each worker as member ``slot`` plus its rank;
-        generation paused from before the first byte until the caches are cleared after it."""
+        """Push ``push`` on every worker of the engine, each as member ``slot`` plus its rank:
+        its check before any byte moves (the engine's own loader on meta tensors of the whole
+        tensors), then -- where every member took it -- every lane, loaded whole; generation
+        paused from before the check until the caches are cleared after it."""
         if not self._paused:
             await self._driver.pause()
             self._paused = True
         self._version = None
         try:
             await self._call(
-                "weight_sync_lanes_receive",
+                "weight_sync_lanes_push",
                 wait_s + 2 * _MARGIN_S if timeout_s is None else timeout_s,
                 endpoints,
                 slot,
                 push,
                 version,
+                digest,
+                max_metadata_bytes,
                 wait_s,
             )
         finally:

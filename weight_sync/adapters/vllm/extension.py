@@ -5,8 +5,8 @@ engine; vLLM appends this class to its worker's bases, and the engine-side membe
 (``VLLMEngine``) reaches it through ``collective_rpc``. Each method is one step of a push on
 this worker: it joins the sync group, checks a push against the engine's model before any byte
 moves, receives buckets and reloads them into the model (``reload.ReloadTarget``: one reload
-per push), commits. A push from every rank of a sharded trainer (``RayLanes``) takes two
-steps instead: the layout checked, then every lane received and loaded (``lanes.LaneMember``).
+per push), commits. A push from every rank of a sharded trainer (``RayLanes``) takes one
+step instead: the layout checked, then every lane received and loaded (``lanes.LaneMember``).
 
 Every method answers with a ``WorkerReply`` in JSON and never raises: vLLM turns a worker's
 exception into a plain ``RuntimeError`` (and, with several workers, loses the others' answers),
@@ -17,7 +17,6 @@ trainer's validated messages did not say.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -73,28 +72,25 @@ class WeightSyncExtension:
     def weight_sync_status(self) -> str:
         return self._weight_sync_reply(lambda: None)
 
-    def weight_sync_lanes_check(
-        self, layout_json: str | None, digest: str, version: int, max_metadata_bytes: int
+    def weight_sync_lanes_push(
+        self,
+        endpoints: list[list[Any]],
+        slot: int,
+        push: int,
+        version: int,
+        digest: str,
+        max_metadata_bytes: int,
+        wait_s: float,
     ) -> str:
-        """What of a push from many senders this engine cannot take (a list; empty: none)."""
-        member = self._weight_sync_lanes()
-        return self._weight_sync_reply(
-            lambda: json.dumps(member.check(layout_json, digest, version, max_metadata_bytes))
-        )
-
-    def weight_sync_lanes_receive(
-        self, endpoints: list[list[Any]], slot: int, push: int, version: int, wait_s: float
-    ) -> str:
-        """Take push ``push`` on every lane, as member ``slot`` plus this worker's rank within
-        the engine (the engine's workers are consecutive members)."""
+        """Push ``push`` from every sender (``LaneMember.push``), as member ``slot`` plus this
+        worker's rank within the engine (the engine's workers are consecutive members)."""
         member = self._weight_sync_lanes()
         slot += int(getattr(self, "rank", 0))
-
-        def receive() -> str:
-            member.connect(endpoints, slot, min(wait_s, 60.0))
-            return str(member.receive(push, version, wait_s, f"vLLM worker {slot - 1}"))
-
-        return self._weight_sync_reply(receive)
+        return self._weight_sync_reply(
+            lambda: str(
+                member.push(endpoints, slot, push, version, digest, max_metadata_bytes, wait_s)
+            )
+        )
 
     def weight_sync_lanes_leave(self, endpoints: list[list[Any]]) -> str:
         """The senders at ``endpoints`` left: let go of their lanes, unless other senders' took

@@ -61,8 +61,8 @@ from weight_sync.config import SyncConfig
 from weight_sync.control.deadline import Deadline
 from weight_sync.control.futures import in_thread
 from weight_sync.control.http import ServerError
-from weight_sync.control.keys import KEPT_PLANS, Retention, read_bounded, take, wait_all
-from weight_sync.control.lane_store import VERDICTS
+from weight_sync.control.keys import read_bounded, take, wait_all
+from weight_sync.control.lane_store import VERDICTS, Checks
 from weight_sync.errors import WeightSyncError, WorkerFailedError, first_line
 from weight_sync.receive.assembly import Assembly
 from weight_sync.receive.member import Member
@@ -78,10 +78,8 @@ from weight_sync.wire.state_dict import StateDict
 logger = logging.getLogger(__name__)
 
 _EPOCH = 1  # a ServerLanes forms its lanes once
-# In rank 0's store, beside the verdicts (``lanes/``): what the workers check, and their answers.
+# In rank 0's store, beside the verdicts and the checks (``control.lane_store``):
 _CHECK = "check"  # JSON {"push", "digest", "version"}: the push the workers check now
-_LAYOUT = "layout/"  # + digest: the layout itself
-_CHECKED = "checked/"  # + push/slot: a worker's problems with it (JSON list)
 _LANDED = "landed/"  # + push/slot: how a push ended at a worker (JSON {"version"} or {"error"})
 _SLOTS = "slots/"  # + epoch: the counter each worker takes its slot from
 _SENT = "sent/"  # + epoch/slot: the highest version a worker was ever sent
@@ -117,8 +115,7 @@ class ServerLanes:
         self.config = self._lanes.config
         self.rank, self.senders = self._lanes.rank, self._lanes.senders
         self.members = self._lanes.members  # every vLLM worker process of every server
-        # Rank 0: the layouts in its store, by digest.
-        self._posted = Retention.in_store(self._lanes.store, KEPT_PLANS)
+        self._checks = Checks(self._lanes.store)  # rank 0's: each push's check, in its store
         self._paused = False
         self._session = False  # the servers' update session was opened (start_weight_update)
         self._committed = 0
@@ -218,7 +215,10 @@ class ServerLanes:
             }
         )
         deadline = Deadline(self.config.rendezvous_timeout_s, "the vLLM workers' joining")
-        return max(int(sent) for sent in self._answers(f"{_SENT}{_EPOCH}/", deadline, "joining"))
+        keys = self._worker_keys(f"{_SENT}{_EPOCH}/")
+        found = wait_all(self._lanes.store, keys, deadline)
+        words = [json.loads(found[key]) if key in found else None for key in keys]
+        return max(int(sent) for sent in self._every_worker(words, "joining", deadline))
 
     # -- rank 0: the HTTP calls around the lanes ---------------------------------------------------
 
@@ -235,14 +235,13 @@ class ServerLanes:
         try:
             self._paused = True  # some servers may be paused even if one fails to
             pause(self.urls, self.pause_mode, rpc_s)
-            if layout.digest not in self._posted:
-                self._posted.post(layout.digest, f"{_LAYOUT}{layout.digest}", layout.wire)
+            self._checks.post_layout(layout)
             request = {"push": self._lanes.pushes, "digest": layout.digest, "version": version}
             self._lanes.store.set(_CHECK, json.dumps(request))
             self._session = True
             self._client.start_weight_update()
-            checked = f"{_CHECKED}{self._lanes.pushes}/"
-            answers = self._answers(checked, deadline, "layout check", delete=True)
+            words = self._checks.answers(self._lanes.pushes, self.members, deadline)
+            answers = self._every_worker(words, "layout check", deadline)
         except Exception as exc:  # a store error too: rank 0 must still give the word
             self._end_session()
             raise ServerError(
@@ -296,15 +295,10 @@ class ServerLanes:
         counted from 1)."""
         return [f"{prefix}{slot}" for slot in range(1, self.members + 1)]
 
-    def _answers(
-        self, prefix: str, deadline: Deadline, what: str, *, delete: bool = False
-    ) -> list[Any]:
-        """Every vLLM worker's answer under ``prefix`` (JSON), in order, within ``deadline``
-        (``delete``: read once); where some gave none, the error ``wire.blame`` says for
-        ``what`` (``SyncTimeoutError`` when none answered; else the silent ones blamed)."""
-        keys = self._worker_keys(prefix)
-        found = wait_all(self._lanes.store, keys, deadline, delete=delete)
-        words = [json.loads(found[key]) if key in found else None for key in keys]
+    def _every_worker(self, words: list[Any], what: str, deadline: Deadline) -> list[Any]:
+        """``words``, every vLLM worker's answer in order, where none is missing (None); else
+        the error ``wire.blame`` says for ``what`` (``SyncTimeoutError`` when none answered;
+        else the silent ones blamed)."""
         outcomes = Outcomes(
             words, late=[worker for worker, word in enumerate(words) if word is None]
         )
@@ -400,18 +394,52 @@ class LaneMember:
     def holds(self, digest: str) -> bool:
         return self.member.holds(digest)
 
-    def check(
-        self, layout_json: str | None, digest: str, version: int, max_metadata_bytes: int
-    ) -> list[str]:
-        """What of the push (its layout, sent here as ``layout_json`` unless this worker holds
-        it, and ``version``) this engine cannot take: empty when it takes all of it."""
+    def push(
+        self,
+        endpoints: Sequence[Sequence[Any]],
+        slot: int,
+        push: int,
+        version: int,
+        digest: str,
+        max_metadata_bytes: int,
+        wait_s: float,
+    ) -> int | None:
+        """Push ``push`` (of ``version``, its layout ``digest``) in one step, as member ``slot``
+        of the senders at ``endpoints`` (over Ray, through ``VLLMEngine``): this worker's check,
+        answered in rank 0's store (``Member.agree``), then -- where rank 0 says every member
+        took it -- ``receive``. Returns the version held (unchanged where the push was called
+        off)."""
+        self.connect(endpoints, slot, min(wait_s, 60.0))
+        deadline = Deadline(wait_s, f"the senders' word on push {push}")
+        name = f"vLLM worker {slot - 1}"
+        if not self.member.agree(
+            push, version, digest, max_metadata_bytes, self._problems, deadline, name
+        ):
+            return self.member.record.version
+        return self.receive(push, version, max(1.0, deadline.remaining()), name)
+
+    def answer(
+        self,
+        checks: Checks,
+        slot: int,
+        push: int,
+        version: int,
+        digest: str,
+        max_metadata_bytes: int,
+    ) -> None:
+        """Answer push ``push``'s check in rank 0's store as member ``slot`` (``Member.answer``):
+        what of it this engine cannot take -- told to by ``vllm serve``'s
+        ``start_weight_update`` (``StoreLaneMember``)."""
+        name = f"vLLM worker {slot - 1}"
+        self.member.answer(
+            checks, slot, push, version, digest, max_metadata_bytes, self._problems, name
+        )
+
+    def _problems(self, layout: BlockLayout) -> list[str]:
         replicas = self._target.data_parallel_size
         if replicas > 1:  # slots are counted per engine core; its replicas' workers would clash
             why = f"a data-parallel engine (data_parallel_size={replicas}) cannot take a push"
             return [f"{why} from many senders yet: start one server or engine per replica"]
-        return self.member.check(layout_json, digest, version, max_metadata_bytes, self._problems)
-
-    def _problems(self, layout: BlockLayout) -> list[str]:
         if layout.partial:
             why = "a vLLM engine takes a push from many senders whole (one reload of every tensor)"
             return [f"{why}: push the full state dict, without partial=True"]
@@ -459,6 +487,7 @@ class StoreLaneMember:
         member: LaneMember,
     ) -> None:
         self._store = dist.PrefixStore(VERDICTS, open_store(address, port, 1, timeout_s, None))
+        self._checks = Checks(self._store)
         self.slot = int(self._store.add(f"{_SLOTS}{epoch}", 1))
         self._store.set(f"{_SENT}{epoch}/{self.slot}", str(member.sent))
         member.connect(lanes, self.slot, timeout_s)
@@ -477,17 +506,8 @@ class StoreLaneMember:
         except Exception as exc:
             logger.error("%s cannot read the push to check: %s", self.name, exc)
             return
-        digest, limit = str(request["digest"]), self._max_metadata_bytes
-        try:
-            layout = (
-                None
-                if self.member.holds(digest)
-                else read_bounded(self._store, f"{_LAYOUT}{digest}", limit)
-            )
-            problems = self.member.check(layout, digest, version, limit)
-        except Exception as exc:
-            problems = [f"{self.name} could not check the push: {first_line(exc)}"]
-        self._store.set(f"{_CHECKED}{push}/{self.slot}", json.dumps(problems))
+        digest = str(request["digest"])
+        self.member.answer(self._checks, self.slot, push, version, digest, self._max_metadata_bytes)
 
     def receive(self, push: int, version: int, wait_s: float) -> None:
         """``update_weights``: see ``LaneMember.receive``; how it ended, in rank 0's store."""
