@@ -130,6 +130,9 @@ def run(scenario: str, senders: int, out: Path, device: str = "cpu") -> None:
     if scenario == "disagree":
         _disagree(config, senders, one_group, out)
         return
+    trainers = None
+    if scenario == "group_first":  # as a trainer sets FSDP2 up before its sync: the senders'
+        trainers = dist.new_group(list(range(senders)))  # group, no receiving rank a member
     sync = JobSync(config, senders=senders, one_group=one_group)
     rank, world = sync.rank, sync.world_size
     loads = rank == world - 1  # this receiver takes whole tensors through load_weights
@@ -144,7 +147,7 @@ def run(scenario: str, senders: int, out: Path, device: str = "cpu") -> None:
     if scenario == "tp":  # a (dp, tp) mesh of the senders; DeviceMesh too is collective
         grid = torch.arange(senders).reshape(2, -1)
         mesh = DeviceMesh(device, grid, mesh_dim_names=("dp", "tp"))
-    else:
+    elif trainers is None:
         trainers = dist.new_group(list(range(senders)))
     if sync.is_sender:
         model.to(where)

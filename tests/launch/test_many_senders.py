@@ -61,6 +61,16 @@ def test_two_senders_to_two_receivers(tmp_path: Path, over: str) -> None:
     _assert_steps(_reports(tmp_path, range(4)))
 
 
+def test_a_job_whose_senders_made_their_own_group_first(tmp_path: Path) -> None:
+    """The senders' group made before ``JobSync`` (as a trainer sets FSDP2 up first): the
+    receiving ranks are no members of it, so each rank holds a different count of groups when
+    ``JobSync`` makes its own -- which must not name them apart (it hung until the bound)."""
+    context = _spawn("group_first", tmp_path, senders=2, world_size=4)
+    _join_all(context, LAUNCH_S)
+    assert [p.exitcode for p in context.processes] == [0] * 4
+    _assert_steps(_reports(tmp_path, range(4)))
+
+
 @ONE_GROUP_TOO
 def test_every_rank_may_give_its_own_value_of_the_fields_that_may_differ(
     tmp_path: Path, over: str

@@ -236,12 +236,17 @@ class Senders:
         assert follow is None or self.rank >= self.senders, "only a receiving rank follows"
         ranks = dist.get_process_group_ranks(group) if group is not None else None
         timeout = datetime.timedelta(seconds=self.config.push_timeout_s)
-        # Named from its ranks (use_local_synchronization), not from the world's count of
-        # groups: when the trainers are part of a larger world -- one replica of a hybrid-
-        # sharded trainer pushing -- the other ranks never make it, and a count advanced here
-        # only would name the groups the whole world makes later apart (they would hang).
+        # Where only some of the world makes it -- one replica of a hybrid-sharded trainer
+        # pushing -- it is named from its ranks (use_local_synchronization): a count of groups
+        # advanced here only would name the groups the whole world makes later apart (they
+        # would hang). Where the whole world makes it (a launched job; a trainer of every rank)
+        # it is named as any group of the world is, from the world's count: torch names a group
+        # of ranks from the groups alive on each rank too, and those differ where the senders
+        # made a group of their own first (FSDP2's mesh, which the receiving ranks are no
+        # members of) -- the ranks then waited for each other under two names until the bound.
+        whole = ranks is None or len(ranks) == dist.get_world_size()
         self.control = dist.new_group(
-            ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
+            ranks, backend="gloo", timeout=timeout, use_local_synchronization=not whole
         )
         sending = self.rank < self.senders
         agree_on_config(given, sending, self._one, self.control)
