@@ -338,8 +338,29 @@ class LMTrainer:
         return state_dict_digests(self.fused_state())
 
 
+# The methods a trainer calls on a worker (the rest of ``WeightSyncWorker``'s are its own).
+PROTOCOL = tuple(
+    f"_weight_sync_{step}"
+    for step in ("info", "join", "prepare", "push", "cancel", "receive", "commit", "leave",
+                 "lanes_push", "lanes_join", "lanes_leave")
+)  # fmt: skip
+
+
+def _counting(name: str) -> Any:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        counted = self.__dict__.setdefault("_protocol_calls", {})
+        counted[name] = counted.get(name, 0) + 1
+        return getattr(super(Counting, self), name)(*args, **kwargs)
+
+    return method
+
+
+# A worker that counts the protocol's calls it is sent (``protocol_calls``).
+Counting = type("Counting", (Renewable,), {name: _counting(name) for name in PROTOCOL})
+
+
 @ray.remote(num_cpus=0)
-class LMWorker(Renewable):
+class LMWorker(Counting):  # type: ignore[valid-type,misc]
     def __init__(self, fused: bool = True) -> None:
         super().__init__()
         torch.set_num_threads(1)
@@ -348,6 +369,11 @@ class LMWorker(Renewable):
     def renew(self, **init: Any) -> None:
         self.lose_lanes()  # its lanes too, not only its group
         super().renew(**init)
+
+
+    def protocol_calls(self) -> dict[str, int]:
+        """The protocol's methods called on this worker since the last ask, and how often."""
+        return dict(self.__dict__.pop("_protocol_calls", {}))
 
     def still_tied(self) -> bool:
         """The tie kept, and every parameter still a trainable leaf: pushes land in them in

@@ -108,6 +108,19 @@ def on_all(ranks: list, method: str, *args: object) -> list:
 
 
 @LANES_AND_ONE_GROUP
+def test_a_push_from_many_senders_costs_each_worker_one_call(lanes: tuple[list, list]) -> None:
+    """Past the first push (which has the workers follow the lanes), each push reaches a worker
+    in one call: its check, answered in rank 0's store, then its lanes."""
+    ranks, workers = lanes
+    first = on_all(ranks, "lanes_push")[0].version
+    ray.get([w.protocol_calls.remote() for w in workers], timeout=TIMEOUT)
+    for more in (1, 2):  # no step between: the pair's model is the next tests' (see Pool)
+        assert [r.version for r in on_all(ranks, "lanes_push")] == [first + more] * 2
+        calls = ray.get([w.protocol_calls.remote() for w in workers], timeout=TIMEOUT)
+        assert calls == [{"_weight_sync_lanes_push": 1}] * 2, calls
+
+
+@LANES_AND_ONE_GROUP
 def test_every_rank_pushes_its_shards_and_workers_hold_the_whole_model(
     lanes: tuple[list, list],
 ) -> None:
