@@ -15,7 +15,6 @@ from typing import Any
 import ray
 import torch
 
-from weight_sync.control.deadline import Deadline
 from weight_sync.control.lane_store import NO_ONE_GROUP
 from weight_sync.errors import first_line
 from weight_sync.receive.assembly import Assembly, Refusal
@@ -204,14 +203,15 @@ class WeightSyncWorker:
         if one_group and (missing := _no_group(member.lanes_from(endpoints))):
             answer_alone(endpoints[0], push, slot, [missing], min(wait_s, 60.0))
             return member.record.version
-        member.follow(endpoints, slot, min(wait_s, 60.0))  # new senders: over Gloo lanes
-        deadline = Deadline(wait_s, f"the senders' word on push {push}")
 
         def problems(layout: BlockLayout) -> list[str]:
             return self._weight_sync_assembly(layout).problems(member.record.version)
 
         name = f"worker {slot - 1}"
-        if not member.agree(push, version, digest, max_metadata_bytes, problems, deadline, name):
+        left_s = member.agree(  # new senders: followed over Gloo lanes
+            endpoints, slot, push, version, digest, max_metadata_bytes, problems, wait_s, name
+        )
+        if left_s is None:
             return member.record.version  # called off: nothing moved
         layout = member.layout
         assert layout is not None, "checked against the layout just now"
@@ -220,7 +220,7 @@ class WeightSyncWorker:
         except Exception as exc:
             why = f"its weights could not be had ({type(exc).__name__}: {first_line(exc)})"
             assembly = Refusal(layout, why)
-        return member.receive(assembly, push, version, max(1.0, deadline.remaining()), name)
+        return member.receive(assembly, push, version, left_s, name)
 
     def _weight_sync_lanes_join(
         self,

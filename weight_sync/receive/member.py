@@ -62,21 +62,28 @@ class Member:
 
     def agree(
         self,
+        endpoints: Sequence[Sequence[Any]],
+        slot: int,
         push: int,
         version: int,
         digest: str,
         max_metadata_bytes: int,
         problems: Callable[[BlockLayout], Sequence[str]],
-        deadline: Deadline,
+        wait_s: float,
         name: str,
-    ) -> bool:
-        """This member's word on push ``push`` before any byte moves, through the lanes it
-        follows (``answer``), then rank 0's: whether every member took the push and the
-        senders go ahead. ``name`` names this member in its answer."""
-        assert self.lanes is not None, "follow the senders' lanes first"
-        checks, slot = self.lanes.checks, self.lanes.slot
+    ) -> float | None:
+        """This member's part of push ``push`` before any byte moves, as member ``slot`` of the
+        senders at ``endpoints``: their lanes followed (``follow``), its word answered through
+        them (``answer``), then rank 0's awaited within ``wait_s`` -- whether every member took
+        the push and the senders go ahead. Returns the seconds left to take the lanes in
+        (``receive``), None where the push was called off (nothing moved). ``name`` names this
+        member in its answer."""
+        checks = self.follow(endpoints, slot, min(wait_s, 60.0)).checks
+        deadline = Deadline(wait_s, f"the senders' word on push {push}")
         self.answer(checks, slot, push, version, digest, max_metadata_bytes, problems, name)
-        return checks.ahead(push, deadline)
+        if not checks.ahead(push, deadline):
+            return None
+        return max(1.0, deadline.remaining())
 
     def answer(
         self,

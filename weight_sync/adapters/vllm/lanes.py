@@ -409,14 +409,13 @@ class LaneMember:
         answered in rank 0's store (``Member.agree``), then -- where rank 0 says every member
         took it -- ``receive``. Returns the version held (unchanged where the push was called
         off)."""
-        self.connect(endpoints, slot, min(wait_s, 60.0))
-        deadline = Deadline(wait_s, f"the senders' word on push {push}")
         name = f"vLLM worker {slot - 1}"
-        if not self.member.agree(
-            push, version, digest, max_metadata_bytes, self._problems, deadline, name
-        ):
+        left_s = self.member.agree(
+            endpoints, slot, push, version, digest, max_metadata_bytes, self._problems, wait_s, name
+        )
+        if left_s is None:
             return self.member.record.version
-        return self.receive(push, version, max(1.0, deadline.remaining()), name)
+        return self.receive(push, version, left_s, name)
 
     def answer(
         self,
