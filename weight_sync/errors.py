@@ -59,6 +59,28 @@ class WorkerFailedError(WeightSyncError):
         return type(self), (str(self), self.workers, self.dropped)
 
 
+class ServerError(WorkerFailedError):
+    """One or more inference servers failed: refused the connection, answered with an HTTP
+    error, timed out, or reported a failure. ``servers`` maps each server's base URL (or an
+    engine's name) to the reason.
+
+    A ``WorkerFailedError``, so a loop that handles failed workers handles failed servers too;
+    ``workers`` lists the sync-group members blamed, when a push got that far."""
+
+    def __init__(
+        self,
+        message: str,
+        servers: Mapping[str, str],
+        workers: Sequence[int] = (),
+        dropped: Sequence[int] = (),
+    ) -> None:
+        self.servers = dict(servers)
+        super().__init__(message, workers, dropped)
+
+    def __reduce__(self) -> tuple:
+        return type(self), (str(self), self.servers, self.workers, self.dropped)
+
+
 class ChecksumMismatchError(WorkerFailedError):
     """Bytes a worker received differ from those sent (``SyncConfig(checksum=True)``); nothing
     was committed, and those workers are dirty (streaming) or unchanged (atomic staging)."""

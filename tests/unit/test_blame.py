@@ -1,6 +1,7 @@
 """The rules of blame (``wire.blame``, pure: no Ray call, no group): who is blamed and who
 dropped for a set of workers' outcomes; the senders' verdict on a push from many; what a member
-raises for the lanes that did not commit on it. A sender's death is said first."""
+raises for the lanes that did not commit on it; which servers a failed push over HTTP names. A
+sender's death is said first, as a server's is."""
 
 import pytest
 
@@ -11,9 +12,11 @@ from weight_sync import (
     WeightSyncError,
     WorkerFailedError,
 )
+from weight_sync.errors import ServerError
 from weight_sync.wire.blame import (
     Outcomes,
     blame,
+    blame_servers,
     excuse_followers,
     judge,
     lanes_failed,
@@ -211,3 +214,44 @@ def test_vllm_workers_words_on_a_push_from_many_senders_are_blamed_by_the_same_r
         error = result.error("loading the push", 5.0)
         assert type(error) is WorkerFailedError and error.workers == blamed
         assert error.dropped == [] and all(part in str(error) for part in said)
+
+
+DEAD = {"http://a": "URLError: refused"}
+FAILED = {"http://b": "HTTPError: 500"}
+
+
+@pytest.mark.parametrize(
+    ("error", "failed", "unreachable", "named", "says"),
+    [
+        # a server dead after the push is named first; one that failed beside it is collateral
+        (WorkerFailedError("lost", [1], [1]), FAILED, DEAD, DEAD, "[unreachable server(s): "),
+        # none dead: the servers whose calls failed
+        (WeightSyncError("push failed"), FAILED, {}, FAILED, "[failed server(s): "),
+        # an error naming every server to blame already stands as it is
+        (ServerError("b failed", FAILED), FAILED, {}, None, None),
+        # ... one naming some: the rest are named with it
+        (ServerError("b failed", FAILED), FAILED, DEAD, DEAD, "[unreachable server(s): "),
+        # nothing to name: the error as it came
+        (WeightSyncError("push failed"), {}, {}, None, None),
+        # a caller's mistake is not a server's failure
+        (ValueError("bad state dict"), FAILED, DEAD, None, None),
+    ],
+)
+def test_blame_servers_table(
+    error: BaseException,
+    failed: dict[str, str],
+    unreachable: dict[str, str],
+    named: dict[str, str] | None,
+    says: str | None,
+) -> None:
+    blamed = blame_servers(error, failed, unreachable, "server(s)")
+    if named is None:
+        assert blamed is error
+        return
+    assert isinstance(blamed, ServerError)
+    assert blamed.servers == named
+    assert str(blamed).startswith(f"{error} {says}")
+    assert (blamed.workers, blamed.dropped) == (
+        getattr(error, "workers", []),
+        getattr(error, "dropped", []),
+    )

@@ -13,9 +13,9 @@ import torch
 
 from weight_sync import SyncConfig
 from weight_sync.control.futures import joined, resolve
-from weight_sync.control.http import ServerError, collect_answers
+from weight_sync.control.http import collect_answers
 from weight_sync.control.store import ClientPlane
-from weight_sync.errors import WeightSyncError
+from weight_sync.errors import ServerError, WeightSyncError
 from weight_sync.wire.metadata import (
     PrepareReply,
     PrepareRequest,

@@ -15,7 +15,7 @@ import pytest
 
 from weight_sync.adapters.sglang.pusher import SGLangPusher
 from weight_sync.control.deadline import Deadline
-from weight_sync.control.http import ServerError
+from weight_sync.errors import ServerError
 
 
 class StandIn:

@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from weight_sync.adapters.vllm.servers import ServersClient, resume
-from weight_sync.control.http import ServerError
+from weight_sync.errors import ServerError
 
 SLOW_S = 0.5
 

@@ -29,8 +29,8 @@ from typing import IO, TypeVar
 from typing_extensions import Self
 
 from weight_sync.control.futures import Backoff
-from weight_sync.control.http import ServerError, call
-from weight_sync.errors import WeightSyncError
+from weight_sync.control.http import call
+from weight_sync.errors import ServerError, WeightSyncError
 
 __all__ = ["LocalServer", "ServerStartError", "check_flags", "start_together", "stop_together"]
 

@@ -1,5 +1,6 @@
 """Inference servers over HTTP, with the standard library only: one call, the same call to many
-servers at once, and the error that names the servers that failed.
+servers at once, and the answers gathered (a failure raises ``errors.ServerError``, naming the
+servers).
 
 Shared by the adapters that drive servers without Ray (``vllm serve``, SGLang's
 ``launch_server``). Answers are small JSON, read up to ``MAX_BODY`` bytes; nothing is
@@ -19,9 +20,9 @@ from functools import partial
 from typing import Any
 
 from weight_sync.control.futures import gather, in_thread
-from weight_sync.errors import SyncTimeoutError, WorkerFailedError
+from weight_sync.errors import ServerError, SyncTimeoutError
 
-__all__ = ["MAX_BODY", "ServerError", "call", "check_urls", "collect_answers", "fan_out", "reason"]
+__all__ = ["MAX_BODY", "call", "check_urls", "collect_answers", "fan_out", "reason"]
 
 MAX_BODY = 1 << 20  # the largest answer read from a server (the routes we call answer tiny JSON)
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -29,28 +30,6 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 _GETS = frozenset(
     {"weight_info", "get_world_size", "is_paused", "health", "model_info", "server_info"}
 )
-
-
-class ServerError(WorkerFailedError):
-    """One or more inference servers failed: refused the connection, answered with an HTTP
-    error, timed out, or reported a failure. ``servers`` maps each server's base URL (or an
-    engine's name) to the reason.
-
-    A ``WorkerFailedError``, so a loop that handles failed workers handles failed servers too;
-    ``workers`` lists the sync-group members blamed, when a push got that far."""
-
-    def __init__(
-        self,
-        message: str,
-        servers: Mapping[str, str],
-        workers: Sequence[int] = (),
-        dropped: Sequence[int] = (),
-    ) -> None:
-        self.servers = dict(servers)
-        super().__init__(message, workers, dropped)
-
-    def __reduce__(self) -> tuple:
-        return type(self), (str(self), self.servers, self.workers, self.dropped)
 
 
 def call(

@@ -10,7 +10,9 @@ Every front raises from these rules, whatever plane carried the answers:
   0 names the senders that died or went silent first -- over one group their death fails the
   other lanes too, which are not to blame -- then those whose lane failed naming a cause;
 * a member of a push from many (``lanes_failed``): the lanes that did not commit on it, under
-  the same rule, with a sender whose store closed named as dead.
+  the same rule, with a sender whose store closed named as dead;
+* the servers behind a failed push over HTTP (``blame_servers``): those that cannot be reached
+  after it are named first, as the dead are, else those whose calls failed.
 
 A sender's death is said first, as what happened ("trainer rank 1 died or left mid-push"), and
 the symptoms each survivor saw (a store that closed, a collective that failed) follow as the
@@ -26,6 +28,7 @@ from typing import Any, Literal
 
 from weight_sync.errors import (
     SenderFailedError,
+    ServerError,
     SyncTimeoutError,
     TransportError,
     WeightSyncError,
@@ -195,3 +198,25 @@ def _trainer_ranks(ranks: Sequence[int]) -> str:
 
 def _lanes(ranks: Sequence[int]) -> str:
     return "its lane" if len(ranks) == 1 else "their lanes"
+
+
+def blame_servers(
+    error: BaseException,
+    failed: Mapping[str, str],
+    unreachable: Mapping[str, str],
+    servers: str,
+) -> BaseException:
+    """A failed push's ``error`` as a ``ServerError`` naming the servers to blame (``servers``
+    says what they are: "server(s)", "SGLang engine(s)"): those ``unreachable`` after it (dead),
+    else those whose calls ``failed`` -- a server whose part of the group was lost to another's
+    death answers with an error too, so the dead are named first. ``error`` itself where it
+    already names them all, or names nothing a server did (a caller's mistake)."""
+    if not isinstance(error, WeightSyncError):
+        return error
+    blamed, how = (unreachable, "unreachable") if unreachable else (failed, "failed")
+    if not blamed or (isinstance(error, ServerError) and set(blamed) <= set(error.servers)):
+        return error
+    detail = "; ".join(f"{name}: {reason}" for name, reason in blamed.items())
+    workers = getattr(error, "workers", ())
+    dropped = getattr(error, "dropped", ())
+    return ServerError(f"{error} [{how} {servers}: {detail}]", blamed, workers, dropped)

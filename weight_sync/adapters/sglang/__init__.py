@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from weight_sync.adapters.sglang.process import SGLangServer, local_servers
 from weight_sync.adapters.sglang.pusher import NO_VERSION, SGLangPusher
 from weight_sync.adapters.sglang.servers import SGLangServers, release_servers
-from weight_sync.control.http import ServerError
+from weight_sync.errors import ServerError
 
 if TYPE_CHECKING:
     from weight_sync.adapters.sglang.engine import SGLangEngine, SGLangUpdater, start_engine

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from weight_sync.adapters.sglang.checkpoint import Checkpoint, read_checkpoint
-from weight_sync.control.http import ServerError, call
+from weight_sync.control.http import call
+from weight_sync.errors import ServerError
 
 # The HTTP endpoints the push uses, and whether each is a read (GET). The Ray actor serves the same.
 ENDPOINTS: dict[str, bool] = {

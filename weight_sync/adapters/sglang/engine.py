@@ -36,7 +36,7 @@ from weight_sync.adapters.sglang.checkpoint import Checkpoint, read_checkpoint
 from weight_sync.adapters.sglang.client import ENDPOINTS, checked
 from weight_sync.adapters.sglang.pusher import PauseMode, SGLangPusher
 from weight_sync.config import SyncConfig
-from weight_sync.control.http import ServerError
+from weight_sync.errors import ServerError
 from weight_sync.wire.versions import label_version
 
 if TYPE_CHECKING:

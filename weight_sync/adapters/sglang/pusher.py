@@ -53,13 +53,14 @@ from weight_sync.adapters.sglang.group import connect_nccl, open_trainer_group
 from weight_sync.config import SyncConfig
 from weight_sync.control.deadline import Deadline
 from weight_sync.control.futures import in_thread
-from weight_sync.control.http import ServerError, collect_answers, reason
-from weight_sync.errors import PlanMismatchError, WeightSyncError
+from weight_sync.control.http import collect_answers, reason
+from weight_sync.errors import PlanMismatchError, ServerError, WeightSyncError
 from weight_sync.result import PushResult
 from weight_sync.send.sharded import ShardedSource
 from weight_sync.transport.devices import push_device, sized_for
 from weight_sync.transport.rendezvous import bind_listener, listen_address
 from weight_sync.transport.torch_group import TorchGroup, TorchWork
+from weight_sync.wire.blame import blame_servers
 from weight_sync.wire.mapping import Transform
 from weight_sync.wire.metadata import BackendName, dtype_name
 from weight_sync.wire.state_dict import Rename, StateDict, check_state_dict, wire_dtype
@@ -533,13 +534,7 @@ class SGLangPusher:
                 f"SGLang engines of this push (they are labelled {unlabelled(moved or 0)!r} and "
                 "were not resumed)]"
             )
-        if not isinstance(error, WeightSyncError):
-            return error
-        blamed, what = (unreachable, "unreachable") if unreachable else (failed, "failed")
-        if not blamed or (isinstance(error, ServerError) and set(blamed) <= set(error.servers)):
-            return error
-        detail = "; ".join(f"{name}: {reason}" for name, reason in blamed.items())
-        return ServerError(f"{error} [{what} SGLang engine(s): {detail}]", blamed)
+        return blame_servers(error, failed, unreachable, "SGLang engine(s)")
 
     def _drop_group(self, abort: bool) -> None:
         group, self._group, self._backend = self._group, None, None

@@ -60,10 +60,9 @@ from weight_sync.adapters.vllm.servers import (
 from weight_sync.config import SyncConfig
 from weight_sync.control.deadline import Deadline
 from weight_sync.control.futures import in_thread
-from weight_sync.control.http import ServerError
 from weight_sync.control.keys import read_bounded, take, wait_all
 from weight_sync.control.lane_store import VERDICTS, Checks
-from weight_sync.errors import WeightSyncError, WorkerFailedError, first_line
+from weight_sync.errors import ServerError, WeightSyncError, WorkerFailedError, first_line
 from weight_sync.receive.assembly import Assembly
 from weight_sync.receive.member import Member
 from weight_sync.receive.receiver import Receiver

@@ -39,10 +39,11 @@ from typing import TYPE_CHECKING, Any, Literal
 from typing_extensions import Self
 
 from weight_sync.config import SyncConfig
-from weight_sync.control.http import ServerError, call, check_urls, fan_out
-from weight_sync.errors import PlanMismatchError, WeightSyncError
+from weight_sync.control.http import call, check_urls, fan_out
+from weight_sync.errors import PlanMismatchError, ServerError, WeightSyncError
 from weight_sync.result import PushResult
 from weight_sync.send.sharded import ShardedSource
+from weight_sync.wire.blame import blame_servers
 from weight_sync.wire.mapping import Transform
 from weight_sync.wire.state_dict import Rename, StateDict
 from weight_sync.wire.versions import NO_VERSION, check_version, label_version
@@ -362,7 +363,7 @@ class VLLMServers:
             except BaseException as exc:
                 failed = dict(self._client.failures)  # the push's, not the teardown's
                 self._discard()
-                named = self._named(exc, failed, release(self.urls, exc))
+                named = blame_servers(exc, failed, release(self.urls, exc), "server(s)")
                 if named is exc:
                     raise
                 raise named from exc
@@ -406,25 +407,6 @@ class VLLMServers:
         self._plane = _client_plane(self._client, workers, self.config)
         self._pusher = Pusher(self._plane, self.config, first_version=self._first_version)
         logger.info("pushing to %d server(s), %d worker(s)", len(self.urls), workers)
-
-    def _named(
-        self, error: BaseException, failed: Mapping[str, str], unreachable: Mapping[str, str]
-    ) -> BaseException:
-        """The push's error, as a ``ServerError`` naming the servers to blame: those that could
-        not be reached after it (dead), else those whose calls failed. A server whose worker
-        lost the broadcast because another died answers its call with an error too, so the
-        dead are named first."""
-        if not isinstance(error, WeightSyncError):
-            return error
-        if isinstance(error, ServerError) and set(unreachable) <= set(error.servers):
-            return error
-        blamed, what = (unreachable, "unreachable") if unreachable else (failed, "failed")
-        if not blamed:
-            return error
-        workers = getattr(error, "workers", ())
-        dropped = getattr(error, "dropped", ())
-        detail = "; ".join(f"{url}: {reason}" for url, reason in blamed.items())
-        return ServerError(f"{error} [{what} server(s): {detail}]", blamed, workers, dropped)
 
     def _discard(self) -> None:
         """Leave the group (bounded) and stop the control store: a worker still blocked on it
