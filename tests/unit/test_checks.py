@@ -1,10 +1,12 @@
 """The checks that run before any collective: the sender's on the state dict, the receiver's on
-the plan."""
+the plan, a member's on the layout of a push from many senders."""
 
 import pytest
 import torch
 
 from weight_sync import SyncConfig
+from weight_sync.receive.checks import check_layout, expecting
+from weight_sync.wire.blocks import Block, BlockLayout
 from weight_sync.wire.mapping import fuse
 from weight_sync.wire.metadata import WIRE_VERSION, PrepareRequest, TensorMeta
 from weight_sync.wire.packing import read_values
@@ -107,6 +109,37 @@ def test_transform_runs_before_rename_and_tie_detection() -> None:
 
 def test_check_plan_accepts_anything_without_a_target() -> None:
     assert check_plan(plan_of(anything=torch.zeros(3)), None) == []
+
+
+W, B, C = torch.zeros(4, 3), torch.zeros(4), torch.zeros(2)
+PARTIAL = "a partial push needs weights to complete, and this member holds no committed version"
+
+
+@pytest.mark.parametrize(
+    ("partial", "held", "target", "problems"),
+    [
+        (False, None, {"w": W, "b": B}, []),  # a first push, whole: taken
+        (True, 3, {"w": W, "b": B, "c": C}, []),  # part of the weights held: completed
+        (True, None, {"w": W, "b": B, "c": C}, [f"{PARTIAL}: push the full state dict first"]),
+        (False, 3, {"w": W, "b": B, "c": C}, ["missing tensor 'c'"]),  # whole, but not all
+        (False, 3, {"w": W.T, "b": B}, ["'w': sent float32[4, 3], model has float32[3, 4]"]),
+        (False, 3, None, []),  # a loader takes any names
+    ],
+)
+def test_a_members_check_of_a_layout(
+    partial: bool, held: int | None, target: dict | None, problems: list[str]
+) -> None:
+    layout = BlockLayout(
+        senders=2,
+        tensors=(TensorMeta.of("w", W), TensorMeta.of("b", B)),
+        blocks=(
+            Block(tensor=0, sender=0, offset=(0, 0), size=(2, 3)),
+            Block(tensor=0, sender=1, offset=(2, 0), size=(2, 3)),
+            Block(tensor=1, sender=1, offset=(0,), size=(4,)),
+        ),
+        partial=partial,
+    )
+    assert check_layout(layout, expecting(lambda: target), held) == problems
 
 
 def request(plan, version: int = 1, with_plan: bool = True) -> str:

@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from pydantic import ValidationError
 
-from weight_sync.receive.checks import Check, check_plan
+from weight_sync.receive.checks import Check, check_layout, check_plan, expecting
 from weight_sync.wire.blocks import Block, BlockLayout, view_of
-from weight_sync.wire.metadata import SyncPlan, TensorMeta
+from weight_sync.wire.metadata import TensorMeta
 
 Load = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
 
@@ -47,17 +47,8 @@ class Assembly:
 
     def problems(self, held: int | None) -> list[str]:
         """What in the layout the target cannot take (names, dtypes, global shapes), the member
-        holding version ``held``: checked for the whole push, before any lane's bytes move. A
-        loader takes any names; a partial push (some of the tensors only) completes weights a
-        member holds, so one that holds no version refuses it."""
-        if self.layout.partial and held is None:
-            why = "a partial push needs weights to complete, and this member holds no version"
-            return [f"{why}: push the full state dict first"]
-        if self._destinations is None:
-            return []
-        # The layout's tensors as a plan's (no buckets: only their metadata is compared).
-        plan = SyncPlan.model_construct(alignment=1, tensors=self.layout.tensors, buckets=())
-        return check_plan(plan, self._destinations, self.layout.partial)
+        holding version ``held`` (``checks.check_layout``). A loader takes any names."""
+        return check_layout(self.layout, expecting(lambda: self._destinations), held)
 
     def check(self, sender: int) -> Check:
         """A lane's plan must carry exactly the blocks the layout gives its sender."""

@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from weight_sync.wire.blocks import BlockLayout
 from weight_sync.wire.metadata import SyncPlan, TensorMeta, dtype_name
 
 # What a worker cannot load of a plan, given whether the push is partial; empty: all of it.
@@ -24,6 +25,25 @@ def accept_all(plan: SyncPlan, partial: bool) -> list[str]:
 def expecting(expected: Callable[[], Mapping[str, TensorMeta | torch.Tensor] | None]) -> Check:
     """A ``Check`` against the target ``expected()`` names (see ``check_plan``)."""
     return lambda plan, partial: check_plan(plan, expected(), partial)
+
+
+def partial_problems(partial: bool, held: int | None) -> list[str]:
+    """A partial push (some of the tensors only) completes the weights a member holds: one
+    that holds no version (``held`` None) cannot take it."""
+    if not partial or held is not None:
+        return []
+    why = "a partial push needs weights to complete, and this member holds no committed version"
+    return [f"{why}: push the full state dict first"]
+
+
+def check_layout(layout: BlockLayout, check: Check, held: int | None) -> list[str]:
+    """What of a push from many senders a member holding version ``held`` cannot take, before
+    any lane's bytes move: ``partial_problems``, then ``check`` against the layout's whole
+    tensors (as a plan's: no buckets, only their names, dtypes and shapes are compared)."""
+    if problems := partial_problems(layout.partial, held):
+        return problems
+    plan = SyncPlan.model_construct(alignment=1, tensors=layout.tensors, buckets=())
+    return list(check(plan, layout.partial))
 
 
 def check_plan(

@@ -34,7 +34,13 @@ from weight_sync.receive.buckets import (
     in_place,
     staging_area,
 )
-from weight_sync.receive.checks import Check, accept_all, check_plan, expecting
+from weight_sync.receive.checks import (
+    Check,
+    accept_all,
+    check_plan,
+    expecting,
+    partial_problems,
+)
 from weight_sync.receive.state import Push, ReceiveState
 from weight_sync.transport import Relay, TorchGroup, Transport
 from weight_sync.transport.cuda_ipc import CudaIpcReader
@@ -270,11 +276,8 @@ class Receiver:
             return _refuse("plan does not match its digest")
         if self._transport is None:
             return _refuse("this worker is not in a sync group")
-        if request.partial and self.version is None:
-            return _refuse(
-                "a partial push needs weights to complete, and this worker holds no "
-                "committed version: push the full state dict first"
-            )
+        if partial := partial_problems(request.partial, self.version):
+            return _refuse(*partial)
         try:
             problems = list(check(plan, request.partial))
         except Exception as exc:  # a user's hook: report it instead of crashing the actor call

@@ -64,6 +64,7 @@ from weight_sync.control.keys import read_bounded, take, wait_all
 from weight_sync.control.lane_store import VERDICTS, Checks
 from weight_sync.errors import ServerError, WeightSyncError, WorkerFailedError, first_line
 from weight_sync.receive.assembly import Assembly
+from weight_sync.receive.checks import check_layout
 from weight_sync.receive.member import Member
 from weight_sync.receive.receiver import Receiver
 from weight_sync.result import PushResult
@@ -71,7 +72,6 @@ from weight_sync.send.senders import Senders, nothing_moves
 from weight_sync.transport.rendezvous import open_store
 from weight_sync.wire.blame import Outcomes
 from weight_sync.wire.blocks import BlockLayout
-from weight_sync.wire.metadata import SyncPlan
 from weight_sync.wire.state_dict import StateDict
 
 logger = logging.getLogger(__name__)
@@ -441,9 +441,8 @@ class LaneMember:
         if layout.partial:
             why = "a vLLM engine takes a push from many senders whole (one reload of every tensor)"
             return [f"{why}: push the full state dict, without partial=True"]
-        # The layout's tensors, whole, as a plan's: vLLM's loader takes whole checkpoint tensors.
-        plan = SyncPlan.model_construct(alignment=1, tensors=layout.tensors, buckets=())
-        return list(self._target.check(plan, partial=False))
+        # vLLM's loader takes whole checkpoint tensors: the layout's, whole.
+        return check_layout(layout, self._target.check, self.member.record.version)
 
     def receive(self, push: int, version: int, wait_s: float, name: str) -> int:
         """Take push ``push`` (of ``version``) on every lane at once, then load it whole in one
