@@ -1,7 +1,8 @@
 """The members' check of a push before any byte moves, in rank 0's store
 (``control.lane_store.Checks``), against a real ``TCPStore``: every member's answer read once
-by slot, a silent one missing at the deadline or as soon as its call ended, rank 0's word to go
-ahead or not, and the layout posted once per digest for the members that lack it."""
+by slot, a silent one missing at the deadline or as soon as its call ended (its answer, set
+late, deleted with its push's keys), rank 0's word to go ahead or not, and the layout posted once
+per digest for the members that lack it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from weight_sync.control.deadline import Deadline
+from weight_sync.control.keys import KEPT_PUSHES
 from weight_sync.control.lane_store import CHECKED, LAYOUT, Checks
 from weight_sync.errors import SyncTimeoutError, WeightSyncError
 from weight_sync.wire.lane_rules import layout_of
@@ -54,6 +56,21 @@ def test_a_silent_member_is_missing_at_the_deadline_or_once_a_call_ended(
     began = time.monotonic()
     assert rank_0.answers(2, 2, Deadline(30, "test"), ended=lambda: True) == [[], None]
     assert time.monotonic() - began < 5  # not the 30 s
+
+
+def test_an_answer_set_after_rank_0_stopped_looking_goes_with_its_push(
+    store: dist.TCPStore,
+) -> None:
+    """A late member's answer, never read, stays only while its push's keys do (``KEPT_PUSHES``
+    pushes), as rank 0's words do: a loop pushing for days past a member that is always late
+    leaves no key behind."""
+    rank_0, late = Checks(store), member(store)
+    assert rank_0.answers(1, 1, Deadline(0.1, "test")) == [None]
+    late.answer(1, 1, ["too late"])
+    for push in range(2, 2 + KEPT_PUSHES):
+        late.answer(push, 1, [])
+        assert rank_0.answers(push, 1, Deadline(5, "test")) == [[]]
+        assert store.check([f"{CHECKED}1/1"]) == (push < 1 + KEPT_PUSHES)
 
 
 def test_an_answer_that_is_no_list_of_problems_is_one(store: dist.TCPStore) -> None:

@@ -219,6 +219,9 @@ class Checks:
         self._store = store
         self._layouts = Retention.in_store(store, KEPT_PLANS)  # rank 0's, by digest
         self._words = Retention.in_store(store)  # rank 0's, by push
+        # Every slot's answer key, by push: one a member sets after rank 0 stopped looking
+        # (it was late, and blamed) goes with its push's generation, not with the store.
+        self._answers = Retention.in_store(store)
 
     # -- rank 0 ------------------------------------------------------------------------------
 
@@ -247,7 +250,8 @@ class Checks:
                 last = Deadline(0.0, "a last look for the members' checks")
                 found.update(wait_all(self._store, [k for k in keys if k not in found], last))
                 break
-        delete(self._store, list(found))  # read once; one set meanwhile stays, never taken
+        delete(self._store, list(found))  # read once; one set later goes with its push
+        self._answers.posted(push, [key for key in keys if key not in found])
         return [_problems(found[key]) if key in found else None for key in keys]
 
     def decide(self, push: int, ahead: bool) -> None:
