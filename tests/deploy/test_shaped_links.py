@@ -135,3 +135,44 @@ def _driven(
     found = re.search(r"^RESULT (.*)$", done.stdout, re.MULTILINE)
     assert done.returncode == 0 and found, output[-4000:]
     return dict(json.loads(found.group(1)))
+
+
+_HOLD_A_CLUSTER = """
+import json, time
+from weight_sync.tools.bench.netns import ShapedCluster
+with ShapedCluster(2, None, ray=False) as cluster:
+    plan = cluster.plan
+    names = [n.netns for n in plan.nodes] + [n.host_link for n in plan.nodes] + [plan.bridge]
+    print(json.dumps(names), flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_process_terminated_while_it_holds_a_cluster_deletes_it_first() -> None:
+    """SIGTERM (``timeout``'s, a job runner's) to a process holding a cluster: its namespaces,
+    veths and bridge are deleted before it exits, with status 143 -- Python's default for the
+    signal ends the process at once, which left them behind (``benchmarks/many_senders.py``)."""
+    try:
+        check_usable()
+    except NetnsUnavailable as exc:
+        pytest.skip(str(exc))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_A_CLUSTER], stdout=subprocess.PIPE, text=True
+    )
+    names: list[str] = []
+    try:
+        names = json.loads(holder.stdout.readline())
+        holder.terminate()
+        assert holder.wait(timeout=60) == 128 + 15
+    finally:
+        holder.kill()
+        holder.wait()
+        listed = [
+            subprocess.run(args, capture_output=True, text=True, check=True).stdout
+            for args in (["ip", "netns", "list"], ["ip", "-o", "link", "show"])
+        ]
+        left = [name for name in names if any(re.search(rf"\b{name}\b", text) for text in listed)]
+        for name in left:  # not the next run's problem
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+            subprocess.run(["ip", "link", "del", name], capture_output=True, check=False)
+    assert names and not left, f"left behind: {left}"

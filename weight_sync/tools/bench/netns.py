@@ -40,10 +40,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from typing_extensions import Self
 
@@ -337,6 +338,7 @@ class ShapedCluster:
         )
         self.token = secrets.token_hex(32)
         self._temp = ""
+        self._restore_sigterm: Callable[[], None] | None = None  # while the cluster stands
 
     def env(self) -> dict[str, str]:
         """The environment of everything run inside the nodes: this interpreter's scripts first
@@ -374,6 +376,7 @@ class ShapedCluster:
 
     def __enter__(self) -> Self:
         check_usable()
+        self._restore_sigterm = _exit_on_sigterm()
         self._temp = tempfile.mkdtemp(prefix="ws_ray_")
         try:
             with _interrupts_deferred():
@@ -416,6 +419,9 @@ class ShapedCluster:
             if self._temp:
                 shutil.rmtree(self._temp, ignore_errors=True)
                 self._temp = ""
+        if self._restore_sigterm is not None:
+            self._restore_sigterm()
+            self._restore_sigterm = None
 
 
 def _netns_pids(netns: str) -> list[int]:
@@ -437,19 +443,50 @@ def _sh(args: Sequence[str]) -> None:
         raise RuntimeError(f"{' '.join(args)} failed: {done.stderr.strip()}")
 
 
+def _exit_on_sigterm() -> Callable[[], None]:
+    """SIGTERM (``timeout``'s, a job runner's) raises ``SystemExit`` in the main thread while a
+    cluster stands, so the ``with`` around it deletes the namespaces, bridge and processes --
+    Python's default for SIGTERM ends the process at once, leaving them all behind. Returns
+    what puts the handler before it back (nothing to put back outside the main thread, which
+    takes no signals)."""
+
+    def exit_(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    try:
+        old = signal.signal(signal.SIGTERM, exit_)
+    except ValueError:  # not the main thread
+        return lambda: None
+
+    def restore() -> None:
+        signal.signal(signal.SIGTERM, _handler(old))
+
+    return restore
+
+
 class _interrupts_deferred:
-    """Hold SIGINT until the block is done: building or deleting a network half-way leaves
-    namespaces behind. Only in the main thread (where Python handles signals)."""
+    """Hold SIGINT and SIGTERM until the block is done: building or deleting a network half-way
+    leaves namespaces behind. Only in the main thread (where Python handles signals)."""
 
     def __enter__(self) -> None:
-        self._pending: list[object] = []
+        self._pending: list[int] = []
+        self._old: dict[int, Any] = {}
         try:
-            self._old = signal.signal(signal.SIGINT, lambda *a: self._pending.append(a))
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._old[signum] = signal.signal(signum, lambda n, f: self._pending.append(n))
         except ValueError:  # not the main thread
-            self._old = None
+            pass
 
     def __exit__(self, *exc: object) -> None:
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
-            if self._pending:
-                raise KeyboardInterrupt
+        for signum, old in self._old.items():
+            signal.signal(signum, _handler(old))
+        if signal.SIGTERM in self._pending:
+            raise SystemExit(128 + signal.SIGTERM)
+        if self._pending:
+            raise KeyboardInterrupt
+
+
+def _handler(old: Any) -> Any:
+    """A handler ``signal.signal`` returned, as it can be set again (None: one set outside
+    Python, which cannot be put back; the default then)."""
+    return signal.SIG_DFL if old is None else old
