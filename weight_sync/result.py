@@ -3,8 +3,11 @@ protocol, the sharded trainers' ``push_sharded``) can name it without importing 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,14 @@ class PushResult:
     density: float | None = None  # of a delta push: the share of elements that changed
     # Why the push went dense or as a delta (SyncConfig.delta; see weight_sync.delta.choice).
     delta_reason: str = ""
+
+    @classmethod
+    def nothing(cls, version: int) -> PushResult:
+        """An empty push's: nothing moved on any rank, and every member keeps ``version`` (a
+        state dict of no tensor, or -- from many senders -- of none with an element, or -- to
+        SGLang -- only a head the engines tie themselves). Every front says so alike."""
+        logger.info("empty state dict: nothing to push (version stays %d)", version)
+        return cls(version, 0, 0, 0.0)
 
     @property
     def gbps(self) -> float:

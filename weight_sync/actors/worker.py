@@ -69,7 +69,7 @@ class WeightSyncWorker:
     """
 
     def __init__(self) -> None:
-        self._weight_sync_receiver = Receiver(self.weight_sync_device)
+        self._weight_sync_holds = Member(Receiver(self.weight_sync_device))
 
     # -- the contract --------------------------------------------------------------------------
 
@@ -94,8 +94,7 @@ class WeightSyncWorker:
         stats. Answers during a push when the actor was made with ``remote_worker``. After a
         push from many senders (``RayLanes``), it speaks for every lane together: the
         version every lane committed, their buckets summed, the least advanced lane's phase."""
-        member: Member | None = self.__dict__.get("_weight_sync_member_state")  # made on a push
-        return member.status() if member is not None else self._weight_sync_state().status()
+        return self._weight_sync_member().status()
 
     # -- helpers users may call or override ------------------------------------------------------
 
@@ -256,19 +255,16 @@ class WeightSyncWorker:
     # -- internals -----------------------------------------------------------------------------
 
     def _weight_sync_member(self) -> Member:
-        """This worker's end of pushes from many senders, writing what it holds to the same
-        receiver as pushes from one."""
-        member = self.__dict__.get("_weight_sync_member_state")
+        """What this worker holds -- one record, whichever senders pushed it (the ``Receiver``
+        of one sender's pushes) -- and the lanes it follows from many."""
+        # Tolerates a subclass that forgot super().__init__().
+        member = self.__dict__.get("_weight_sync_holds")
         if member is None:
-            member = self._weight_sync_member_state = Member(self._weight_sync_state())
+            member = self._weight_sync_holds = Member(Receiver(self.weight_sync_device))
         return member
 
     def _weight_sync_state(self) -> Receiver:
-        # Tolerates a subclass that forgot super().__init__().
-        receiver = self.__dict__.get("_weight_sync_receiver")
-        if receiver is None:
-            receiver = self._weight_sync_receiver = Receiver(self.weight_sync_device)
-        return receiver
+        return self._weight_sync_member().record
 
     def _weight_sync_targets(self) -> tuple[Check, Mapping[str, torch.Tensor] | None, bool]:
         """What a push is checked against, where it may land, and whether those are one: with

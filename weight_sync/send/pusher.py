@@ -251,8 +251,7 @@ class Pusher:
         with self._lock:
             self._check_open()
             if not entries.count:
-                logger.info("empty state dict: nothing to push (version stays %d)", self._version)
-                return PushResult(self._version, 0, 0, 0.0)
+                return PushResult.nothing(self._version)
             if not len(self._plane):
                 raise WeightSyncError(
                     "no workers left: all were dropped after failures; add replacements "

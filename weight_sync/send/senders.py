@@ -563,8 +563,7 @@ def nothing_moves(share: Share, committed: int) -> PushResult | None:
     assert share.layout is not None, "agreed pushes have a layout"
     if share.layout.blocks:
         return None
-    logger.info("empty state dict: nothing to push (version stays %d)", committed)
-    return PushResult(committed, 0, 0, 0.0)
+    return PushResult.nothing(committed)
 
 
 def renew_one_group(

@@ -189,12 +189,12 @@ class SGLangPusher:
                 *((tied.name, tied.tensor) for tied in entries.tied),
             ]
             if not named:
-                return PushResult(self._version or 0, 0, 0, 0.0)
+                return PushResult.nothing(self._version or 0)
             bound = self.config.push_timeout_s
             deadline = Deadline(bound - _reserve(bound), "push", started)
             sent = self._check(named, entries.tensors, deadline)
             if not sent:  # only a tied head, which the engines tie themselves
-                return PushResult(self._version or 0, 0, 0, 0.0)
+                return PushResult.nothing(self._version or 0)
             sources = [entries.tensors[index] for _, index in sent]
             cast = self.config.cast_dtype
             sized = sized_for(self.config, push_device(sources))

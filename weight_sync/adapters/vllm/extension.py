@@ -113,10 +113,7 @@ class WeightSyncExtension:
     def _weight_sync_status(self) -> SyncStatus:
         """The one-sender receiver's status (every push's record, from one sender or many),
         with its lanes' push in flight, if any (``Lanes.status``)."""
-        member = self.__dict__.get("_weight_sync_lane_member")
-        if member is not None:
-            return member.member.status()
-        return self._weight_sync_state()[0].status()
+        return self._weight_sync_lanes().member.status()
 
     def _weight_sync_lanes(self) -> LaneMember:
         member = self.__dict__.get("_weight_sync_lane_member")
