@@ -54,9 +54,6 @@ def test_at_the_deadline_a_wait_returns_the_keys_set_and_a_single_key_raises(
 
 
 def test_keys_taken_are_deleted_whether_set_or_not(store: dist.TCPStore) -> None:
-    store.set("a", "1")
-    assert wait_all(store, ["a"], Deadline(5, "test"), delete=True) == {"a": b"1"}
-    assert not store.check(["a"])
     store.set("b", "2")
     assert take(store, ["b", "never"]) == {"b": b"2"}
     assert not store.check(["b"]) and take(store, ["b"]) == {}
