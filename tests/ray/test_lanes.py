@@ -72,14 +72,16 @@ def pool() -> Iterator[Pool]:
 def lanes(request: pytest.FixtureRequest, pool: Pool, take: Lease) -> Iterator[tuple[list, list]]:
     """Two trainer ranks with a WeightUpdater each (senders: their group), and two workers as
     new; ``param``: (``fused``: their models stack q, k and v in one tensor, which a trainer's
-    push does not fit; the ``SyncConfig`` of every rank)."""
+    push does not fit; the ``SyncConfig`` of every rank, or a list: each rank's own)."""
     fused, config = getattr(request, "param", ((False, False), {}))
     workers = take(LMWorker, [{"fused": f} for f in fused])
     failed = request.session.testsfailed
     passed = closed = False
     try:
         ranks = pool.ranks()
-        ray.get([rank.lanes_setup.remote(workers, **config) for rank in ranks], timeout=TIMEOUT)
+        configs = config if isinstance(config, list) else [config] * len(ranks)
+        setups = [rank.lanes_setup.remote(workers, **c) for rank, c in zip(ranks, configs)]
+        ray.get(setups, timeout=TIMEOUT)
         yield ranks, workers
         passed = request.session.testsfailed == failed
         try:
@@ -144,6 +146,23 @@ def test_every_rank_pushes_its_shards_and_workers_hold_the_whole_model(
             assert status.last.nbytes == results[0].wire_bytes, (status, results[0])
             assert status.buckets_done == status.buckets_total == status.last.buckets >= 2
     assert all(ray.get([w.still_tied.remote() for w in workers], timeout=TIMEOUT))
+
+
+@pytest.mark.parametrize(
+    "lanes", [((False, False), [{}, {"same_host": "group"}])], ids=["rank_1_group"], indirect=True
+)
+def test_each_lane_takes_the_routes_its_senders_config_says(lanes: tuple[list, list]) -> None:
+    """``same_host`` may differ between senders: rank 0's lane reaches the workers on its host
+    through a shared-memory ring of its own (the default, as one sender's push), rank 1's
+    (``same_host="group"``) through its group; both land bit for bit, push after push."""
+    ranks, workers = lanes
+    for step in (1, 2):
+        on_all(ranks, "step")
+        assert [r.version for r in on_all(ranks, "lanes_push")] == [step, step]
+        want = on_all(ranks, "full_digests")[0]
+        got = ray.get([w.weight_sync_digests.remote() for w in workers], timeout=TIMEOUT)
+        assert got == [want, want]
+    assert on_all(ranks, "lanes_routes") == [(["shm", "shm"], True), (["group", "group"], True)]
 
 
 def test_a_state_dict_one_rank_refuses_sends_nothing_anywhere(lanes: tuple[list, list]) -> None:
@@ -541,8 +560,10 @@ def test_a_trainer_of_one_rank_pushes_through_the_same_front(take: Lease, one_gr
             want = ray.get(rank.full_digests.remote(), timeout=TIMEOUT)
             got = ray.get([w.weight_sync_digests.remote() for w in workers], timeout=TIMEOUT)
             assert got == [want] * 2
-            # The front's routes and group are the lane's, as one sender's are its group's.
-            assert ray.get(rank.lanes_routes.remote(), timeout=TIMEOUT) == (["group"] * 2, True)
+            # The front's routes and group are the lane's, as one sender's are its group's: the
+            # workers on its host take the ring, except over one group (which carries them).
+            route = "group" if one_group else "shm"
+            assert ray.get(rank.lanes_routes.remote(), timeout=TIMEOUT) == ([route] * 2, True)
         ray.get(rank.lanes_close.remote(), timeout=TIMEOUT)
         for status in ray.get([w.sync_status.remote() for w in workers], timeout=TIMEOUT):
             assert status.version == 2 and not status.in_group, status

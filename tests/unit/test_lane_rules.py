@@ -240,11 +240,15 @@ def test_sglang_fronts_refuse_many_senders_as_they_are_made() -> None:
 
 
 @pytest.mark.parametrize(
-    ("given", "backend"),
-    [({}, "gloo"), ({"backend": "auto"}, "gloo"), ({"backend": "gloo"}, "gloo"),
-     ({"backend": "nccl"}, None)],
+    ("given", "backend", "same_host"),
+    [({}, "gloo", "shm"), ({"backend": "auto"}, "gloo", "shm"), ({"backend": "gloo"}, "gloo", "shm"),
+     ({"same_host": "group"}, "gloo", "group"), ({"backend": "nccl"}, None, None)],
 )  # fmt: skip
-def test_lanes_run_over_gloo_in_groups_of_their_own(given: dict, backend: str | None) -> None:
+def test_lanes_run_over_gloo_in_groups_of_their_own(
+    given: dict, backend: str | None, same_host: str | None
+) -> None:
+    """Each lane a standalone Gloo group, its sender's host's members on a ring of its own
+    unless the sender's config says the group (``same_host``), as one sender's push."""
     from weight_sync import SyncConfig
     from weight_sync.send.senders import lane_config
 
@@ -253,14 +257,20 @@ def test_lanes_run_over_gloo_in_groups_of_their_own(given: dict, backend: str | 
             lane_config(SyncConfig(**given))
         return
     config = lane_config(SyncConfig(**given))
-    assert (config.backend, config.group_mode, config.same_host) == (backend, "standalone", "group")
+    assert (config.backend, config.group_mode, config.same_host) == (
+        backend,
+        "standalone",
+        same_host,
+    )
 
 
 def test_over_one_group_nccl_is_taken_and_the_lanes_vote_over_gloo() -> None:
+    """Over one group every member takes the buckets from it: no lane's ring beside it."""
     from weight_sync import JobSync, SyncConfig
     from weight_sync.send.senders import lane_config
 
-    assert lane_config(SyncConfig(backend="nccl"), one_group=True).backend == "gloo"
+    config = lane_config(SyncConfig(backend="nccl"), one_group=True)
+    assert (config.backend, config.same_host) == ("gloo", "group")
     with pytest.raises(ValueError, match="one_group is for several senders"):
         JobSync(one_group=True)  # refused before any group is made
 

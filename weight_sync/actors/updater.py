@@ -93,7 +93,8 @@ class WeightUpdater:
     @property
     def routes(self) -> list[Route]:
         """How each worker receives through that group (``Pusher.routes``; empty while none is
-        formed). Many senders: a lane reaches every worker through its group (``"group"``)."""
+        formed). Many senders: this rank's lane's, chosen as one sender's are (over one group:
+        ``"group"``)."""
         return self._pushes.routes
 
     def push(

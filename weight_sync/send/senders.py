@@ -117,18 +117,21 @@ class Outbound:
 def lane_config(config: SyncConfig, one_group: bool = False) -> SyncConfig:
     """How each lane of a push from several senders runs: a group of its own rendezvous (the
     lanes form at once), every member a rank of it, over Gloo -- K NCCL communicators driven
-    from K threads on one GPU may deadlock (docs/many-senders.md). ``one_group``: the lanes'
-    buckets go over one group of every rank instead (``form_one_group``), on the backend
-    ``config`` names, and each lane's own Gloo group only votes."""
+    from K threads on one GPU may deadlock (docs/many-senders.md) -- its members on the
+    sender's host taking it through a shared-memory ring of its own as one sender's push does
+    (``same_host``). ``one_group``: the lanes' buckets go over one group of every rank instead
+    (``form_one_group``), on the backend ``config`` names, and each lane's own Gloo group only
+    votes: every member then takes them from that group."""
     if config.backend == "nccl" and not one_group:
         raise ValueError(
             "a push from several senders runs its lanes over Gloo (CUDA tensors go through the "
             "host); leave SyncConfig.backend unset or 'gloo', or move the buckets over one "
             "group (JobSync or WeightUpdater with one_group=True)"
         )
-    return config.model_copy(
-        update={"group_mode": "standalone", "same_host": "group", "backend": "gloo"}
-    )
+    update: dict[str, str] = {"group_mode": "standalone", "backend": "gloo"}
+    if one_group:
+        update["same_host"] = "group"
+    return config.model_copy(update=update)
 
 
 # Rank 0 asks the members to join one group, each as the rank its spec names, with the senders'
