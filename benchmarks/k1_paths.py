@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -48,8 +47,9 @@ class Trainer:
     def __init__(self, workload: Workload) -> None:
         torch.set_num_threads(1)
         self.state = workload.build(fill=1.0)
-        # A group of this one rank (no port: a file store), as a trainer of one rank has.
-        store = dist.FileStore(tempfile.mktemp(prefix="ws_k1_"), 1)
+        # A group of this one rank, as a trainer of one rank has: its store on loopback, on a
+        # port the kernel picks (no file left behind, no name to race for).
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
         self.updater: WeightUpdater | None = None
 
