@@ -23,7 +23,7 @@ from weight_sync.errors import (
     WeightSyncError,
     WorkerFailedError,
 )
-from weight_sync.control.lane_store import BEGIN, COMMAND, FLOOR, Verdicts
+from weight_sync.control.lane_store import BEGIN, COMMAND, Verdicts
 from weight_sync.receive.inbound import Inbound
 from weight_sync.send.senders import Outbound, Senders
 from weight_sync.control.store import PREFIX
@@ -74,9 +74,9 @@ def test_a_member_skips_the_frames_of_a_push_it_gave_up_on() -> None:
 
 
 def test_old_pushes_leave_the_store_and_a_member_far_behind_skips_them() -> None:
-    """A sender's commands of pushes two or more before the current one are deleted, their
-    first survivor named under ``FLOOR``; a member that fell further behind (its next command
-    deleted) starts from there, rather than wait for a key that will never come back."""
+    """A sender's commands of pushes two or more before the current one are deleted; a member
+    that fell further behind (its next command deleted) starts from the push it is asked for,
+    rather than wait for a key that will never come back."""
     out = Outbound(SyncConfig(push_timeout_s=30), receivers=1)
     for push in range(1, 6):
         out.commands.post("begin", {"push": push}, new_push=True)
@@ -84,7 +84,7 @@ def test_old_pushes_leave_the_store_and_a_member_far_behind_skips_them() -> None
     store = dist.PrefixStore(PREFIX, open_store(*out.address, 1, 30, None))
     lane = Inbound(*out.address, 1, lambda: CPU, 30)
     try:
-        assert int(store.get(FLOOR)) == 6  # pushes 4 and 5: commands 6 to 9
+        # Pushes 4 and 5 stay: commands 6 to 9.
         assert [store.check([f"{COMMAND}{n}"]) for n in range(10)] == [False] * 6 + [True] * 4
         assert [store.check([f"{BEGIN}{push}"]) for push in range(1, 6)] == [False] * 3 + [True] * 2
         with pytest.raises(WeightSyncError, match="push 4 called off by the test"):

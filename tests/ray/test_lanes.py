@@ -18,7 +18,7 @@ from tests.ray.actors import BusyLMWorker, LMWorker, ShardedTrainer
 from tests.ray.pool import Lease
 from weight_sync.control.lane_store import CHECKED, NO_ONE_GROUP, VERDICTS
 from weight_sync.transport.rendezvous import bind_listener, open_store
-from weight_sync.wire.metadata import GroupSpec
+from weight_sync.wire.metadata import GroupSpec, LaneCheck, LanePush
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("ray_cluster")]
 TIMEOUT = 120
@@ -417,9 +417,9 @@ def test_a_worker_without_the_one_group_refuses_a_push_over_it() -> None:
     store = open_store(address, port, 1, 30.0, listener)  # rank 0's store, hosted here
     worker = LMWorker.remote(fused=False)
     try:
-        call = worker._weight_sync_lanes_push.remote(
-            [(address, port)], 1, 1, 1, "0" * 64, 1 << 20, 10.0, one_group=True
-        )
+        check = LaneCheck(push=1, version=1, digest="0" * 64, max_metadata_bytes=1 << 20)
+        asked = LanePush(endpoints=[(address, port)], slot=1, check=check, wait_s=10.0)
+        call = worker._weight_sync_lanes_push.remote(asked.model_dump_json(), one_group=True)
         assert ray.get(call, timeout=TIMEOUT) is None  # it held nothing, and holds nothing
         [problem] = json.loads(dist.PrefixStore(VERDICTS, store).get(f"{CHECKED}1/1"))
         assert problem.startswith(NO_ONE_GROUP), problem

@@ -17,6 +17,7 @@ from weight_sync.control.http import collect_answers
 from weight_sync.control.store import ClientPlane
 from weight_sync.errors import ServerError, WeightSyncError
 from weight_sync.wire.metadata import (
+    GroupSpec,
     PrepareReply,
     PrepareRequest,
     PushReply,
@@ -132,6 +133,33 @@ def test_answers_a_member_never_gave_are_given_up_when_the_members_are_asked_aga
         with pytest.raises(WeightSyncError, match="asked to join afresh"):
             second.result(timeout=10)
         assert sorted(plane._mailbox._pending) == ["info/1/1", "info/1/2"]  # the new asks only
+    finally:
+        plane.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_specs_of_a_formation_go_two_formations_later() -> None:
+    """Each formation (an epoch: the first push, each after a failure) posts every member's
+    spec and the counter the members take slots from; those of the last two stay (a member
+    still joining one finds its spec), older ones go -- a loop that forms its group again
+    after each of many failures leaves no key behind."""
+    client = _LabellingClient()
+    plane = ClientPlane(client, 2, SyncConfig())
+    store = plane._mailbox._store
+    spec = GroupSpec(group_id="0" * 16, address="127.0.0.1", port=1, world_size=3, rank=1,
+                     backend="gloo", mode="standalone", rendezvous_timeout_s=1,
+                     collective_timeout_s=1)  # fmt: skip
+    try:
+        for epoch in range(1, 5):
+            plane.probe(timeout_s=10)
+            store.add(f"{epoch}/slots", 2)  # as two members take their slots
+            plane.join([spec, spec.model_copy(update={"rank": 2})], 4096, timeout_s=10)
+        held = [
+            store.check([f"spec/{epoch}/1", f"spec/{epoch}/2", f"{epoch}/slots"])
+            for epoch in range(1, 5)
+        ]
+        assert held == [False, False, True, True]
+        assert not any(store.check([f"spec/{epoch}/{s}"]) for epoch in (1, 2) for s in (1, 2))
     finally:
         plane.close()
 

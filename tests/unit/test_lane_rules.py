@@ -290,6 +290,7 @@ def test_a_data_parallel_vllm_engine_refuses_a_push_from_many_senders(
     from weight_sync.control.lane_store import CHECKED, Checks
     from weight_sync.receive.receiver import Receiver
     from weight_sync.wire.lane_rules import layout_of
+    from weight_sync.wire.metadata import LaneCheck
 
     class Engine:  # the engine's loader takes every tensor; only its replicas differ
         data_parallel_size = replicas
@@ -301,9 +302,8 @@ def test_a_data_parallel_vllm_engine_refuses_a_push_from_many_senders(
     store = dist.HashStore()
     checks = Checks(store)
     checks.post_layout(layout)
-    LaneMember(Engine(), Receiver()).answer(  # type: ignore[arg-type]
-        checks, 1, 5, 1, layout.digest, 10_000
-    )
+    check = LaneCheck(push=5, version=1, digest=layout.digest, max_metadata_bytes=10_000)
+    LaneMember(Engine(), Receiver()).answer(checks, 1, check)  # type: ignore[arg-type]
     problems = json.loads(store.get(f"{CHECKED}5/1"))
     assert bool(problems) == refused
     assert not refused or "data_parallel_size=2" in problems[0]
@@ -362,3 +362,42 @@ def test_a_receiving_rank_has_no_word_on_the_cast() -> None:
         config_row(SyncConfig(cast_dtype="float16"), False, False),  # not a sender: unused
     ]
     assert rows[1][0] == NOT_MINE and config_disagreement(rows) is None
+
+
+_BASE: dict[str, Any] = {"entries": [("w", torch.zeros(4, 2)), ("b", torch.zeros(3))]}
+
+
+@pytest.mark.parametrize(
+    ("change", "kept"),
+    [
+        ({}, True),  # a training loop's next step: the same names, dtypes and shapes
+        ({"entries": [("w", torch.ones(4, 2)), ("b", torch.ones(3))]}, True),  # new values
+        ({"entries": [("w", torch.zeros(4, 2)), ("c", torch.zeros(3))]}, False),  # a name
+        ({"entries": [("w", torch.zeros(2, 4)), ("b", torch.zeros(3))]}, False),  # a shape
+        ({"entries": [("w", torch.zeros(4, 2, dtype=torch.bfloat16)), ("b", torch.zeros(3))]},
+         False),  # a dtype
+        ({"entries": [("b", torch.zeros(3)), ("w", torch.zeros(4, 2))]}, False),  # the order
+        ({"cast": "bfloat16"}, False),  # the wire dtypes
+        ({"partial": True}, False),
+        ({"senders": 3}, False),
+    ],
+)  # fmt: skip
+def test_a_fronts_layouts_reuse_the_last_while_the_entries_are_unchanged(
+    change: dict[str, Any], kept: bool
+) -> None:
+    """``Layouts`` keeps the last layout (the same object: no layout or digest rebuilt) while
+    what it is made of -- names, dtypes, shapes, placements, senders, casting, partial -- stays;
+    anything else is a layout of its own, equal to one made afresh."""
+    from weight_sync.wire.lane_rules import Layouts, layout_of
+
+    def args(given: dict[str, Any]) -> tuple[Any, ...]:
+        given = {**_BASE, **given}
+        return (given["entries"], range(given.get("senders", 2)), given.get("cast"),
+                given.get("partial", False))  # fmt: skip
+
+    layouts = Layouts()
+    first = layouts.layout_of(*args({}))
+    second = layouts.layout_of(*args(change))
+    assert (second is first) is kept
+    assert second == layout_of(*args(change))
+    assert (second.digest == first.digest) is kept

@@ -56,7 +56,7 @@ from weight_sync.transport.base import Transport
 from weight_sync.transport.devices import current_gpu, gpu_uuid
 from weight_sync.wire.blocks import BlockLayout
 from weight_sync.wire.lane_rules import Share
-from weight_sync.wire.metadata import GroupSpec, MemberInfo
+from weight_sync.wire.metadata import GroupSpec, LaneCheck, LanePush, MemberInfo
 from weight_sync.wire.state_dict import StateDict
 
 logger = logging.getLogger(__name__)
@@ -276,16 +276,18 @@ class RayLanes:
         push = self._lanes.pushes
         self._checks.post_layout(layout)
         over = {"one_group": True} if self._over_one_group else {}  # no VLLMEngine's kwarg
+        check = LaneCheck(
+            push=push,
+            version=version,
+            digest=layout.digest,
+            max_metadata_bytes=self.config.max_metadata_bytes,
+        )
+        call = LanePush(
+            endpoints=self._lanes.endpoints, slot=1, check=check, wait_s=self._lanes.wait_s(started)
+        )
         self._calls = [
             worker._weight_sync_lanes_push.remote(
-                self._lanes.endpoints,
-                slot,
-                push,
-                version,
-                layout.digest,
-                self.config.max_metadata_bytes,
-                self._lanes.wait_s(started),
-                **over,
+                call.model_copy(update={"slot": slot}).model_dump_json(), **over
             ).future()
             for slot, worker in zip(self._slots, self._workers, strict=True)
         ]

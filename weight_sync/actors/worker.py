@@ -28,6 +28,7 @@ from weight_sync.wire.blocks import BlockLayout
 from weight_sync.wire.checksums import state_dict_digests
 from weight_sync.wire.metadata import (
     GroupSpec,
+    LanePush,
     MemberInfo,
     PrepareReply,
     PushReply,
@@ -180,36 +181,27 @@ class WeightSyncWorker:
     # -- a push from many senders (weight_sync.actors.lanes: RayLanes) -------------------------
 
     def _weight_sync_lanes_push(
-        self,
-        endpoints: list[tuple[str, int]],
-        slot: int,
-        push: int,
-        version: int,
-        digest: str,
-        max_metadata_bytes: int,
-        wait_s: float,
-        timeout_s: float | None = None,
-        one_group: bool = False,
+        self, call_json: str, timeout_s: float | None = None, one_group: bool = False
     ) -> int | None:
-        """Push ``push`` (of ``version``, its layout ``digest``) from the senders whose stores are
-        at ``endpoints``, as member ``slot`` of each, in one call: this worker's check before any
-        byte moves, answered in rank 0's store (the layout read there if it lacks it: what it
-        cannot take, its version past every version it was sent), then -- where rank 0 says
-        every member took it -- every lane at once (a thread each). Returns the version held.
+        """A push from the senders whose stores rank 0's call (``LanePush``, as JSON) names,
+        as member ``slot`` of each, in one call: this worker's check before any byte moves,
+        answered in rank 0's store (the layout read there if it lacks it: what it cannot take,
+        its version past every version it was sent), then -- where rank 0 says every member
+        took it -- every lane at once (a thread each). Returns the version held.
         ``one_group``: their buckets come over the one group this worker joined with them
         (``_weight_sync_lanes_join``); holding none, it refuses the push."""
+        call = LanePush.parse(call_json)
         member = self._weight_sync_member()
-        if one_group and (missing := _no_group(member.lanes_from(endpoints))):
-            answer_alone(endpoints[0], push, slot, [missing], min(wait_s, 60.0))
+        if one_group and (missing := _no_group(member.lanes_from(call.endpoints))):
+            wait_s = min(call.wait_s, 60.0)
+            answer_alone(call.endpoints[0], call.check.push, call.slot, [missing], wait_s)
             return member.record.version
 
         def problems(layout: BlockLayout) -> list[str]:
             return self._weight_sync_assembly(layout).problems(member.record.version)
 
-        name = f"worker {slot - 1}"
-        left_s = member.agree(  # new senders: followed over Gloo lanes
-            endpoints, slot, push, version, digest, max_metadata_bytes, problems, wait_s, name
-        )
+        name = f"worker {call.slot - 1}"
+        left_s = member.agree(call, problems, name)  # new senders: followed over Gloo lanes
         if left_s is None:
             return member.record.version  # called off: nothing moved
         layout = member.layout
@@ -219,7 +211,7 @@ class WeightSyncWorker:
         except Exception as exc:
             why = f"its weights could not be had ({type(exc).__name__}: {first_line(exc)})"
             assembly = Refusal(layout, why)
-        return member.receive(assembly, push, version, left_s, name)
+        return member.receive(assembly, call.check.push, call.check.version, left_s, name)
 
     def _weight_sync_lanes_join(
         self,

@@ -12,14 +12,12 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from weight_sync.control.deadline import Deadline
 from weight_sync.control.keys import (
     KEPT_PLANS,
-    KEPT_PUSHES,
     Retention,
     StoreGoneError,
     delete,
@@ -40,7 +38,6 @@ from weight_sync.wire.blocks import BlockLayout
 logger = logging.getLogger(__name__)
 
 COMMAND = "cmd/"  # + sequence number: the n-th step a sender asked of its members
-FLOOR = f"{COMMAND}floor"  # the first command still in the store: the older ones are deleted
 BEGIN = f"{COMMAND}begin/"  # + push number: the sequence number of the push's ``begin``
 CLOSE = "close"
 VERDICTS = "lanes/"  # + push/sender: how each lane ended; + push/verdict: rank 0's verdict
@@ -64,24 +61,18 @@ class Commands:
         self._next = 0
         self._push: int | None = None  # the push the commands posted now belong to
         self._kept: Retention | None = None  # the commands of the last pushes, by push
-        # The sequence number of the first command of each push still in the store.
-        self._starts: deque[int] = deque()
         self._lock = threading.Lock()
 
     def post(self, op: str, arg: dict[str, Any], new_push: bool = False) -> None:
         """Post the next command; ``new_push``: it begins a push, and the commands of the pushes
-        before the last ``KEPT_PUSHES`` go (``Retention``). A member further behind than that
-        skips to ``FLOOR``, posted before they go, when it next receives."""
+        before the last ``KEPT_PUSHES`` go (``Retention``). A member asked for a push reads from
+        its ``BEGIN``, whatever went before it."""
         assert self.plane is not None, "the plane comes first"
         with self._lock:
             if self._kept is None:
                 self._kept = Retention(self.plane.post, self.plane.forget)
             if new_push:
                 self._push = int(arg["push"])
-                self._starts.append(self._next)
-                if len(self._starts) > KEPT_PUSHES:
-                    self._starts.popleft()
-                    self.plane.post(FLOOR, str(self._starts[0]))
                 self._kept.post(self._push, f"{BEGIN}{self._push}", str(self._next))
             command = json.dumps({"op": op, "arg": arg})
             if self._push is None:  # before the first push (joining): kept for good

@@ -270,6 +270,8 @@ class ClientPlane:
         self._epoch = 0
         self._plans = Retention(self._mailbox.post, self._mailbox.forget, KEPT_PLANS)  # by digest
         self._verdicts = Retention(self._mailbox.post, self._mailbox.forget)  # by version
+        # Each formation's specs and slot counter, by epoch: a member joins the latest only.
+        self._specs = Retention(self._mailbox.post, self._mailbox.forget)
         self._joining: Future[Any] | None = None
         self._pushing: int | None = None  # prepared, neither committed nor cancelled
 
@@ -298,8 +300,9 @@ class ClientPlane:
         self, specs: Sequence[GroupSpec], max_metadata_bytes: int, timeout_s: float
     ) -> list[Future[None]]:
         assert self._joining is not None, "probe first"
+        self._specs.posted(self._epoch, [f"{self._epoch}/slots"])  # the members' counter
         for slot, spec in enumerate(specs, start=1):
-            self._mailbox.post(f"spec/{self._epoch}/{slot}", spec.model_dump_json())
+            self._specs.post(self._epoch, f"spec/{self._epoch}/{slot}", spec.model_dump_json())
         return self._round("joined", self._epoch, self._joining, None)
 
     def prepare(

@@ -320,7 +320,7 @@ class JobSync:
         if self.rank == 0:  # the receiving ranks wait for this, bounded by their timeout_s
             self._senders.verdicts.begin(self._senders.pushes + 1)
         senders = self._begin()
-        share = share_of(state_dict, options, self.senders, self.rank, self.config)
+        share = share_of(state_dict, options, self.senders, self.rank, self.config, senders.layouts)
         version = self._agree(share, None, None)
         if (empty := nothing_moves(share, self._committed)) is not None:
             return empty

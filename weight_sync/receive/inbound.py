@@ -23,7 +23,6 @@ from weight_sync.control.lane_store import (
     BEGIN,
     CLOSE,
     COMMAND,
-    FLOOR,
     VERDICTS,
     Checks,
     Verdicts,
@@ -283,17 +282,18 @@ class Inbound:
         )
         self._next = 0  # the next command's number
 
-    def receive(self, wait_s: float, push: int | None = None) -> int:
-        """Take one push of this lane -- push number ``push`` (None: the next to begin) --
-        waiting at most ``wait_s`` for it to begin and as long again, between steps, for it to
-        end; its version once committed here, else raises. The steps of earlier pushes, which
-        this rank gave up on, are skipped: a member that gave up waiting for push 3 and is then
-        asked for push 4 does not take 3, sent late, for it."""
+    def receive(self, wait_s: float, push: int) -> int:
+        """Take push number ``push`` of this lane, waiting at most ``wait_s`` for it to begin
+        and as long again, between steps, for it to end; its version once committed here, else
+        raises. Read from the push's ``begin`` (its number under ``BEGIN``), whatever went
+        before it: the steps of earlier pushes this rank gave up on (a member that gave up
+        waiting for push 3 and is then asked for push 4 does not take 3, sent late, for it),
+        or that the sender deleted since (``Commands.post``)."""
         deadline = Deadline(wait_s, "waiting for the sender's push")
-        self._skip_deleted()
-        if push is not None:  # straight to its begin: the steps before it may be deleted as read
-            self._next = max(self._next, int(self._wait_for(f"{BEGIN}{push}", deadline, None)))
-        began = False
+        begin = int(self._wait_for(f"{BEGIN}{push}", deadline, None))
+        began = self._next <= begin  # else this rank read past it already (and raises below)
+        if began:  # its ``begin`` command says no more than its key did: not read
+            self._next, deadline = begin + 1, Deadline(wait_s, "the sender's push")
         committed: int | None = None
         failure: WeightSyncError | None = None
         while True:
@@ -301,7 +301,7 @@ class Inbound:
             if op == CLOSE:
                 raise WeightSyncError("the sender closed its end: no more pushes will come")
             if not began:  # steps left of a push this rank gave up on are skipped
-                if op == "begin" and (push is None or self._begins(int(arg["push"]), push)):
+                if op == "begin" and self._begins(int(arg["push"]), push):
                     began, deadline = True, Deadline(wait_s, "the sender's push")
                 continue
             if op == "end":
@@ -314,15 +314,6 @@ class Inbound:
                     if isinstance(exc, WeightSyncError)
                     else TransportError(f"member {self.slot}: {op} failed: {first_line(exc)}")
                 )
-
-    def _skip_deleted(self) -> None:
-        """Start from the sender's first command left in its store, if this rank fell so far
-        behind that its next one was deleted (``Commands.post``)."""
-        try:
-            if self.store.check([FLOOR]):
-                self._next = max(self._next, int(self.store.get(FLOOR)))
-        except RuntimeError as exc:  # the sender is gone: the first command's wait says so
-            logger.debug("reading the sender's floor: %s", exc)
 
     def _begins(self, number: int, wanted: int) -> bool:
         """Whether the push beginning, ``number``, is the one wanted: False for an earlier one

@@ -22,7 +22,7 @@ from weight_sync.receive.receiver import Receiver
 from weight_sync.transport.rendezvous import open_store
 from weight_sync.transport.rounds import Rounds
 from weight_sync.wire.blocks import BlockLayout
-from weight_sync.wire.metadata import SyncStatus
+from weight_sync.wire.metadata import LaneCheck, LanePush, SyncStatus
 from weight_sync.wire.versions import past_sent
 
 
@@ -61,27 +61,18 @@ class Member:
         return [*problems(layout), *past_sent(version, self.record.highest_version)]
 
     def agree(
-        self,
-        endpoints: Sequence[Sequence[Any]],
-        slot: int,
-        push: int,
-        version: int,
-        digest: str,
-        max_metadata_bytes: int,
-        problems: Callable[[BlockLayout], Sequence[str]],
-        wait_s: float,
-        name: str,
+        self, call: LanePush, problems: Callable[[BlockLayout], Sequence[str]], name: str
     ) -> float | None:
-        """This member's part of push ``push`` before any byte moves, as member ``slot`` of the
-        senders at ``endpoints``: their lanes followed (``follow``), its word answered through
-        them (``answer``), then rank 0's awaited within ``wait_s`` -- whether every member took
-        the push and the senders go ahead. Returns the seconds left to take the lanes in
-        (``receive``), None where the push was called off (nothing moved). ``name`` names this
-        member in its answer."""
-        checks = self.follow(endpoints, slot, min(wait_s, 60.0)).checks
-        deadline = Deadline(wait_s, f"the senders' word on push {push}")
-        self.answer(checks, slot, push, version, digest, max_metadata_bytes, problems, name)
-        if not checks.ahead(push, deadline):
+        """This member's part of a push before any byte moves, as rank 0's ``call`` says: the
+        senders' lanes followed (``follow``), its word answered through them (``answer``), then
+        rank 0's awaited within ``call.wait_s`` -- whether every member took the push and the
+        senders go ahead. Returns the seconds left to take the lanes in (``receive``), None
+        where the push was called off (nothing moved). ``name`` names this member in its
+        answer."""
+        checks = self.follow(call.endpoints, call.slot, min(call.wait_s, 60.0)).checks
+        deadline = Deadline(call.wait_s, f"the senders' word on push {call.check.push}")
+        self.answer(checks, call.slot, call.check, problems, name)
+        if not checks.ahead(call.check.push, deadline):
             return None
         return max(1.0, deadline.remaining())
 
@@ -89,22 +80,20 @@ class Member:
         self,
         checks: Checks,
         slot: int,
-        push: int,
-        version: int,
-        digest: str,
-        max_metadata_bytes: int,
+        check: LaneCheck,
         problems: Callable[[BlockLayout], Sequence[str]],
         name: str,
     ) -> None:
-        """Answer push ``push``'s check in rank 0's store (``checks``) as member ``slot``: what
-        of it this member cannot take (``check``; the layout ``digest`` names read there if this
-        member lacks it). A check that failed is one problem."""
+        """Answer ``check`` in rank 0's store (``checks``) as member ``slot``: what of the push
+        this member cannot take (``check``; the layout read there if this member lacks it). A
+        check that failed is one problem."""
+        digest, limit = check.digest, check.max_metadata_bytes
         try:
-            layout = None if self.holds(digest) else checks.layout(digest, max_metadata_bytes)
-            found = self.check(layout, digest, version, max_metadata_bytes, problems)
+            layout = None if self.holds(digest) else checks.layout(digest, limit)
+            found = self.check(layout, digest, check.version, limit, problems)
         except Exception as exc:  # a refusal like any other: the push is called off
             found = [f"{name} could not check the push: {first_line(exc)}"]
-        checks.answer(push, slot, found)
+        checks.answer(check.push, slot, found)
 
     def lanes_from(self, endpoints: Sequence[Sequence[Any]]) -> Lanes | None:
         """This member's lanes, if they are from the senders at ``endpoints`` (else None: it

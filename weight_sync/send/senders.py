@@ -45,6 +45,7 @@ from weight_sync.transport.rendezvous import open_store
 from weight_sync.transport.rounds import LanePath, SendLane, lane_paths_over
 from weight_sync.wire.blocks import BlockLayout
 from weight_sync.wire.lane_rules import (
+    Layouts,
     Share,
     config_disagreement,
     config_row,
@@ -281,6 +282,7 @@ class Senders:
             self.close()
             raise
         self.pushes = 0
+        self.layouts = Layouts()  # this rank's shares' layouts, the last one kept
 
     @property
     def out(self) -> Outbound:
@@ -319,7 +321,7 @@ class Senders:
         ``WeightSyncError`` when it could not ask them all). Returns the share and the version;
         raises on every sender otherwise, each learning the word before any raises."""
         self.pushes += 1
-        share = share_of(state_dict, options, self.senders, self.rank, self.config)
+        share = share_of(state_dict, options, self.senders, self.rank, self.config, self.layouts)
 
         def refused(ahead: bool, chosen: int, _: object) -> Exception | None:
             problems: dict[int, list[str]] = {}

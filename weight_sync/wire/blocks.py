@@ -30,9 +30,7 @@ from itertools import product
 import torch
 from pydantic import Field, model_validator
 
-from weight_sync.wire.metadata import MAX_DIMS, Hashed, TensorMeta, _Wire
-
-MAX_SENDERS = 4096
+from weight_sync.wire.metadata import MAX_DIMS, MAX_SENDERS, Hashed, TensorMeta, _Wire
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from weight_sync.errors import SyncTimeoutError, TransportError, WeightSyncError
 
 MAX_NAME_CHARS = 1024
 MAX_DIMS = 32
+MAX_SENDERS = 4096  # trainer ranks pushing at once, each over a lane of its own
 TRAINER_RANK = 0  # the trainer is rank 0 of every sync group and the source of every broadcast
 PLAN_CACHE_SIZE = 8  # plans a member keeps (by digest), most recently accepted last
 # What a push's bytes mean, beyond what the metadata's schema says: bumped whenever both ends
@@ -362,6 +363,38 @@ class PrepareRequest(_Wire):
         if self.delta_sections > 1 and not self.delta:
             raise ValueError("only a delta travels in sections")
         return self
+
+
+class LaneCheck(_Wire):
+    """What a member checks of a push from many senders before any byte moves: its number among
+    the senders' pushes, its version, and its layout by digest -- read from rank 0's store by a
+    member that lacks it, refused past ``max_metadata_bytes``."""
+
+    push: int = Field(ge=1)
+    version: int = Field(ge=1)
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$")
+    max_metadata_bytes: int = Field(gt=0)
+
+
+class LanePush(_Wire):
+    """Rank 0's one call on a member for a push from many senders (a Ray worker, each worker of
+    a vLLM engine): whose lanes to follow (the senders' stores, in sender order) as which member
+    (``slot``, from 1), what it checks, and how long it may wait for the lanes."""
+
+    endpoints: tuple[tuple[str, int], ...] = Field(min_length=1, max_length=MAX_SENDERS)
+    slot: int = Field(ge=1)
+    check: LaneCheck
+    wait_s: float = Field(gt=0)
+
+    @classmethod
+    def parse(cls, raw: str) -> LanePush:
+        """A call as it arrived (JSON), its size bounded before it is parsed."""
+        if len(raw) > _MAX_LANE_PUSH_CHARS:
+            raise ValueError(f"a lanes push of {len(raw)} characters is over the bound")
+        return cls.model_validate_json(raw)
+
+
+_MAX_LANE_PUSH_CHARS = 300 * MAX_SENDERS  # every sender's store address, and a little more
 
 
 class PrepareReply(_Wire):

@@ -160,7 +160,6 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
                     init_info.epoch,
                     lanes,
                     init_info.timeout_s,
-                    init_info.max_metadata_bytes,
                     LaneMember(self._target, self._member.receiver),
                 )
 

@@ -39,6 +39,7 @@ import ray
 from weight_sync.adapters.vllm.extension import EXTENSION
 from weight_sync.errors import SyncTimeoutError, WeightSyncError
 from weight_sync.wire.metadata import (
+    LanePush,
     MemberInfo,
     PrepareReply,
     ReceiveReport,
@@ -210,36 +211,20 @@ class VLLMEngine:
     # -- a push from many senders (weight_sync.actors.lanes.RayLanes) -----------------------
 
     async def _weight_sync_lanes_push(
-        self,
-        endpoints: list[list[Any]],
-        slot: int,
-        push: int,
-        version: int,
-        digest: str,
-        max_metadata_bytes: int,
-        wait_s: float,
-        timeout_s: float | None = None,
+        self, call_json: str, timeout_s: float | None = None
     ) -> int | None:
-        """Push ``push`` on every worker of the engine, each as member ``slot`` plus its rank:
-        its check before any byte moves (the engine's own loader on meta tensors of the whole
-        tensors), then -- where every member took it -- every lane, loaded whole; generation
-        paused from before the check until the caches are cleared after it."""
+        """Rank 0's call (``LanePush``, as JSON) on every worker of the engine, each as member
+        ``slot`` plus its rank: its check before any byte moves (the engine's own loader on meta
+        tensors of the whole tensors), then -- where every member took it -- every lane, loaded
+        whole; generation paused from before the check until the caches are cleared after it."""
+        wait_s = LanePush.parse(call_json).wait_s
         if not self._paused:
             await self._driver.pause()
             self._paused = True
         self._version = None
         try:
-            await self._call(
-                "weight_sync_lanes_push",
-                wait_s + 2 * _MARGIN_S if timeout_s is None else timeout_s,
-                endpoints,
-                slot,
-                push,
-                version,
-                digest,
-                max_metadata_bytes,
-                wait_s,
-            )
+            bound = wait_s + 2 * _MARGIN_S if timeout_s is None else timeout_s
+            await self._call("weight_sync_lanes_push", bound, call_json)
         finally:
             await self._settle()
         return self._version

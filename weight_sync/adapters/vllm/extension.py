@@ -25,7 +25,7 @@ import torch
 from weight_sync.adapters.vllm.lanes import LaneMember
 from weight_sync.adapters.vllm.reload import ReloadTarget
 from weight_sync.receive.receiver import Loader, Receiver
-from weight_sync.wire.metadata import SyncStatus, WorkerReply
+from weight_sync.wire.metadata import LanePush, SyncStatus, WorkerReply
 
 EXTENSION = "weight_sync.adapters.vllm.WeightSyncExtension"
 
@@ -72,25 +72,17 @@ class WeightSyncExtension:
     def weight_sync_status(self) -> str:
         return self._weight_sync_reply(lambda: None)
 
-    def weight_sync_lanes_push(
-        self,
-        endpoints: list[list[Any]],
-        slot: int,
-        push: int,
-        version: int,
-        digest: str,
-        max_metadata_bytes: int,
-        wait_s: float,
-    ) -> str:
-        """Push ``push`` from every sender (``LaneMember.push``), as member ``slot`` plus this
-        worker's rank within the engine (the engine's workers are consecutive members)."""
+    def weight_sync_lanes_push(self, call_json: str) -> str:
+        """Rank 0's call (``LanePush``, as JSON: ``LaneMember.push``), as member ``slot`` plus
+        this worker's rank within the engine (the engine's workers are consecutive members)."""
         member = self._weight_sync_lanes()
-        slot += int(getattr(self, "rank", 0))
-        return self._weight_sync_reply(
-            lambda: str(
-                member.push(endpoints, slot, push, version, digest, max_metadata_bytes, wait_s)
-            )
-        )
+
+        def push() -> str:
+            call = LanePush.parse(call_json)
+            slot = call.slot + int(getattr(self, "rank", 0))
+            return str(member.push(call.model_copy(update={"slot": slot})))
+
+        return self._weight_sync_reply(push)
 
     def weight_sync_lanes_leave(self, endpoints: list[list[Any]]) -> str:
         """The senders at ``endpoints`` left: let go of their lanes, unless other senders' took

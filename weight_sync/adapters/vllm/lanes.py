@@ -60,7 +60,7 @@ from weight_sync.adapters.vllm.servers import (
 from weight_sync.config import SyncConfig
 from weight_sync.control.deadline import Deadline
 from weight_sync.control.futures import in_thread
-from weight_sync.control.keys import read_bounded, take, wait_all
+from weight_sync.control.keys import delete, read_bounded, take, wait_all
 from weight_sync.control.lane_store import VERDICTS, Checks
 from weight_sync.errors import ServerError, WeightSyncError, WorkerFailedError, first_line
 from weight_sync.receive.assembly import Assembly
@@ -72,13 +72,14 @@ from weight_sync.send.senders import Senders, nothing_moves
 from weight_sync.transport.rendezvous import open_store
 from weight_sync.wire.blame import Outcomes
 from weight_sync.wire.blocks import BlockLayout
+from weight_sync.wire.metadata import LaneCheck, LanePush
 from weight_sync.wire.state_dict import StateDict
 
 logger = logging.getLogger(__name__)
 
 _EPOCH = 1  # a ServerLanes forms its lanes once
 # In rank 0's store, beside the verdicts and the checks (``control.lane_store``):
-_CHECK = "check"  # JSON {"push", "digest", "version"}: the push the workers check now
+_CHECK = "check"  # a LaneCheck (JSON): the push the workers check now
 _LANDED = "landed/"  # + push/slot: how a push ended at a worker (JSON {"version"} or {"error"})
 _SLOTS = "slots/"  # + epoch: the counter each worker takes its slot from
 _SENT = "sent/"  # + epoch/slot: the highest version a worker was ever sent
@@ -216,6 +217,7 @@ class ServerLanes:
         deadline = Deadline(self.config.rendezvous_timeout_s, "the vLLM workers' joining")
         keys = self._worker_keys(f"{_SENT}{_EPOCH}/")
         found = wait_all(self._lanes.store, keys, deadline)
+        delete(self._lanes.store, list(found))  # read once
         words = [json.loads(found[key]) if key in found else None for key in keys]
         return max(int(sent) for sent in self._every_worker(words, "joining", deadline))
 
@@ -235,8 +237,13 @@ class ServerLanes:
             self._paused = True  # some servers may be paused even if one fails to
             pause(self.urls, self.pause_mode, rpc_s)
             self._checks.post_layout(layout)
-            request = {"push": self._lanes.pushes, "digest": layout.digest, "version": version}
-            self._lanes.store.set(_CHECK, json.dumps(request))
+            check = LaneCheck(
+                push=self._lanes.pushes,
+                version=version,
+                digest=layout.digest,
+                max_metadata_bytes=self.config.max_metadata_bytes,
+            )
+            self._lanes.store.set(_CHECK, check.model_dump_json())
             self._session = True
             self._client.start_weight_update()
             words = self._checks.answers(self._lanes.pushes, self.members, deadline)
@@ -393,45 +400,22 @@ class LaneMember:
     def holds(self, digest: str) -> bool:
         return self.member.holds(digest)
 
-    def push(
-        self,
-        endpoints: Sequence[Sequence[Any]],
-        slot: int,
-        push: int,
-        version: int,
-        digest: str,
-        max_metadata_bytes: int,
-        wait_s: float,
-    ) -> int | None:
-        """Push ``push`` (of ``version``, its layout ``digest``) in one step, as member ``slot``
-        of the senders at ``endpoints`` (over Ray, through ``VLLMEngine``): this worker's check,
-        answered in rank 0's store (``Member.agree``), then -- where rank 0 says every member
-        took it -- ``receive``. Returns the version held (unchanged where the push was called
-        off)."""
-        name = f"vLLM worker {slot - 1}"
-        left_s = self.member.agree(
-            endpoints, slot, push, version, digest, max_metadata_bytes, self._problems, wait_s, name
-        )
+    def push(self, call: LanePush) -> int | None:
+        """Rank 0's ``call`` in one step (over Ray, through ``VLLMEngine``): this worker's
+        check, answered in rank 0's store (``Member.agree``), then -- where rank 0 says every
+        member took it -- ``receive``. Returns the version held (unchanged where the push was
+        called off)."""
+        name = f"vLLM worker {call.slot - 1}"
+        left_s = self.member.agree(call, self._problems, name)
         if left_s is None:
             return self.member.record.version
-        return self.receive(push, version, left_s, name)
+        return self.receive(call.check.push, call.check.version, left_s, name)
 
-    def answer(
-        self,
-        checks: Checks,
-        slot: int,
-        push: int,
-        version: int,
-        digest: str,
-        max_metadata_bytes: int,
-    ) -> None:
-        """Answer push ``push``'s check in rank 0's store as member ``slot`` (``Member.answer``):
-        what of it this engine cannot take -- told to by ``vllm serve``'s
+    def answer(self, checks: Checks, slot: int, check: LaneCheck) -> None:
+        """Answer ``check`` in rank 0's store as member ``slot`` (``Member.answer``): what of
+        the push this engine cannot take -- told to by ``vllm serve``'s
         ``start_weight_update`` (``StoreLaneMember``)."""
-        name = f"vLLM worker {slot - 1}"
-        self.member.answer(
-            checks, slot, push, version, digest, max_metadata_bytes, self._problems, name
-        )
+        self.member.answer(checks, slot, check, self._problems, f"vLLM worker {slot - 1}")
 
     def _problems(self, layout: BlockLayout) -> list[str]:
         replicas = self._target.data_parallel_size
@@ -480,7 +464,6 @@ class StoreLaneMember:
         epoch: int,
         lanes: Sequence[Sequence[Any]],
         timeout_s: float,
-        max_metadata_bytes: int,
         member: LaneMember,
     ) -> None:
         self._store = dist.PrefixStore(VERDICTS, open_store(address, port, 1, timeout_s, None))
@@ -489,7 +472,6 @@ class StoreLaneMember:
         self._store.set(f"{_SENT}{epoch}/{self.slot}", str(member.sent))
         member.connect(lanes, self.slot, timeout_s)
         self.member = member
-        self._max_metadata_bytes = max_metadata_bytes
 
     # Neither step raises: each answers in rank 0's store (why: backend._answered).
 
@@ -498,13 +480,11 @@ class StoreLaneMember:
         take (empty: all of it; a check that failed is one problem). A request it cannot read
         goes unanswered: rank 0 stops waiting at its store's timeout."""
         try:
-            request = json.loads(read_bounded(self._store, _CHECK, _CHECK_BYTES))
-            push, version = int(request["push"]), int(request["version"])
+            check = LaneCheck.model_validate_json(read_bounded(self._store, _CHECK, _CHECK_BYTES))
         except Exception as exc:
             logger.error("%s cannot read the push to check: %s", self.name, exc)
             return
-        digest = str(request["digest"])
-        self.member.answer(self._checks, self.slot, push, version, digest, self._max_metadata_bytes)
+        self.member.answer(self._checks, self.slot, check)
 
     def receive(self, push: int, version: int, wait_s: float) -> None:
         """``update_weights``: see ``LaneMember.receive``; how it ended, in rank 0's store."""
