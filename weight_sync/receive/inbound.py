@@ -12,7 +12,7 @@ import logging
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -284,8 +284,8 @@ class Inbound:
 
     def receive(self, wait_s: float, push: int) -> int:
         """Take push number ``push`` of this lane, waiting at most ``wait_s`` for it to begin
-        and as long again, between steps, for it to end; its version once committed here, else
-        raises. Read from the push's ``begin`` (its number under ``BEGIN``), whatever went
+        and as long again between steps; its version as soon as it committed here (the
+        sender's ``end`` is not waited for), else raises once the sender ended it. Read from the push's ``begin`` (its number under ``BEGIN``), whatever went
         before it: the steps of earlier pushes this rank gave up on (a member that gave up
         waiting for push 3 and is then asked for push 4 does not take 3, sent late, for it),
         or that the sender deleted since (``Commands.post``)."""
@@ -294,7 +294,6 @@ class Inbound:
         began = self._next <= begin  # else this rank read past it already (and raises below)
         if began:  # its ``begin`` command says no more than its key did: not read
             self._next, deadline = begin + 1, Deadline(wait_s, "the sender's push")
-        committed: int | None = None
         failure: WeightSyncError | None = None
         while True:
             op, arg = self._command(deadline, failure)
@@ -305,15 +304,18 @@ class Inbound:
                     began, deadline = True, Deadline(wait_s, "the sender's push")
                 continue
             if op == "end":
-                return self._ended(arg, committed, failure)
+                self._ended(arg, failure)
             try:
-                committed = self._step(op, arg) or committed
+                committed = self._step(op, arg)
             except Exception as exc:  # answered to the sender already; its verdict follows
                 failure = (
                     exc
                     if isinstance(exc, WeightSyncError)
                     else TransportError(f"member {self.slot}: {op} failed: {first_line(exc)}")
                 )
+                continue
+            if committed is not None:  # held here, whatever fails elsewhere after: not waiting
+                return committed  # for the sender's ``end``, which could say nothing more
 
     def _begins(self, number: int, wanted: int) -> bool:
         """Whether the push beginning, ``number``, is the one wanted: False for an earlier one
@@ -366,16 +368,13 @@ class Inbound:
                 "-- check it"
             ) from exc
 
-    def _ended(
-        self, arg: dict[str, Any], committed: int | None, failure: WeightSyncError | None
-    ) -> int:
-        """The push is over on the sender: ``arg`` says how it ended there."""
+    def _ended(self, arg: dict[str, Any], failure: WeightSyncError | None) -> NoReturn:
+        """The push is over on the sender, not committed here: ``arg`` says how it ended
+        there; raises what this rank makes of it."""
         member = self.member
         if member.pushing is not None:  # no verdict reached this rank: drop what it prepared
             member.receiver.cancel(member.pushing)
             member.pushing = None
-        if committed is not None:  # this rank holds it, whatever failed elsewhere afterwards
-            return committed
         if member.prepared is not None and not member.prepared.accepted:
             raise PlanMismatchError({self.slot - 1: member.prepared.problems})
         if failure is not None:
