@@ -187,16 +187,18 @@ class _OneCallClient(_LabellingClient):
     def __init__(self) -> None:
         super().__init__()
         self.pushed = threading.Event()
+        self.request: str | None = None
 
-    def push_weight_update(self) -> None:
+    def push_weight_update(self, request_json: str) -> None:
+        self.request = request_json
         self.pushed.set()
 
 
 @pytest.mark.timeout(60)
 def test_a_push_in_one_step_is_announced_and_answered_through_the_store() -> None:
-    """``ClientPlane.push`` (members that offered one-call pushes: a lane's): the request where
-    the members read it, the client told, each member's answer read as a ``PushReply`` -- also
-    an answer given after the plane sat idle, its poller asleep with nothing awaited."""
+    """``ClientPlane.push`` (members that offered one-call pushes: a lane's): the client told,
+    the request in what it tells the members, each member's answer read as a ``PushReply`` --
+    also an answer given after the plane sat idle, its poller asleep with nothing awaited."""
     client = _OneCallClient()
     plane = ClientPlane(client, 1, SyncConfig())
     try:
@@ -204,8 +206,8 @@ def test_a_push_in_one_step_is_announced_and_answered_through_the_store() -> Non
         request = PrepareRequest(version=1, plan_digest="a" * 64, commit_on_receipt=True)
         (answer,) = plane.push(request, timeout_s=10)
         assert client.pushed.wait(10)
-        announced = plane._mailbox._store.get("prepare/0").decode()  # as StoreMember reads it
-        assert PrepareRequest.model_validate_json(announced) == request
+        assert client.request is not None  # what the command carries to the members
+        assert PrepareRequest.model_validate_json(client.request) == request
         time.sleep(0.2)  # the poller looks, and looks again, for an answer not yet given
         report = ReceiveReport(version=1, nbytes=8, buckets=1, seconds=0.0)
         reply = PushReply(prepared=PrepareReply(accepted=True), received=report)
@@ -309,10 +311,12 @@ def test_a_member_keeps_as_its_verdict_only_a_reply_that_is_one(
     member = StoreMember(_AskedAgainReceiver(reply), check=lambda plan: [], loader=lambda: None)  # type: ignore[arg-type]
     member._store = PrefixStore(PREFIX, HashStore())
     plan = make_plan([TensorMeta.of("w", torch.zeros(4))], 1024, 64)
-    member._store.set(
-        "prepare/0", PrepareRequest(version=1, plan_digest=plan.digest).model_dump_json()
-    )
-    member._store.set(f"plan/{plan.digest}", plan.model_dump_json())
-    getattr(member, step)()
+    request = PrepareRequest(version=1, plan_digest=plan.digest).model_dump_json()
+    member._store.set("prepare/0", request)  # announced in the store for steps; in the command
+    member._store.set(f"plan/{plan.digest}", plan.model_dump_json())  # itself for one
+    if step == "start":
+        member.start()
+    else:
+        member.push(request)
     assert member.pushing == 1
     assert member.prepared == (reply if kept else None)

@@ -90,8 +90,8 @@ def _die_after_update(servers: VLLMServers) -> None:
         update(update_info)
         os._exit(9)
 
-    def push_then_die() -> None:
-        push()
+    def push_then_die(request_json: str) -> None:
+        push(request_json)
         os._exit(9)
 
     commands.update_weights = update_then_die  # type: ignore[method-assign]

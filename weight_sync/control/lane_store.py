@@ -99,8 +99,8 @@ class Commands:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.post("finish", {})
 
-    def push_weight_update(self) -> None:
-        self.post("push", {})
+    def push_weight_update(self, request_json: str) -> None:
+        self.post("push", {"request": request_json})
 
     def shutdown_weight_transfer_engine(self) -> None:
         self.post("shutdown", {})

@@ -71,7 +71,9 @@ class OneCallClient(Client, Protocol):
     """A client whose members also take a whole push in one step (``StoreMember.push``): a
     sender's lane (``control.lane_store.Commands``), never vLLM's."""
 
-    def push_weight_update(self) -> None: ...
+    def push_weight_update(self, request_json: str) -> None:
+        """Have every member take the push ``request_json`` (a ``PrepareRequest``) in one step;
+        the request travels in the command itself (one read fewer a member)."""
 
 
 # -- the member's end ------------------------------------------------------------------------------
@@ -173,12 +175,12 @@ class StoreMember:
         self._answer(f"received/{version}/{self._slot}", receive)
         return self._committed(version)
 
-    def push(self) -> bool:
-        """The whole push the trainer announced in one step (``Receiver.push``: the check, a
-        vote of every member before any byte, the bytes, the commit on receipt), for a member
-        that holds its plan; one that does not answers so, and the trainer takes the long way
-        (``start``, ``receive``). Returns whether the push committed here."""
-        request_json, request = self._announced()
+    def push(self, request_json: str) -> bool:
+        """The whole push ``request_json`` in one step (``Receiver.push``: the check, a vote of
+        every member before any byte, the bytes, the commit on receipt), for a member that holds
+        its plan; one that does not answers so, and the trainer takes the long way (``start``,
+        ``receive``). Returns whether the push committed here."""
+        request_json, request = self._announced(request_json)
 
         def push() -> str:
             loader, destinations = self._landing()
@@ -189,9 +191,11 @@ class StoreMember:
         self._answer(f"pushed/{request.version}/{self._slot}", push)
         return self._committed(request.version)
 
-    def _announced(self) -> tuple[str, PrepareRequest]:
-        """The push the trainer announced, now this member's."""
-        request_json = read_bounded(self._store, f"prepare/{self._epoch}", MAX_REPLY_CHARS)
+    def _announced(self, request_json: str | None = None) -> tuple[str, PrepareRequest]:
+        """The push the trainer announced (``request_json``, where it came with the step; else
+        read from the store), now this member's."""
+        if request_json is None:
+            request_json = read_bounded(self._store, f"prepare/{self._epoch}", MAX_REPLY_CHARS)
         request = PrepareRequest.model_validate_json(request_json)
         self.pushing, self.prepared = request.version, None
         return request_json, request
@@ -335,9 +339,13 @@ class ClientPlane:
         client = self._client
         assert isinstance(client, OneCallClient), "one-call pushes come from a OneCallClient"
         self._mailbox.abandon("a later push began")
-        self._mailbox.post(f"prepare/{self._epoch}", request.model_dump_json())
-        call = in_thread(client.push_weight_update)
-        return self._round("pushed", request.version, call, PushReply)
+        posted: Future[None] = Future()  # the client posts to its own store: no thread for it
+        try:
+            client.push_weight_update(request.model_dump_json())
+            resolve(posted, result=None)
+        except Exception as exc:
+            resolve(posted, error=exc)
+        return self._round("pushed", request.version, posted, PushReply)
 
     def receive(self, version: int, atomic: bool, timeout_s: float) -> list[Future[ReceiveReport]]:
         call = in_thread(lambda: self._client.update_weights({"version": version}))

@@ -344,7 +344,7 @@ class Inbound:
             if member.receive(int(arg["version"])):  # committed on receipt
                 return int(arg["version"])
         elif op == "push":  # the whole push in one step, where every member offered it
-            if member.push():
+            if member.push(str(arg["request"])):
                 return member.receiver.version
         elif op == "finish":
             version = member.pushing
