@@ -146,7 +146,8 @@ class StoreMember:
     def start(self) -> None:
         """Check the push the trainer announced (fetching its plan from the store if this member
         does not hold it)."""
-        request_json, request = self._announced()
+        request_json = read_bounded(self._store, f"prepare/{self._epoch}", MAX_REPLY_CHARS)
+        request = self._announced(request_json)
 
         def prepare() -> str:
             # With its destinations, a member whose weights take every byte in place offers to
@@ -180,7 +181,7 @@ class StoreMember:
         every member before any byte, the bytes, the commit on receipt), for a member that holds
         its plan; one that does not answers so, and the trainer takes the long way (``start``,
         ``receive``). Returns whether the push committed here."""
-        request_json, request = self._announced(request_json)
+        request = self._announced(request_json)
 
         def push() -> str:
             loader, destinations = self._landing()
@@ -191,14 +192,12 @@ class StoreMember:
         self._answer(f"pushed/{request.version}/{self._slot}", push)
         return self._committed(request.version)
 
-    def _announced(self, request_json: str | None = None) -> tuple[str, PrepareRequest]:
-        """The push the trainer announced (``request_json``, where it came with the step; else
-        read from the store), now this member's."""
-        if request_json is None:
-            request_json = read_bounded(self._store, f"prepare/{self._epoch}", MAX_REPLY_CHARS)
+    def _announced(self, request_json: str) -> PrepareRequest:
+        """The push the trainer announced (in the store for steps, in the command for one),
+        now this member's."""
         request = PrepareRequest.model_validate_json(request_json)
         self.pushing, self.prepared = request.version, None
-        return request_json, request
+        return request
 
     def _landing(self) -> tuple[Loader, Mapping[str, torch.Tensor] | None]:
         """Where the bytes about to flow land (``Receiver.or_leave``: leaving if that fails)."""

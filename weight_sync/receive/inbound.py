@@ -285,10 +285,11 @@ class Inbound:
     def receive(self, wait_s: float, push: int) -> int:
         """Take push number ``push`` of this lane, waiting at most ``wait_s`` for it to begin
         and as long again between steps; its version as soon as it committed here (the
-        sender's ``end`` is not waited for), else raises once the sender ended it. Read from the push's ``begin`` (its number under ``BEGIN``), whatever went
-        before it: the steps of earlier pushes this rank gave up on (a member that gave up
-        waiting for push 3 and is then asked for push 4 does not take 3, sent late, for it),
-        or that the sender deleted since (``Commands.post``)."""
+        sender's ``end`` is not waited for), else raises once the sender ended it. Read from
+        the push's ``begin`` (its number under ``BEGIN``), whatever went before it: the steps
+        of earlier pushes this rank gave up on (a member that gave up waiting for push 3 and is
+        then asked for push 4 does not take 3, sent late, for it), or that the sender deleted
+        since (``Commands.post``)."""
         deadline = Deadline(wait_s, "waiting for the sender's push")
         begin = int(self._wait_for(f"{BEGIN}{push}", deadline, None))
         began = self._next <= begin  # else this rank read past it already (and raises below)
