@@ -179,6 +179,9 @@ def failed_exchange_kept_rank(ctx: RankContext, when: str) -> dict:
     traceback must not keep the group's connections open, or rank 0's send waits out its 30 s
     bound rather than failing as rank 2 leaves it."""
     group = TorchGroup.join(ctx.spec("standalone", collective_timeout_s=LONG_S), ctx.listener(0))
+    # Every rank's group formed before rank 1 dies: join returns on rank 1 once its own side of
+    # Gloo's full mesh is up, possibly before rank 2's (CI saw rank 2's join fail that way).
+    group.vote(0)
     started = time.monotonic()
     if ctx.rank == 1:
         time.sleep(1.0 if when == "waiting" else 0.0)
