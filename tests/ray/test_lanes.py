@@ -4,7 +4,6 @@ pushing its own shards at once; the workers put every tensor together in their m
 
 from __future__ import annotations
 
-import json
 import socket
 import time
 from collections.abc import Iterator
@@ -16,9 +15,10 @@ import torch.distributed as dist
 
 from tests.ray.actors import BusyLMWorker, LMWorker, ShardedTrainer
 from tests.ray.pool import Lease
-from weight_sync.control.lane_store import CHECKED, NO_ONE_GROUP, VERDICTS
+from weight_sync.control.lane_store import NO_ONE_GROUP
+from weight_sync.control.store import PREFIX
 from weight_sync.transport.rendezvous import bind_listener, open_store
-from weight_sync.wire.metadata import GroupSpec, LaneCheck, LanePush
+from weight_sync.wire.metadata import GroupSpec, LaneCheck, LanePush, PrepareReply, WorkerReply
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("ray_cluster")]
 TIMEOUT = 120
@@ -409,20 +409,27 @@ def test_a_worker_that_lost_the_one_group_refuses_the_push_and_the_next_forms_it
 
 def test_a_worker_without_the_one_group_refuses_a_push_over_it() -> None:
     """The refusal a worker that lost the one group gives: asked to take a push over a group it
-    holds none of, it answers the check in rank 0's store through a client of its own (it
-    follows no lanes of those senders to answer through) rather than listening on lanes of its
-    own while the senders send over the group, and ends its call, holding what it held."""
+    holds none of, it answers the lane's prepare in its sender's store through a client of its
+    own (it follows no lane of that sender's to answer through) rather than listening on lanes
+    of its own while the senders send over the group, and ends its call, holding what it held."""
     listener = bind_listener("127.0.0.1")
     address, port = listener.getsockname()[:2]
-    store = open_store(address, port, 1, 30.0, listener)  # rank 0's store, hosted here
+    store = open_store(address, port, 1, 30.0, listener)  # the sender's store, hosted here
     worker = LMWorker.remote(fused=False)
     try:
-        check = LaneCheck(push=1, version=1, digest="0" * 64, max_metadata_bytes=1 << 20)
-        asked = LanePush(endpoints=[(address, port)], slot=1, check=check, wait_s=10.0)
+        check = LaneCheck(push=1, version=3, digest="0" * 64, max_metadata_bytes=1 << 20)
+        asked = LanePush(
+            endpoints=[(address, port)], slot=1, check=check, wait_s=10.0, firsts=[None]
+        )
         call = worker._weight_sync_lanes_push.remote(asked.model_dump_json(), one_group=True)
         assert ray.get(call, timeout=TIMEOUT) is None  # it held nothing, and holds nothing
-        [problem] = json.loads(dist.PrefixStore(VERDICTS, store).get(f"{CHECKED}1/1"))
+        raw = dist.PrefixStore(PREFIX, store).get("prepared/3/1")
+        reply = PrepareReply.model_validate_json(WorkerReply.model_validate_json(raw).unwrap())
+        assert not reply.accepted
+        [problem] = reply.problems
         assert problem.startswith(NO_ONE_GROUP), problem
+        info = ray.get(worker._weight_sync_info.remote(), timeout=TIMEOUT)
+        assert info.version is None and info.highest_version == 3  # spent, as on the senders
     finally:
         ray.kill(worker)
 

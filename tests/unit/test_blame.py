@@ -135,6 +135,35 @@ def test_judge_table(
         assert verdict["failed"].startswith(lead), verdict["failed"]
 
 
+NO_BLOCKS = {"nbytes": 0, "buckets": 0, "wire": 0, "lane": False}
+
+
+@pytest.mark.parametrize(
+    ("reports", "refused"),
+    [
+        # Every lane refused (each member refuses every lane alike): the members' problems.
+        ({0: {"error": "PlanMismatchError: x", "refused": {"0": ["a"]}},
+          1: {"error": "PlanMismatchError: x", "refused": {"0": ["a"], "1": ["b"]}}},
+         {"0": ["a"], "1": ["b"]}),
+        # A sender with no block refuses nothing and lands nothing: still the refusal.
+        ({0: {"error": "PlanMismatchError: x", "refused": {"1": ["b"]}}, 1: NO_BLOCKS},
+         {"1": ["b"]}),
+        # A lane landed beside a refused one: bytes moved -- a failed lane, not a refusal.
+        ({0: {"error": "PlanMismatchError: x", "refused": {"1": ["b"]}}, 1: {**LANDED, "lane": True}},
+         None),
+        # A lane refused beside one that failed otherwise: the failure.
+        ({0: {"error": "PlanMismatchError: x", "refused": {"1": ["b"]}}, 1: {"error": "y"}}, None),
+        ({0: {"error": "PlanMismatchError: x", "refused": {"1": ["b"]}}, 1: None}, None),
+    ],
+)  # fmt: skip
+def test_judge_refusals(reports: dict, refused: dict | None) -> None:
+    verdict = judge(reports)
+    if refused is None:
+        assert "failed" in verdict and "refused" not in verdict, verdict
+    else:
+        assert verdict == {"refused": refused}
+
+
 @pytest.mark.parametrize(
     ("failed", "culprits", "blamed", "tail"),
     [

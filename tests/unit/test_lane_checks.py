@@ -83,16 +83,6 @@ def test_an_answer_that_is_no_list_of_problems_is_one(store: dist.TCPStore) -> N
     assert second.startswith("an answer that is no list of problems")
 
 
-def test_rank_0s_word_says_whether_the_push_goes_ahead(store: dist.TCPStore) -> None:
-    rank_0, waiting = Checks(store), member(store)
-    threading.Timer(0.2, rank_0.decide, args=(1, True)).start()
-    assert waiting.ahead(1, Deadline(30, "test")) is True
-    rank_0.decide(2, False)
-    assert waiting.ahead(2, Deadline(30, "test")) is False
-    with pytest.raises(SyncTimeoutError):
-        waiting.ahead(3, Deadline(0.3, "test"))  # never decided: the member's bound
-
-
 def test_a_layout_is_posted_once_per_digest_and_read_within_the_limit(
     store: dist.TCPStore,
 ) -> None:

@@ -13,13 +13,13 @@ launched job (``weight_sync.launch.job_sync``):
 * when they form, rank 0 asks every worker how many members it brings and the highest version
   it was ever sent: the senders' versions go past it;
 * before any byte moves, the senders agree over a Gloo group of their own (each one's checks,
-  version and layout), and rank 0 starts the push on every worker -- one Ray call per worker
-  per push -- which checks the layout and version against its model and answers in rank 0's
-  store (``control.lane_store.Checks``: the layout posted there once, read only by a worker
-  that lacks it); a refusal anywhere raises on every sender, and rank 0's word in its store
-  calls the push off on every worker;
-* once agreed, that word sends every worker on to its lanes and every sender pushes its own;
-  each reports how its lane ended in rank 0's store, and rank 0 judges.
+  version and layout); then each sender's lane opens (``send.senders.Opening``) and rank 0
+  makes the push's one Ray call on every worker, carrying each lane's push in one step where it
+  is one (the steady state: the worker then reads nothing of that sender's store). The worker
+  checks the layout and version against its model (the layout read in rank 0's store by a
+  worker that lacks it) and takes every lane at once -- refusing on every lane where it
+  cannot take the push, so every sender raises the refusal and nothing moves anywhere;
+* each sender reports how its lane ended in rank 0's store, and rank 0 judges.
 
 The Ray glue stays thin: what a lane is and the verdict are ``send.senders``' and
 ``control.lane_store``', the agreement's rules ``wire.lane_rules``'.
@@ -106,6 +106,7 @@ class RayLanes:
             lambda given: self._probe(given.rpc_timeout_s),
             "WeightUpdater",
             self._invite if one_group else None,
+            call=self._call_workers,
         )
         try:
             self._lanes.out.pusher.spent(self._lanes.from_rank_0(lambda: self._sent))
@@ -114,13 +115,12 @@ class RayLanes:
             raise
         self.config = self._lanes.config
         self.rank, self.senders = self._lanes.rank, self._lanes.senders
-        self._checks = Checks(self._lanes.store)  # rank 0's: each push's check, in its store
+        self._checks = Checks(self._lanes.store)  # rank 0's: each layout, for who lacks it
+        self._agreed: tuple[BlockLayout, int, float] | None = None  # the push under way
         self._calls: list[Future[Any]] = []  # rank 0: each worker's call of the push under way
-        self._answered: list[Future[Any]] = []  # ... of those that answered its check
         self._committed = 0
         self._closed = False
         self._failed = False  # the last push failed: over one group, the next forms it again
-        self._lost_group = False  # rank 0: a worker answered the last check without the group
 
     @property
     def version(self) -> int:
@@ -155,7 +155,12 @@ class RayLanes:
             raise WeightSyncError("this WeightUpdater is closed")
         try:
             return self._push(state_dict, options)
-        except PlanMismatchError:  # a refusal: ``_push`` says whether the group needs forming
+        except PlanMismatchError as exc:  # nothing moved: the group is whole, unless a worker
+            self._failed = any(  # lost it (restarted): then it forms again first
+                problem.startswith(NO_ONE_GROUP)
+                for problems in exc.problems.values()
+                for problem in problems
+            )
             raise
         except WeightSyncError:  # a runtime failure, on every rank (a caller's error is not)
             self._failed = True
@@ -166,35 +171,26 @@ class RayLanes:
             self._lanes.renew_one_group(self._failed)
         self._failed = False
         started = time.monotonic()  # after the renewal, bounded by its own rendezvous
-        self._calls, self._answered = [], []
-        try:
-            share, chosen = self._lanes.agree(
-                state_dict, options, lambda layout, v: self._check_workers(layout, v, started)
-            )
-        except BaseException as exc:
-            self._call_off()
-            if isinstance(exc, PlanMismatchError):  # refused before any byte: the group is
-                self._failed = self._lost_group  # whole, unless a worker lacks it (rank 0 knows)
-            raise
+        self._calls = []
+        share, chosen = self._lanes.agree(state_dict, options, None)
+        if (empty := nothing_moves(share, self._committed)) is not None:
+            return empty
+        assert share.layout is not None, "an agreed push has a layout"
+        self._agreed = share.layout, chosen, started
         try:
             return self._send(share, chosen, started)
         except BaseException:  # once agreed, whatever failed may have left the group aborted
-            self._failed = True
+            self._failed = True  # (a refusal did not: ``push`` says)
             raise
 
     def _send(self, share: Share, chosen: int, started: float) -> PushResult:
-        calls = self._calls  # rank 0: the workers' calls, which checked the push
-        if calls:
-            self._checks.decide(self._lanes.pushes, True)  # on to their lanes
-        if (empty := nothing_moves(share, self._committed)) is not None:
-            return empty
         try:
-            result = self._lanes.push(share, chosen, started)
+            result = self._lanes.push(share, chosen, started)  # rank 0 calls the workers there
         except WeightSyncError as exc:
-            self._blame_workers(calls, exc, started)
+            self._blame_workers(self._calls, exc, started)
             raise
         self._lanes.conclude(
-            lambda: self._blame_workers(calls, None, started),
+            lambda: self._blame_workers(self._calls, None, started),
             lambda: WorkerFailedError(
                 "every lane committed, but workers did not hold the push (see rank 0's error)",
                 [],
@@ -265,25 +261,28 @@ class RayLanes:
 
         return joined
 
-    def _check_workers(
-        self, layout: BlockLayout, version: int, started: float
-    ) -> dict[int, list[str]]:
-        """Rank 0: start the push on every worker -- one call each, which checks the layout
-        against its model and answers in rank 0's store (``Checks``: the layout posted there
-        once, read by a worker that lacks it), then waits for the word to go ahead and takes
-        the lanes. Returns each refusing worker's problems, once every worker answered."""
-        deadline = Deadline(self.config.push_timeout_s, "the workers' layout checks", started)
-        push = self._lanes.pushes
+    def _call_workers(self, firsts: list[str | None]) -> None:
+        """Rank 0, once every sender's lane opened (``send.senders.Opening``): the push's one
+        call on every worker, saying how each lane opens (``firsts``). Each worker checks the
+        layout and version against its model -- the layout read in rank 0's store, posted there
+        once, by a worker that lacks it -- and takes every lane, refusing on every lane where it
+        cannot take the push (``Member.take``)."""
+        assert self._agreed is not None, "the senders agreed on the push"
+        layout, version, started = self._agreed
         self._checks.post_layout(layout)
         over = {"one_group": True} if self._over_one_group else {}  # no VLLMEngine's kwarg
         check = LaneCheck(
-            push=push,
+            push=self._lanes.pushes,
             version=version,
             digest=layout.digest,
             max_metadata_bytes=self.config.max_metadata_bytes,
         )
         call = LanePush(
-            endpoints=self._lanes.endpoints, slot=1, check=check, wait_s=self._lanes.wait_s(started)
+            endpoints=self._lanes.endpoints,
+            slot=1,
+            check=check,
+            wait_s=self._lanes.wait_s(started),
+            firsts=firsts,
         )
         self._calls = [
             worker._weight_sync_lanes_push.remote(
@@ -291,64 +290,6 @@ class RayLanes:
             ).future()
             for slot, worker in zip(self._slots, self._workers, strict=True)
         ]
-        rpc_s = deadline.left(self.config.rpc_timeout_s)
-        answers = self._checks.answers(
-            push,
-            self._lanes.members,
-            Deadline(rpc_s, "the workers' layout checks"),
-            lambda: any(call.done() for call in self._calls),
-        )
-        words = [self._of_worker(index, answers) for index in range(len(self._workers))]
-        self._answered = [self._calls[i] for i, word in enumerate(words) if word is not None]
-        outcomes = collect(self._plane, [self._word(i, w) for i, w in enumerate(words)], 0.0)
-        if not outcomes.ok:
-            raise outcomes.error("the layout check (nothing sent)", rpc_s)
-        found: list[list[str]] = outcomes.results
-        self._lost_group = any(p.startswith(NO_ONE_GROUP) for ps in found for p in ps)
-        return {index: problems for index, problems in enumerate(found) if problems}
-
-    def _of_worker(self, index: int, answers: list[list[str] | None]) -> list[str] | None:
-        """Worker ``index``'s problems, from those of its members (a vLLM engine brings one per
-        worker process, in consecutive slots); None unless every one of them answered."""
-        first = self._slots[index]
-        end = self._slots[index + 1] if index + 1 < len(self._slots) else len(answers) + 1
-        mine = answers[first - 1 : end - 1]
-        if any(word is None for word in mine):
-            return None
-        return list(dict.fromkeys(problem for word in mine for problem in word or ()))
-
-    def _word(self, index: int, word: list[str] | None) -> Future[Any]:
-        """Worker ``index``'s answer as a settled call -- or, where it gave none, its call:
-        ended (it died or raised before answering), or not (silent), for ``collect`` to sort."""
-        call = self._calls[index]
-        if word is None and not (call.done() and call.exception() is None):
-            return call
-        answered: Future[Any] = Future()
-        if word is None:
-            answered.set_exception(WeightSyncError("its push ended before it checked the layout"))
-        else:
-            answered.set_result(word)
-        return answered
-
-    def _call_off(self) -> None:
-        """Rank 0, once the push was refused or called off after the workers were asked: they
-        learn it goes no further, and end their calls, which rank 0 waits for (so that the next
-        look at a worker finds it as it was) within ``rpc_timeout_s``."""
-        calls, self._calls, answered, self._answered = self._calls, [], self._answered, []
-        if not calls:
-            return
-        try:
-            self._checks.decide(self._lanes.pushes, False)
-        except RuntimeError as exc:  # rank 0's own store: the workers' waits end at their bound
-            logger.warning("could not call push %d off: %s", self._lanes.pushes, exc)
-            return
-        outcomes = collect(self._plane, answered, self.config.rpc_timeout_s)  # not the silent
-        if not outcomes.ok:
-            logger.info(
-                "push %d called off: %s",
-                self._lanes.pushes,
-                outcomes.error("the workers' calls", self.config.rpc_timeout_s),
-            )
 
     def _blame_workers(
         self, calls: Sequence[Future[Any]], error: Exception | None, started: float

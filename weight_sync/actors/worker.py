@@ -16,10 +16,10 @@ import ray
 import torch
 
 from weight_sync.control.lane_store import NO_ONE_GROUP
-from weight_sync.errors import first_line
-from weight_sync.receive.assembly import Assembly, Refusal
+from weight_sync.control.store import refuse_unjoined
+from weight_sync.receive.assembly import Assembly
 from weight_sync.receive.inbound import Lanes
-from weight_sync.receive.member import Member, answer_alone
+from weight_sync.receive.member import Member
 from weight_sync.receive.receiver import Check, Receiver, expecting
 from weight_sync.transport import TorchGroup
 from weight_sync.transport.devices import CPU, module_device
@@ -27,6 +27,7 @@ from weight_sync.transport.rounds import Rounds, lane_paths_over
 from weight_sync.wire.blocks import BlockLayout
 from weight_sync.wire.checksums import state_dict_digests
 from weight_sync.wire.metadata import (
+    NO_LANE,
     GroupSpec,
     LanePush,
     MemberInfo,
@@ -184,34 +185,27 @@ class WeightSyncWorker:
         self, call_json: str, timeout_s: float | None = None, one_group: bool = False
     ) -> int | None:
         """A push from the senders whose stores rank 0's call (``LanePush``, as JSON) names,
-        as member ``slot`` of each, in one call: this worker's check before any byte moves,
-        answered in rank 0's store (the layout read there if it lacks it: what it cannot take,
-        its version past every version it was sent), then -- where rank 0 says every member
-        took it -- every lane at once (a thread each). Returns the version held.
-        ``one_group``: their buckets come over the one group this worker joined with them
-        (``_weight_sync_lanes_join``); holding none, it refuses the push."""
+        as member ``slot`` of each, in one call (``Member.take``): this worker's check before any
+        byte moves (what it cannot take, its version past every version it was sent; the layout
+        read in rank 0's store if it lacks it), then every lane at once (a thread each), each
+        opening as the call says -- refused on every lane where the check found problems.
+        Returns the version held. ``one_group``: their buckets come over the one group this
+        worker joined with them (``_weight_sync_lanes_join``); holding none, it refuses the push
+        in every sender's store, and the senders form the group again."""
         call = LanePush.parse(call_json)
         member = self._weight_sync_member()
         if one_group and (missing := _no_group(member.lanes_from(call.endpoints))):
-            wait_s = min(call.wait_s, 60.0)
-            answer_alone(call.endpoints[0], call.check.push, call.slot, [missing], wait_s)
+            member.record.saw(call.check.version)  # spent, as on the senders
+            for endpoint, first in zip(call.endpoints, call.firsts, strict=True):
+                if first != NO_LANE:
+                    status = member.record.status()
+                    refuse_unjoined(endpoint, call.check.version, call.slot, [missing], status)
             return member.record.version
 
         def problems(layout: BlockLayout) -> list[str]:
             return self._weight_sync_assembly(layout).problems(member.record.version)
 
-        name = f"worker {call.slot - 1}"
-        left_s = member.agree(call, problems, name)  # new senders: followed over Gloo lanes
-        if left_s is None:
-            return member.record.version  # called off: nothing moved
-        layout = member.layout
-        assert layout is not None, "checked against the layout just now"
-        try:
-            assembly = self._weight_sync_assembly(layout)  # the user's hooks, called again
-        except Exception as exc:
-            why = f"its weights could not be had ({type(exc).__name__}: {first_line(exc)})"
-            assembly = Refusal(layout, why)
-        return member.receive(assembly, call.check.push, call.check.version, left_s, name)
+        return member.take(call, problems, self._weight_sync_assembly, f"worker {call.slot - 1}")
 
     def _weight_sync_lanes_join(
         self,

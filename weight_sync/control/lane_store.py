@@ -27,6 +27,7 @@ from weight_sync.control.keys import (
 )
 from weight_sync.control.store import ClientPlane
 from weight_sync.errors import (
+    PlanMismatchError,
     SenderFailedError,
     SyncTimeoutError,
     WorkerFailedError,
@@ -44,9 +45,8 @@ VERDICTS = "lanes/"  # + push/sender: how each lane ended; + push/verdict: rank 
 # Beside the verdicts, each push's check before any byte moves (``Checks``):
 LAYOUT = "layout/"  # + digest: a layout, posted once for every member that lacks it
 CHECKED = "checked/"  # + push/slot: a member's problems with the push (JSON list; empty: none)
-GO = "go/"  # + push: rank 0's word once every member answered, "1" (go ahead) or "0" (off)
-# A member's answer to a layout check over one group it holds none of (it restarted, or lanes
-# from other senders took its place): the senders form the group again before their next push.
+# A member's refusal of a push over one group it holds none of (it restarted, or lanes from
+# other senders took its place): the senders form the group again before their next push.
 NO_ONE_GROUP = "this worker holds no one group with these senders"
 
 
@@ -58,21 +58,31 @@ class Commands:
 
     def __init__(self) -> None:
         self.plane: ClientPlane | None = None  # the plane this client serves: set once it exists
+        # Where a push's first step may go instead of the store (rank 0's call on the members,
+        # see ``send.senders.Opening``): told the step's op and arg, it says whether it took it.
+        self.carry: Callable[[str, dict[str, Any]], bool] | None = None
         self._next = 0
         self._push: int | None = None  # the push the commands posted now belong to
+        self._opening = False  # the next command is the first step of the push
         self._kept: Retention | None = None  # the commands of the last pushes, by push
         self._lock = threading.Lock()
 
     def post(self, op: str, arg: dict[str, Any], new_push: bool = False) -> None:
         """Post the next command; ``new_push``: it begins a push, and the commands of the pushes
         before the last ``KEPT_PUSHES`` go (``Retention``). A member asked for a push reads from
-        its ``BEGIN``, whatever went before it."""
+        its ``BEGIN``, whatever went before it -- after the push's first step, where ``carry``
+        took that one to it."""
         assert self.plane is not None, "the plane comes first"
         with self._lock:
             if self._kept is None:
                 self._kept = Retention(self.plane.post, self.plane.forget)
+            if self._opening and not new_push:
+                self._opening = False
+                if self.carry is not None and self.carry(op, arg):
+                    return
             if new_push:
                 self._push = int(arg["push"])
+                self._opening = True
                 self._kept.post(self._push, f"{BEGIN}{self._push}", str(self._next))
             command = json.dumps({"op": op, "arg": arg})
             if self._push is None:  # before the first push (joining): kept for good
@@ -80,6 +90,13 @@ class Commands:
             else:
                 self._kept.post(self._push, f"{COMMAND}{self._next}", command)
             self._next += 1
+
+    def unopened(self) -> bool:
+        """Whether the push begun last has had no step yet (then it has none: it is over);
+        asked once, as it ends."""
+        with self._lock:
+            unopened, self._opening = self._opening, False
+            return unopened
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.post(
@@ -126,13 +143,16 @@ class Verdicts:
         """Report ``outcome`` (``{"error": ...}``, or the lane's nbytes, buckets and wire
         bytes), then the verdict: judged here on rank 0, read elsewhere (a lone sender's judged
         from its own report, nothing stored: nobody else reads it). Raises
-        ``SenderFailedError`` when a lane did not land; else returns every lane's sums."""
+        ``SenderFailedError`` when a lane did not land, ``PlanMismatchError`` where the members
+        refused every lane that failed and none landed; else returns every lane's sums."""
         if self._senders == 1:  # no other sender reads it, nobody reports for rank 0
             verdict = judge({0: outcome})
         else:
             self._store.set(f"{push}/{sender}", json.dumps(outcome))
             key = f"{push}/verdict"
             verdict = self._judged(push, deadline) if sender == 0 else self._wait(key, deadline)
+        if "refused" in verdict:
+            raise PlanMismatchError({int(k): v for k, v in verdict["refused"].items()})
         if "failed" in verdict:
             if outcome.get("broken") and verdict["dead"]:
                 # Workers died or froze mid-push: every lane has them, this one too, which
@@ -199,17 +219,15 @@ class Verdicts:
 
 class Checks:
     """The members' check of each push before any byte moves, in rank 0's store (``store``: the
-    prefix the verdicts share): rank 0 posts the layout once by digest, every member reads it
-    there if it lacks it and answers with what of the push it cannot take, and -- where the
-    members are told in the same call that then receives the push (Ray workers, vLLM engines on
-    Ray) -- rank 0 posts whether the push goes ahead, which each member waits for before its
-    lanes begin. One protocol for every front whose members follow the lanes: ``vllm serve``'s
-    workers answer the same keys, told to check by an HTTP call."""
+    prefix the verdicts share): rank 0 posts the layout once by digest, and every member reads
+    it there if it lacks it. Where rank 0 asks the members before the lanes open (``vllm
+    serve``'s workers, told to check by an HTTP call), each answers there with what of the push
+    it cannot take; where rank 0's call carries the lanes too (Ray workers, vLLM engines on Ray)
+    the members refuse on the lanes themselves (``receive.member.Member.take``)."""
 
     def __init__(self, store: Any) -> None:
         self._store = store
         self._layouts = Retention.in_store(store, KEPT_PLANS)  # rank 0's, by digest
-        self._words = Retention.in_store(store)  # rank 0's, by push
         # Every slot's answer key, by push: one a member sets after rank 0 stopped looking
         # (it was late, and blamed) goes with its push's generation, not with the store.
         self._answers = Retention.in_store(store)
@@ -245,10 +263,6 @@ class Checks:
         self._answers.posted(push, [key for key in keys if key not in found])
         return [_problems(found[key]) if key in found else None for key in keys]
 
-    def decide(self, push: int, ahead: bool) -> None:
-        """Tell the members waiting on push ``push`` whether it goes ahead."""
-        self._words.post(push, f"{GO}{push}", "1" if ahead else "0")
-
     # -- a member ----------------------------------------------------------------------------
 
     def layout(self, digest: str, limit: int) -> str:
@@ -261,15 +275,6 @@ class Checks:
             self._store.set(f"{CHECKED}{push}/{slot}", json.dumps(problems))
         except RuntimeError as exc:
             raise _rank_0_gone(push, StoreGoneError(first_line(exc))) from exc
-
-    def ahead(self, push: int, deadline: Deadline) -> bool:
-        """Rank 0's word on push ``push``: whether every member took it and the senders go
-        ahead. ``SenderFailedError`` naming rank 0 if its store is gone, ``SyncTimeoutError``
-        at the deadline."""
-        try:
-            return wait_one(self._store, f"{GO}{push}", deadline) == b"1"
-        except StoreGoneError as exc:
-            raise _rank_0_gone(push, exc) from exc
 
 
 def _rank_0_gone(push: int, exc: StoreGoneError) -> SenderFailedError:

@@ -42,6 +42,7 @@ from weight_sync.wire.metadata import (
     PushReply,
     ReceiveReport,
     SyncPlan,
+    SyncStatus,
     WorkerReply,
 )
 
@@ -163,7 +164,7 @@ class StoreMember:
             self.prepared = _as_verdict(reply)
             return reply.model_dump_json()
 
-        self._answer(f"prepared/{request.version}/{self._slot}", prepare)
+        self._answer(_prepared(request.version, self._slot), prepare)
 
     def receive(self, version: int) -> bool:
         """Take the push's bytes; returns whether that committed it too (a member that offered
@@ -240,6 +241,25 @@ class StoreMember:
         self._store.set(key, reply.model_dump_json())
         if error is not None and reraise:
             raise error
+
+
+def refuse_unjoined(
+    endpoint: Sequence[Any], version: int, slot: int, problems: list[str], status: SyncStatus
+) -> None:
+    """Refuse push ``version`` as member ``slot`` of the sender whose store is at ``endpoint``,
+    where this member follows no lane of that sender's to answer through (it lost the one group
+    the lane moves over: restarted, or lanes from other senders took its place): the answer the
+    sender's prepare round waits for, so it raises the refusal at once."""
+    from torch.distributed import PrefixStore
+
+    store = PrefixStore(PREFIX, open_store(str(endpoint[0]), int(endpoint[1]), 1, 60.0, None))
+    reply = PrepareReply(accepted=False, problems=tuple(problems)).model_dump_json()
+    store.set(_prepared(version, slot), WorkerReply(value=reply, status=status).model_dump_json())
+
+
+def _prepared(version: int, slot: int) -> str:
+    """Where member ``slot`` answers the prepare of push ``version``."""
+    return f"prepared/{version}/{slot}"
 
 
 def _as_verdict(reply: PrepareReply) -> PrepareReply | None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from pydantic import ValidationError
@@ -145,17 +145,17 @@ def layout_of_push(
 
 
 class Refusal(Assembly):
-    """A push a member cannot take after all, found as its lanes were about to begin (the
-    target it checked the layout against could not be had again: a user's hook raised): every
-    lane refuses it at its prepare, ``why``, so nothing moves anywhere and each sender learns
-    why at once -- rather than waiting for answers that would never come."""
+    """A push a member cannot take (its check found ``problems``, or the target it checked
+    the layout against could not be had again: a user's hook raised): every lane refuses it
+    as it opens, so nothing moves anywhere and each sender learns why at once -- every member
+    refusing every lane alike, the senders all raise the same refusal."""
 
-    def __init__(self, layout: BlockLayout, why: str) -> None:
+    def __init__(self, layout: BlockLayout, problems: Sequence[str]) -> None:
         super().__init__(layout, None, _refused)
-        self._why = why
+        self._problems = list(problems)
 
     def check(self, sender: int) -> Check:
-        return lambda plan, partial: [self._why]
+        return lambda plan, partial: list(self._problems)
 
 
 def _refused(weights: Iterable[tuple[str, torch.Tensor]]) -> None:

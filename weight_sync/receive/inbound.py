@@ -44,7 +44,7 @@ from weight_sync.receive.receiver import Loader, Receiver, expecting
 from weight_sync.transport.rendezvous import open_store
 from weight_sync.transport.rounds import Rounds
 from weight_sync.wire.blame import lanes_failed
-from weight_sync.wire.metadata import Phase, ReceiveReport, SyncStatus
+from weight_sync.wire.metadata import NO_LANE, Phase, ReceiveReport, SyncStatus
 from weight_sync.wire.versions import held_across_lanes
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,13 @@ class Lanes:
         self._closed = False
 
     def receive(
-        self, assembly: Assembly, push: int, version: int, wait_s: float, member: str
+        self,
+        assembly: Assembly,
+        push: int,
+        version: int,
+        wait_s: float,
+        member: str,
+        firsts: Sequence[str | None] | None = None,
     ) -> int | None:
         """Push ``push`` (of ``version``) on every lane the layout gives blocks to, each on a
         thread of its own (one lane: on the caller's), landing where ``assembly`` says. Returns
@@ -106,8 +112,14 @@ class Lanes:
         called off), else ``SenderFailedError`` naming the senders whose lanes did not commit
         here (``member`` names this one); where no lane's byte reached the model (refused,
         called off), the version held stays. A layout with no block (no tensor has an element)
-        moves nothing: the version stays, and is not spent."""
-        active = {s: lane for s, lane in enumerate(self.inbound) if assembly.layout.sent_by(s)}
+        moves nothing: the version stays, and is not spent. ``firsts``: how each lane opens, as
+        rank 0's call says (``LanePush.firsts``: which senders have a lane, and the one-step
+        pushes it carries)."""
+        if firsts is None:
+            firsts = [
+                None if assembly.layout.sent_by(s) else NO_LANE for s in range(len(self.inbound))
+            ]
+        active = {s: lane for s, lane in enumerate(self.inbound) if firsts[s] != NO_LANE}
         if not active:  # no tensor has an element: nothing moves, the version stays
             return self.record.version
         self.record.saw(version)  # spent here from now, landed or not: never sent again
@@ -129,7 +141,7 @@ class Lanes:
 
         def outcome(sender: int, lane: Inbound) -> tuple[int | None, BaseException | None]:
             try:
-                return self._lane(sender, lane, wait_s, push), None
+                return self._lane(sender, lane, wait_s, push, firsts[sender]), None
             except Exception as exc:
                 return None, exc
 
@@ -179,10 +191,10 @@ class Lanes:
             self.record.adopt(status.model_copy(update={"last_error": error}))
             self._synced = self.record.changes
 
-    def _lane(self, sender: int, lane: Inbound, wait_s: float, push: int) -> int:
+    def _lane(self, sender: int, lane: Inbound, wait_s: float, push: int, first: str | None) -> int:
         """One lane's receive, on its thread; over one group its rounds go on without it after."""
         try:
-            version = lane.receive(wait_s, push)
+            version = lane.receive(wait_s, push, first)
         except BaseException:
             if self.rounds is not None:
                 self.rounds.done(sender, failed=True)
@@ -282,20 +294,30 @@ class Inbound:
         )
         self._next = 0  # the next command's number
 
-    def receive(self, wait_s: float, push: int) -> int:
+    def receive(self, wait_s: float, push: int, first: str | None = None) -> int:
         """Take push number ``push`` of this lane, waiting at most ``wait_s`` for it to begin
         and as long again between steps; its version as soon as it committed here (the
-        sender's ``end`` is not waited for), else raises once the sender ended it. Read from
-        the push's ``begin`` (its number under ``BEGIN``), whatever went before it: the steps
-        of earlier pushes this rank gave up on (a member that gave up waiting for push 3 and is
-        then asked for push 4 does not take 3, sent late, for it), or that the sender deleted
-        since (``Commands.post``)."""
+        sender's ``end`` is not waited for), else raises once the sender ended it. ``first``:
+        the push in one step (a ``PrepareRequest``), taken before the store is read -- rank 0's
+        call carried it, not the sender's store (``send.senders.Opening``); committed, the
+        store is not read at all. The rest is read from the push's ``begin`` (its number under
+        ``BEGIN``), whatever went before it: the steps of earlier pushes this rank gave up on (a
+        member that gave up waiting for push 3 and is then asked for push 4 does not take 3,
+        sent late, for it), or that the sender deleted since (``Commands.post``)."""
+        failure: WeightSyncError | None = None
+        if first is not None:
+            try:
+                committed = self._step("push", {"request": first})
+            except Exception as exc:  # answered to the sender already; its ``end`` follows
+                failure = self._failure("push", exc)
+            else:
+                if committed is not None:
+                    return committed
         deadline = Deadline(wait_s, "waiting for the sender's push")
         begin = int(self._wait_for(f"{BEGIN}{push}", deadline, None))
         began = self._next <= begin  # else this rank read past it already (and raises below)
         if began:  # its ``begin`` command says no more than its key did: not read
             self._next, deadline = begin + 1, Deadline(wait_s, "the sender's push")
-        failure: WeightSyncError | None = None
         while True:
             op, arg = self._command(deadline, failure)
             if op == CLOSE:
@@ -309,14 +331,16 @@ class Inbound:
             try:
                 committed = self._step(op, arg)
             except Exception as exc:  # answered to the sender already; its verdict follows
-                failure = (
-                    exc
-                    if isinstance(exc, WeightSyncError)
-                    else TransportError(f"member {self.slot}: {op} failed: {first_line(exc)}")
-                )
+                failure = self._failure(op, exc)
                 continue
             if committed is not None:  # held here, whatever fails elsewhere after: not waiting
                 return committed  # for the sender's ``end``, which could say nothing more
+
+    def _failure(self, op: str, exc: Exception) -> WeightSyncError:
+        """What a step that raised makes this lane raise once its sender ends the push."""
+        if isinstance(exc, WeightSyncError):
+            return exc
+        return TransportError(f"member {self.slot}: {op} failed: {first_line(exc)}")
 
     def _begins(self, number: int, wanted: int) -> bool:
         """Whether the push beginning, ``number``, is the one wanted: False for an earlier one

@@ -11,15 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch.distributed as dist
-
 from weight_sync.control.deadline import Deadline
-from weight_sync.control.lane_store import VERDICTS, Checks
+from weight_sync.control.lane_store import Checks
 from weight_sync.errors import first_line
-from weight_sync.receive.assembly import Assembly, layout_of_push
+from weight_sync.receive.assembly import Assembly, Refusal, layout_of_push
 from weight_sync.receive.inbound import Lanes
 from weight_sync.receive.receiver import Receiver
-from weight_sync.transport.rendezvous import open_store
 from weight_sync.transport.rounds import Rounds
 from weight_sync.wire.blocks import BlockLayout
 from weight_sync.wire.metadata import LaneCheck, LanePush, SyncStatus
@@ -60,21 +57,36 @@ class Member:
         self.layout = layout
         return [*problems(layout), *past_sent(version, self.record.highest_version)]
 
-    def agree(
-        self, call: LanePush, problems: Callable[[BlockLayout], Sequence[str]], name: str
-    ) -> float | None:
-        """This member's part of a push before any byte moves, as rank 0's ``call`` says: the
-        senders' lanes followed (``follow``), its word answered through them (``answer``), then
-        rank 0's awaited within ``call.wait_s`` -- whether every member took the push and the
-        senders go ahead. Returns the seconds left to take the lanes in (``receive``), None
-        where the push was called off (nothing moved). ``name`` names this member in its
-        answer."""
-        checks = self.follow(call.endpoints, call.slot, min(call.wait_s, 60.0)).checks
-        deadline = Deadline(call.wait_s, f"the senders' word on push {call.check.push}")
-        self.answer(checks, call.slot, call.check, problems, name)
-        if not checks.ahead(call.check.push, deadline):
-            return None
-        return max(1.0, deadline.remaining())
+    def take(
+        self,
+        call: LanePush,
+        problems: Callable[[BlockLayout], Sequence[str]],
+        target: Callable[[BlockLayout], Assembly],
+        name: str,
+    ) -> int | None:
+        """Rank 0's ``call`` in one step: the senders' lanes followed (``follow``), the push
+        checked (``checked``: the layout read from rank 0's store if this member lacks it), and
+        taken on every lane at once as each opens (``receive``), into ``target(layout)`` --
+        where the check found problems (or ``target`` raised), refused on every lane with them
+        (``Refusal``): nothing moves anywhere and every sender raises the refusal. Returns the
+        version held; ``name`` names this member in its problems and errors."""
+        lanes = self.follow(call.endpoints, call.slot, min(call.wait_s, 60.0))
+        deadline = Deadline(call.wait_s, f"the lanes of push {call.check.push}")
+        found = self.checked(lanes.checks, call.check, problems, name)
+        layout = self.layout if self.holds(call.check.digest) else None
+        assembly: Assembly | None = None
+        if not found and layout is not None:
+            try:
+                assembly = target(layout)  # the user's hooks, called again
+            except Exception as exc:
+                found = [f"its weights could not be had ({type(exc).__name__}: {first_line(exc)})"]
+        if assembly is None:
+            unread = BlockLayout(senders=len(call.endpoints), tensors=(), blocks=())
+            assembly = Refusal(layout or unread, found)
+        left_s = max(1.0, deadline.remaining())
+        return self.receive(
+            assembly, call.check.push, call.check.version, left_s, name, call.firsts
+        )
 
     def answer(
         self,
@@ -85,15 +97,25 @@ class Member:
         name: str,
     ) -> None:
         """Answer ``check`` in rank 0's store (``checks``) as member ``slot``: what of the push
-        this member cannot take (``check``; the layout read there if this member lacks it). A
-        check that failed is one problem."""
+        this member cannot take (``checked``) -- where rank 0 asks before the lanes open
+        (``vllm serve``'s ``start_weight_update``)."""
+        checks.answer(check.push, slot, self.checked(checks, check, problems, name))
+
+    def checked(
+        self,
+        checks: Checks,
+        check: LaneCheck,
+        problems: Callable[[BlockLayout], Sequence[str]],
+        name: str,
+    ) -> list[str]:
+        """What of ``check``'s push this member cannot take (``check``; the layout read through
+        ``checks`` if this member lacks it). A check that failed is one problem."""
         digest, limit = check.digest, check.max_metadata_bytes
         try:
             layout = None if self.holds(digest) else checks.layout(digest, limit)
-            found = self.check(layout, digest, check.version, limit, problems)
-        except Exception as exc:  # a refusal like any other: the push is called off
-            found = [f"{name} could not check the push: {first_line(exc)}"]
-        checks.answer(check.push, slot, found)
+            return self.check(layout, digest, check.version, limit, problems)
+        except Exception as exc:  # a refusal like any other
+            return [f"{name} could not check the push: {first_line(exc)}"]
 
     def lanes_from(self, endpoints: Sequence[Sequence[Any]]) -> Lanes | None:
         """This member's lanes, if they are from the senders at ``endpoints`` (else None: it
@@ -135,12 +157,19 @@ class Member:
             self.close()
 
     def receive(
-        self, assembly: Assembly, push: int, version: int, wait_s: float, name: str
+        self,
+        assembly: Assembly,
+        push: int,
+        version: int,
+        wait_s: float,
+        name: str,
+        firsts: Sequence[str | None] | None = None,
     ) -> int | None:
         """Take push ``push`` (of ``version``) on every lane at once, landing where
-        ``assembly`` says (``Lanes.receive``); ``name`` names this member in errors."""
+        ``assembly`` says (``Lanes.receive``, with ``firsts``); ``name`` names this member in
+        errors."""
         assert self.lanes is not None, "follow the senders' lanes first"
-        return self.lanes.receive(assembly, push, version, wait_s, name)
+        return self.lanes.receive(assembly, push, version, wait_s, name, firsts)
 
     def close(self) -> None:
         """Leave the lanes (and the one group their buckets came over, if they did)."""
@@ -152,13 +181,3 @@ class Member:
 def addresses(endpoints: Sequence[Sequence[Any]]) -> list[tuple[str, int]]:
     """Senders' stores as a member compares them (Ray and JSON hand tuples back as lists)."""
     return [(str(address), int(port)) for address, port in endpoints]
-
-
-def answer_alone(
-    endpoint: Sequence[Any], push: int, slot: int, problems: list[str], timeout_s: float
-) -> None:
-    """Answer push ``push``'s check as member ``slot`` where this member follows no lanes of its
-    senders to answer through (it lost the one group they move over): over a client of its own
-    to rank 0's store, at ``endpoint``."""
-    store = open_store(str(endpoint[0]), int(endpoint[1]), 1, timeout_s, None)
-    Checks(dist.PrefixStore(VERDICTS, store)).answer(push, slot, problems)

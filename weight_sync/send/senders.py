@@ -53,7 +53,7 @@ from weight_sync.wire.lane_rules import (
     row_tensor,
     share_of,
 )
-from weight_sync.wire.metadata import GroupSpec
+from weight_sync.wire.metadata import MAX_FIRST_CHARS, NO_LANE, GroupSpec
 from weight_sync.wire.state_dict import StateDict
 
 logger = logging.getLogger(__name__)
@@ -97,10 +97,20 @@ class Outbound:
         try:
             result = self.pusher.push(state_dict, **options)
         except BaseException as exc:
-            self.commands.post("end", {**frame, "error": first_line(exc)})
+            try:
+                self._open()
+            finally:
+                self.commands.post("end", {**frame, "error": first_line(exc)})
             raise
+        self._open()
         self.commands.post("end", {**frame, "version": result.version})
         return result
+
+    def _open(self) -> None:
+        """A push that ended before its first step (it failed first) opens now, with none
+        (``Opening``): its members, called once every sender opened, read its ``end``."""
+        if self.commands.unopened() and self.commands.carry is not None:
+            self.commands.carry("", {})
 
     def close(self) -> None:
         try:
@@ -113,6 +123,66 @@ class Outbound:
             timer = threading.Timer(_LINGER_S, self.plane.close)
             timer.daemon = True
             timer.start()
+
+
+class Opening:
+    """How each sender's lane of a push opens, told to rank 0 before the members are called
+    (where rank 0 calls them: Ray workers, ``RayLanes``). Each sender says so once a push, at
+    its lane's first step (``carry``, the ``Commands.carry`` of its lane): the step itself where
+    it is the whole push in one step (the steady state) and small enough to ride in rank 0's call
+    on every member -- then it is not posted in the sender's store, and a member that takes it
+    from the call makes no round trip to that store --, else that the lane's steps are in its
+    store, or that it has no lane (``say``). Once every sender said (one all-gather over their
+    control group), rank 0 ``call``s the members with every lane's opening: the members' check
+    before any byte, and their lanes, begin only then -- so a lane that forms or goes the long way
+    finds them reading its store."""
+
+    def __init__(
+        self,
+        control: dist.ProcessGroup | None,
+        senders: int,
+        rank: int,
+        call: Callable[[list[str | None]], None],
+    ) -> None:
+        self._control, self._senders, self._rank, self._call = control, senders, rank, call
+        self._said = True  # no push begun
+        self._lanes: list[bool] = []  # which senders have a lane in the push under way
+
+    def begin(self, layout: BlockLayout) -> None:
+        """Push ``layout`` begins: every sender says how its lane opens, once."""
+        self._said = False
+        self._lanes = [bool(layout.sent_by(sender)) for sender in range(self._senders)]
+
+    def carry(self, op: str, arg: Mapping[str, Any]) -> bool:
+        """The lane's first step, ``op`` with ``arg`` (none: ``op`` empty): whether rank 0's
+        call carries it (a push in one step, small enough), else it goes in the store."""
+        request = arg.get("request") if op == "push" else None
+        carried = isinstance(request, str) and len(request) <= MAX_FIRST_CHARS
+        return self.say(request if carried else None) and carried
+
+    def say(self, first: str | None) -> bool:
+        """This sender's lane opens with ``first``: ``NO_LANE``, None (its store) or a
+        ``PrepareRequest``'s JSON. Returns whether every sender's word came: where a sender
+        left before saying, every lane goes through its store after all -- rank 0 calls the
+        members all the same, and the lanes of those that left fail there at once (their
+        stores closed), naming them."""
+        if self._said:
+            return True
+        self._said = True
+        firsts = [first]
+        heard = True
+        if self._senders > 1:
+            said = b"-" if first is None else b"=" + first.encode()
+            try:
+                rows = gather_bytes(said, 1 + MAX_FIRST_CHARS, self._control)
+                firsts = [None if r == b"-" else r[1:].decode() for r in rows[: self._senders]]
+            except TransportError as exc:
+                logger.info("a sender left before its lane opened (%s): lanes by store", exc)
+                heard = False
+                firsts = [None if lane else NO_LANE for lane in self._lanes]
+        if self._rank == 0:
+            self._call(firsts)
+        return heard
 
 
 def lane_config(config: SyncConfig, one_group: bool = False) -> SyncConfig:
@@ -223,6 +293,7 @@ class Senders:
         receivers: int = 0,
         follow: Follow | None = None,
         lanes: bool = True,
+        call: Callable[[list[str | None]], None] | None = None,
     ) -> None:
         if config is not None and not isinstance(config, SyncConfig):
             raise TypeError(f"config must be a SyncConfig, got {type(config).__name__}")
@@ -283,6 +354,11 @@ class Senders:
             raise
         self.pushes = 0
         self.layouts = Layouts()  # this rank's shares' layouts, the last one kept
+        # Where rank 0 calls the members (``call``): each push's lanes open through its call.
+        self.opening: Opening | None = None
+        if call is not None:
+            self.opening = Opening(self.control, self.senders, self.rank, call)
+            self.out.commands.carry = self.opening.carry
 
     @property
     def out(self) -> Outbound:
@@ -312,18 +388,22 @@ class Senders:
         self,
         state_dict: StateDict | object,
         options: Mapping[str, Any],
-        check: Callable[[BlockLayout, int], dict[int, list[str]]],
+        check: Callable[[BlockLayout, int], dict[int, list[str]]] | None,
     ) -> tuple[Share, int]:
         """Begin push ``pushes``, every sender at once, before any lane moves a byte: this
         rank's share of ``state_dict`` (with ``options``: ``lane_rules.share_of``) passes its
         checks, the senders' layouts are one, the version is past every sender's, and on rank 0
         ``check`` finds nothing the members cannot take at that version (problems by member; a
-        ``WeightSyncError`` when it could not ask them all). Returns the share and the version;
-        raises on every sender otherwise, each learning the word before any raises."""
+        ``WeightSyncError`` when it could not ask them all) -- None where the members check the
+        push as their lanes open (``Opening``: each refuses on every lane). Returns the share
+        and the version; raises on every sender otherwise, each learning the word before any
+        raises."""
         self.pushes += 1
         share = share_of(state_dict, options, self.senders, self.rank, self.config, self.layouts)
 
         def refused(ahead: bool, chosen: int, _: object) -> Exception | None:
+            if check is None:
+                return None
             problems: dict[int, list[str]] = {}
             unchecked: WeightSyncError | None = None  # rank 0 could not ask every member
             if ahead and self.rank == 0:
@@ -377,6 +457,9 @@ class Senders:
 
     def push(self, share: Share, version: int, started: float) -> PushResult:
         """This rank's lane of the push agreed, settled with the other senders (``push_share``)."""
+        if self.opening is not None:
+            assert share.layout is not None, "an agreed push has a layout"
+            self.opening.begin(share.layout)
         return push_share(
             self.out,
             share,
@@ -386,6 +469,7 @@ class Senders:
             self.rank,
             started,
             self.config.push_timeout_s,
+            self.opening,
         )
 
     def close(self) -> None:
@@ -474,13 +558,15 @@ def push_share(
     sender: int,
     started: float,
     timeout_s: float,
+    opening: Opening | None = None,
 ) -> PushResult:
     """Push this sender's lane (none, where the layout gives it no block) and settle the push
     with the other senders. Returns the push's result -- the whole push's version, bytes,
     buckets, tensors and partial flag on every sender; this rank's seconds, phases and delta
-    choice (docs/api.md) -- or raises: this lane's own error where it failed, else
-    ``SenderFailedError`` naming the lanes that did. Either way the version is spent on this
-    sender."""
+    choice (docs/api.md) -- or raises: this lane's own error where it failed (a refusal on every
+    sender where the members refused every lane), else ``SenderFailedError`` naming the lanes
+    that did. Either way the version is spent on this sender. ``opening``: where rank 0 calls
+    the members once every lane opened (``Opening``), a sender without a lane says so."""
     deadline = Deadline(timeout_s, "the senders' reports", started)
     assert share.layout is not None and share.layout.blocks, "an empty push moves nothing"
     result = PushResult(version, 0, 0, 0.0)
@@ -495,7 +581,11 @@ def push_share(
                 try:
                     dead = exc.dropped if isinstance(exc, WorkerFailedError) else []
                     report = {"error": first_line(exc), "broken": broken, "dead": dead}
+                    if isinstance(exc, PlanMismatchError):
+                        report["refused"] = {str(k): v for k, v in exc.problems.items()}
                     verdicts.settle(push, sender, report, deadline)
+                except PlanMismatchError:  # every lane refused: this one's refusal says so
+                    pass
                 except SenderFailedError as others:
                     if sender not in others.senders or (broken and len(others.senders) > 1):
                         # Not to blame, or no more than the others: the group broke under
@@ -504,7 +594,14 @@ def push_share(
                         raise others from exc
                     logger.debug("push %d failed: %s", push, others)  # its own error says more
                 raise
-        landed = {"nbytes": result.nbytes, "buckets": result.buckets, "wire": result.wire_bytes}
+        elif opening is not None:
+            opening.say(NO_LANE)
+        landed = {
+            "nbytes": result.nbytes,
+            "buckets": result.buckets,
+            "wire": result.wire_bytes,
+            "lane": bool(share.lane),
+        }
         sums = verdicts.settle(push, sender, landed, deadline)
     finally:  # spent whatever happens: members take note of it before any byte moves
         lane.pusher.spent(version)

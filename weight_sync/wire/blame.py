@@ -118,12 +118,22 @@ def judge(reports: Mapping[int, dict[str, Any] | None]) -> dict[str, Any]:
     lane failed naming a cause (a worker, a refusal) where there are any -- over one group a
     member failing one lane aborts the others under it -- else every sender whose lane failed.
     The verdict's ``"dead"``: the workers the blamed lanes found dead (each is in every lane:
-    their death broke the lanes that named no one too)."""
+    their death broke the lanes that named no one too). Where every lane that failed was
+    refused (``"refused"``: the members' problems, by member) and none landed, the verdict is
+    that refusal, every member's problems together: nothing moved anywhere."""
     failed = {
         rank: "no report in time" if report is None else report["error"]
         for rank, report in reports.items()
         if report is None or "error" in report
     }
+    refusals = [report["refused"] for report in reports.values() if report and "refused" in report]
+    landed_any = any(report and report.get("lane") for report in reports.values())
+    if failed and len(refusals) == len(failed) and not landed_any:
+        problems: dict[str, list[str]] = {}
+        for refusal in refusals:
+            for member, said in refusal.items():
+                problems[member] = list(dict.fromkeys([*problems.get(member, []), *said]))
+        return {"refused": problems}
     if failed:
         gone = sorted(rank for rank, report in reports.items() if report and report.get("gone"))
         silent = sorted(rank for rank, report in reports.items() if report is None)

@@ -23,6 +23,8 @@ from weight_sync.errors import SyncTimeoutError, TransportError, WeightSyncError
 MAX_NAME_CHARS = 1024
 MAX_DIMS = 32
 MAX_SENDERS = 4096  # trainer ranks pushing at once, each over a lane of its own
+NO_LANE = ""  # in ``LanePush.firsts``: the layout gives that sender no block
+MAX_FIRST_CHARS = 8192  # a lane's one-step request carried in rank 0's call; longer: its store
 TRAINER_RANK = 0  # the trainer is rank 0 of every sync group and the source of every broadcast
 PLAN_CACHE_SIZE = 8  # plans a member keeps (by digest), most recently accepted last
 # What a push's bytes mean, beyond what the metadata's schema says: bumped whenever both ends
@@ -379,12 +381,24 @@ class LaneCheck(_Wire):
 class LanePush(_Wire):
     """Rank 0's one call on a member for a push from many senders (a Ray worker, each worker of
     a vLLM engine): whose lanes to follow (the senders' stores, in sender order) as which member
-    (``slot``, from 1), what it checks, and how long it may wait for the lanes."""
+    (``slot``, from 1), what it checks, how long it may wait for the lanes, and how each lane
+    opens (``firsts``, by sender: ``NO_LANE`` where the layout gives that sender no block; None
+    where the lane's steps are all in its sender's store; else the lane's push in one step, its
+    ``PrepareRequest`` as JSON, carried here rather than posted there)."""
 
     endpoints: tuple[tuple[str, int], ...] = Field(min_length=1, max_length=MAX_SENDERS)
     slot: int = Field(ge=1)
     check: LaneCheck
     wait_s: float = Field(gt=0)
+    firsts: tuple[Annotated[str, Field(max_length=MAX_FIRST_CHARS)] | None, ...] = Field(
+        max_length=MAX_SENDERS
+    )
+
+    @model_validator(mode="after")
+    def _a_first_per_sender(self) -> LanePush:
+        if len(self.firsts) != len(self.endpoints):
+            raise ValueError(f"{len(self.firsts)} lane openings for {len(self.endpoints)} senders")
+        return self
 
     @classmethod
     def parse(cls, raw: str) -> LanePush:
@@ -394,7 +408,8 @@ class LanePush(_Wire):
         return cls.model_validate_json(raw)
 
 
-_MAX_LANE_PUSH_CHARS = 300 * MAX_SENDERS  # every sender's store address, and a little more
+# Every sender's store address and first step, and a little more.
+_MAX_LANE_PUSH_CHARS = (300 + MAX_FIRST_CHARS) * MAX_SENDERS
 
 
 class PrepareReply(_Wire):

@@ -215,8 +215,9 @@ class VLLMEngine:
     ) -> int | None:
         """Rank 0's call (``LanePush``, as JSON) on every worker of the engine, each as member
         ``slot`` plus its rank: its check before any byte moves (the engine's own loader on meta
-        tensors of the whole tensors), then -- where every member took it -- every lane, loaded
-        whole; generation paused from before the check until the caches are cleared after it."""
+        tensors of the whole tensors), then every lane, loaded whole -- or refused on every lane
+        where the check found problems (``LaneMember.push``); generation paused from before the
+        check until the caches are cleared after it."""
         wait_s = LanePush.parse(call_json).wait_s
         if not self._paused:
             await self._driver.pause()

@@ -402,14 +402,15 @@ class LaneMember:
 
     def push(self, call: LanePush) -> int | None:
         """Rank 0's ``call`` in one step (over Ray, through ``VLLMEngine``): this worker's
-        check, answered in rank 0's store (``Member.agree``), then -- where rank 0 says every
-        member took it -- ``receive``. Returns the version held (unchanged where the push was
-        called off)."""
+        check and every lane at once (``Member.take``: refused on every lane where the check
+        found problems), the blocks put together into whole tensors, loaded in one reload once
+        every lane committed. Returns the version held."""
         name = f"vLLM worker {call.slot - 1}"
-        left_s = self.member.agree(call, self._problems, name)
-        if left_s is None:
-            return self.member.record.version
-        return self.receive(call.check.push, call.check.version, left_s, name)
+        whole: list[tuple[str, torch.Tensor]] = []
+        held = self.member.take(
+            call, self._problems, lambda layout: Assembly(layout, None, whole.extend), name
+        )
+        return self._load(whole, held, call.check.version, name)
 
     def answer(self, checks: Checks, slot: int, check: LaneCheck) -> None:
         """Answer ``check`` in rank 0's store as member ``slot`` (``Member.answer``): what of
@@ -432,12 +433,21 @@ class LaneMember:
         """Take push ``push`` (of ``version``) on every lane at once, then load it whole in one
         reload; the version held here, else raises (and this worker holds none). ``name``
         names this worker in errors."""
-        lanes, layout = self.member.lanes, self.member.layout
-        assert lanes is not None and layout is not None, "connect and check first"
+        layout = self.member.layout
+        assert layout is not None, "connect and check first"
         whole: list[tuple[str, torch.Tensor]] = []
         held = self.member.receive(
             Assembly(layout, None, whole.extend), push, version, wait_s, name
         )
+        return self._load(whole, held, version, name)
+
+    def _load(
+        self, whole: list[tuple[str, torch.Tensor]], held: int | None, version: int, name: str
+    ) -> int:
+        """Load the whole tensors every lane brought (``version`` committed on each) in one
+        reload; the version held here, else raises (and this worker holds none)."""
+        lanes = self.member.lanes
+        assert lanes is not None, "the lanes just committed"
         try:
             with self._target.reload():
                 self._target.load(whole)
