@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -575,6 +576,16 @@ class ShardedTrainer:
 
     def lanes_close(self) -> None:
         self.lanes.close()
+
+    def lane_ops(self) -> list[str]:
+        """The steps this rank's lane posted in its store for its last push, in order."""
+        senders = self.lanes._pushes._lanes
+        store = senders.out.plane._mailbox._store
+        ops, number = [], int(store.get(f"cmd/begin/{senders.pushes}"))
+        while store.check([f"cmd/{number}"]):
+            ops.append(json.loads(store.get(f"cmd/{number}"))["op"])
+            number += 1
+        return ops
 
     def lanes_one_group(self) -> str | None:
         """The id of the one group this rank's lanes send over (a new one once it re-forms)."""

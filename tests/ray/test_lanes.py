@@ -110,9 +110,13 @@ def on_all(ranks: list, method: str, *args: object) -> list:
 
 
 @LANES_AND_ONE_GROUP
-def test_a_push_from_many_senders_costs_each_worker_one_call(lanes: tuple[list, list]) -> None:
+def test_a_push_from_many_senders_costs_each_worker_one_call(
+    lanes: tuple[list, list], request: pytest.FixtureRequest
+) -> None:
     """Past the first push (which has the workers follow the lanes), each push reaches a worker
-    in one call: its check, answered in rank 0's store, then its lanes."""
+    in one call: its check, then its lanes -- over Gloo lanes each lane's push in one step rides
+    that call, nothing of it in its sender's store but the frame (over one group the lanes go
+    the long way, their steps in the store)."""
     ranks, workers = lanes
     first = on_all(ranks, "lanes_push")[0].version
     ray.get([w.protocol_calls.remote() for w in workers], timeout=TIMEOUT)
@@ -120,6 +124,11 @@ def test_a_push_from_many_senders_costs_each_worker_one_call(lanes: tuple[list, 
         assert [r.version for r in on_all(ranks, "lanes_push")] == [first + more] * 2
         calls = ray.get([w.protocol_calls.remote() for w in workers], timeout=TIMEOUT)
         assert calls == [{"_weight_sync_lanes_push": 1}] * 2, calls
+        ops = on_all(ranks, "lane_ops")
+        if "one_group" in request.node.name:
+            assert all("start" in posted and "push" not in posted for posted in ops), ops
+        else:
+            assert ops == [["begin", "end"]] * 2, ops
 
 
 @LANES_AND_ONE_GROUP

@@ -439,7 +439,8 @@ class Senders:
                 error = exc
         word = torch.tensor([int(error is not None)])
         try:
-            dist.broadcast(word, src=dist.get_global_rank(self.control, 0), group=self.control)
+            if dist.get_world_size(self.control) > 1:  # a group of one knows already
+                dist.broadcast(word, src=dist.get_global_rank(self.control, 0), group=self.control)
         except RuntimeError as exc:
             raise TransportError(
                 f"a trainer rank left once every lane had committed ({first_line(exc)}); the "
@@ -707,6 +708,8 @@ def gather_rows(
     ``TransportError`` if a rank is gone."""
     mine = row_tensor(values, digest).to(device)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    if len(rows) == 1:  # a group of one rank: its own row (no collective to run)
+        return [tuple(mine.tolist())]
     before_any_byte(lambda: dist.all_gather(rows, mine, group=group))
     return [tuple(row.tolist()) for row in rows]
 
