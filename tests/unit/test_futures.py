@@ -262,6 +262,44 @@ def test_a_push_committed_on_receipt_opens_no_session_to_end(on_receipt: bool) -
         plane.close()
 
 
+class _SlowEndClient(_SessionClient):
+    """A client whose session ends slowly, and which refuses to open one while another is open
+    (vLLM's "a weight update is already active")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open = False
+        self.refused = 0
+
+    def start_weight_update(self) -> None:
+        if self.open:
+            self.refused += 1
+        self.open = True
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        time.sleep(0.5)
+        super().finish_weight_update(weight_version)
+        self.open = False
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_push_s_session_ends_before_the_next_one_opens() -> None:
+    """Every member refused a push: nobody waits for its session to end (the cancel asks no
+    member), so the next push's session must wait for it, or vLLM refuses to open it."""
+    client = _SlowEndClient()
+    plane = ClientPlane(client, 1, SyncConfig())
+    try:
+        plan = make_plan([TensorMeta.of("w", torch.zeros(4))], 1024, 64)
+        for version in (1, 2):
+            request = PrepareRequest(version=version, plan_digest=plan.digest, plan=plan)
+            plane.prepare(request, plan, [0], [True], timeout_s=10)
+            time.sleep(0.1)  # the client's call opened the session
+            assert plane.cancel(version, [], timeout_s=10) == []  # refused by every member
+        assert (client.finished, client.refused) == (1, 0)
+    finally:
+        plane.close()
+
+
 class _AskedAgainReceiver:
     """A member's receiver whose every answer to a push is ``reply`` (a pure unit test's fake:
     ``StoreMember`` only relays what it says)."""

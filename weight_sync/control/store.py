@@ -297,6 +297,7 @@ class ClientPlane:
         self._specs = Retention(self._mailbox.post, self._mailbox.forget)
         self._joining: Future[Any] | None = None
         self._pushing: int | None = None  # prepared, neither committed nor cancelled
+        self._ending: Future[None] | None = None  # a cancelled push's session, being ended
 
     def __len__(self) -> int:
         return self._workers
@@ -346,12 +347,14 @@ class ClientPlane:
         # a ``finish`` for it would have them wait on a verdict never posted; the lane's ``end``
         # drops what a member prepared.
         self._pushing = None if request.commit_on_receipt else request.version
+        self._ended(timeout_s)
         call = in_thread(self._client.start_weight_update)
         return self._round("prepared", request.version, call, PrepareReply)
 
     def cancel(self, version: int, members: Sequence[int], timeout_s: float) -> list[Future[None]]:
         ending = self._take_session()  # now, not in the thread: the next push may begin before
-        return [in_thread(lambda: self._end_session(ending))] * len(members)
+        self._ending = in_thread(lambda: self._end_session(ending))
+        return [self._ending] * len(members)
 
     def push(self, request: PrepareRequest, timeout_s: float) -> list[Future[PushReply]]:
         # Only members a sender's lane drives offer it (vLLM's workers never do).
@@ -420,6 +423,19 @@ class ClientPlane:
         """Post the verdict on push ``version`` (every member reads it during its push: the
         older ones go, see ``Retention``)."""
         self._verdicts.post(version, f"verdict/{version}", word)
+
+    def _ended(self, timeout_s: float) -> None:
+        """Wait (within ``timeout_s``) for the session of a cancelled push to end before the
+        next one opens: where no member had accepted it, nobody waited for its end, and a
+        session opened before it ended is refused by vLLM ("a weight update is already
+        active"; seen in CI on a loaded host). Its failure is the push's that ended it."""
+        ending, self._ending = self._ending, None
+        if ending is None:
+            return
+        try:
+            ending.result(timeout=timeout_s)
+        except Exception as exc:  # that push raised already; this one goes on
+            logger.debug("ending the last update session: %s", exc)
 
     def _take_session(self) -> int | None:
         version, self._pushing = self._pushing, None
