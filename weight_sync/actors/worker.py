@@ -196,10 +196,11 @@ class WeightSyncWorker:
         member = self._weight_sync_member()
         if one_group and (missing := _no_group(member.lanes_from(call.endpoints))):
             member.record.saw(call.check.version)  # spent, as on the senders
+            status, dial_s = member.record.status(), min(call.wait_s, 60.0)
             for endpoint, first in zip(call.endpoints, call.firsts, strict=True):
                 if first != NO_LANE:
-                    status = member.record.status()
-                    refuse_unjoined(endpoint, call.check.version, call.slot, [missing], status)
+                    version, slot = call.check.version, call.slot
+                    refuse_unjoined(endpoint, version, slot, [missing], status, dial_s)
             return member.record.version
 
         def problems(layout: BlockLayout) -> list[str]:

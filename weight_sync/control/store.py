@@ -244,7 +244,12 @@ class StoreMember:
 
 
 def refuse_unjoined(
-    endpoint: Sequence[Any], version: int, slot: int, problems: list[str], status: SyncStatus
+    endpoint: Sequence[Any],
+    version: int,
+    slot: int,
+    problems: list[str],
+    status: SyncStatus,
+    timeout_s: float,
 ) -> None:
     """Refuse push ``version`` as member ``slot`` of the sender whose store is at ``endpoint``,
     where this member follows no lane of that sender's to answer through (it lost the one group
@@ -252,7 +257,8 @@ def refuse_unjoined(
     sender's prepare round waits for, so it raises the refusal at once."""
     from torch.distributed import PrefixStore
 
-    store = PrefixStore(PREFIX, open_store(str(endpoint[0]), int(endpoint[1]), 1, 60.0, None))
+    address, port = str(endpoint[0]), int(endpoint[1])
+    store = PrefixStore(PREFIX, open_store(address, port, 1, timeout_s, None))
     reply = PrepareReply(accepted=False, problems=tuple(problems)).model_dump_json()
     store.set(_prepared(version, slot), WorkerReply(value=reply, status=status).model_dump_json())
 
