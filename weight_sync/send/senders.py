@@ -169,17 +169,15 @@ class Opening:
         if self._said:
             return True
         self._said = True
-        firsts = [first]
         heard = True
-        if self._senders > 1:
-            said = b"-" if first is None else b"=" + first.encode()
-            try:
-                rows = gather_bytes(said, 1 + MAX_FIRST_CHARS, self._control)
-                firsts = [None if r == b"-" else r[1:].decode() for r in rows[: self._senders]]
-            except TransportError as exc:
-                logger.info("a sender left before its lane opened (%s): lanes by store", exc)
-                heard = False
-                firsts = [None if lane else NO_LANE for lane in self._lanes]
+        said = b"-" if first is None else b"=" + first.encode()
+        try:
+            rows = gather_bytes(said, 1 + MAX_FIRST_CHARS, self._control)
+            firsts = [None if r == b"-" else r[1:].decode() for r in rows[: self._senders]]
+        except TransportError as exc:
+            logger.info("a sender left before its lane opened (%s): lanes by store", exc)
+            heard = False
+            firsts = [None if lane else NO_LANE for lane in self._lanes]
         if self._rank == 0:
             self._call(firsts)
         return heard
@@ -775,6 +773,8 @@ def gather_bytes(
     every rank of ``group``: one all-gather of fixed-size byte rows (no pickle), on ``device``,
     which the group's backend takes. ``TransportError`` if a rank is gone."""
     row, mine = torch.zeros(size, dtype=torch.uint8, device=device), mine[:size]
+    if dist.get_world_size(group) == 1:  # a group of one rank: its own row (no collective)
+        return [mine.rstrip(b"\0")]
     if mine:
         row[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
     rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
