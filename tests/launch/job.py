@@ -84,9 +84,12 @@ def run(scenario: str, out: Path, init_method: str | None = None) -> None:
             record.setdefault("took", []).append(time.monotonic() - started)  # for the margins
             if rank == 0 and sync.last_result is not None:  # the steps the lane's push took
                 record.setdefault("phases", []).append(sorted(sync.last_result.phases))
-            if scenario == "long" and rank == 0:  # what rank 0's control store holds now
-                store = sync._out.plane._mailbox._store  # type: ignore[union-attr]
-                record.setdefault("keys", []).append(store.num_keys())
+            if scenario == "long" and rank == 0:  # what rank 0's control store holds now,
+                mailbox = sync._out.plane._mailbox  # type: ignore[union-attr]
+                waited = time.monotonic() + 10  # once its poller deleted what was forgotten
+                while mailbox._doomed and time.monotonic() < waited:
+                    time.sleep(0.005)
+                record.setdefault("keys", []).append(mailbox._store.num_keys())
             if big:  # what this rank held at each version, for a later failed push to keep
                 record.setdefault("at", {})[version] = state_dict_digests(model.state_dict())
         except WeightSyncError as exc:

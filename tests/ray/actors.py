@@ -587,6 +587,11 @@ class ShardedTrainer:
             number += 1
         return ops
 
+    def lanes_answered(self) -> list[bool]:
+        """Rank 0: whether each worker's call of the last push returned its reply to this
+        rank's lane (``LanePush.answer``) rather than answering in the store."""
+        return [call.result() is not None for call in self.lanes._pushes._calls]
+
     def lanes_one_group(self) -> str | None:
         """The id of the one group this rank's lanes send over (a new one once it re-forms)."""
         group = self.lanes._pushes._lanes.one_group

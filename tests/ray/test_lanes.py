@@ -564,7 +564,9 @@ def test_a_trainer_of_one_rank_pushes_through_the_same_front(take: Lease, one_gr
     """``senders`` over a group of one rank -- the K = 1 case of a push from every rank: a
     trainer sharded over a mesh of one, its one lane landing bit for bit on both workers, twice,
     the front's ``routes`` and ``group`` its lane's, and the workers letting go of it when it
-    closes."""
+    closes. Past the first push (which forms the lane), each worker answers the lane in its
+    call, as one sender's workers do -- over one group the lane goes the long way, through the
+    store."""
     rank = ShardedTrainer.remote(0, 1)
     workers = take(LMWorker, [{"fused": False}] * 2)
     try:
@@ -582,6 +584,8 @@ def test_a_trainer_of_one_rank_pushes_through_the_same_front(take: Lease, one_gr
             # workers on its host take the ring, except over one group (which carries them).
             route = "group" if one_group else "shm"
             assert ray.get(rank.lanes_routes.remote(), timeout=TIMEOUT) == ([route] * 2, True)
+            answered = ray.get(rank.lanes_answered.remote(), timeout=TIMEOUT)
+            assert answered == [version > 1 and not one_group] * 2, answered
         ray.get(rank.lanes_close.remote(), timeout=TIMEOUT)
         for status in ray.get([w.sync_status.remote() for w in workers], timeout=TIMEOUT):
             assert status.version == 2 and not status.in_group, status

@@ -154,10 +154,18 @@ def test_the_specs_of_a_formation_go_two_formations_later() -> None:
             plane.probe(timeout_s=10)
             store.add(f"{epoch}/slots", 2)  # as two members take their slots
             plane.join([spec, spec.model_copy(update={"rank": 2})], 4096, timeout_s=10)
-        held = [
-            store.check([f"spec/{epoch}/1", f"spec/{epoch}/2", f"{epoch}/slots"])
-            for epoch in range(1, 5)
-        ]
+        # No member answers here: the answers awaited are given up (as the next round does),
+        # and the poller, with none awaited, deletes what was forgotten.
+        plane._mailbox.abandon("no member answers in this test")
+        deadline = time.monotonic() + 10
+        while True:
+            held = [
+                store.check([f"spec/{epoch}/1", f"spec/{epoch}/2", f"{epoch}/slots"])
+                for epoch in range(1, 5)
+            ]
+            if held[:2] == [False, False] or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
         assert held == [False, False, True, True]
         assert not any(store.check([f"spec/{epoch}/{s}"]) for epoch in (1, 2) for s in (1, 2))
     finally:
@@ -188,10 +196,20 @@ class _OneCallClient(_LabellingClient):
         super().__init__()
         self.pushed = threading.Event()
         self.request: str | None = None
+        self.calls: dict[int, Future[str | None]] = {}  # the step carried in calls on these
 
-    def push_weight_update(self, request_json: str) -> None:
+    def push_weight_update(self, request_json: str) -> dict[int, Future[str | None]]:
         self.request = request_json
         self.pushed.set()
+        return self.calls
+
+
+def _pushed(version: int) -> tuple[PushReply, str]:
+    """A member's reply to a one-step push that committed it, and that reply as it travels."""
+    report = ReceiveReport(version=version, nbytes=8, buckets=1, seconds=0.0)
+    reply = PushReply(prepared=PrepareReply(accepted=True), received=report)
+    status = SyncStatus(version=version, dirty=False, phase="idle")
+    return reply, WorkerReply(value=reply.model_dump_json(), status=status).model_dump_json()
 
 
 @pytest.mark.timeout(60)
@@ -209,13 +227,8 @@ def test_a_push_in_one_step_is_announced_and_answered_through_the_store() -> Non
         assert client.request is not None  # what the command carries to the members
         assert PrepareRequest.model_validate_json(client.request) == request
         time.sleep(0.2)  # the poller looks, and looks again, for an answer not yet given
-        report = ReceiveReport(version=1, nbytes=8, buckets=1, seconds=0.0)
-        reply = PushReply(prepared=PrepareReply(accepted=True), received=report)
-        status = SyncStatus(version=1, dirty=False, phase="idle")
-        plane.post(
-            "pushed/1/1",
-            WorkerReply(value=reply.model_dump_json(), status=status).model_dump_json(),
-        )
+        reply, raw = _pushed(1)
+        plane.post("pushed/1/1", raw)
         assert answer.result(timeout=10) == reply
         assert not plane._mailbox._pending  # read once, and gone from the store
     finally:
@@ -224,6 +237,59 @@ def test_a_push_in_one_step_is_announced_and_answered_through_the_store() -> Non
     assert poller is not None
     poller.join(timeout=5)
     assert not poller.is_alive()  # close wakes a poller asleep with nothing awaited
+
+
+@pytest.mark.timeout(60)
+def test_a_member_that_returns_its_reply_in_its_call_is_not_read_from_the_store() -> None:
+    """Where the step went to members in calls of their own (rank 0's lane on Ray workers:
+    ``Opening``), a member whose call returns its reply is answered by it, nothing of it in the
+    store; a member whose call returns none (it did not commit, and answered in the store)
+    is read from the store, as any other."""
+    client = _OneCallClient()
+    client.calls = {1: Future(), 2: Future()}
+    plane = ClientPlane(client, 3, SyncConfig())
+    try:
+        request = PrepareRequest(version=1, plan_digest="a" * 64, commit_on_receipt=True)
+        answers = plane.push(request, timeout_s=10)
+        reply, raw = _pushed(1)
+        resolve(client.calls[1], result=raw)
+        assert answers[0].result(timeout=10) == reply
+        resolve(client.calls[2], result=None)
+        time.sleep(0.2)  # no reply in the call: this member's is looked for in the store
+        assert not answers[1].done() and not answers[2].done()
+        for slot in (2, 3):
+            plane.post(f"pushed/1/{slot}", raw)
+        assert [a.result(timeout=10) for a in answers[1:]] == [reply, reply]
+        assert not plane._mailbox._store.check(["pushed/1/1"])  # never posted, never read
+    finally:
+        plane.close()
+
+
+@pytest.mark.timeout(60)
+def test_keys_forgotten_go_between_rounds_and_a_key_posted_again_stays() -> None:
+    """An old push's keys (``Retention``) are deleted by the poller while no answer is awaited
+    -- not on the round trip of the post that made them old -- and a key posted again before
+    its deletion keeps its new value."""
+    plane = ClientPlane(_OneCallClient(), 1, SyncConfig())
+    store = plane._mailbox._store
+    try:
+        for key in ("old/1", "old/2", "again"):
+            plane.post(key, "x")
+        request = PrepareRequest(version=1, plan_digest="a" * 64, commit_on_receipt=True)
+        (answer,) = plane.push(request, timeout_s=10)  # an answer awaited from now
+        plane.forget(["old/1", "old/2", "again"])
+        plane.post("again", "y")
+        time.sleep(0.2)
+        assert store.check(["old/1", "old/2"])  # not while a round waits for its answers
+        plane.post("pushed/1/1", _pushed(1)[1])
+        answer.result(timeout=10)
+        deadline = time.monotonic() + 10
+        while store.check(["old/1"]) or store.check(["old/2"]):
+            assert time.monotonic() < deadline, "the keys forgotten were never deleted"
+            time.sleep(0.01)
+        assert store.get("again") == b"y"
+    finally:
+        plane.close()
 
 
 class _SessionClient(_OneCallClient):

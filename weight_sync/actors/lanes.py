@@ -43,6 +43,7 @@ from weight_sync.config import SyncConfig
 from weight_sync.control.deadline import Deadline
 from weight_sync.control.lane_store import NO_ONE_GROUP, Checks
 from weight_sync.control.plane import collect
+from weight_sync.control.store import Answers
 from weight_sync.errors import (
     PlanMismatchError,
     WeightSyncError,
@@ -56,7 +57,7 @@ from weight_sync.transport.base import Transport
 from weight_sync.transport.devices import current_gpu, gpu_uuid
 from weight_sync.wire.blocks import BlockLayout
 from weight_sync.wire.lane_rules import Share
-from weight_sync.wire.metadata import GroupSpec, LaneCheck, LanePush, MemberInfo
+from weight_sync.wire.metadata import NO_LANE, GroupSpec, LaneCheck, LanePush, MemberInfo
 from weight_sync.wire.state_dict import StateDict
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ class RayLanes:
             one_group and isinstance(config, SyncConfig) and config.backend == "nccl"
         )
         self._slots: list[int] = []  # rank 0: each worker's first member slot (1-based)
+        self._one_call: list[bool] = []  # rank 0: which workers take a push in one call
         self._sent = 0  # rank 0: the highest version any worker was ever sent
         self._lanes = Senders(
             config,
@@ -229,6 +231,7 @@ class RayLanes:
                 "GPU of its own, or leave SyncConfig.backend unset (Gloo)"
             )
         self._slots = [1 + sum(ranks[:index]) for index in range(len(ranks))]
+        self._one_call = [info.one_call for info in infos]
         self._sent = max(info.highest_version for info in infos)
         return sum(ranks)
 
@@ -261,12 +264,15 @@ class RayLanes:
 
         return joined
 
-    def _call_workers(self, firsts: list[str | None]) -> None:
+    def _call_workers(self, firsts: list[str | None]) -> Answers:
         """Rank 0, once every sender's lane opened (``send.senders.Opening``): the push's one
         call on every worker, saying how each lane opens (``firsts``). Each worker checks the
         layout and version against its model -- the layout read in rank 0's store, posted there
         once, by a worker that lacks it -- and takes every lane, refusing on every lane where it
-        cannot take the push (``Member.take``)."""
+        cannot take the push (``Member.take``). Where this rank's lane is the push's only one,
+        opened in the call, a worker that takes a push in one call (``MemberInfo.one_call``)
+        answers that lane in its call's result, as one sender's workers do -- no reply through
+        the store, no wait for the poller that reads it: returns those calls, by slot."""
         assert self._agreed is not None, "the senders agreed on the push"
         layout, version, started = self._agreed
         self._checks.post_layout(layout)
@@ -284,12 +290,19 @@ class RayLanes:
             wait_s=self._lanes.wait_s(started),
             firsts=firsts,
         )
+        alone = firsts[0] not in (None, NO_LANE) and all(f == NO_LANE for f in firsts[1:])
+        answer = [alone and one_call for one_call in self._one_call]
         self._calls = [
             worker._weight_sync_lanes_push.remote(
-                call.model_copy(update={"slot": slot}).model_dump_json(), **over
+                call.model_copy(update={"slot": slot, "answer": asked}).model_dump_json(), **over
             ).future()
-            for slot, worker in zip(self._slots, self._workers, strict=True)
+            for slot, asked, worker in zip(self._slots, answer, self._workers, strict=True)
         ]
+        return {
+            slot: made
+            for slot, asked, made in zip(self._slots, answer, self._calls, strict=True)
+            if asked
+        }
 
     def _blame_workers(
         self, calls: Sequence[Future[Any]], error: Exception | None, started: float

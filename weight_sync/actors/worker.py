@@ -183,15 +183,18 @@ class WeightSyncWorker:
 
     def _weight_sync_lanes_push(
         self, call_json: str, timeout_s: float | None = None, one_group: bool = False
-    ) -> int | None:
+    ) -> str | None:
         """A push from the senders whose stores rank 0's call (``LanePush``, as JSON) names,
         as member ``slot`` of each, in one call (``Member.take``): this worker's check before any
         byte moves (what it cannot take, its version past every version it was sent; the layout
         read in rank 0's store if it lacks it), then every lane at once (a thread each), each
         opening as the call says -- refused on every lane where the check found problems.
-        Returns the version held. ``one_group``: their buckets come over the one group this
-        worker joined with them (``_weight_sync_lanes_join``); holding none, it refuses the push
-        in every sender's store, and the senders form the group again."""
+        Returns the reply of rank 0's lane where the call asks for it (``LanePush.answer``) and
+        it committed here in the step the call carried (a ``WorkerReply``, JSON: one sender's
+        members return theirs so too); else None, every reply in its sender's store.
+        ``one_group``: their buckets come over the one group this worker joined with them
+        (``_weight_sync_lanes_join``); holding none, it refuses the push in every sender's store,
+        and the senders form the group again."""
         call = LanePush.parse(call_json)
         member = self._weight_sync_member()
         if one_group and (missing := _no_group(member.lanes_from(call.endpoints))):
@@ -201,12 +204,15 @@ class WeightSyncWorker:
                 if first != NO_LANE:
                     version, slot = call.check.version, call.slot
                     refuse_unjoined(endpoint, version, slot, [missing], status, dial_s)
-            return member.record.version
+            return None
 
         def problems(layout: BlockLayout) -> list[str]:
             return self._weight_sync_assembly(layout).problems(member.record.version)
 
-        return member.take(call, problems, self._weight_sync_assembly, f"worker {call.slot - 1}")
+        answered: list[str] = []
+        name = f"worker {call.slot - 1}"
+        member.take(call, problems, self._weight_sync_assembly, name, answered.append)
+        return answered[0] if answered else None
 
     def _weight_sync_lanes_join(
         self,

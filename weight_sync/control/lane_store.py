@@ -25,7 +25,7 @@ from weight_sync.control.keys import (
     wait_all,
     wait_one,
 )
-from weight_sync.control.store import ClientPlane
+from weight_sync.control.store import Answers, ClientPlane
 from weight_sync.errors import (
     PlanMismatchError,
     SenderFailedError,
@@ -59,27 +59,29 @@ class Commands:
     def __init__(self) -> None:
         self.plane: ClientPlane | None = None  # the plane this client serves: set once it exists
         # Where a push's first step may go instead of the store (rank 0's call on the members,
-        # see ``send.senders.Opening``): told the step's op and arg, it says whether it took it.
-        self.carry: Callable[[str, dict[str, Any]], bool] | None = None
+        # see ``send.senders.Opening``): told the step's op and arg, it returns the calls that
+        # carried it, by member slot, of which rank 0's may return replies -- None: not taken.
+        self.carry: Callable[[str, dict[str, Any]], Answers | None] | None = None
         self._next = 0
         self._push: int | None = None  # the push the commands posted now belong to
         self._opening = False  # the next command is the first step of the push
         self._kept: Retention | None = None  # the commands of the last pushes, by push
         self._lock = threading.Lock()
 
-    def post(self, op: str, arg: dict[str, Any], new_push: bool = False) -> None:
+    def post(self, op: str, arg: dict[str, Any], new_push: bool = False) -> Answers:
         """Post the next command; ``new_push``: it begins a push, and the commands of the pushes
         before the last ``KEPT_PUSHES`` go (``Retention``). A member asked for a push reads from
         its ``BEGIN``, whatever went before it -- after the push's first step, where ``carry``
-        took that one to it."""
+        took that one to it: then the calls that carried it (``Answers``; posted: none)."""
         assert self.plane is not None, "the plane comes first"
         with self._lock:
             if self._kept is None:
                 self._kept = Retention(self.plane.post, self.plane.forget)
             if self._opening and not new_push:
                 self._opening = False
-                if self.carry is not None and self.carry(op, arg):
-                    return
+                carried = self.carry(op, arg) if self.carry is not None else None
+                if carried is not None:
+                    return carried
             if new_push:
                 self._push = int(arg["push"])
                 self._opening = True
@@ -90,6 +92,7 @@ class Commands:
             else:
                 self._kept.post(self._push, f"{COMMAND}{self._next}", command)
             self._next += 1
+            return {}
 
     def unopened(self) -> bool:
         """Whether the push begun last has had no step yet (then it has none: it is over);
@@ -116,8 +119,8 @@ class Commands:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.post("finish", {})
 
-    def push_weight_update(self, request_json: str) -> None:
-        self.post("push", {"request": request_json})
+    def push_weight_update(self, request_json: str) -> Answers:
+        return self.post("push", {"request": request_json})
 
     def shutdown_weight_transfer_engine(self) -> None:
         self.post("shutdown", {})

@@ -18,8 +18,10 @@ end. Only JSON crosses the store, bounded in size; nothing is unpickled.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol, runtime_checkable
@@ -53,6 +55,11 @@ PREFIX = "weight_sync/control/plane/"
 _POLL_S = (0.0005, 0.004)
 _COMMIT, _CANCEL = "commit", "cancel"
 MAX_REPLY_CHARS = 1 << 20
+_MOST_DOOMED = 1024  # keys that may wait for the poller to delete them
+# How long the store is not looked at for a reply a member's call may return (``Answers``): in
+# the steady state the call returns it first; a member that did not commit (a refusal, the long
+# way) answers in the store instead, read from then on.
+_RETURNED_S = 0.05
 
 
 class Client(Protocol):
@@ -67,14 +74,22 @@ class Client(Protocol):
     def finish_weight_update(self, weight_version: str | None = None) -> None: ...
 
 
+# The replies to a step that a client carried to members in calls of its own, by member slot:
+# each call's result is the member's reply (a ``WorkerReply``, JSON) where it answered there,
+# else None (it answered in the store, as every member not named here does).
+Answers = Mapping[int, "Future[str | None]"]
+
+
 @runtime_checkable
 class OneCallClient(Client, Protocol):
     """A client whose members also take a whole push in one step (``StoreMember.push``): a
     sender's lane (``control.lane_store.Commands``), never vLLM's."""
 
-    def push_weight_update(self, request_json: str) -> None:
+    def push_weight_update(self, request_json: str) -> Answers:
         """Have every member take the push ``request_json`` (a ``PrepareRequest``) in one step;
-        the request travels in the command itself (one read fewer a member)."""
+        the request travels in the command itself (one read fewer a member), or in a call on
+        each member (rank 0's on Ray workers: ``send.senders.Opening``), which may return the
+        member's reply: those calls, by slot."""
 
 
 # -- the member's end ------------------------------------------------------------------------------
@@ -177,11 +192,14 @@ class StoreMember:
         self._answer(f"received/{version}/{self._slot}", receive)
         return self._committed(version)
 
-    def push(self, request_json: str) -> bool:
+    def push(self, request_json: str, answer: Callable[[str], None] | None = None) -> bool:
         """The whole push ``request_json`` in one step (``Receiver.push``: the check, a vote of
         every member before any byte, the bytes, the commit on receipt), for a member that holds
         its plan; one that does not answers so, and the trainer takes the long way (``start``,
-        ``receive``). Returns whether the push committed here."""
+        ``receive``). Returns whether the push committed here. ``answer``: where the push
+        committed, its reply (a ``WorkerReply``, JSON) goes there -- the call that carried the
+        step returns it -- rather than into the store; any other reply is posted, as the trainer
+        goes on (the long way, or the push's end) only once it has it."""
         request = self._announced(request_json)
 
         def push() -> str:
@@ -190,8 +208,15 @@ class StoreMember:
             self.prepared = _as_verdict(reply.prepared)
             return reply.model_dump_json()
 
-        self._answer(f"pushed/{request.version}/{self._slot}", push)
-        return self._committed(request.version)
+        reply, error = WorkerReply.of(push, self.receiver.status)
+        committed = error is None and self._committed(request.version)
+        if answer is not None and committed:
+            answer(reply.model_dump_json())
+        else:
+            self._store.set(f"pushed/{request.version}/{self._slot}", reply.model_dump_json())
+        if error is not None:
+            raise error
+        return committed
 
     def _announced(self, request_json: str) -> PrepareRequest:
         """The push the trainer announced (in the store for steps, in the command for one),
@@ -368,12 +393,13 @@ class ClientPlane:
         assert isinstance(client, OneCallClient), "one-call pushes come from a OneCallClient"
         self._mailbox.abandon("a later push began")
         posted: Future[None] = Future()  # the client posts to its own store: no thread for it
+        answers: Answers = {}
         try:
-            client.push_weight_update(request.model_dump_json())
+            answers = client.push_weight_update(request.model_dump_json())
             resolve(posted, result=None)
         except Exception as exc:
             resolve(posted, error=exc)
-        return self._round("pushed", request.version, posted, PushReply)
+        return self._round("pushed", request.version, posted, PushReply, answers)
 
     def receive(self, version: int, atomic: bool, timeout_s: float) -> list[Future[ReceiveReport]]:
         call = in_thread(lambda: self._client.update_weights({"version": version}))
@@ -454,12 +480,20 @@ class ClientPlane:
             self._client.finish_weight_update()
 
     def _round(
-        self, step: str, key: int, call: Future[Any], kind: type | None
+        self,
+        step: str,
+        key: int,
+        call: Future[Any],
+        kind: type | None,
+        given: Answers | None = None,
     ) -> list[Future[Any]]:
         """One future per worker: its answer under ``step/key/slot``, or the client call's error
-        if that call fails before the worker answered."""
+        if that call fails before the worker answered -- or, for a worker ``given`` names, the
+        reply its own call returned, if it did (the store is then not read for it)."""
+        given = given or {}
         answers = [
-            self._mailbox.expect(f"{step}/{key}/{slot}") for slot in range(1, self._workers + 1)
+            self._mailbox.expect(f"{step}/{key}/{slot}", _RETURNED_S if slot in given else 0.0)
+            for slot in range(1, self._workers + 1)
         ]
 
         def failed(done: Future[Any]) -> None:
@@ -468,35 +502,51 @@ class ClientPlane:
                     resolve(answer, error=done.exception())
 
         call.add_done_callback(failed)
+        for slot, returned in given.items():
+            returned.add_done_callback(functools.partial(_returned, answers[slot - 1]))
         return [then(answer, lambda raw: _parse(raw, kind)) for answer in answers]
 
 
 class _Mailbox:
     """The trainer's end of the control store: it posts messages, and gets futures for the keys
     workers will answer under, resolved by one thread that polls for them (a store's blocking
-    ``wait`` would hold up every other use of it). One lock guards every use of the store."""
+    ``wait`` would hold up every other use of it). One lock guards every use of the store;
+    another the answers awaited, so that awaiting one never waits on a store round trip.
+
+    Keys are deleted by that thread while no answer is awaited -- those it is told to forget
+    (an old push's, ``Retention``) and the answers it read -- between pushes rather than on the
+    way of the next step, where a store round trip each was a tenth of a small push (the K = 1
+    push of W5 from many senders). A key posted again before its deletion is not deleted."""
 
     def __init__(self, store: Any) -> None:
         self._store = store
-        self._pending: dict[str, Future[str]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the store, ``_closed`` and ``_doomed``
         self._closed = False
+        self._doomed: dict[str, None] = {}  # to delete, in order
+        self._waiting = threading.Lock()  # ``_pending`` and ``_thread``
+        self._pending: dict[str, tuple[Future[str], float]] = {}  # with its first look's time
         self._thread: threading.Thread | None = None
-        self._awaited = threading.Event()  # set by expect and close: the poller looks at once
+        # Set by expect, forget and close: the poller looks (or deletes) at once.
+        self._awaited = threading.Event()
 
     def post(self, key: str, value: str) -> None:
         with self._lock:
+            self._doomed.pop(key, None)
             self._store.set(key, value)
 
     def forget(self, keys: Sequence[str]) -> None:
         with self._lock:
-            if not self._closed:
-                delete(self._store, keys)
+            if self._closed:
+                return
+            self._doom(keys)
+        self._awaited.set()
 
-    def expect(self, key: str) -> Future[str]:
+    def expect(self, key: str, after_s: float = 0.0) -> Future[str]:
+        """The answer under ``key``, looked for from ``after_s`` on (where it may come another
+        way first: a reply a member's call returns, ``ClientPlane._round``)."""
         future: Future[str] = Future()
-        with self._lock:
-            self._pending[key] = future
+        with self._waiting:
+            self._pending[key] = (future, time.monotonic() + after_s)
             if self._thread is None:
                 # Inside Store.check most of its life: an exit stops it before finalising,
                 # or it would come back from that call into a finalising interpreter
@@ -508,48 +558,97 @@ class _Mailbox:
     def abandon(self, why: str) -> None:
         """Give up on every answer still awaited: a push begins only once the last one ended,
         so an answer a member never gave (it died, the push failed elsewhere) is nobody's to
-        wait for, and the poller would look for it under the lock every post takes, forever."""
-        with self._lock:
+        wait for, and the poller would look for it, forever."""
+        with self._waiting:
             self._give_up(why)
 
     def close(self) -> None:
         """Stop polling and drop the store (the trainer's listening socket goes with it)."""
         with self._lock:
             self._closed, self._store = True, None
+        with self._waiting:
             self._give_up("the weight-transfer engine was shut down")
         self._awaited.set()
 
     def _give_up(self, why: str) -> None:
-        for future in self._pending.values():
+        for future, _ in self._pending.values():
             resolve(future, error=WeightSyncError(why))
         self._pending.clear()
 
+    def _doom(self, keys: Sequence[str]) -> None:
+        """Delete ``keys`` once the poller idles (the store's lock held). Where there is no
+        poller, or it never idles (answers that never come, push after push), now: the store
+        stays bounded whatever happens."""
+        self._doomed.update(dict.fromkeys(keys))
+        if self._thread is None or len(self._doomed) > _MOST_DOOMED:
+            delete(self._store, list(self._doomed))
+            self._doomed.clear()
+
+    def _delete_doomed(self) -> bool:
+        """Delete the keys doomed, one a hold of the lock (a post waits for one deletion at
+        most), until an answer is awaited. Returns whether it stopped with keys left."""
+        while True:
+            with self._waiting:
+                if self._pending:
+                    return True
+            with self._lock:
+                if self._closed or not self._doomed:
+                    return False
+                key = next(iter(self._doomed))
+                del self._doomed[key]
+                self._store.delete_key(key)
+
+    def _look(self, key: str) -> str | None:
+        """The answer under ``key`` if it is there (read once: deleted later); None if not, or
+        the mailbox is closed."""
+        with self._lock:
+            if self._closed or not self._store.check([key]):
+                return None
+            value = self._store.get(key).decode()
+            self._doom([key])
+            return str(value)
+
     def _poll(self) -> None:
         """Look for the answers awaited, more slowly the longer none comes; with none awaited,
-        sleep until one is (``expect``): a round's first look comes half a millisecond after
-        it was posted, not after whatever pause the last round's looks had reached."""
+        delete what is doomed, then sleep until an answer is awaited (``expect``): a round's
+        first look comes half a millisecond after it was posted, not after whatever pause the
+        last round's looks had reached."""
         backoff = Backoff(*_POLL_S)
-        while True:
-            arrived = []
-            with self._lock:
-                if self._closed:
-                    return
-                for key, future in list(self._pending.items()):
-                    if future.done():  # failed with its client call
-                        del self._pending[key]
-                    elif self._store.check([key]):  # an answer is read once
-                        arrived.append((future, self._store.get(key).decode()))
-                        delete(self._store, [key])
+        while not self._closed:
+            with self._waiting:
+                awaited = list(self._pending.items())
+            now, soonest = time.monotonic(), float("inf")
+            over: list[tuple[str, Future[str]]] = []  # failed with the client call, or given
+            arrived: list[tuple[str, Future[str], str]] = []
+            for key, (future, due) in awaited:
+                if future.done():
+                    over.append((key, future))
+                elif due > now:
+                    soonest = min(soonest, due)
+                elif (value := self._look(key)) is not None:
+                    arrived.append((key, future, value))
+            with self._waiting:
+                for key, future in [*over, *((key, future) for key, future, _ in arrived)]:
+                    if self._pending.get(key, (None, 0.0))[0] is future:
                         del self._pending[key]
                 idle = not self._pending
-            for future, value in arrived:
+            for _, future, value in arrived:
                 resolve(future, result=value)
-            if idle:
+            if idle and not self._delete_doomed():
                 self._awaited.wait()
                 self._awaited.clear()
             if arrived or idle:  # the next answer is likely near: look again soon
                 backoff = Backoff(*_POLL_S)
-            backoff.sleep()
+            backoff.sleep(soonest - time.monotonic())
+
+
+def _returned(answer: Future[str], call: Future[str | None]) -> None:
+    """A member's reply where its call returned it (the poller then stops looking for it); a
+    call that returned none, or failed, leaves the answer to the store (or to the failure of the
+    client call): a member that did not commit answers there (``StoreMember.push``), and a
+    member's death is judged by the calls' own collector, as it always was."""
+    if call.exception() is None and (reply := call.result()) is not None:
+        resolve(answer, result=reply)
 
 
 def _parse(raw: str, kind: type | None) -> Any:

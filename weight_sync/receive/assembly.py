@@ -52,10 +52,7 @@ class Assembly:
 
     def check(self, sender: int) -> Check:
         """A lane's plan must carry exactly the blocks the layout gives its sender."""
-        blocks = {
-            meta.name: meta.model_copy(update={"shape": block.size})
-            for block, meta in self._blocks(sender)
-        }
+        blocks = self.layout.lane_tensors(sender)
         return lambda plan, partial: check_plan(plan, blocks, partial)
 
     def destinations(self, sender: int) -> dict[str, torch.Tensor] | None:

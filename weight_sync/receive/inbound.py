@@ -105,6 +105,7 @@ class Lanes:
         wait_s: float,
         member: str,
         firsts: Sequence[str | None] | None = None,
+        answer: Callable[[str], None] | None = None,
     ) -> int | None:
         """Push ``push`` (of ``version``) on every lane the layout gives blocks to, each on a
         thread of its own (one lane: on the caller's), landing where ``assembly`` says. Returns
@@ -114,7 +115,8 @@ class Lanes:
         called off), the version held stays. A layout with no block (no tensor has an element)
         moves nothing: the version stays, and is not spent. ``firsts``: how each lane opens, as
         rank 0's call says (``LanePush.firsts``: which senders have a lane, and the one-step
-        pushes it carries)."""
+        pushes it carries). ``answer``: where rank 0's lane commits here in the step carried,
+        its reply goes there (the call returns it: ``LanePush.answer``), not into its store."""
         if firsts is None:
             firsts = [
                 None if assembly.layout.sent_by(s) else NO_LANE for s in range(len(self.inbound))
@@ -141,7 +143,8 @@ class Lanes:
 
         def outcome(sender: int, lane: Inbound) -> tuple[int | None, BaseException | None]:
             try:
-                return self._lane(sender, lane, wait_s, push, firsts[sender]), None
+                first, answered = firsts[sender], answer if sender == 0 else None
+                return self._lane(sender, lane, wait_s, push, first, answered), None
             except Exception as exc:
                 return None, exc
 
@@ -191,10 +194,18 @@ class Lanes:
             self.record.adopt(status.model_copy(update={"last_error": error}))
             self._synced = self.record.changes
 
-    def _lane(self, sender: int, lane: Inbound, wait_s: float, push: int, first: str | None) -> int:
+    def _lane(
+        self,
+        sender: int,
+        lane: Inbound,
+        wait_s: float,
+        push: int,
+        first: str | None,
+        answer: Callable[[str], None] | None,
+    ) -> int:
         """One lane's receive, on its thread; over one group its rounds go on without it after."""
         try:
-            version = lane.receive(wait_s, push, first)
+            version = lane.receive(wait_s, push, first, answer)
         except BaseException:
             if self.rounds is not None:
                 self.rounds.done(sender, failed=True)
@@ -294,7 +305,13 @@ class Inbound:
         )
         self._next = 0  # the next command's number
 
-    def receive(self, wait_s: float, push: int, first: str | None = None) -> int:
+    def receive(
+        self,
+        wait_s: float,
+        push: int,
+        first: str | None = None,
+        answer: Callable[[str], None] | None = None,
+    ) -> int:
         """Take push number ``push`` of this lane, waiting at most ``wait_s`` for it to begin
         and as long again between steps; its version as soon as it committed here (the
         sender's ``end`` is not waited for), else raises once the sender ended it. ``first``:
@@ -303,11 +320,13 @@ class Inbound:
         store is not read at all. The rest is read from the push's ``begin`` (its number under
         ``BEGIN``), whatever went before it: the steps of earlier pushes this rank gave up on (a
         member that gave up waiting for push 3 and is then asked for push 4 does not take 3,
-        sent late, for it), or that the sender deleted since (``Commands.post``)."""
+        sent late, for it), or that the sender deleted since (``Commands.post``). ``answer``:
+        where ``first`` commits here, its reply goes there rather than into the store
+        (``StoreMember.push``)."""
         failure: WeightSyncError | None = None
         if first is not None:
             try:
-                committed = self._step("push", {"request": first})
+                committed = self._step("push", {"request": first}, answer)
             except Exception as exc:  # answered to the sender already; its ``end`` follows
                 failure = self._failure("push", exc)
             else:
@@ -353,7 +372,9 @@ class Inbound:
             )
         return number == wanted
 
-    def _step(self, op: str, arg: dict[str, Any]) -> int | None:
+    def _step(
+        self, op: str, arg: dict[str, Any], answer: Callable[[str], None] | None = None
+    ) -> int | None:
         """Run one step of the sender's push; returns the version when it committed here."""
         member = self.member
         if op == "init":
@@ -369,7 +390,7 @@ class Inbound:
             if member.receive(int(arg["version"])):  # committed on receipt
                 return int(arg["version"])
         elif op == "push":  # the whole push in one step, where every member offered it
-            if member.push(str(arg["request"])):
+            if member.push(str(arg["request"]), answer):
                 return member.receiver.version
         elif op == "finish":
             version = member.pushing

@@ -63,13 +63,16 @@ class Member:
         problems: Callable[[BlockLayout], Sequence[str]],
         target: Callable[[BlockLayout], Assembly],
         name: str,
+        answer: Callable[[str], None] | None = None,
     ) -> int | None:
         """Rank 0's ``call`` in one step: the senders' lanes followed (``follow``), the push
         checked (``checked``: the layout read from rank 0's store if this member lacks it), and
         taken on every lane at once as each opens (``receive``), into ``target(layout)`` --
         where the check found problems (or ``target`` raised), refused on every lane with them
         (``Refusal``): nothing moves anywhere and every sender raises the refusal. Returns the
-        version held; ``name`` names this member in its problems and errors."""
+        version held; ``name`` names this member in its problems and errors. ``answer``: where
+        the call asks for it (``LanePush.answer``), the reply of rank 0's lane, if it committed
+        in the step the call carried, goes there (``Lanes.receive``)."""
         lanes = self.follow(call.endpoints, call.slot, min(call.wait_s, 60.0))
         deadline = Deadline(call.wait_s, f"the lanes of push {call.check.push}")
         found = self.checked(lanes.checks, call.check, problems, name)
@@ -84,9 +87,9 @@ class Member:
             unread = BlockLayout(senders=len(call.endpoints), tensors=(), blocks=())
             assembly = Refusal(layout or unread, found)
         left_s = max(1.0, deadline.remaining())
-        return self.receive(
-            assembly, call.check.push, call.check.version, left_s, name, call.firsts
-        )
+        answered = answer if call.answer else None
+        push, version = call.check.push, call.check.version
+        return self.receive(assembly, push, version, left_s, name, call.firsts, answered)
 
     def answer(
         self,
@@ -164,12 +167,13 @@ class Member:
         wait_s: float,
         name: str,
         firsts: Sequence[str | None] | None = None,
+        answer: Callable[[str], None] | None = None,
     ) -> int | None:
         """Take push ``push`` (of ``version``) on every lane at once, landing where
-        ``assembly`` says (``Lanes.receive``, with ``firsts``); ``name`` names this member in
-        errors."""
+        ``assembly`` says (``Lanes.receive``, with ``firsts`` and ``answer``); ``name`` names
+        this member in errors."""
         assert self.lanes is not None, "follow the senders' lanes first"
-        return self.lanes.receive(assembly, push, version, wait_s, name, firsts)
+        return self.lanes.receive(assembly, push, version, wait_s, name, firsts, answer)
 
     def close(self) -> None:
         """Leave the lanes (and the one group their buckets came over, if they did)."""

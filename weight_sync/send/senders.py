@@ -25,9 +25,7 @@ import torch.distributed as dist
 from weight_sync.config import SyncConfig
 from weight_sync.control.deadline import Deadline
 from weight_sync.control.lane_store import CLOSE, VERDICTS, Commands, Verdicts
-from weight_sync.control.store import (
-    ClientPlane,
-)
+from weight_sync.control.store import Answers, ClientPlane
 from weight_sync.errors import (
     PlanMismatchError,
     SenderFailedError,
@@ -135,14 +133,16 @@ class Opening:
     store, or that it has no lane (``say``). Once every sender said (one all-gather over their
     control group), rank 0 ``call``s the members with every lane's opening: the members' check
     before any byte, and their lanes, begin only then -- so a lane that forms or goes the long way
-    finds them reading its store."""
+    finds them reading its store. Where rank 0's lane is the push's only one, its members may
+    answer it in their calls (``LanePush.answer``): ``call`` returns those calls, by member
+    slot, and rank 0's lane takes their replies from them (``ClientPlane.push``)."""
 
     def __init__(
         self,
         control: dist.ProcessGroup | None,
         senders: int,
         rank: int,
-        call: Callable[[list[str | None]], None],
+        call: Callable[[list[str | None]], Answers],
     ) -> None:
         self._control, self._senders, self._rank, self._call = control, senders, rank, call
         self._said = True  # no push begun
@@ -153,21 +153,24 @@ class Opening:
         self._said = False
         self._lanes = [bool(layout.sent_by(sender)) for sender in range(self._senders)]
 
-    def carry(self, op: str, arg: Mapping[str, Any]) -> bool:
-        """The lane's first step, ``op`` with ``arg`` (none: ``op`` empty): whether rank 0's
-        call carries it (a push in one step, small enough), else it goes in the store."""
+    def carry(self, op: str, arg: Mapping[str, Any]) -> Answers | None:
+        """The lane's first step, ``op`` with ``arg`` (none: ``op`` empty): where rank 0's
+        call carries it (a push in one step, small enough), the calls that return replies
+        (``say``); else None, and it goes in the store."""
         request = arg.get("request") if op == "push" else None
         carried = isinstance(request, str) and len(request) <= MAX_FIRST_CHARS
-        return self.say(request if carried else None) and carried
+        answers = self.say(request if carried else None)
+        return answers if carried else None
 
-    def say(self, first: str | None) -> bool:
+    def say(self, first: str | None) -> Answers | None:
         """This sender's lane opens with ``first``: ``NO_LANE``, None (its store) or a
-        ``PrepareRequest``'s JSON. Returns whether every sender's word came: where a sender
+        ``PrepareRequest``'s JSON. Returns the calls that return replies of this lane (rank 0's
+        ``call``; none elsewhere), or None where a sender's word did not come: where a sender
         left before saying, every lane goes through its store after all -- rank 0 calls the
         members all the same, and the lanes of those that left fail there at once (their
         stores closed), naming them."""
         if self._said:
-            return True
+            return {}
         self._said = True
         heard = True
         said = b"-" if first is None else b"=" + first.encode()
@@ -178,9 +181,8 @@ class Opening:
             logger.info("a sender left before its lane opened (%s): lanes by store", exc)
             heard = False
             firsts = [None if lane else NO_LANE for lane in self._lanes]
-        if self._rank == 0:
-            self._call(firsts)
-        return heard
+        answers = self._call(firsts) if self._rank == 0 else {}
+        return answers if heard else None
 
 
 def lane_config(config: SyncConfig, one_group: bool = False) -> SyncConfig:
@@ -291,7 +293,7 @@ class Senders:
         receivers: int = 0,
         follow: Follow | None = None,
         lanes: bool = True,
-        call: Callable[[list[str | None]], None] | None = None,
+        call: Callable[[list[str | None]], Answers] | None = None,
     ) -> None:
         if config is not None and not isinstance(config, SyncConfig):
             raise TypeError(f"config must be a SyncConfig, got {type(config).__name__}")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import product
 
 import torch
@@ -197,6 +198,24 @@ class BlockLayout(Hashed):
     def sent_by(self, sender: int) -> list[Block]:
         """The blocks ``sender`` sends, in the tensors' order."""
         return [block for block in self.blocks if block.sender == sender]
+
+    def lane_tensors(self, sender: int) -> dict[str, TensorMeta]:
+        """What the plan of ``sender``'s lane must carry: each of its blocks as a tensor of its
+        own (the tensor's name and dtype, the block's shape). Worked out once per sender: a
+        member checks every push of a layout it holds against it."""
+        if sender not in self._lanes:
+            self._lanes[sender] = {
+                meta.name: TensorMeta.model_construct(
+                    name=meta.name, dtype=meta.dtype, shape=block.size
+                )
+                for block in self.sent_by(sender)
+                for meta in (self.tensors[block.tensor],)
+            }
+        return self._lanes[sender]
+
+    @cached_property
+    def _lanes(self) -> dict[int, dict[str, TensorMeta]]:
+        return {}
 
     def bytes_per_sender(self) -> list[int]:
         sizes = [0] * self.senders

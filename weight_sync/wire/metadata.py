@@ -393,6 +393,11 @@ class LanePush(_Wire):
     firsts: tuple[Annotated[str, Field(max_length=MAX_FIRST_CHARS)] | None, ...] = Field(
         max_length=MAX_SENDERS
     )
+    # The member answers rank 0's lane in this call's result (as one sender's members answer
+    # their push), not in rank 0's store, where it commits that lane's push here in its one step
+    # (``firsts[0]``); asked where that lane is the push's only one (the call then ends as the
+    # lane does) of a member that takes pushes in one call (``MemberInfo.one_call``).
+    answer: bool = False
 
     @model_validator(mode="after")
     def _a_first_per_sender(self) -> LanePush:
