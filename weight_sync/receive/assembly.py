@@ -44,6 +44,7 @@ class Assembly:
         self._load = load
         self._lock = threading.Lock()
         self._parts: dict[str, tuple[torch.Tensor, int]] = {}  # tensor being put together, left
+        self._views: dict[int, dict[str, torch.Tensor]] = {}  # each lane's, made once a push
 
     def problems(self, held: int | None) -> list[str]:
         """What in the layout the target cannot take (names, dtypes, global shapes), the member
@@ -56,13 +57,20 @@ class Assembly:
         return lambda plan, partial: check_plan(plan, blocks, partial)
 
     def destinations(self, sender: int) -> dict[str, torch.Tensor] | None:
-        """Each block of the lane as a view of the model's tensor (None for a loader)."""
+        """Each block of the lane as a view of the model's tensor (None for a loader); a block
+        that is the whole tensor, the tensor itself. Made once: a lane's receive asks for them
+        twice (where bytes land in place, what the rest is copied into)."""
         if self._destinations is None:
             return None
-        return {
-            meta.name: view_of(self._destinations[meta.name], block)
-            for block, meta in self._blocks(sender)
-        }
+        if sender not in self._views:
+            model = self._destinations
+            self._views[sender] = {
+                meta.name: model[meta.name]
+                if block.size == meta.shape
+                else view_of(model[meta.name], block)
+                for block, meta in self._blocks(sender)
+            }
+        return self._views[sender]
 
     def loader(self, sender: int) -> Load:
         """What takes the blocks that could not land in place: copied into their views of the
