@@ -230,7 +230,7 @@ def test_a_push_in_one_step_is_announced_and_answered_through_the_store() -> Non
         reply, raw = _pushed(1)
         plane.post("pushed/1/1", raw)
         assert answer.result(timeout=10) == reply
-        assert not plane._mailbox._pending  # read once, and gone from the store
+        assert not plane._mailbox._pending  # read once (deleted once the poller idles)
     finally:
         plane.close()
     poller = plane._mailbox._thread
