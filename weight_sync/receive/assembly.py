@@ -57,17 +57,14 @@ class Assembly:
         return lambda plan, partial: check_plan(plan, blocks, partial)
 
     def destinations(self, sender: int) -> dict[str, torch.Tensor] | None:
-        """Each block of the lane as a view of the model's tensor (None for a loader); a block
-        that is the whole tensor, the tensor itself. Made once: a lane's receive asks for them
-        twice (where bytes land in place, what the rest is copied into)."""
+        """Each block of the lane as a view of the model's tensor (None for a loader; a whole
+        tensor's block, the tensor itself: ``view_of``). Made once: a lane's receive asks for
+        them twice (where bytes land in place, what the rest is copied into)."""
         if self._destinations is None:
             return None
         if sender not in self._views:
-            model = self._destinations
             self._views[sender] = {
-                meta.name: model[meta.name]
-                if block.size == meta.shape
-                else view_of(model[meta.name], block)
+                meta.name: view_of(self._destinations[meta.name], block)
                 for block, meta in self._blocks(sender)
             }
         return self._views[sender]
