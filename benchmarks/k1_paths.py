@@ -1,7 +1,8 @@
 """What a push from one Ray trainer would cost on the many-senders path: the same trainer and
 workers, one sender's protocol (``WeightUpdater(workers)``) against the K = 1 case of the
-many-senders front (``WeightUpdater(workers, senders=group)`` over a torch.distributed group of
-one rank: the agreement, rank 0's store, one lane of store commands).
+many-senders front (``RayLanes`` -- what ``WeightUpdater(workers, senders=group)`` runs -- over
+``OneRank``, a trainer of one process with no torch.distributed: the agreement, rank 0's store,
+one lane of store commands).
 
 Issue 63 asks that one sender's push become the K = 1 case of a push from many; this measures
 what that costs today, before it is done. Three paths, on one host (Ray, CPU):
@@ -9,7 +10,7 @@ what that costs today, before it is done. Three paths, on one host (Ray, CPU):
 * ``one sender`` -- the default: a worker on the trainer's host takes the shared-memory ring;
 * ``one sender, group`` -- the same with ``SyncConfig(same_host="group")``: every worker a rank
   of the Gloo group, as every lane's members are;
-* ``K=1 lanes`` -- the many-senders front over a group of this one rank (Gloo lanes).
+* ``K=1 lanes`` -- the many-senders front for this one process (Gloo lanes).
 
 Each round makes a new updater per path (alternating the order), pushes once to warm up (group
 formed, layout sent) and times ``--pushes`` pushes; figures are medians over every timed push
@@ -30,10 +31,11 @@ from typing import Any
 
 import ray
 import torch
-import torch.distributed as dist
 
 from weight_sync import SyncConfig
 from weight_sync.actors import WeightUpdater
+from weight_sync.actors.lanes import RayLanes
+from weight_sync.send.collectives import OneRank
 from weight_sync.tools.bench.actors import BenchWorker
 from weight_sync.tools.bench.workloads import WORKLOADS, Workload
 
@@ -47,15 +49,11 @@ class Trainer:
     def __init__(self, workload: Workload) -> None:
         torch.set_num_threads(1)
         self.state = workload.build(fill=1.0)
-        # A group of this one rank, as a trainer of one rank has: its store on loopback, on a
-        # port the kernel picks (no file left behind, no name to race for).
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-        self.updater: WeightUpdater | None = None
+        self.updater: WeightUpdater | RayLanes | None = None
 
     def open(self, workers: list[Any], path: str) -> None:
         if path == "K=1 lanes":
-            self.updater = WeightUpdater(workers, senders=dist.group.WORLD)
+            self.updater = RayLanes(workers, group=OneRank())
         else:
             config = SyncConfig(same_host="group") if path.endswith("group") else SyncConfig()
             self.updater = WeightUpdater(workers, config)
@@ -63,7 +61,10 @@ class Trainer:
     def push(self) -> tuple[float, list[str]]:
         assert self.updater is not None
         began = time.perf_counter()
-        self.updater.push(self.state)
+        if isinstance(self.updater, RayLanes):
+            self.updater.push(self.state, {})
+        else:
+            self.updater.push(self.state)
         return time.perf_counter() - began, [str(route) for route in self.updater.routes]
 
     def close(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import os
@@ -371,7 +372,6 @@ class LMWorker(Counting):  # type: ignore[valid-type,misc]
         self.lose_lanes()  # its lanes too, not only its group
         super().renew(**init)
 
-
     def protocol_calls(self) -> dict[str, int]:
         """The protocol's methods called on this worker since the last ask, and how often."""
         return dict(self.__dict__.pop("_protocol_calls", {}))
@@ -420,7 +420,8 @@ class LMWorker(Counting):  # type: ignore[valid-type,misc]
     def _weight_sync_assembly(self, layout: Any) -> Any:
         assembly = super()._weight_sync_assembly(layout)
         failing = getattr(self, "_fail_before_bytes", None)
-        if failing is not None:
+        if failing is not None:  # on a copy: the worker's own serves the pushes after
+            assembly = copy.copy(assembly)
             where = assembly.destinations
 
             def destinations(sender: int) -> Any:
@@ -578,9 +579,12 @@ class ShardedTrainer:
         self.lanes.close()
 
     def lane_ops(self) -> list[str]:
-        """The steps this rank's lane posted in its store for its last push, in order."""
+        """The steps this rank's lane posted in its store for its last push, in order (none:
+        not even its frame)."""
         senders = self.lanes._pushes._lanes
         store = senders.out.plane._mailbox._store
+        if not store.check([f"cmd/begin/{senders.pushes}"]):
+            return []
         ops, number = [], int(store.get(f"cmd/begin/{senders.pushes}"))
         while store.check([f"cmd/{number}"]):
             ops.append(json.loads(store.get(f"cmd/{number}"))["op"])
@@ -608,3 +612,49 @@ class ShardedTrainer:
         if self.updater is not None:
             self.updater.close()
         dist.destroy_process_group()
+
+
+@ray.remote(num_cpus=0)
+class LoneTrainer:
+    """A trainer of one process that never calls ``init_process_group``, pushing through the
+    many-senders front over ``OneRank`` (the K = 1 case); its methods are ``ShardedTrainer``'s
+    that the K = 1 test calls."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        assert (rank, world_size) == (0, 1), "a trainer of one process"
+        torch.set_num_threads(1)
+
+    def port(self) -> int:
+        return 0  # no rendezvous to hold
+
+    def setup(self, port: int, workers: None) -> None:
+        self.model = TinyLM(fused=False, seed=0)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.5)
+
+    def step(self) -> None:
+        loss = self.model(torch.arange(32).reshape(4, 8)).logsumexp(-1).mean()
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def lanes_setup(self, workers: list, one_group: bool = False) -> None:
+        from weight_sync.actors.lanes import RayLanes
+        from weight_sync.send.collectives import OneRank
+
+        self.lanes = RayLanes(workers, SyncConfig(), group=OneRank(), one_group=one_group)
+        assert not dist.is_initialized(), "no torch.distributed group was made"
+
+    def lanes_routes(self) -> tuple[list[str], bool]:
+        return self.lanes.routes, self.lanes.group is not None
+
+    def lanes_push(self) -> Any:
+        return self.lanes.push(self.model.state_dict(), {})
+
+    def lanes_answered(self) -> list[bool]:
+        return [call.result() is not None for call in self.lanes._calls]
+
+    def full_digests(self) -> dict[str, str]:
+        return state_dict_digests(self.model.state_dict())
+
+    def lanes_close(self) -> None:
+        self.lanes.close()

@@ -26,6 +26,8 @@ from weight_sync.wire.blocks import (
 )
 from weight_sync.wire.metadata import TensorMeta
 from weight_sync.receive.assembly import Assembly, layout_of_push
+from weight_sync.receive.receiver import Receiver
+from weight_sync.wire.metadata import SyncPlan, SyncStatus
 from weight_sync.wire.lane_rules import layout_of
 
 
@@ -200,6 +202,14 @@ def test_view_of_is_the_block_in_place() -> None:
     assert not column.is_contiguous() and (full[:, 3:] == -1).all() and (full[:, :3] >= 0).all()
 
 
+def holding(version: int | None) -> Receiver:
+    """A member's record (a real ``Receiver``) that holds ``version``."""
+    record = Receiver(torch.device("cpu"))
+    if version is not None:
+        record.adopt(SyncStatus(version=version, full_version=version, dirty=False, phase="idle"))
+    return record
+
+
 def _layout() -> BlockLayout:
     spreads = [Spread((2,), (Shard(1),), (0, 1)), Spread((2,), (Shard(0),), (0, 1))]
     return assign([meta("cols", 3, 4), meta("rows", 4)], spreads, 2)
@@ -208,7 +218,7 @@ def _layout() -> BlockLayout:
 def test_assembly_into_a_model_lands_each_lane_in_place_or_copies() -> None:
     model = {"cols": torch.zeros(3, 4), "rows": torch.zeros(4)}
     assembly = Assembly(_layout(), model)
-    assert assembly.problems(None) == []
+    assert assembly.problems(holding(None)) == []
     for sender in (0, 1):
         views = assembly.destinations(sender)
         assert views is not None and views["rows"].is_contiguous()
@@ -222,9 +232,48 @@ def test_assembly_into_a_model_lands_each_lane_in_place_or_copies() -> None:
 
 def test_assembly_refuses_a_model_the_layout_does_not_fit() -> None:
     model = {"cols": torch.zeros(3, 5), "extra": torch.zeros(1)}
-    problems = Assembly(_layout(), model).problems(None)
+    problems = Assembly(_layout(), model).problems(holding(None))
     assert any("'cols': sent float32[3, 4], model has float32[3, 5]" in p for p in problems)
     assert "unknown tensor 'rows'" in problems and "missing tensor 'extra'" in problems
+
+
+def test_a_layout_taken_into_the_same_tensors_is_not_checked_again_and_others_are() -> None:
+    """The record remembers the layout it last accepted into the very same tensors (as it does
+    one sender's plan): a check asked again for it is skipped, and asked for another layout
+    (which, refused, leaves nothing remembered), another partial flag or other tensors; a tensor
+    replaced by one of another shape is found."""
+    model = {"cols": torch.zeros(3, 4), "rows": torch.zeros(4)}
+    record, layout = holding(1), _layout()
+    assert Assembly(layout, model).problems(record) == []
+    plan = SyncPlan.model_construct(alignment=1, tensors=layout.tensors, buckets=())
+    always = lambda plan, partial: ["checked"]  # noqa: E731
+    assert record.remembered(always, model, layout.digest)(plan, False) == []
+    assert record.remembered(always, dict(model), layout.digest)(plan, False) == []  # same ones
+    assert record.remembered(always, model, "0" * 64)(plan, False) == ["checked"]
+    assert record.remembered(always, model, layout.digest)(plan, False) == ["checked"]  # forgot
+    for partial, tensors in [(True, model), (False, {**model, "cols": torch.zeros(3, 4)})]:
+        assert Assembly(layout, model).problems(record) == []  # accepted again
+        assert record.remembered(always, tensors, layout.digest)(plan, partial) == ["checked"]
+    model["cols"] = torch.zeros(3, 5)
+    assert any("model has float32[3, 5]" in p for p in Assembly(layout, model).problems(record))
+
+
+def test_an_assembly_serves_again_only_the_same_layout_into_the_very_same_tensors() -> None:
+    """Its views of the model hold while the layout and the tensors (objects and storage) are
+    the ones it was made for; a member then reuses it rather than make them every push."""
+    model = {"cols": torch.zeros(3, 4), "rows": torch.zeros(4)}
+    layout = _layout()
+    assembly = Assembly(layout, model)
+    views = assembly.destinations(0)
+    assert assembly.serves(layout, model) and assembly.serves(_layout(), dict(model))
+    assert assembly.destinations(0) is views
+    other = assign([meta("cols", 3, 4), meta("rows", 4)], [Spread.everywhere(2)] * 2, 2)
+    assert not assembly.serves(other, model)
+    assert not assembly.serves(layout, {**model, "rows": torch.zeros(4)})  # another tensor
+    moved = dict(model)
+    moved["cols"].data = torch.zeros(3, 4)  # the same object, its bytes elsewhere
+    assert not assembly.serves(layout, moved)
+    assert not Assembly(layout, None, lambda weights: None).serves(layout, model)  # a loader
 
 
 @pytest.mark.parametrize(
@@ -242,7 +291,7 @@ def test_a_partial_layout_completes_a_version_held(partial, held, found) -> None
     spreads = [Spread((2,), (Shard(0),), (0, 1))]
     layout = assign([meta("rows", 4)], spreads, 2, partial)
     model = {"rows": torch.zeros(4), "extra": torch.zeros(1)}
-    problems = Assembly(layout, model).problems(held)
+    problems = Assembly(layout, model).problems(holding(held))
     assert problems == [] if found is None else any(found in p for p in problems), problems
     assert layout.digest != assign([meta("rows", 4)], spreads, 2, not partial).digest
 

@@ -292,6 +292,54 @@ def test_keys_forgotten_go_between_rounds_and_a_key_posted_again_stays() -> None
         plane.close()
 
 
+class _StartClient(_OneCallClient):
+    """Sees, as each prepare is asked of the members, whether an answer to it is there already."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.store: Any = None
+        self.there: list[bool] = []
+
+    def start_weight_update(self) -> None:
+        self.there.append(bool(self.store.check(["prepared/1/1"])))
+
+
+@pytest.mark.timeout(60)
+def test_a_prepare_asked_again_reads_only_its_own_answers() -> None:
+    """A delta some member cannot take is asked again, dense, under the same version: the
+    first ask's answers are gone before the second is asked -- read as the second's, they said
+    "need dense" again (the push refused, naming no problem); deleted once read, they could
+    take the second's with them (a wait to the push's bound)."""
+    client = _StartClient()
+    plane = ClientPlane(client, 1, SyncConfig())
+    store = client.store = plane._mailbox._store
+    plan = make_plan([TensorMeta.of("w", torch.zeros(2))], 1024, 64)
+    status = SyncStatus(version=None, dirty=False, phase="idle")
+
+    def answer(reply: PrepareReply) -> None:
+        store.set(
+            "prepared/1/1",
+            WorkerReply(value=reply.model_dump_json(), status=status).model_dump_json(),
+        )
+
+    try:
+        request = PrepareRequest(version=1, plan_digest=plan.digest)  # as the dense ask is
+        (first,) = plane.prepare(request, plan, [0], [False], timeout_s=10)
+        # The poller, which hands the answer on, is slow to come back (a busy host): the
+        # second ask is made before it deletes what it read.
+        first.add_done_callback(lambda _: time.sleep(0.5))
+        answer(PrepareReply(accepted=False, need_dense=True))
+        assert first.result(timeout=10).need_dense
+        (second,) = plane.prepare(request, plan, [0], [False], timeout_s=10)
+        time.sleep(0.2)
+        assert not second.done(), second.result()  # the first ask's answer is not this one's
+        assert client.there == [False, False]  # gone before the second ask
+        answer(PrepareReply(accepted=True))
+        assert second.result(timeout=10).accepted
+    finally:
+        plane.close()
+
+
 class _SessionClient(_OneCallClient):
     """Counts the sessions the plane ends (``finish_weight_update`` without a version)."""
 

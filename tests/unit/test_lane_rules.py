@@ -19,8 +19,9 @@ from weight_sync.wire.lane_rules import (
     config_disagreement,
     config_row,
     proposal,
+    row_bytes,
     row_digest,
-    row_tensor,
+    row_words,
 )
 from weight_sync.wire.metadata import ReceiveReport
 
@@ -66,7 +67,8 @@ def test_proposal_reads_the_senders_rows_only(
 
 def test_a_row_gives_back_the_digest_it_was_made_with() -> None:
     digest = bytes(range(32))
-    assert row_digest(row_tensor([1, 2, 3], digest).tolist()) == digest.hex()
+    assert row_digest(row_words(row_bytes([1, 2, 3], digest))) == digest.hex()
+    assert row_words(row_bytes([-1, 2**40], digest))[:2] == (-1, 2**40)
 
 
 def test_a_share_proposes_past_its_own_version_and_names_its_digest() -> None:
@@ -74,7 +76,7 @@ def test_a_share_proposes_past_its_own_version_and_names_its_digest() -> None:
     assert values == [0, 9, 4] and digest == bytes(32)
     values, _ = Share({}, None, ValueError("bad"), 0).row(next_version=2)
     assert values == [1, 2, 0]
-    words = row_tensor([0, 1, 0], bytes(range(32))).tolist()[3:]
+    words = row_words(row_bytes([0, 1, 0], bytes(range(32))))[3:]
     assert words[0] == int.from_bytes(bytes(range(8)), "little")
 
 

@@ -33,7 +33,7 @@ MODULES = {module_name(path): imports_of(path) for path in sorted(PACKAGE.rglob(
 # The fronts (each a way users reach a push) and the tools that run them.
 FRONTS = ["weight_sync.actors", "weight_sync.adapters", "weight_sync.launch", "weight_sync.tools"]
 # The parts of the sender below the two that run a push (the pusher; several senders' lanes).
-SEND_PARTS = ["formation", "roster", "routes", "sender", "sharded", "wire"]
+SEND_PARTS = ["collectives", "formation", "roster", "routes", "sender", "sharded", "wire"]
 
 # (the modules under a floor, the modules none of them may import)
 FLOORS = [

@@ -51,6 +51,7 @@ from weight_sync.errors import (
     first_line,
 )
 from weight_sync.result import PushResult
+from weight_sync.send.collectives import OneRank
 from weight_sync.send.routes import Route, members_nccl_problem
 from weight_sync.send.senders import Senders, nothing_moves
 from weight_sync.transport.base import Transport
@@ -70,7 +71,8 @@ class RayLanes:
 
     Made on every rank of ``group`` (the trainers' torch.distributed group) at once: a
     collective. Its ranks ``0..n-1`` are the senders; the DTensors pushed must
-    lie on meshes of them (see docs/many-senders.md).
+    lie on meshes of them (see docs/many-senders.md). ``OneRank()``: a trainer of one process,
+    no torch.distributed -- the K = 1 case, the same protocol.
 
     ``one_group``: every lane's buckets go over one group of the senders and the workers, point
     to point, each worker taking them in rounds (``transport.rounds``), rather than over a Gloo
@@ -84,7 +86,7 @@ class RayLanes:
         workers: Sequence[ActorHandle],
         config: SyncConfig | None = None,
         *,
-        group: dist.ProcessGroup | None = None,
+        group: dist.ProcessGroup | OneRank | None = None,
         one_group: bool = False,
     ) -> None:
         if one_group and not all(hasattr(w, "_weight_sync_lanes_join") for w in workers):

@@ -207,7 +207,7 @@ class WeightSyncWorker:
             return None
 
         def problems(layout: BlockLayout) -> list[str]:
-            return self._weight_sync_assembly(layout).problems(member.record.version)
+            return self._weight_sync_assembly(layout).problems(member.record)
 
         answered: list[str] = []
         name = f"worker {call.slot - 1}"
@@ -272,12 +272,16 @@ class WeightSyncWorker:
         return expecting(self.weight_sync_expected), destinations, False
 
     def _weight_sync_assembly(self, layout: BlockLayout) -> Assembly:
-        """Where a push from many senders lands: in this worker's destinations, or put
-        together into whole tensors for ``load_weights``."""
+        """Where a push from many senders lands: in this worker's destinations -- the last
+        push's assembly again while it serves (the same layout into the very same tensors) --,
+        or put together into whole tensors for ``load_weights``."""
         destinations = self.weight_sync_destinations()
-        if destinations is not None:
-            return Assembly(layout, destinations)
-        return Assembly(layout, None, self.load_weights)
+        if destinations is None:
+            return Assembly(layout, None, self.load_weights)
+        last: Assembly | None = self.__dict__.get("_weight_sync_assembled")
+        if last is None or not last.serves(layout, destinations):
+            last = self._weight_sync_assembled = Assembly(layout, destinations)
+        return last
 
     def _weight_sync_custom_load(self) -> bool:
         return self._weight_sync_overrides("load_weights")

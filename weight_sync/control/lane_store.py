@@ -65,34 +65,69 @@ class Commands:
         self._next = 0
         self._push: int | None = None  # the push the commands posted now belong to
         self._opening = False  # the next command is the first step of the push
+        # The push's ``begin``, until a step of it goes in the store (``_frame``): a push whose
+        # one step rank 0's call carried, and which landed, never puts any.
+        self._unframed: dict[str, Any] | None = None
+        self._carried = False  # the push's first step went in rank 0's call
         self._kept: Retention | None = None  # the commands of the last pushes, by push
         self._lock = threading.Lock()
 
     def post(self, op: str, arg: dict[str, Any], new_push: bool = False) -> Answers:
-        """Post the next command; ``new_push``: it begins a push, and the commands of the pushes
-        before the last ``KEPT_PUSHES`` go (``Retention``). A member asked for a push reads from
-        its ``BEGIN``, whatever went before it -- after the push's first step, where ``carry``
-        took that one to it: then the calls that carried it (``Answers``; posted: none)."""
-        assert self.plane is not None, "the plane comes first"
+        """Post the next command; ``new_push``: it begins a push (``begin``, posted with the
+        push's first step in the store: ``_frame``), and the commands of the pushes before the
+        last ``KEPT_PUSHES`` go (``Retention``). A member asked for a push reads from its
+        ``BEGIN``, whatever went before it -- after the push's first step, where ``carry`` took
+        that one to it: then the calls that carried it (``Answers``; posted: none)."""
         with self._lock:
-            if self._kept is None:
-                self._kept = Retention(self.plane.post, self.plane.forget)
-            if self._opening and not new_push:
+            if new_push:
+                self._push, self._unframed = int(arg["push"]), {"op": op, "arg": arg}
+                self._opening, self._carried = True, False
+                return {}
+            if self._opening:
                 self._opening = False
                 carried = self.carry(op, arg) if self.carry is not None else None
                 if carried is not None:
+                    self._carried = True
                     return carried
-            if new_push:
-                self._push = int(arg["push"])
-                self._opening = True
-                self._kept.post(self._push, f"{BEGIN}{self._push}", str(self._next))
-            command = json.dumps({"op": op, "arg": arg})
-            if self._push is None:  # before the first push (joining): kept for good
-                self.plane.post(f"{COMMAND}{self._next}", command)
-            else:
-                self._kept.post(self._push, f"{COMMAND}{self._next}", command)
-            self._next += 1
+            self._frame()
+            self._post(json.dumps({"op": op, "arg": arg}))
             return {}
+
+    def landed(self, arg: dict[str, Any]) -> None:
+        """The ``end`` of a push that landed -- none where rank 0's call carried all of it:
+        every member then committed in that call, and none reads the store for it
+        (``Inbound.receive``). A push that failed ends with ``post``."""
+        with self._lock:
+            if self._carried and self._unframed is not None:
+                self._unframed = None
+                return
+        self.post("end", arg)
+
+    def _frame(self) -> None:
+        """Post the push's ``begin`` (the lock held), once, before its first step in the store:
+        ``BEGIN`` names its number."""
+        if self._unframed is None:
+            return
+        assert self._push is not None, "a push began"
+        self._retained().post(self._push, f"{BEGIN}{self._push}", str(self._next))
+        self._post(json.dumps(self._unframed))
+        self._unframed = None
+
+    def _post(self, command: str) -> None:
+        """Post ``command`` as the next (the lock held)."""
+        assert self.plane is not None, "the plane comes first"
+        if self._push is None:  # before the first push (joining): kept for good
+            self.plane.post(f"{COMMAND}{self._next}", command)
+        else:
+            self._retained().post(self._push, f"{COMMAND}{self._next}", command)
+        self._next += 1
+
+    def _retained(self) -> Retention:
+        """The commands of the last pushes, by push (made once the plane is there)."""
+        if self._kept is None:
+            assert self.plane is not None, "the plane comes first"
+            self._kept = Retention(self.plane.post, self.plane.forget)
+        return self._kept
 
     def unopened(self) -> bool:
         """Whether the push begun last has had no step yet (then it has none: it is over);

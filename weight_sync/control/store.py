@@ -329,6 +329,7 @@ class ClientPlane:
         self._joining: Future[Any] | None = None
         self._pushing: int | None = None  # prepared, neither committed nor cancelled
         self._ending: Future[None] | None = None  # a cancelled push's session, being ended
+        self._asked: int | None = None  # the version whose prepare was asked last
 
     def __len__(self) -> int:
         return self._workers
@@ -370,6 +371,13 @@ class ClientPlane:
     ) -> list[Future[PrepareReply]]:
         # Workers fetch the plan from the store when they lack it, so none asks for it.
         assert list(members) == list(range(self._workers)), "every worker prepares at once"
+        if self._asked == request.version:  # again (dense, after a delta some member refused)
+            # The answers to the first ask go before anyone is asked again: under the same
+            # keys, they would be read as this round's -- or, deleted once read, take this
+            # round's with them where a member answered before the deletion (a wait to the
+            # push's bound).
+            self._mailbox.purge([_prepared(request.version, s) for s in range(1, len(self) + 1)])
+        self._asked = request.version
         self._mailbox.abandon("a later push began")
         if plan.digest not in self._plans:
             self._plans.post(plan.digest, f"plan/{plan.digest}", plan.wire)
@@ -554,6 +562,16 @@ class _Mailbox:
                 self._thread = teardown.start("weight-sync-replies", self._poll, self.close)
         self._awaited.set()
         return future
+
+    def purge(self, keys: Sequence[str]) -> None:
+        """Delete ``keys`` now, whether read or not, and not again later: answers of an earlier
+        round under the keys of the next, before that round is asked."""
+        with self._lock:
+            if self._closed:
+                return
+            for key in keys:
+                self._doomed.pop(key, None)
+            delete(self._store, keys)
 
     def abandon(self, why: str) -> None:
         """Give up on every answer still awaited: a push begins only once the last one ended,

@@ -67,16 +67,8 @@ from weight_sync.receive.assembly import Assembly
 from weight_sync.receive.member import Member
 from weight_sync.receive.receiver import Receiver
 from weight_sync.result import PushResult
-from weight_sync.send.senders import (
-    Outbound,
-    Senders,
-    agree,
-    before_any_byte,
-    gather_bytes,
-    gather_rows,
-    lane_config,
-    nothing_moves,
-)
+from weight_sync.send.collectives import from_rank_0, gather_bytes, gather_rows
+from weight_sync.send.senders import Outbound, Senders, agree, lane_config, nothing_moves
 from weight_sync.transport import TorchGroup
 from weight_sync.transport.devices import CPU, module_device
 from weight_sync.transport.rounds import LanePath, Rounds
@@ -428,7 +420,7 @@ class JobSync:
                     row_digest(rows[0]),
                     version,
                     self.config.max_metadata_bytes,
-                    lambda layout: Assembly(layout, target, load).problems(member.record.version),
+                    lambda layout: Assembly(layout, target, load).problems(member.record),
                 )
             return self._refusal(self._gather_refusals(problems))
 
@@ -438,7 +430,7 @@ class JobSync:
         assert member is not None
         held, word = member.layout, 0
         if held is not None:  # its word on the layout it holds, should the senders' be that
-            word = int(bool(Assembly(held, target, load).problems(member.record.version)))
+            word = int(bool(Assembly(held, target, load).problems(member.record)))
         row = [word, member.record.highest_version, 0]
         digest = held.digest if held is not None else None
         return agree(None, 0, self._gather, senders, refused, (row, digest))
@@ -485,18 +477,13 @@ class JobSync:
 
     def _send_layout(self, layout: str | None) -> str:
         """Rank 0's layout (``layout``, its JSON: no pickle) to every rank, read back as JSON;
-        every rank takes both broadcasts before any checks what came (``Member.check``: a rank
-        leaving between them would hang the rest)."""
+        every rank takes both broadcasts (its size, then it) before any checks what came
+        (``Member.check``: a rank leaving between them would hang the rest)."""
         assert self._senders is not None
         control = self._senders.control
         raw = layout.encode() if layout is not None else b""
-        size = torch.tensor([len(raw)], dtype=torch.int64)
-        before_any_byte(lambda: dist.broadcast(size, src=0, group=control))
-        buffer = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else None
-        if buffer is None:
-            buffer = torch.empty(int(size), dtype=torch.uint8)
-        before_any_byte(lambda: dist.broadcast(buffer, src=0, group=control))
-        return layout if layout is not None else buffer.numpy().tobytes().decode("utf-8", "replace")
+        raw = control.broadcast(raw, from_rank_0(len(raw), control))
+        return layout if layout is not None else raw.decode("utf-8", "replace")
 
 
 def _ensure_world(config: SyncConfig, init_method: str | None) -> bool:

@@ -16,13 +16,18 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from pydantic import ValidationError
 
+from weight_sync.receive.buckets import Targets
 from weight_sync.receive.checks import Check, check_layout, check_plan, expecting
 from weight_sync.wire.blocks import Block, BlockLayout, view_of
 from weight_sync.wire.metadata import TensorMeta
+
+if TYPE_CHECKING:
+    from weight_sync.receive.receiver import Receiver
 
 Load = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
 
@@ -44,12 +49,29 @@ class Assembly:
         self._load = load
         self._lock = threading.Lock()
         self._parts: dict[str, tuple[torch.Tensor, int]] = {}  # tensor being put together, left
-        self._views: dict[int, dict[str, torch.Tensor]] = {}  # each lane's, made once a push
+        self._views: dict[int, dict[str, torch.Tensor]] = {}  # each lane's, made once
+        self._targets: Targets | None = None  # what identifies the destinations (``serves``)
 
-    def problems(self, held: int | None) -> list[str]:
+    def serves(self, layout: BlockLayout, destinations: Mapping[str, torch.Tensor]) -> bool:
+        """Whether this assembly takes ``layout`` into ``destinations`` as well: the same
+        layout into the very same tensors, at the same addresses -- its views of them hold, so
+        a member reuses it push after push rather than make them anew (a tenth of a small
+        push's time on a member before its vote)."""
+        if self._destinations is None or layout.digest != self.layout.digest:
+            return False
+        if self._targets is None:
+            self._targets = Targets.of(self._destinations)
+        return Targets.of(destinations, self._targets) is self._targets
+
+    def problems(self, record: Receiver) -> list[str]:
         """What in the layout the target cannot take (names, dtypes, global shapes), the member
-        holding version ``held`` (``checks.check_layout``). A loader takes any names."""
-        return check_layout(self.layout, expecting(lambda: self._destinations), held)
+        holding ``record``'s version (``checks.check_layout``). A loader takes any names; a
+        layout ``record`` accepted last into the very same tensors is not checked against them
+        again (``Receiver.remembered``)."""
+        check = expecting(lambda: self._destinations)
+        if self._destinations is not None:
+            check = record.remembered(check, self._destinations, self.layout.digest)
+        return check_layout(self.layout, check, record.version)
 
     def check(self, sender: int) -> Check:
         """A lane's plan must carry exactly the blocks the layout gives its sender."""
@@ -59,7 +81,8 @@ class Assembly:
     def destinations(self, sender: int) -> dict[str, torch.Tensor] | None:
         """Each block of the lane as a view of the model's tensor (None for a loader; a whole
         tensor's block, the tensor itself: ``view_of``). Made once: a lane's receive asks for
-        them twice (where bytes land in place, what the rest is copied into)."""
+        them twice (where bytes land in place, what the rest is copied into), and an assembly
+        may serve push after push (``serves``)."""
         if self._destinations is None:
             return None
         if sender not in self._views:

@@ -10,16 +10,13 @@ judges (``wire.blame.judge``), and every sender returns or raises together.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
-import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from weight_sync.config import SyncConfig
@@ -35,10 +32,21 @@ from weight_sync.errors import (
     first_line,
 )
 from weight_sync.result import PushResult
+from weight_sync.send.collectives import (
+    ControlGroup,
+    OneRank,
+    any_rank,
+    control_group,
+    formed_everywhere,
+    from_rank_0,
+    gather_bytes,
+    gather_rows,
+    share_endpoints,
+)
 from weight_sync.send.pusher import Pusher
 from weight_sync.transport import TorchGroup, bind_listener, listen_address
 from weight_sync.transport.base import Transport
-from weight_sync.transport.devices import CPU, current_gpu
+from weight_sync.transport.devices import current_gpu
 from weight_sync.transport.rendezvous import open_store
 from weight_sync.transport.rounds import LanePath, SendLane, lane_paths_over
 from weight_sync.wire.blocks import BlockLayout
@@ -48,7 +56,6 @@ from weight_sync.wire.lane_rules import (
     config_disagreement,
     config_row,
     proposal,
-    row_tensor,
     share_of,
 )
 from weight_sync.wire.metadata import MAX_FIRST_CHARS, NO_LANE, GroupSpec
@@ -57,7 +64,6 @@ from weight_sync.wire.state_dict import StateDict
 logger = logging.getLogger(__name__)
 
 _LINGER_S = 1.0  # a sender keeps its store this long after posting close
-_ENDPOINT_BYTES = 256  # a sender's store address, as JSON, in one fixed-size all-gather
 
 
 class Outbound:
@@ -101,7 +107,7 @@ class Outbound:
                 self.commands.post("end", {**frame, "error": first_line(exc)})
             raise
         self._open()
-        self.commands.post("end", {**frame, "version": result.version})
+        self.commands.landed({**frame, "version": result.version})
         return result
 
     def _open(self) -> None:
@@ -139,7 +145,7 @@ class Opening:
 
     def __init__(
         self,
-        control: dist.ProcessGroup | None,
+        control: ControlGroup,
         senders: int,
         rank: int,
         call: Callable[[list[str | None]], Answers],
@@ -212,19 +218,17 @@ Invite = Callable[[list[GroupSpec], list[tuple[str, int]]], Callable[[], None]]
 
 def form_one_group(
     config: SyncConfig,
-    group: dist.ProcessGroup | None,
-    device: torch.device,
+    control: ControlGroup,
     invite: Callable[[list[GroupSpec]], object] | None = None,
     members: int = 0,
 ) -> TorchGroup:
-    """The group every rank of ``group`` (a torch.distributed group: the job's, or the
-    senders') moves the lanes' buckets over (``transport.rounds``), in ``group``'s order, then
-    ``members`` processes outside it (Ray workers): made by all of them at once, rank 0 holding
-    the rendezvous. ``invite`` (rank 0, with ``members``) asks those to join, as the ranks the
-    specs it is given name, before rank 0 joins. On ``config.backend`` ("nccl": each rank of
-    ``group`` on its current GPU; else Gloo, on the host); ``device`` is where ``group``'s
-    backend takes the rendezvous address."""
-    rank, ranks = dist.get_rank(group), dist.get_world_size(group)
+    """The group every rank of ``control`` (the job's ranks, or the senders') moves the lanes'
+    buckets over (``transport.rounds``), in ``control``'s order, then ``members`` processes
+    outside it (Ray workers): made by all of them at once, rank 0 holding the rendezvous.
+    ``invite`` (rank 0, with ``members``) asks those to join, as the ranks the specs it is given
+    name, before rank 0 joins. On ``config.backend`` ("nccl": each rank of ``control`` on its
+    current GPU; else Gloo, on the host)."""
+    rank, ranks = control.rank, control.size
     listener = None
     here: tuple[str, int] | Exception | None = None
     if rank == 0:
@@ -234,7 +238,7 @@ def form_one_group(
         except Exception as exc:  # raised once the others know, not left to wait for rank 0
             here = exc
     try:
-        ((address, port),) = share_endpoints(here, 1, group, device)
+        ((address, port),) = share_endpoints(here, 1, control)
         nccl = config.backend == "nccl"
         spec = GroupSpec(
             group_id=f"{port:016x}",  # the group's own store: no other group to tell it from
@@ -264,9 +268,10 @@ Follow = Callable[[list[tuple[str, int]], TorchGroup | None, list[LanePath]], No
 
 class Senders:
     """One rank's part in pushes from every rank of a sharded trainer, whatever the members
-    are: the Gloo group the agreement runs over (``control``), this rank's lane, and the
-    verdicts in rank 0's store. Made on every rank of ``group`` (the trainers' torch.distributed
-    group; None: the default group) at once, a collective; ``members(config)`` is asked on
+    are: the group the agreement runs over (``control``: ``send.collectives``), this rank's
+    lane, and the verdicts in rank 0's store. Made on every rank of ``group`` (the trainers'
+    torch.distributed group; None: the default group) at once, a collective -- or, a trainer of
+    one process, over ``OneRank``: no torch.distributed at all. ``members(config)`` is asked on
     rank 0 only. ``owner`` names the caller's class in what it tells a caller to change.
 
     The members are reached one of two ways. Called by rank 0 (Ray workers, the workers of
@@ -284,7 +289,7 @@ class Senders:
     def __init__(
         self,
         config: SyncConfig | None,
-        group: dist.ProcessGroup | None,
+        group: dist.ProcessGroup | OneRank | None,
         members: Callable[[SyncConfig], int],
         owner: str,
         invite: Invite | None = None,
@@ -297,32 +302,14 @@ class Senders:
     ) -> None:
         if config is not None and not isinstance(config, SyncConfig):
             raise TypeError(f"config must be a SyncConfig, got {type(config).__name__}")
-        if not dist.is_initialized():
-            raise ValueError(
-                f"a {owner} needs the trainers' torch.distributed group; call "
-                "init_process_group on every trainer rank first"
-            )
         given = config or SyncConfig()
         self._given, self._invite, self._follow = given, invite, follow
         self._one = one_group or invite is not None
         self.config = lane_config(given, one_group=self._one) if lanes else given
-        self.rank = dist.get_rank(group)
-        self.senders = dist.get_world_size(group) - receivers
+        self.control = control_group(group, self.config.push_timeout_s, owner)
+        self.rank = self.control.rank
+        self.senders = self.control.size - receivers
         assert follow is None or self.rank >= self.senders, "only a receiving rank follows"
-        ranks = dist.get_process_group_ranks(group) if group is not None else None
-        timeout = datetime.timedelta(seconds=self.config.push_timeout_s)
-        # Where only some of the world makes it -- one replica of a hybrid-sharded trainer
-        # pushing -- it is named from its ranks (use_local_synchronization): a count of groups
-        # advanced here only would name the groups the whole world makes later apart (they
-        # would hang). Where the whole world makes it (a launched job; a trainer of every rank)
-        # it is named as any group of the world is, from the world's count: torch names a group
-        # of ranks from the groups alive on each rank too, and those differ where the senders
-        # made a group of their own first (FSDP2's mesh, which the receiving ranks are no
-        # members of) -- the ranks then waited for each other under two names until the bound.
-        whole = ranks is None or len(ranks) == dist.get_world_size()
-        self.control = dist.new_group(
-            ranks, backend="gloo", timeout=timeout, use_local_synchronization=not whole
-        )
         sending = self.rank < self.senders
         agree_on_config(given, sending, self._one, self.control)
         self.one_group: TorchGroup | None = None  # with ``one_group``: every lane's buckets
@@ -338,7 +325,7 @@ class Senders:
                     mine = self._out.address
                 except Exception as exc:  # raised once the others know (see share_endpoints)
                     mine = exc
-            self.endpoints = share_endpoints(mine, self.senders, self.control, CPU)
+            self.endpoints = share_endpoints(mine, self.senders, self.control)
             if sending:
                 store = open_store(*self.endpoints[0], 1, self.config.rendezvous_timeout_s, None)
                 # Rank 0's store: the verdicts, and whatever else its members answer there.
@@ -348,7 +335,7 @@ class Senders:
             what = "learn the one group's routes"
             if receivers:
                 what = "follow the senders' lanes" + (f" or {what}" if self._one else "")
-            formed_everywhere(self._form(), what, self.control, CPU)
+            formed_everywhere(self._form(), what, self.control)
         except BaseException:
             self.close()
             raise
@@ -370,19 +357,18 @@ class Senders:
         """``value()`` (never negative) on rank 0, on every sender; where it raises there, it
         raises on the others too."""
         error: Exception | None = None
-        word = torch.tensor([0])
+        mine = 0
         if self.rank == 0:
             try:
-                word[0] = value()
+                mine = value()
             except Exception as exc:  # raised once the others know
-                error, word[0] = exc, -1
-        src = dist.get_global_rank(self.control, 0)
-        before_any_byte(lambda: dist.broadcast(word, src=src, group=self.control))
+                error, mine = exc, -1
+        word = from_rank_0(mine, self.control)
         if error is not None:
             raise error
-        if int(word) < 0:
+        if word < 0:
             raise WeightSyncError("rank 0 failed before the push (see its error)")
-        return int(word)
+        return word
 
     def agree(
         self,
@@ -423,7 +409,7 @@ class Senders:
             # By member on rank 0; the others learn only that.
             return PlanMismatchError(problems) if word else None
 
-        gather = functools.partial(gather_rows, group=self.control)
+        gather = functools.partial(gather_rows, control=self.control)
         return share, agree(share, self.out.pusher.next_version, gather, self.senders, refused)
 
     def conclude(self, landed: Callable[[], None], elsewhere: Callable[[], Exception]) -> None:
@@ -437,18 +423,16 @@ class Senders:
                 landed()
             except Exception as exc:  # raised once the others know
                 error = exc
-        word = torch.tensor([int(error is not None)])
         try:
-            if dist.get_world_size(self.control) > 1:  # a group of one knows already
-                dist.broadcast(word, src=dist.get_global_rank(self.control, 0), group=self.control)
-        except RuntimeError as exc:
+            failed = from_rank_0(int(error is not None), self.control)
+        except TransportError as exc:
             raise TransportError(
                 f"a trainer rank left once every lane had committed ({first_line(exc)}); the "
                 "members hold the push, which rank 0 may not have confirmed"
             ) from exc
         if error is not None:
             raise error
-        if int(word):
+        if failed:
             raise elsewhere()
 
     def wait_s(self, started: float) -> float:
@@ -528,7 +512,7 @@ class Senders:
         self.one_group = None
         called = self.members if invite is not None else 0  # members outside ``control``
         self.one_group = form_one_group(
-            self._given, self.control, CPU, ask if invite is not None else None, called
+            self._given, self.control, ask if invite is not None else None, called
         )
         failure: Exception | None = None
         try:
@@ -672,7 +656,7 @@ def nothing_moves(share: Share, committed: int) -> PushResult | None:
 def renew_one_group(
     needed: bool,
     group: TorchGroup | None,
-    control: dist.ProcessGroup | None,
+    control: ControlGroup,
     form: Callable[[], Exception | None],
 ) -> bool:
     """Every rank of ``control`` at once, as a push over one group begins: where any rank says
@@ -682,123 +666,22 @@ def renew_one_group(
     there, raised on every rank once all know. One small all-reduce otherwise. Returns whether
     it formed the group again. The one renewal of a push from many senders, whoever the
     members are (Ray workers invited to join, or the receiving ranks of a launched job)."""
-    if not needed_anywhere(needed or group is None, control):
+    if not any_rank(needed or group is None, control):
         return False
     logger.info("forming the one group again after a failed push")
     if group is not None:
         group.close()
-    formed_everywhere(form(), "form the one group again", control, CPU)
+    formed_everywhere(form(), "form the one group again", control)
     return True
 
 
-def needed_anywhere(needed: bool, group: dist.ProcessGroup | None) -> bool:
-    """Every rank of ``group`` at once: whether any says ``needed`` (one small all-reduce;
-    ``TransportError`` if a rank is gone, nothing sent). How the ranks decide together to form
-    the one group again after a failed push."""
-    flag = torch.tensor([int(needed)])
-    before_any_byte(lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group))
-    return bool(int(flag))
-
-
-def gather_rows(
-    values: list[int], digest: bytes, group: dist.ProcessGroup | None, device: torch.device = CPU
-) -> list[tuple[int, ...]]:
-    """Every rank's row of an agreement (``values``, then a layout digest), on every rank of
-    ``group`` (fixed size, no pickle; on ``device``, which the group's backend takes).
-    ``TransportError`` if a rank is gone."""
-    mine = row_tensor(values, digest).to(device)
-    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    if len(rows) == 1:  # a group of one rank: its own row (no collective to run)
-        return [tuple(mine.tolist())]
-    before_any_byte(lambda: dist.all_gather(rows, mine, group=group))
-    return [tuple(row.tolist()) for row in rows]
-
-
 def agree_on_config(
-    config: SyncConfig,
-    sender: bool,
-    one_group: bool,
-    group: dist.ProcessGroup | None,
-    device: torch.device = CPU,
+    config: SyncConfig, sender: bool, one_group: bool, control: ControlGroup
 ) -> None:
-    """Every rank of ``group`` at once, before anything is formed: ``ValueError`` on every
+    """Every rank of ``control`` at once, before anything is formed: ``ValueError`` on every
     rank, naming each rank's value, where the fields that must agree differ
     (``lane_rules.config_row``); ``config`` is the one this rank was given."""
-    rows = gather_rows(config_row(config, sender, one_group), bytes(32), group, device)
+    rows = gather_rows(config_row(config, sender, one_group), bytes(32), control)
     problem = config_disagreement(rows)
     if problem is not None:
         raise ValueError(problem)
-
-
-def before_any_byte(run: Callable[[], object]) -> None:
-    """Run one collective of an agreement; ``TransportError`` if a rank is gone (Gloo raises
-    a bare RuntimeError), nothing having been sent."""
-    try:
-        run()
-    except RuntimeError as exc:
-        raise TransportError(
-            f"a rank left before the push began ({first_line(exc)}); nothing was sent"
-        ) from exc
-
-
-def share_endpoints(
-    endpoint: tuple[str, int] | Exception | None,
-    senders: int,
-    group: dist.ProcessGroup | None,
-    device: torch.device,
-) -> list[tuple[str, int]]:
-    """The senders' store addresses, on every rank of ``group`` (its ranks ``0..senders-1``
-    being the senders): each rank gives its own (a sender) or None, all gathered (no pickle: JSON
-    in byte tensors of fixed size, on ``device``, which the group's backend takes). A sender
-    that could not listen gives its error instead, which it raises once the others know: they
-    raise ``TransportError`` at once rather than wait for it at their bound."""
-    raw = json.dumps(list(endpoint)).encode() if isinstance(endpoint, tuple) else b""
-    rows = gather_bytes(raw, _ENDPOINT_BYTES, group, device)
-    if isinstance(endpoint, Exception):
-        raise endpoint
-    endpoints = []
-    for sender, raw in enumerate(rows[:senders]):
-        if not raw:
-            raise TransportError(
-                f"trainer rank {sender} could not listen for its lane (see its error); nothing "
-                "was sent"
-            )
-        address, port = json.loads(raw.decode())
-        endpoints.append((str(address), int(port)))
-    return endpoints
-
-
-def gather_bytes(
-    mine: bytes, size: int, group: dist.ProcessGroup | None, device: torch.device = CPU
-) -> list[bytes]:
-    """Every rank's ``mine`` (at most ``size`` bytes, cut there; empty: nothing to say), on
-    every rank of ``group``: one all-gather of fixed-size byte rows (no pickle), on ``device``,
-    which the group's backend takes. ``TransportError`` if a rank is gone."""
-    row, mine = torch.zeros(size, dtype=torch.uint8, device=device), mine[:size]
-    if dist.get_world_size(group) == 1:  # a group of one rank: its own row (no collective)
-        return [mine.rstrip(b"\0")]
-    if mine:
-        row[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
-    rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
-    before_any_byte(lambda: dist.all_gather(rows, row, group=group))
-    return [bytes(r.cpu().tolist()).rstrip(b"\0") for r in rows]
-
-
-def formed_everywhere(
-    failure: Exception | None, what: str, group: dist.ProcessGroup | None, device: torch.device
-) -> None:
-    """Every rank of ``group`` at once, after a step each took on its own (``what``, as the
-    others' error words it): a rank whose step failed gives its ``failure``, which it raises
-    once the others know; they raise ``TransportError`` naming it, rather than wait for it
-    at their next collective's bound. One small all-reduce (on ``device``, which the group's
-    backend takes)."""
-    failed = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=device)
-    failed[dist.get_rank(group)] = int(failure is not None)
-    before_any_byte(lambda: dist.all_reduce(failed, group=group))
-    if failure is not None:
-        raise failure
-    ranks = failed.nonzero().flatten().tolist()
-    if ranks:
-        raise TransportError(
-            f"rank(s) {ranks} could not {what} (see their errors); nothing was sent"
-        )

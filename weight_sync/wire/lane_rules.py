@@ -19,6 +19,7 @@ The verdict after, from every sender's report, is ``wire.blame.judge``.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, get_args
@@ -314,13 +315,18 @@ def proposal(rows: Sequence[tuple[int, ...]], senders: int) -> tuple[str | None,
     return named_apart, version
 
 
-def row_tensor(values: list[int], digest: bytes) -> torch.Tensor:
-    """A rank's row of an agreement, ``values`` then its layout digest (32 bytes as four
-    int64), as one tensor of fixed size to all-gather."""
-    words = [int.from_bytes(digest[i : i + 8], "little", signed=True) for i in range(0, 32, 8)]
-    return torch.tensor(values + words, dtype=torch.int64)
+def row_bytes(values: list[int], digest: bytes) -> bytes:
+    """A rank's row of an agreement, ``values`` then its layout digest (32 bytes), as int64
+    words (little-endian): of one size on every rank, to all-gather."""
+    assert len(digest) == 32, "a layout digest is 32 bytes"
+    return struct.pack(f"<{len(values)}q", *values) + digest
+
+
+def row_words(raw: bytes) -> tuple[int, ...]:
+    """A gathered row (``row_bytes``) as its words, the digest the last four (``row_digest``)."""
+    return struct.unpack(f"<{len(raw) // 8}q", raw)
 
 
 def row_digest(row: Sequence[int], values: int = 3) -> str:
-    """The layout digest (hex) a gathered row carries after its ``values`` (``row_tensor``)."""
+    """The layout digest (hex) a gathered row carries after its ``values`` (``row_bytes``)."""
     return b"".join(int(w).to_bytes(8, "little", signed=True) for w in row[values:]).hex()
