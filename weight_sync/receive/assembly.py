@@ -70,7 +70,8 @@ class Assembly:
         again (``Receiver.remembered``)."""
         check = expecting(lambda: self._destinations)
         if self._destinations is not None:
-            check = record.remembered(check, self._destinations, self.layout.digest)
+            key = record.targets(self._destinations)
+            check = record.remembered(check, key, self.layout.digest)
         return check_layout(self.layout, check, record.version)
 
     def check(self, sender: int) -> Check:

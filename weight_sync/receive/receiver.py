@@ -338,9 +338,9 @@ class Receiver:
                 "push on a worker that is in no sync group; the trainer rebuilds "
                 "the group at its next push"
             )
-        key = self._inbound.targets(destinations)
+        key = self.targets(destinations)
         if checks_destinations:
-            check = self.remembered(check, destinations)
+            check = self.remembered(check, key)
         try:
             reply = self.prepare(request_json, check, lambda: destinations)
         except BaseException:
@@ -361,17 +361,21 @@ class Receiver:
         received = self.receive(prepared.version, loader, destinations, key)
         return PushReply(prepared=reply, received=received)
 
-    def remembered(
-        self, check: Check, destinations: Destinations | None, digest: str | None = None
-    ) -> Check:
-        """``check`` (against ``destinations``), skipped for the push it last accepted, with the
-        same partial flag, into the very same tensors: named by ``digest`` (a layout from many
-        senders, checked as a plan of its whole tensors: ``checks.check_layout``), else by the
-        plan's own. On a model of thousands of tensors checking them is most of a push's own
-        work; on a small push, a tenth of a member's time before its vote."""
+    def targets(self, destinations: Destinations | None) -> Targets:
+        """What identifies ``destinations`` (the last answer itself while they are the same
+        tensors): the key of ``remembered``, and of the unpacker a push reuses."""
+        return self._inbound.targets(destinations)
+
+    def remembered(self, check: Check, key: Targets, digest: str | None = None) -> Check:
+        """``check`` (against the destinations ``key`` identifies: ``targets``), skipped for the
+        push it last accepted, with the same partial flag, into the very same tensors: named by
+        ``digest`` (a layout from many senders, checked as a plan of its whole tensors:
+        ``checks.check_layout``), else by the plan's own. On a model of thousands of tensors
+        checking them is most of a push's own work; on a small push, a tenth of a member's time
+        before its vote."""
 
         def remembered(plan: SyncPlan, partial: bool) -> Sequence[str]:
-            accepted = (digest or plan.digest, partial, self._inbound.targets(destinations))
+            accepted = (digest or plan.digest, partial, key)
             if self._accepted == accepted:
                 return []
             problems = list(check(plan, partial))
