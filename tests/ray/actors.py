@@ -18,6 +18,7 @@ from tests.ray.pool import start_over
 from tests.zoo import BufferModel, zoo
 from weight_sync import PushResult, SyncConfig, WeightSyncWorker, WeightUpdater, remote_worker
 from weight_sync.errors import WeightSyncError
+from weight_sync.send.collectives import OneRank
 from weight_sync.send.sharded import ShardedSource, push_sharded
 from weight_sync.transport.rendezvous import bind_listener, open_store
 from weight_sync.wire.checksums import state_dict_digests
@@ -218,9 +219,12 @@ def mutate(state_dict: dict[str, torch.Tensor], mutation: str) -> dict[str, torc
 
 @ray.remote(num_cpus=0)
 class Trainer:
-    def __init__(self, workers: list, **config: Any) -> None:
+    def __init__(self, workers: list, lanes: bool = False, **config: Any) -> None:
+        """``lanes``: pushes through the many-senders protocol as its K = 1 case (``senders=
+        OneRank()``: no torch.distributed), rather than one sender's ``Pusher``."""
         torch.set_num_threads(1)
-        self.updater = WeightUpdater(workers, SyncConfig(**config))
+        senders = OneRank() if lanes else None
+        self.updater = WeightUpdater(workers, SyncConfig(**config), senders=senders)
 
     def push_zoo(self, seed: int, mutation: str = "none", version: int | None = None) -> PushResult:
         # Built here, so the non-contiguous views really are non-contiguous at the sender.
@@ -577,6 +581,12 @@ class ShardedTrainer:
 
     def lanes_close(self) -> None:
         self.lanes.close()
+
+    def lanes_workers(self) -> int:
+        return len(self.lanes.workers)
+
+    def lanes_add(self, workers: list) -> None:
+        self.lanes.add_workers(workers)
 
     def lane_ops(self) -> list[str]:
         """The steps this rank's lane posted in its store for its last push, in order (none:

@@ -139,15 +139,28 @@ def assert_next_push_lands(fleet: Fleet, workers: list, seed: int) -> int:
 
 
 @pytest.mark.parametrize(
-    ("sig", "victim", "same_host"),
-    [(signal.SIGKILL, 1, "shm"), (signal.SIGSTOP, 2, "shm"), (signal.SIGSTOP, 1, "group")],
+    ("sig", "victim", "same_host", "lanes"),
+    [
+        (signal.SIGKILL, 1, "shm", False),
+        (signal.SIGSTOP, 2, "shm", False),
+        (signal.SIGSTOP, 1, "group", False),
+        (signal.SIGKILL, 1, "shm", True),
+        (signal.SIGSTOP, 1, "group", True),
+    ],
     # On the group, Gloo's broadcast is a tree: worker 1 (rank 2) forwards to worker 2 (rank 3).
-    ids=["killed-ring", "frozen-ring", "frozen-inner-group"],
+    # ``lanes``: the same trainer pushing through the many-senders protocol, its K = 1 case.
+    ids=[
+        "killed-ring",
+        "frozen-ring",
+        "frozen-inner-group",
+        "killed-ring-lanes",
+        "frozen-inner-group-lanes",
+    ],
 )
 def test_worker_killed_or_frozen_mid_broadcast_is_named_dropped_and_replaced(
-    fleet_of: Callable[..., Fleet], sig: signal.Signals, victim: int, same_host: str
+    fleet_of: Callable[..., Fleet], sig: signal.Signals, victim: int, same_host: str, lanes: bool
 ) -> None:
-    fleet = fleet_of(3, same_host=same_host)
+    fleet = fleet_of(3, same_host=same_host, lanes=lanes)
     first = ray.get(fleet.trainer.push_zoo.remote(1), timeout=TIMEOUT)
     error, seconds = strike(fleet, victim, sig, seed=2)
     assert error.workers == [victim] and error.dropped == [victim], str(error)

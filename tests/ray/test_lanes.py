@@ -308,6 +308,52 @@ def test_a_worker_failing_after_the_lanes_fails_the_push_on_every_rank(
     assert [r.version for r in on_all(ranks, "lanes_push")] == [3, 3]
 
 
+# Short bounds: a worker that died is found at the lanes' collective bound (see the test).
+SHORT = {"collective_timeout_s": 4, "rpc_timeout_s": 10, "rendezvous_timeout_s": 10}
+
+
+@pytest.mark.parametrize(
+    "lanes",
+    [((False, False), SHORT), ((False, False), {**SHORT, **ONE_GROUP})],
+    ids=["lanes", "one_group"],
+    indirect=True,
+)
+def test_a_worker_that_dies_is_dropped_on_every_rank_and_a_replacement_takes_every_lane(
+    lanes: tuple[list, list], take: Lease
+) -> None:
+    """Worker 1 is killed between pushes: the next push fails on every rank, rank 0 naming it
+    dead and dropping it as one sender drops a dead worker (at once: the other ranks as the
+    next push begins); that push lands on worker 0 alone, and a replacement added on every
+    rank takes every lane in full at the push after."""
+    ranks, workers = lanes
+    on_all(ranks, "lanes_push")
+    take.spoil(workers[1])
+    ray.kill(workers[1])
+    on_all(ranks, "step")
+    started = time.monotonic()
+    (kind, why), (other, said) = on_all(ranks, "lanes_push")
+    print(f"{time.monotonic() - started:.2f}s: {kind}: {why} / {other}: {said}")
+    assert kind == "WorkerFailedError" and "worker 1: actor died" in why, why
+    assert "dropped worker(s) [1]" in why, why
+    assert other in ("WorkerFailedError", "SenderFailedError"), said
+    assert on_all(ranks, "lanes_workers") == [1, 2]
+    on_all(ranks, "step")
+    pushed = on_all(ranks, "lanes_push")
+    assert pushed[0].version == pushed[1].version, pushed
+    assert on_all(ranks, "lanes_workers") == [1, 1]
+    want = on_all(ranks, "full_digests")[0]
+    assert ray.get(workers[0].weight_sync_digests.remote(), timeout=TIMEOUT) == want
+    [replacement] = take(LMWorker, [{"fused": False}])
+    on_all(ranks, "lanes_add", [replacement])
+    on_all(ranks, "step")
+    again = on_all(ranks, "lanes_push")
+    assert again[0].version == again[1].version > pushed[0].version, again
+    want = on_all(ranks, "full_digests")[0]
+    held = [workers[0], replacement]
+    assert ray.get([w.weight_sync_digests.remote() for w in held], timeout=TIMEOUT) == [want] * 2
+    assert on_all(ranks, "lanes_workers") == [2, 2]
+
+
 @LANES_AND_ONE_GROUP
 def test_a_worker_that_fails_as_the_bytes_begin_fails_the_push_at_once(
     lanes: tuple[list, list],

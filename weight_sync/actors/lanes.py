@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Any
 
 import ray
@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from ray.actor import ActorHandle
 
-from weight_sync.actors.members import RayMembers
+from weight_sync.actors.members import RayMembers, death_told
 from weight_sync.config import SyncConfig
 from weight_sync.control.deadline import Deadline
 from weight_sync.control.lane_store import NO_ONE_GROUP, Checks
@@ -51,7 +51,8 @@ from weight_sync.errors import (
     first_line,
 )
 from weight_sync.result import PushResult
-from weight_sync.send.collectives import OneRank
+from weight_sync.send.collectives import OneRank, gather_bytes
+from weight_sync.send.roster import GRACE_S
 from weight_sync.send.routes import Route, members_nccl_problem
 from weight_sync.send.senders import Senders, nothing_moves
 from weight_sync.transport.base import Transport
@@ -89,13 +90,11 @@ class RayLanes:
         group: dist.ProcessGroup | OneRank | None = None,
         one_group: bool = False,
     ) -> None:
-        if one_group and not all(hasattr(w, "_weight_sync_lanes_join") for w in workers):
-            raise ValueError(
-                "one_group takes WeightSyncWorker actors: a VLLMEngine's workers cannot join "
-                "one group yet; leave one_group unset (Gloo lanes)"
-            )
-        self._workers = list(workers)
-        self._plane = RayMembers(self._workers)  # how a worker's failed call ended
+        if one_group:
+            _check_joinable(workers)
+        # The workers, and how a worker's failed call ended; rank 0 drops the dead and frozen.
+        self._plane = RayMembers(workers)
+        self._alike = list(workers)  # the workers as every rank holds them (see ``_renew``)
         self._over_one_group = one_group
         # NCCL members must each hold a GPU of their own: asked of the workers in ``_probe``.
         self._one_nccl_group = (
@@ -124,7 +123,9 @@ class RayLanes:
         self._calls: list[Future[Any]] = []  # rank 0: each worker's call of the push under way
         self._committed = 0
         self._closed = False
-        self._failed = False  # the last push failed: over one group, the next forms it again
+        # The last push failed, or workers were dropped (rank 0) or added: the next push renews
+        # the lanes (``Senders.renew``), rank 0 counting the workers' members again.
+        self._failed = self._changed = False
 
     @property
     def version(self) -> int:
@@ -133,7 +134,20 @@ class RayLanes:
 
     @property
     def workers(self) -> tuple[ActorHandle, ...]:
-        return tuple(self._workers)
+        """The workers pushes go to: those given and added, less any dropped after dying or
+        freezing -- by rank 0 at once, by the others as the next push begins."""
+        return self._plane.handles
+
+    def add_workers(self, workers: Sequence[ActorHandle]) -> None:
+        """Add ``workers`` (the same on every rank; what counts is rank 0's): the next push
+        renews the lanes over every worker (``Senders.renew``), and sends the newcomers every
+        lane in full."""
+        if self._over_one_group:
+            _check_joinable(workers)
+        self._plane.add(workers)
+        self._alike.extend(workers)
+        self._changed = True
+        logger.info("added %d worker(s); %d in all", len(workers), len(self._plane))
 
     @property
     def group(self) -> Transport | None:
@@ -171,9 +185,8 @@ class RayLanes:
             raise
 
     def _push(self, state_dict: StateDict | object, options: Mapping[str, Any]) -> PushResult:
-        if self._over_one_group:
-            self._lanes.renew_one_group(self._failed)
-        self._failed = False
+        self._renew()
+        self._failed = self._changed = False
         started = time.monotonic()  # after the renewal, bounded by its own rendezvous
         self._calls = []
         share, chosen = self._lanes.agree(state_dict, options, None)
@@ -191,7 +204,9 @@ class RayLanes:
         try:
             result = self._lanes.push(share, chosen, started)  # rank 0 calls the workers there
         except WeightSyncError as exc:
-            self._blame_workers(self._calls, exc, started)
+            failed = self._blame_workers(self._calls, exc, started)
+            if failed is not None and type(exc) is WorkerFailedError:
+                raise failed from exc  # the workers by index, as their calls ended
             raise
         self._lanes.conclude(
             lambda: self._blame_workers(self._calls, None, started),
@@ -214,11 +229,40 @@ class RayLanes:
         if self.rank == 0:
             self._release_workers()
 
+    def _renew(self) -> None:
+        """Every rank at once, as a push begins: the lanes renewed where any rank needs it
+        (``Senders.renew``), rank 0 counting the workers' members again (``_recount``); then
+        every rank drops the workers rank 0 dropped, so that ``workers`` reads alike on every
+        rank -- which holds while every rank made the same ``add_workers`` calls."""
+        if not self._lanes.renew(self._failed or self._changed, self._recount):
+            return
+        control = self._lanes.control
+        mine = len(self._alike).to_bytes(8, "little")
+        held = [int.from_bytes(raw, "little") for raw in gather_bytes(mine, 8, control)]
+        if len(set(held)) > 1:
+            raise ValueError(
+                f"the trainer ranks hold {held} workers (by rank): call add_workers on every "
+                "rank, with the same workers"
+            )
+        live = {worker._actor_id for worker in self._plane.handles}
+        mask = bytes(int(worker._actor_id in live) for worker in self._alike)
+        kept = control.broadcast(mask, len(mask))
+        if self.rank != 0:
+            self._plane.drop([index for index, keep in enumerate(kept) if not keep])
+        self._alike = list(self._plane.handles)
+
+    def _recount(self, config: SyncConfig) -> int:
+        """Rank 0, as the lanes renew: the workers' members counted again (``_probe``), every
+        version any worker was sent spent here."""
+        members = self._probe(config.rpc_timeout_s)
+        self._lanes.out.pusher.spent(self._sent)
+        return members
+
     def _probe(self, timeout_s: float) -> int:
         """Rank 0: ask every worker how many members it brings (a vLLM engine with tensor
         parallelism 2 brings two, taking consecutive slots) and the highest version it was ever
         sent; returns the members in all."""
-        calls = [worker._weight_sync_info.remote(timeout_s) for worker in self._workers]
+        calls = [worker._weight_sync_info.remote(timeout_s) for worker in self.workers]
         infos: list[MemberInfo] = self._answers(calls, "asking the workers", timeout_s)
         ranks = [info.ranks for info in infos]
         if self._over_one_group and any(count != 1 for count in ranks):
@@ -242,7 +286,7 @@ class RayLanes:
         other senders took their place."""
         calls = [
             worker._weight_sync_lanes_leave.remote(self._lanes.endpoints, self.config.rpc_timeout_s)
-            for worker in self._workers
+            for worker in self.workers
             if hasattr(worker, "_weight_sync_lanes_leave")
         ]
         try:
@@ -258,7 +302,7 @@ class RayLanes:
         over it; returns what waits for their joins once the senders' formed."""
         calls = [
             worker._weight_sync_lanes_join.remote(spec.model_dump_json(), endpoints, slot)
-            for spec, slot, worker in zip(specs, self._slots, self._workers, strict=True)
+            for spec, slot, worker in zip(specs, self._slots, self.workers, strict=True)
         ]
 
         def joined() -> None:  # they formed with the senders: their answers are on the way
@@ -298,30 +342,59 @@ class RayLanes:
             worker._weight_sync_lanes_push.remote(
                 call.model_copy(update={"slot": slot, "answer": asked}).model_dump_json(), **over
             ).future()
-            for slot, asked, worker in zip(self._slots, answer, self._workers, strict=True)
+            for slot, asked, worker in zip(self._slots, answer, self.workers, strict=True)
         ]
         return {
-            slot: made
+            slot: death_told(made)
             for slot, asked, made in zip(self._slots, answer, self._calls, strict=True)
             if asked
         }
 
     def _blame_workers(
         self, calls: Sequence[Future[Any]], error: Exception | None, started: float
-    ) -> None:
-        """Rank 0: every worker's receive, within what the push has left; raises
-        ``WorkerFailedError`` naming those that died or raised (from ``error``, the senders'
-        verdict, where there was one)."""
+    ) -> WeightSyncError | None:
+        """Rank 0: how every worker's receive ended, as one sender judges its members
+        (``wire.blame.Outcomes``), dropping those that died, or froze while others answered.
+        Without ``error`` (every lane committed) it waits within what the push has left and
+        raises ``WorkerFailedError`` naming those that died or raised. After the lanes'
+        ``error`` their members had their bounds already: a worker that rank 0's lane named dead
+        or silent (``WorkerFailedError.dropped``) is not waited for, the others a grace of
+        ``roster.GRACE_S``; returns the error naming the workers (None: every call returned)."""
         if not calls:
-            return
+            return None
         deadline = Deadline(self.config.push_timeout_s + 5, "the workers' receives", started)
-        outcomes = collect(self._plane, calls, deadline.remaining())
+        wait_s, quoted = deadline.remaining(), deadline.seconds
+        if error is not None:
+            named = set()
+            if isinstance(error, WorkerFailedError):
+                named = {self._worker_of(member) for member in error.dropped}
+            others = [call for index, call in enumerate(calls) if index not in named]
+            wait(others, timeout=min(GRACE_S, wait_s))
+            wait_s, quoted = 0.0, self.config.collective_timeout_s + GRACE_S
+        outcomes = collect(self._plane, calls, wait_s)
         if outcomes.ok:
-            return
-        failed = outcomes.error("the workers' receives", deadline.seconds)
+            return None
+        dropped = outcomes.unreachable
+        self._drop(dropped)
+        failed = outcomes.error("the workers' receives", quoted, dropped)
         if error is None:
             raise failed
-        logger.info("push %d: %s", self._lanes.pushes, failed)
+        return failed
+
+    def _worker_of(self, member: int) -> int:
+        """Rank 0: the worker whose members include ``member`` (0-based, as lanes name them)."""
+        return max(index for index, slot in enumerate(self._slots) if slot <= member + 1)
+
+    def _drop(self, dropped: Sequence[int]) -> None:
+        """Rank 0: give up on the workers ``dropped`` (indices): the next push renews the lanes
+        over the rest."""
+        if not dropped:
+            return
+        self._plane.drop(dropped)
+        self._changed = True
+        logger.warning(
+            "dropped worker(s) %s (dead or not answering); %d left", list(dropped), len(self._plane)
+        )
 
     def _answers(self, calls: Sequence[Any], what: str, timeout_s: float) -> list[Any]:
         """Rank 0: every worker's answer to ``calls`` (one each), within ``timeout_s``; else
@@ -329,8 +402,17 @@ class RayLanes:
         (``wire.blame.Outcomes``): a worker dead or silent, one that raised."""
         outcomes = collect(self._plane, [call.future() for call in calls], timeout_s)
         if not outcomes.ok:
-            raise outcomes.error(what, timeout_s)
+            self._drop(outcomes.unreachable)
+            raise outcomes.error(what, timeout_s, outcomes.unreachable)
         return outcomes.results
+
+
+def _check_joinable(workers: Sequence[ActorHandle]) -> None:
+    if not all(hasattr(worker, "_weight_sync_lanes_join") for worker in workers):
+        raise ValueError(
+            "one_group takes WeightSyncWorker actors: a VLLMEngine's workers cannot join "
+            "one group yet; leave one_group unset (Gloo lanes)"
+        )
 
 
 def _current_gpu() -> str | None:

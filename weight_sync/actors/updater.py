@@ -24,6 +24,7 @@ from weight_sync.actors.members import RayMembers
 from weight_sync.actors.metrics import PushMetrics
 from weight_sync.config import SyncConfig
 from weight_sync.result import PushResult
+from weight_sync.send.collectives import OneRank
 from weight_sync.send.pusher import Pusher
 from weight_sync.send.routes import Route
 from weight_sync.send.sharded import ShardedSource
@@ -44,9 +45,14 @@ class WeightUpdater:
     ``push`` at the same point; ``one_group`` then moves every lane's buckets over one group of
     the senders and the workers, in rounds (the NCCL design).
 
-    One sender: the group is formed lazily on the first push and reused. A failed push tears it
-    down, drops the workers that died or froze, and the next push forms a new group over the
-    rest. ``push`` calls from several threads are serialised.
+    ``senders=OneRank()`` (``weight_sync.send.collectives``): a trainer of one process pushing
+    through the many-senders protocol, its K = 1 case, with no torch.distributed at all -- what
+    one sender's pushes are becoming (docs/many-senders.md).
+
+    The group (the lanes) is formed lazily on the first push and reused. A failed push tears it
+    down, drops the workers that died or froze (with ``senders``: rank 0 does, and the next push
+    renews every lane), and the next push forms a new group over the rest. ``push`` calls from
+    several threads are serialised (one sender's).
     """
 
     def __init__(
@@ -54,7 +60,7 @@ class WeightUpdater:
         workers: Sequence[ActorHandle],
         config: SyncConfig | None = None,
         *,
-        senders: dist.ProcessGroup | None = None,
+        senders: dist.ProcessGroup | OneRank | None = None,
         one_group: bool = False,
     ) -> None:
         if senders is None and one_group:
@@ -80,8 +86,8 @@ class WeightUpdater:
 
     @property
     def workers(self) -> tuple[ActorHandle, ...]:
-        """The workers pushes go to: those given, minus (one sender) any dropped after dying or
-        freezing."""
+        """The workers pushes go to: those given and added, minus any dropped after dying or
+        freezing (with ``senders``: rank 0's are those pushed to)."""
         return self._pushes.workers
 
     @property
@@ -108,9 +114,9 @@ class WeightUpdater:
     ) -> PushResult:
         """Send every tensor to every worker; returns once all of them hold it (see
         ``Pusher.push``: the options, the errors). With ``senders``, this rank's shards of the
-        state dict while every other rank pushes its own (``transform`` and a
-        ``ShardedSource`` are one sender's); ``SenderFailedError`` names the trainer ranks
-        whose lanes did not land."""
+        state dict while every other rank pushes its own (``transform`` on whole tensors
+        only; a ``ShardedSource`` is one sender's); ``SenderFailedError`` names the trainer
+        ranks whose lanes did not land."""
         if isinstance(self._pushes, RayPusher):
             return self._pushes.push(
                 state_dict, rename=rename, transform=transform, partial=partial, version=version
@@ -120,15 +126,12 @@ class WeightUpdater:
 
     def add_workers(self, workers: Sequence[ActorHandle]) -> None:
         """Add workers (e.g. replacements for dropped ones). The current group is left; the next
-        push forms one over everybody and sends the newcomers the full weights. One sender's:
-        many senders' lanes form once over the workers given."""
+        push forms one over everybody and sends the newcomers the full weights. With
+        ``senders``: on every rank, the same workers (``RayLanes.add_workers``)."""
         if isinstance(self._pushes, RayPusher):
             self._pushes.add_workers(workers)
             return
-        raise ValueError(
-            "a push from many senders goes to the workers it was made with: make a new "
-            "WeightUpdater on every trainer rank over the new workers"
-        )
+        self._pushes.add_workers(_check_handles(workers, self.workers))
 
     def close(self) -> None:
         """Leave (see ``Pusher.close``; many senders: ``RayLanes.close``). Idempotent."""

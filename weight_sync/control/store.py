@@ -35,7 +35,7 @@ from weight_sync.errors import WeightSyncError, first_line
 from weight_sync.receive.receiver import Check, Loader, Receiver
 from weight_sync.transport import teardown
 from weight_sync.transport.rendezvous import bind_listener, listen_address, open_store
-from weight_sync.wire.blame import Fate, is_collateral
+from weight_sync.wire.blame import Fate, MemberGone, is_collateral
 from weight_sync.wire.metadata import (
     GroupSpec,
     MemberInfo,
@@ -334,6 +334,11 @@ class ClientPlane:
     def __len__(self) -> int:
         return self._workers
 
+    def recount(self, workers: int) -> None:
+        """The members are now ``workers`` (slots ``1..workers``): some were dropped or added,
+        and the next probe asks them to join afresh."""
+        self._workers = workers
+
     @property
     def address(self) -> tuple[str, int]:
         """Where the members dial the trainer's store."""
@@ -438,13 +443,13 @@ class ClientPlane:
         return [in_thread(leave)] * self._workers
 
     def drop(self, members: Sequence[int]) -> None:
-        logger.warning(
-            "vLLM worker(s) %s failed; vLLM's client still calls every engine, so pushes fail "
-            "until they are replaced",
-            list(members),
-        )
+        """The members stay: their count is whoever made this plane's (a lane's front renews
+        it, ``recount``; vLLM's client calls every engine), so pushes fail until that changes."""
+        logger.warning("member(s) %s failed; pushes fail until they are replaced", list(members))
 
     def fate(self, error: BaseException) -> tuple[Fate, str]:
+        if isinstance(error, MemberGone):
+            return "died", str(error)
         return ("collateral" if is_collateral(error) else "raised"), first_line(error)
 
     def post(self, key: str, value: str) -> None:
@@ -662,10 +667,14 @@ class _Mailbox:
 
 def _returned(answer: Future[str], call: Future[str | None]) -> None:
     """A member's reply where its call returned it (the poller then stops looking for it); a
-    call that returned none, or failed, leaves the answer to the store (or to the failure of the
-    client call): a member that did not commit answers there (``StoreMember.push``), and a
-    member's death is judged by the calls' own collector, as it always was."""
-    if call.exception() is None and (reply := call.result()) is not None:
+    call that found the member gone (``MemberGone``) fails the answer with that at once. A call
+    that returned none, or failed otherwise, leaves the answer to the store (or to the failure
+    of the client call): a member that did not commit answers there (``StoreMember.push``),
+    and one that raised may have answered there first (a refusal)."""
+    error = call.exception()
+    if isinstance(error, MemberGone):
+        resolve(answer, error=error)
+    elif error is None and (reply := call.result()) is not None:
         resolve(answer, result=reply)
 
 

@@ -282,10 +282,10 @@ class JobSync:
     def _begin(self) -> Senders:
         """Every rank at once, as a push from several senders begins: over one group, formed
         again first where any rank's last push failed once its bytes began (the group is then
-        aborted, or may be; ``Senders.renew_one_group``)."""
+        aborted, or may be; ``Senders.renew``)."""
         assert self._senders is not None
         if self._one_group:
-            self._senders.renew_one_group(self._renew)
+            self._senders.renew(self._renew)
             self._renew = False
         self._senders.pushes += 1
         return self._senders

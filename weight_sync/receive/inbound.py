@@ -43,7 +43,7 @@ from weight_sync.receive.assembly import Assembly
 from weight_sync.receive.receiver import Loader, Receiver, expecting
 from weight_sync.transport.rendezvous import open_store
 from weight_sync.transport.rounds import Rounds
-from weight_sync.wire.blame import lanes_failed
+from weight_sync.wire.blame import CalledOff, lanes_failed
 from weight_sync.wire.metadata import NO_LANE, Phase, ReceiveReport, SyncStatus
 from weight_sync.wire.versions import held_across_lanes
 
@@ -425,7 +425,7 @@ class Inbound:
             raise PlanMismatchError({self.slot - 1: member.prepared.problems})
         if failure is not None:
             raise failure
-        raise WeightSyncError(
+        raise CalledOff(
             f"the sender's push was called off ({arg.get('error', 'see its error')}); nothing "
             "committed here"
         )

@@ -116,12 +116,16 @@ class Roster:
     def blame(self, outcomes: Outcomes, what: str, timeout_s: float) -> WeightSyncError:
         dropped = outcomes.unreachable
         if dropped:
+            before = len(self.plane)
             self.plane.drop(dropped)
             self.plans.drop(dropped)
             self.bases = [held for i, held in enumerate(self.bases) if i not in dropped]
-            logger.warning(
-                "dropped worker(s) %s (dead or not answering); %d left", dropped, len(self.plane)
-            )
+            if len(self.plane) < before:  # (a store plane's members are counted by its owner)
+                logger.warning(
+                    "dropped worker(s) %s (dead or not answering); %d left",
+                    dropped,
+                    len(self.plane),
+                )
         return outcomes.error(what, timeout_s, dropped)
 
     # -- bounded requests ----------------------------------------------------------------------

@@ -110,6 +110,12 @@ class Outbound:
         self.commands.landed({**frame, "version": result.version})
         return result
 
+    def recount(self, members: int) -> None:
+        """The members are now ``members`` (some were dropped or added): the lane forms again
+        over them at its next push, each member answering as the slot it is called with."""
+        self.plane.recount(members)
+        self.pusher.regroup()
+
     def _open(self) -> None:
         """A push that ended before its first step (it failed first) opens now, with none
         (``Opening``): its members, called once every sender opened, read its ``end``."""
@@ -412,7 +418,7 @@ class Senders:
         gather = functools.partial(gather_rows, control=self.control)
         return share, agree(share, self.out.pusher.next_version, gather, self.senders, refused)
 
-    def conclude(self, landed: Callable[[], None], elsewhere: Callable[[], Exception]) -> None:
+    def conclude(self, landed: Callable[[], object], elsewhere: Callable[[], Exception]) -> None:
         """Once every lane committed, what rank 0 alone checks -- ``landed()``: that the members
         took the push (their calls returned, their servers loaded it) -- becomes every sender's
         outcome: all return, or all raise (rank 0 its own error, the others ``elsewhere()``),
@@ -470,19 +476,33 @@ class Senders:
         if group is not None:
             group.close()
 
-    def renew_one_group(self, needed: bool) -> bool:
-        """Every rank at once, before a push over the one group (``renew_one_group``): where
-        any of them says it is ``needed`` (its last push failed), every member joins a new one
-        -- rejoining, or following the lanes anew --, and every lane forms its own group again
-        over it. Returns whether it formed the group again."""
-        assert self._one, "a one group to renew"
-
-        def form() -> Exception | None:
-            if self._out is not None:
-                self._out.pusher.regroup()  # the lane forms again, over the new group
-            return self._form()
-
-        return renew_one_group(needed, self.one_group, self.control, form)
+    def renew(self, needed: bool, members: Callable[[SyncConfig], int] | None = None) -> bool:
+        """Every rank at once, as a push begins: the one renewal of a push from many senders
+        after a failure, whoever the members are (Ray workers called by rank 0, or the receiving
+        ranks of a launched job). Where any rank says it is ``needed`` -- its last push failed
+        once bytes began (a one group may be aborted, or a member may have lost it), or the
+        members changed (dropped, added) -- or the one group is missing (forming it failed):
+        rank 0 counts the members again (``members``, where given), every lane forms anew over
+        them at its push, and over one group every member joins a new one -- rejoining, or
+        following the lanes anew. One small all-reduce otherwise (none for ``OneRank``).
+        Returns whether it renewed."""
+        missing = self._one and self.one_group is None
+        if not any_rank(needed or missing, self.control):
+            return False
+        logger.info(
+            "push %d: the lanes form again (a push failed, or the members changed)", self.pushes + 1
+        )
+        if members is not None:
+            count = members
+            self.members = self.from_rank_0(lambda: count(self.config))
+        if self._out is not None:
+            self._out.recount(self.members)  # the lane forms again, over them
+        if self._one:
+            group, self.one_group = self.one_group, None
+            if group is not None:
+                group.close()
+            formed_everywhere(self._form(), "form the one group again", self.control)
+        return True
 
     def _form(self) -> Exception | None:
         """This rank's part in forming what the lanes move over: the one group, if any, then on
@@ -651,28 +671,6 @@ def nothing_moves(share: Share, committed: int) -> PushResult | None:
     if share.layout.blocks:
         return None
     return PushResult.nothing(committed)
-
-
-def renew_one_group(
-    needed: bool,
-    group: TorchGroup | None,
-    control: ControlGroup,
-    form: Callable[[], Exception | None],
-) -> bool:
-    """Every rank of ``control`` at once, as a push over one group begins: where any rank says
-    it is ``needed`` (its last push failed once bytes began: the group may be aborted, or a
-    member may have lost it) or the group is missing (None: forming it failed), leave ``group``
-    and ``form`` a new one -- each rank's own part of forming it, which returns what failed
-    there, raised on every rank once all know. One small all-reduce otherwise. Returns whether
-    it formed the group again. The one renewal of a push from many senders, whoever the
-    members are (Ray workers invited to join, or the receiving ranks of a launched job)."""
-    if not any_rank(needed or group is None, control):
-        return False
-    logger.info("forming the one group again after a failed push")
-    if group is not None:
-        group.close()
-    formed_everywhere(form(), "form the one group again", control)
-    return True
 
 
 def agree_on_config(

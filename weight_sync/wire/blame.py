@@ -41,6 +41,12 @@ from weight_sync.errors import (
 Fate = Literal["died", "collateral", "raised"]
 
 
+class MemberGone(WeightSyncError):
+    """What a member's answers in a store fail with where a call of its own (a Ray actor call
+    that carries its push) found its process gone: the answers it owed never come, and it is
+    judged dead at once (``Fate`` "died") rather than silent at the bound."""
+
+
 @dataclass
 class Outcomes:
     """What came of one call to each of several members (indexed as the calls were)."""
@@ -93,9 +99,16 @@ class Outcomes:
         )
 
 
+class CalledOff(WeightSyncError):
+    """What a member of a sender's lane raises where the sender ended the push before it
+    committed there: it lost the push to a failure elsewhere (the sender's error says which),
+    so it is not to blame (``is_collateral``)."""
+
+
 def is_collateral(error: BaseException) -> bool:
-    """Whether a member's own error says it lost a collective to another member's failure."""
-    return isinstance(error, TransportError | SyncTimeoutError)
+    """Whether a member's own error says it lost the push to another's failure: a collective
+    that failed under it, or a lane its sender called off."""
+    return isinstance(error, TransportError | SyncTimeoutError | CalledOff)
 
 
 def excuse_followers(outcomes: Outcomes, leaders: Mapping[int, int]) -> None:
