@@ -483,7 +483,11 @@ class ShardedTrainer:
         assert self.listener is not None
         return self.listener.getsockname()[1]
 
-    def setup(self, port: int, workers: list | None, **config: Any) -> None:
+    def setup(
+        self, port: int, workers: list | None, lanes: bool = False, **config: Any
+    ) -> None:
+        """``workers``: this rank owns a one-sender ``WeightUpdater`` over them (``lanes``: over
+        the many-senders protocol, its K = 1 case: ``senders=OneRank()``)."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -499,7 +503,10 @@ class ShardedTrainer:
         self.model = TinyLM(fused=False, seed=0)
         fully_shard(self.model, mesh=mesh)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.5)
-        self.updater = WeightUpdater(workers, SyncConfig(**config)) if workers else None
+        senders = OneRank() if lanes else None
+        self.updater = (
+            WeightUpdater(workers, SyncConfig(**config), senders=senders) if workers else None
+        )
 
     def step(self, poison: bool = False) -> None:
         """One real FSDP training step (its all-gathers and reduce-scatters run on the same

@@ -313,6 +313,25 @@ def test_assembly_hands_a_loader_whole_tensors_once_every_lane_gave_its_block() 
     assert [name for name, _ in loaded] == ["rows"]
 
 
+def test_a_loader_is_handed_the_tensors_of_no_element_once_with_the_first_it_is_handed() -> None:
+    """A tensor with no element has no block (no lane carries it), yet a loader is handed it,
+    empty, as one sender's pushes hand every tensor: once, beside the first tensors completed."""
+    spreads = [Spread((2,), (Shard(0),), (0, 1)), Spread.everywhere(2)]
+    layout = assign([meta("rows", 4), meta("none", 0, 3)], spreads, 2)
+    assert all(layout.tensors[block.tensor].name == "rows" for block in layout.blocks)
+    loaded: list[tuple[str, torch.Tensor]] = []
+    assembly = Assembly(layout, None, lambda weights: loaded.extend(weights))
+    assembly.loader(0)([("rows", torch.ones(2))])
+    assert loaded == []
+    assembly.loader(1)([("rows", torch.ones(2))])
+    assert [(name, tuple(tensor.shape)) for name, tensor in loaded] == [
+        ("rows", (4,)),
+        ("none", (0, 3)),
+    ]
+    assembly.loader(1)([("rows", torch.ones(2))])  # (a second push's blocks: not again)
+    assert [name for name, _ in loaded].count("none") == 1
+
+
 def _rows(rows: int) -> BlockLayout:
     return layout_of([("w", torch.zeros(rows, 2))], range(1))
 

@@ -242,15 +242,20 @@ def test_sglang_fronts_refuse_many_senders_as_they_are_made() -> None:
 
 
 @pytest.mark.parametrize(
-    ("given", "backend", "same_host"),
-    [({}, "gloo", "shm"), ({"backend": "auto"}, "gloo", "shm"), ({"backend": "gloo"}, "gloo", "shm"),
-     ({"same_host": "group"}, "gloo", "group"), ({"backend": "nccl"}, None, None)],
+    ("given", "alone", "backend", "same_host"),
+    [({}, False, "gloo", "shm"), ({"backend": "auto"}, False, "gloo", "shm"),
+     ({"backend": "gloo"}, False, "gloo", "shm"), ({"same_host": "group"}, False, "gloo", "group"),
+     ({"backend": "nccl"}, False, None, None),
+     # The push's one sender: one lane, one communicator -- the backend given, as one sender's.
+     ({}, True, "auto", "shm"), ({"backend": "nccl"}, True, "nccl", "shm"),
+     ({"backend": "gloo", "same_host": "group"}, True, "gloo", "group")],
 )  # fmt: skip
 def test_lanes_run_over_gloo_in_groups_of_their_own(
-    given: dict, backend: str | None, same_host: str | None
+    given: dict, alone: bool, backend: str | None, same_host: str | None
 ) -> None:
     """Each lane a standalone Gloo group, its sender's host's members on a ring of its own
-    unless the sender's config says the group (``same_host``), as one sender's push."""
+    unless the sender's config says the group (``same_host``), as one sender's push; the lane
+    of the push's one sender on the backend its config names."""
     from weight_sync import SyncConfig
     from weight_sync.send.senders import lane_config
 
@@ -258,7 +263,7 @@ def test_lanes_run_over_gloo_in_groups_of_their_own(
         with pytest.raises(ValueError, match="lanes over Gloo"):
             lane_config(SyncConfig(**given))
         return
-    config = lane_config(SyncConfig(**given))
+    config = lane_config(SyncConfig(**given), alone=alone)
     assert (config.backend, config.group_mode, config.same_host) == (
         backend,
         "standalone",

@@ -28,6 +28,7 @@ The Ray glue stays thin: what a lane is and the verdict are ``send.senders``' an
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, wait
@@ -39,6 +40,7 @@ import torch.distributed as dist
 from ray.actor import ActorHandle
 
 from weight_sync.actors.members import RayMembers, death_told
+from weight_sync.actors.metrics import push_metrics
 from weight_sync.config import SyncConfig
 from weight_sync.control.deadline import Deadline
 from weight_sync.control.lane_store import NO_ONE_GROUP, Checks
@@ -55,6 +57,7 @@ from weight_sync.send.collectives import OneRank, gather_bytes
 from weight_sync.send.roster import GRACE_S
 from weight_sync.send.routes import Route, members_nccl_problem
 from weight_sync.send.senders import Senders, nothing_moves
+from weight_sync.send.sharded import ShardedSource
 from weight_sync.transport.base import Transport
 from weight_sync.transport.devices import current_gpu, gpu_uuid
 from weight_sync.wire.blocks import BlockLayout
@@ -123,6 +126,8 @@ class RayLanes:
         self._calls: list[Future[Any]] = []  # rank 0: each worker's call of the push under way
         self._committed = 0
         self._closed = False
+        self._lock = threading.Lock()
+        self._observer = push_metrics(self.config)
         # The last push failed, or workers were dropped (rank 0) or added: the next push renews
         # the lanes (``Senders.renew``), rank 0 counting the workers' members again.
         self._failed = self._changed = False
@@ -169,27 +174,38 @@ class RayLanes:
         (nothing sent), ``PlanMismatchError`` where workers refused the layout (nothing sent),
         ``SenderFailedError`` naming the trainer ranks whose lanes did not land, and
         ``WorkerFailedError`` where workers' receives failed (named on rank 0)."""
-        if self._closed:
-            raise WeightSyncError("this WeightUpdater is closed")
-        try:
-            return self._push(state_dict, options)
-        except PlanMismatchError as exc:  # nothing moved: the group is whole, unless a worker
-            self._failed = any(  # lost it (restarted): then it forms again first
-                problem.startswith(NO_ONE_GROUP)
-                for problems in exc.problems.values()
-                for problem in problems
-            )
-            raise
-        except WeightSyncError:  # a runtime failure, on every rank (a caller's error is not)
-            self._failed = True
-            raise
+        with self._lock:  # pushes from several threads of a rank, one after the other
+            if self._closed:
+                raise WeightSyncError("this WeightUpdater is closed")
+            try:
+                result = self._push(state_dict, options)
+            except BaseException as exc:
+                if isinstance(state_dict, ShardedSource):  # the other ranks stop serving
+                    state_dict.finish(None)
+                if self._observer is not None:
+                    self._observer.failed(exc)
+                if isinstance(exc, PlanMismatchError):  # nothing moved: the group is whole,
+                    self._failed = any(  # unless a worker lost it (restarted): then it forms
+                        problem.startswith(NO_ONE_GROUP)  # again first
+                        for problems in exc.problems.values()
+                        for problem in problems
+                    )
+                elif isinstance(exc, WeightSyncError):  # a runtime failure, on every rank (a
+                    self._failed = True  # caller's error is not)
+                raise
+        if isinstance(state_dict, ShardedSource):  # (its lane's push did, where it had one)
+            state_dict.finish(result.version)
+        if self._observer is not None and result.buckets:
+            phases, gbps = result.phases, result.gbps
+            self._observer.pushed(result.version, result.nbytes, result.buckets, phases, gbps)
+        return result
 
     def _push(self, state_dict: StateDict | object, options: Mapping[str, Any]) -> PushResult:
         self._renew()
         self._failed = self._changed = False
         started = time.monotonic()  # after the renewal, bounded by its own rendezvous
         self._calls = []
-        share, chosen = self._lanes.agree(state_dict, options, None)
+        share, chosen = self._lanes.agree(state_dict, options, None, gathered=True)
         if (empty := nothing_moves(share, self._committed)) is not None:
             return empty
         assert share.layout is not None, "an agreed push has a layout"
@@ -204,9 +220,14 @@ class RayLanes:
         try:
             result = self._lanes.push(share, chosen, started)  # rank 0 calls the workers there
         except WeightSyncError as exc:
-            failed = self._blame_workers(self._calls, exc, started)
-            if failed is not None and type(exc) is WorkerFailedError:
-                raise failed from exc  # the workers by index, as their calls ended
+            if self.rank != 0:
+                raise
+            failed, dropped, died = self._blame_workers(self._calls, exc, started)
+            if failed is not None and died:  # who died, as rank 0's calls on them saw it
+                raise failed from exc
+            if isinstance(exc, WorkerFailedError):  # the lanes' cause, by worker index as one
+                exc.workers = sorted({self._worker_of(member) for member in exc.workers})
+                exc.dropped = dropped  # sender's error names them: what ``workers`` lost
             raise
         self._lanes.conclude(
             lambda: self._blame_workers(self._calls, None, started),
@@ -222,9 +243,10 @@ class RayLanes:
         """Leave: the workers' lanes from this rank end; rank 0 has the workers let go of
         the lanes from every sender (and of the one group), within ``rpc_timeout_s``.
         Idempotent; never raises over a worker gone."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         self._lanes.close()
         if self.rank == 0:
             self._release_workers()
@@ -352,16 +374,17 @@ class RayLanes:
 
     def _blame_workers(
         self, calls: Sequence[Future[Any]], error: Exception | None, started: float
-    ) -> WeightSyncError | None:
+    ) -> tuple[WeightSyncError | None, list[int], bool]:
         """Rank 0: how every worker's receive ended, as one sender judges its members
         (``wire.blame.Outcomes``), dropping those that died, or froze while others answered.
         Without ``error`` (every lane committed) it waits within what the push has left and
         raises ``WorkerFailedError`` naming those that died or raised. After the lanes'
         ``error`` their members had their bounds already: a worker that rank 0's lane named dead
         or silent (``WorkerFailedError.dropped``) is not waited for, the others a grace of
-        ``roster.GRACE_S``; returns the error naming the workers (None: every call returned)."""
+        ``roster.GRACE_S``; returns the error naming the workers (None: every call returned),
+        the workers dropped, and whether any died."""
         if not calls:
-            return None
+            return None, [], False
         deadline = Deadline(self.config.push_timeout_s + 5, "the workers' receives", started)
         wait_s, quoted = deadline.remaining(), deadline.seconds
         if error is not None:
@@ -373,13 +396,13 @@ class RayLanes:
             wait_s, quoted = 0.0, self.config.collective_timeout_s + GRACE_S
         outcomes = collect(self._plane, calls, wait_s)
         if outcomes.ok:
-            return None
+            return None, [], False
         dropped = outcomes.unreachable
         self._drop(dropped)
         failed = outcomes.error("the workers' receives", quoted, dropped)
         if error is None:
             raise failed
-        return failed
+        return failed, dropped, bool(outcomes.died)
 
     def _worker_of(self, member: int) -> int:
         """Rank 0: the worker whose members include ``member`` (0-based, as lanes name them)."""

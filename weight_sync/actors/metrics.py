@@ -19,9 +19,13 @@ Ray prefixes these with ``ray_`` in Prometheus (counters also get ``_total``). O
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Mapping
 
+import ray
 from ray.util import metrics
+
+from weight_sync.config import SyncConfig
 
 _SECONDS_BOUNDARIES = [0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300]
 
@@ -67,3 +71,11 @@ class PushMetrics:
 
     def failed(self, error: BaseException) -> None:
         self._pushes.inc(1, tags={**self._tags, "outcome": type(error).__name__})
+
+
+def push_metrics(config: SyncConfig) -> PushMetrics | None:
+    """An updater's metrics, where ``config`` asks for them and Ray runs here (an id of its own
+    each: several updaters in one process are told apart)."""
+    if not (config.metrics and ray.is_initialized()):
+        return None
+    return PushMetrics(secrets.token_hex(4))

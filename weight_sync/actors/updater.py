@@ -11,17 +11,15 @@ lane (``weight_sync.actors.lanes``).
 from __future__ import annotations
 
 import logging
-import secrets
 from collections.abc import Sequence
 
-import ray
 import torch.distributed as dist
 from ray.actor import ActorHandle
 from typing_extensions import Self
 
 from weight_sync.actors.lanes import RayLanes
 from weight_sync.actors.members import RayMembers
-from weight_sync.actors.metrics import PushMetrics
+from weight_sync.actors.metrics import push_metrics
 from weight_sync.config import SyncConfig
 from weight_sync.result import PushResult
 from weight_sync.send.collectives import OneRank
@@ -150,10 +148,7 @@ class RayPusher(Pusher):
     def __init__(self, workers: Sequence[ActorHandle], config: SyncConfig | None = None) -> None:
         self._members = RayMembers(workers)
         config = config if config is not None else SyncConfig()
-        metrics = (
-            PushMetrics(secrets.token_hex(4)) if config.metrics and ray.is_initialized() else None
-        )
-        super().__init__(self._members, config, metrics)
+        super().__init__(self._members, config, push_metrics(config))
 
     @property
     def workers(self) -> tuple[ActorHandle, ...]:

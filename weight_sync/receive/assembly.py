@@ -51,6 +51,9 @@ class Assembly:
         self._parts: dict[str, tuple[torch.Tensor, int]] = {}  # tensor being put together, left
         self._views: dict[int, dict[str, torch.Tensor]] = {}  # each lane's, made once
         self._targets: Targets | None = None  # what identifies the destinations (``serves``)
+        # A loader is handed every tensor, those of no element too (no block carries them), as
+        # one sender's pushes hand them: with the first tensors it is handed.
+        self._empty = [meta for meta in layout.tensors if not math.prod(meta.shape)] if load else []
 
     def serves(self, layout: BlockLayout, destinations: Mapping[str, torch.Tensor]) -> bool:
         """Whether this assembly takes ``layout`` into ``destinations`` as well: the same
@@ -119,8 +122,10 @@ class Assembly:
         blocks: Mapping[str, tuple[Block, TensorMeta]],
     ) -> None:
         assert self._load is not None
-        complete = []
+        complete: list[tuple[str, torch.Tensor]] = []
+        device: torch.device | None = None
         for name, tensor in weights:
+            device = tensor.device
             block, meta = blocks[name]
             if block.numel == math.prod(meta.shape):  # the whole tensor: handed on as it came
                 complete.append((name, tensor))
@@ -143,6 +148,11 @@ class Assembly:
                     complete.append((name, whole))
         if complete:
             with self._lock:
+                empty, self._empty = self._empty, []
+                complete += [
+                    (meta.name, torch.empty(meta.shape, dtype=meta.torch_dtype, device=device))
+                    for meta in empty
+                ]
                 self._load(complete)
 
     def _blocks(self, sender: int) -> list[tuple[Block, TensorMeta]]:

@@ -44,6 +44,7 @@ from weight_sync.send.collectives import (
     share_endpoints,
 )
 from weight_sync.send.pusher import Pusher
+from weight_sync.send.sharded import ShardedSource
 from weight_sync.transport import TorchGroup, bind_listener, listen_address
 from weight_sync.transport.base import Transport
 from weight_sync.transport.devices import current_gpu
@@ -89,7 +90,10 @@ class Outbound:
         return self.plane.address
 
     def push(
-        self, state_dict: StateDict, options: Mapping[str, Any], number: int | None = None
+        self,
+        state_dict: StateDict | ShardedSource,
+        options: Mapping[str, Any],
+        number: int | None = None,
     ) -> PushResult:
         """One push, framed by ``begin`` and ``end`` commands whatever happens between: a member
         ends its receive with the push, and skips what is left of one it gave up on. ``number``
@@ -197,14 +201,18 @@ class Opening:
         return answers if heard else None
 
 
-def lane_config(config: SyncConfig, one_group: bool = False) -> SyncConfig:
+def lane_config(config: SyncConfig, one_group: bool = False, alone: bool = False) -> SyncConfig:
     """How each lane of a push from several senders runs: a group of its own rendezvous (the
     lanes form at once), every member a rank of it, over Gloo -- K NCCL communicators driven
     from K threads on one GPU may deadlock (docs/many-senders.md) -- its members on the
     sender's host taking it through a shared-memory ring of its own as one sender's push does
     (``same_host``). ``one_group``: the lanes' buckets go over one group of every rank instead
     (``form_one_group``), on the backend ``config`` names, and each lane's own Gloo group only
-    votes: every member then takes them from that group."""
+    votes: every member then takes them from that group. ``alone``: the push's one sender (the
+    K = 1 case, not over one group) -- one lane, one communicator, so its group runs on the
+    backend ``config`` names, NCCL and the CUDA ring included, as one sender's push does."""
+    if alone and not one_group:
+        return config.model_copy(update={"group_mode": "standalone"})
     if config.backend == "nccl" and not one_group:
         raise ValueError(
             "a push from several senders runs its lanes over Gloo (CUDA tensors go through the "
@@ -311,10 +319,11 @@ class Senders:
         given = config or SyncConfig()
         self._given, self._invite, self._follow = given, invite, follow
         self._one = one_group or invite is not None
-        self.config = lane_config(given, one_group=self._one) if lanes else given
-        self.control = control_group(group, self.config.push_timeout_s, owner)
+        self.control = control_group(group, given.push_timeout_s, owner)
         self.rank = self.control.rank
         self.senders = self.control.size - receivers
+        alone = self.senders == 1
+        self.config = lane_config(given, self._one, alone) if lanes else given
         assert follow is None or self.rank >= self.senders, "only a receiving rank follows"
         sending = self.rank < self.senders
         agree_on_config(given, sending, self._one, self.control)
@@ -381,9 +390,10 @@ class Senders:
         state_dict: StateDict | object,
         options: Mapping[str, Any],
         check: Callable[[BlockLayout, int], dict[int, list[str]]] | None,
+        gathered: bool = False,
     ) -> tuple[Share, int]:
         """Begin push ``pushes``, every sender at once, before any lane moves a byte: this
-        rank's share of ``state_dict`` (with ``options``: ``lane_rules.share_of``) passes its
+        rank's share of ``state_dict`` (with ``options`` and ``gathered``: ``lane_rules.share_of``) passes its
         checks, the senders' layouts are one, the version is past every sender's, and on rank 0
         ``check`` finds nothing the members cannot take at that version (problems by member; a
         ``WeightSyncError`` when it could not ask them all) -- None where the members check the
@@ -391,7 +401,9 @@ class Senders:
         and the version; raises on every sender otherwise, each learning the word before any
         raises."""
         self.pushes += 1
-        share = share_of(state_dict, options, self.senders, self.rank, self.config, self.layouts)
+        share = share_of(
+            state_dict, options, self.senders, self.rank, self.config, self.layouts, gathered
+        )
 
         def refused(ahead: bool, chosen: int, _: object) -> Exception | None:
             if check is None:
@@ -576,9 +588,14 @@ def push_share(
     assert share.layout is not None and share.layout.blocks, "an empty push moves nothing"
     result = PushResult(version, 0, 0, 0.0)
     try:
-        if share.lane:
+        if share.sends:
+            sends: StateDict | ShardedSource = share.lane
+            if share.source is not None:
+                assert isinstance(share.source, ShardedSource), "the one source a push gathers"
+                sends = share.source
+            options = {"version": version, "rename": share.rename}
             try:
-                result = lane.push(share.lane, {"version": version}, push)
+                result = lane.push(sends, options, push)
             except Exception as exc:
                 # Broke naming no one: not to blame beside a lane that names a cause (over one
                 # group, the failure of a member on one lane aborts all).
@@ -605,7 +622,7 @@ def push_share(
             "nbytes": result.nbytes,
             "buckets": result.buckets,
             "wire": result.wire_bytes,
-            "lane": bool(share.lane),
+            "lane": share.sends,
         }
         sums = verdicts.settle(push, sender, landed, deadline)
     finally:  # spent whatever happens: members take note of it before any byte moves

@@ -97,6 +97,16 @@ class ShardedSource:
         """The entries, with DTensors as they are (the updater gathers them as it sends)."""
         return iter(self._entries)
 
+    def stand_ins(self) -> list[tuple[str, torch.Tensor]]:
+        """Each entry's name with a tensor of its full shape and dtype and no storage: what the
+        many-senders front lays a push of this source out from (``lane_rules.Gathered``)."""
+        if not self.is_sender:
+            raise ValueError("this rank does not send: call serve() on its ShardedSource")
+        return [
+            (name, torch.empty(tensor.shape, dtype=tensor.dtype, device="meta"))
+            for name, tensor in self._entries
+        ]
+
     def serve(self) -> int:
         """On a rank that does not send: take part in every gather the sending rank asks for,
         until its push ends. Returns the version pushed; raises ``WeightSyncError`` if the push

@@ -22,7 +22,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, get_args
+from typing import Any, Protocol, get_args, runtime_checkable
 
 import torch
 
@@ -169,16 +169,35 @@ def _grid(mesh: Any, index: dict[int, int]) -> Grid:
     return tuple(root.mesh.shape), ranks, dims
 
 
+@runtime_checkable
+class Gathered(Protocol):
+    """A state dict one sender gathers as its lane sends it (``send.sharded.ShardedSource``:
+    the other trainer ranks serve the gathers): a push from one sender only."""
+
+    def stand_ins(self) -> list[tuple[str, torch.Tensor]]:
+        """Each entry's name with a tensor of its full shape and dtype, no storage; raises
+        ``ValueError`` on a rank that does not send."""
+        ...
+
+
 @dataclass(frozen=True)
 class Share:
     """What one sender brings to a push from many senders: its lane's state dict, the layout
     (None with ``error``: this sender refused its share, which ``error`` says why), the version
-    it names (0: none)."""
+    it names (0: none). ``source``: a ``Gathered`` state dict its lane pushes instead of
+    ``lane`` (with ``rename``), gathering as it sends."""
 
     lane: dict[str, torch.Tensor]
     layout: BlockLayout | None
     error: Exception | None
     named: int
+    source: Gathered | None = None
+    rename: Any = None
+
+    @property
+    def sends(self) -> bool:
+        """Whether this sender has a lane in the push."""
+        return bool(self.lane) or self.source is not None
 
     def row(self, next_version: int) -> tuple[list[int], bytes]:
         """This sender's row for ``called_off``, and its layout digest."""
@@ -194,6 +213,7 @@ def share_of(
     sender: int,
     config: SyncConfig,
     layouts: Layouts | None = None,
+    gathered: bool = False,
 ) -> Share:
     """``sender``'s share of a push of ``state_dict`` by ``senders`` senders (the ranks
     ``0..senders-1`` of the trainers' group), checked as a push checks a state dict; a caller's
@@ -203,16 +223,24 @@ def share_of(
     layout, so that every lane and every member speak the workers' names; and ``partial`` (some
     of the members' tensors only), which the layout carries to them. An option given as None
     is not given (a front passes each of its own). ``layouts``: the front's, which keeps the
-    last layout (default: one made for this share)."""
+    last layout (default: one made for this share). ``gathered``: the front takes a
+    ``Gathered`` state dict from one sender (and ends its gathers, whatever happens): the
+    layout is read off its stand-ins, and its lane pushes it (``Share.source``)."""
     options = {key: value for key, value in options.items() if value is not None}
     named = options.get("version")
+    source = state_dict if isinstance(state_dict, Gathered) else None
     try:
-        if not isinstance(state_dict, Mapping | Iterable):
+        if source is not None and not (gathered and senders == 1):
+            raise TypeError(
+                "a ShardedSource is gathered by one sender (WeightUpdater without senders, or "
+                "with senders=OneRank()); with several, every sender pushes its own state dict "
+                "(name -> tensor or DTensor): nothing is gathered"
+            )
+        if not isinstance(state_dict, Mapping | Iterable | Gathered):
             raise TypeError(
                 "the senders each push their own state dict (name -> tensor or DTensor: every "
                 f"sender sends its own shards, nothing is gathered), not a "
-                f"{type(state_dict).__name__}; a ShardedSource is for WeightUpdater without "
-                "senders="
+                f"{type(state_dict).__name__}"
             )
         unknown = set(options) - {"version", "rename", "transform", "partial"}
         if unknown:
@@ -224,8 +252,17 @@ def share_of(
         if not isinstance(partial, bool):
             raise TypeError(f"partial must be a bool, got {type(partial).__name__}")
         check_version(named)
-        items: Iterable[Any] = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
         transform, rename = options.get("transform"), options.get("rename")
+        items: Iterable[Any]
+        if source is not None:
+            if transform is not None:
+                raise ValueError(
+                    "transform needs whole tensors and cannot run on a sharded source; rename "
+                    "(names only) can"
+                )
+            items = source.stand_ins()
+        else:
+            items = state_dict.items() if isinstance(state_dict, Mapping) else state_dict  # type: ignore[assignment]
         if transform is not None:
             items = list(items)
             sharded = [name for name, tensor in items if is_dtensor(tensor)]
@@ -247,6 +284,8 @@ def share_of(
                 f"the push's layout ({len(layout.blocks)} blocks) is over max_metadata_bytes="
                 f"{config.max_metadata_bytes}; raise it in SyncConfig on every rank"
             )
+        if source is not None:  # its lane checks the values as it gathers them
+            return Share({}, layout, None, named or 0, source, rename)
         lane = lane_of(entries, layout, sender)
         check_state_dict(lane, config)
     except Exception as exc:  # raised once the senders agreed: none may skip a collective
