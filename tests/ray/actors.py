@@ -654,11 +654,10 @@ class LoneTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad()
 
-    def lanes_setup(self, workers: list, one_group: bool = False) -> None:
+    def lanes_setup(self, workers: list, one_group: bool = False, **config: Any) -> None:
         from weight_sync.actors.lanes import RayLanes
-        from weight_sync.send.collectives import OneRank
 
-        self.lanes = RayLanes(workers, SyncConfig(), group=OneRank(), one_group=one_group)
+        self.lanes = RayLanes(workers, SyncConfig(**config), group=OneRank(), one_group=one_group)
         assert not dist.is_initialized(), "no torch.distributed group was made"
 
     def lanes_routes(self) -> tuple[list[str], bool]:

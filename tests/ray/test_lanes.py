@@ -642,6 +642,28 @@ def test_a_trainer_of_one_rank_pushes_through_the_same_front(
         kill([rank])
 
 
+def test_a_lane_that_cannot_form_lets_its_workers_go_at_once(take: Lease) -> None:
+    """The push's one sender over NCCL (its lane runs on the backend its config names) with
+    CPU weights and workers: the lane's routes are refused before any worker is told its place,
+    and the push raises that at once -- while the workers, already waiting for their places
+    as they answered the probe, are told there is none (``ClientPlane.unformed``): each
+    answers its next call at once, not when the store's 60 s bound ends its wait."""
+    rank = LoneTrainer.remote(0, 1)
+    workers = take(LMWorker, [{"fused": False}] * 2)
+    try:
+        ray.get(rank.setup.remote(0, None), timeout=TIMEOUT)
+        config = {"backend": "nccl", "rendezvous_timeout_s": 60}
+        ray.get(rank.lanes_setup.remote(workers, **config), timeout=TIMEOUT)
+        started = time.monotonic()
+        with pytest.raises(ray.exceptions.RayTaskError, match="backend='nccl' cannot be used"):
+            ray.get(rank.lanes_push.remote(), timeout=TIMEOUT)
+        versions = ray.get([w.weights_version.remote() for w in workers], timeout=TIMEOUT)
+        waited = time.monotonic() - started
+        assert versions == [None, None] and waited < 30, (versions, waited)
+    finally:
+        kill([rank])
+
+
 def test_one_group_takes_only_workers_that_can_join_it() -> None:
     """Refused in the constructor, before any group or collective: an engine's workers cannot
     join one group yet."""

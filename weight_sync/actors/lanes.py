@@ -80,7 +80,8 @@ class RayLanes:
 
     ``one_group``: every lane's buckets go over one group of the senders and the workers, point
     to point, each worker taking them in rounds (``transport.rounds``), rather than over a Gloo
-    group per lane -- the design for NCCL (``SyncConfig(backend="nccl")``, which needs it). It
+    group per lane -- the design for NCCL (``SyncConfig(backend="nccl")``, which several
+    senders need; the push's one sender runs its lane on the backend it names). It
     takes ``WeightSyncWorker`` actors (not yet ``VLLMEngine``s). A push that fails may leave
     that group aborted, or a worker without it (restarted): the push after it forms the group
     again first, every worker rejoining."""

@@ -121,6 +121,9 @@ class RayMembers:
     def leave(self, timeout_s: float) -> list[Future[None]]:
         return [h._weight_sync_leave.remote(timeout_s=timeout_s).future() for h in self._handles]
 
+    def unformed(self, why: str) -> None:
+        """Nothing to tell: an actor joins only when called to (``join``)."""
+
     def drop(self, members: Sequence[int]) -> None:
         gone = set(members)
         self._handles = [h for i, h in enumerate(self._handles) if i not in gone]

@@ -82,6 +82,10 @@ class ControlPlane(Protocol):
     def leave(self, timeout_s: float) -> list[Future[None]]:
         """Every member leaves the group (dropping any push it has not committed)."""
 
+    def unformed(self, why: str) -> None:
+        """Forming the group failed before any member was told its place (``why``): a member
+        already waiting for it (one whose join began with the probe) stops waiting."""
+
     def drop(self, members: Sequence[int]) -> None:
         """Forget ``members`` (dead or frozen): later rounds go to the others."""
 

@@ -35,7 +35,7 @@ from weight_sync.errors import WeightSyncError, first_line
 from weight_sync.receive.receiver import Check, Loader, Receiver
 from weight_sync.transport import teardown
 from weight_sync.transport.rendezvous import bind_listener, listen_address, open_store
-from weight_sync.wire.blame import Fate, MemberGone, is_collateral
+from weight_sync.wire.blame import CalledOff, Fate, MemberGone, is_collateral
 from weight_sync.wire.metadata import (
     GroupSpec,
     MemberInfo,
@@ -54,6 +54,7 @@ PREFIX = "weight_sync/control/plane/"
 # The first and the longest pause between looks for answers awaited; none awaited, no looks.
 _POLL_S = (0.0005, 0.004)
 _COMMIT, _CANCEL = "commit", "cancel"
+_UNFORMED = "!"  # a member's spec, where the trainer formed no group (no spec is JSON with it)
 MAX_REPLY_CHARS = 1 << 20
 _MOST_DOOMED = 1024  # keys that may wait for the poller to delete them
 # How long the store is not looked at for a reply a member's call may return (``Answers``): in
@@ -155,6 +156,8 @@ class StoreMember:
 
         def join() -> None:
             spec_json = read_bounded(self._store, f"spec/{epoch}/{self._slot}", max_metadata_bytes)
+            if spec_json.startswith(_UNFORMED):
+                raise CalledOff(f"the trainer formed no group: {spec_json[len(_UNFORMED) :]}")
             self.receiver.join_json(spec_json, max_metadata_bytes)
 
         self._answer(f"joined/{epoch}/{self._slot}", join)
@@ -365,6 +368,13 @@ class ClientPlane:
         for slot, spec in enumerate(specs, start=1):
             self._specs.post(self._epoch, f"spec/{self._epoch}/{slot}", spec.model_dump_json())
         return self._round("joined", self._epoch, self._joining, None)
+
+    def unformed(self, why: str) -> None:
+        """Each member's place, where it reads its spec, says there is no group: its join (begun
+        with its answer to the probe, ``StoreMember.init``) fails at once rather than at the
+        store's bound."""
+        for slot in range(1, self._workers + 1):
+            self._specs.post(self._epoch, f"spec/{self._epoch}/{slot}", _UNFORMED + why)
 
     def prepare(
         self,

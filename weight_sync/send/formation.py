@@ -23,7 +23,7 @@ import torch.distributed as dist
 from weight_sync.config import SyncConfig
 from weight_sync.control.deadline import Deadline
 from weight_sync.control.plane import collect
-from weight_sync.errors import TransportError, WeightSyncError, WorkerFailedError
+from weight_sync.errors import TransportError, WeightSyncError, WorkerFailedError, first_line
 from weight_sync.send.roster import GRACE_S, Roster
 from weight_sync.send.routes import Route, choose_routes
 from weight_sync.transport import (
@@ -84,27 +84,32 @@ def form_group(
     # member of such a group can leave it to a relay.
     relay = config.relay and config.group_mode != "job"
     here = shm.host_key()
-    routes = choose_routes(
-        backend=config.backend,
-        same_host=config.same_host,
-        trainer_gpu=gpu_uuid(device),
-        trainer_host=here,
-        infos=infos,
-        ipc_refused=ipc_refused,
-        relay=relay,
-    )
-    backend = routes.backend
-    # NCCL sends from the weights' GPU; Gloo (and the rings beside it) from host buffers.
-    send_device = device if backend == "nccl" else CPU
-    mode = _choose_mode(config, infos, backend)
-    group_id = secrets.token_hex(8)
-    kinds, writers = _open_rings(config, group_id, list(routes.routes), infos, send_device)
+    try:
+        routes = choose_routes(
+            backend=config.backend,
+            same_host=config.same_host,
+            trainer_gpu=gpu_uuid(device),
+            trainer_host=here,
+            infos=infos,
+            ipc_refused=ipc_refused,
+            relay=relay,
+        )
+        backend = routes.backend
+        # NCCL sends from the weights' GPU; Gloo (and the rings beside it) from host buffers.
+        send_device = device if backend == "nccl" else CPU
+        mode = _choose_mode(config, infos, backend)
+        group_id = secrets.token_hex(8)
+        kinds, writers = _open_rings(config, group_id, list(routes.routes), infos, send_device)
+    except BaseException as exc:  # before any member was told its place
+        roster.plane.unformed(first_line(exc))
+        raise
     remote = sum(info.ranks for info, kind in zip(infos, kinds, strict=True) if kind == "group")
     try:
         address = listen_address(config.master_addr, config.interface)
         listener = bind_listener(address) if remote else None
-    except BaseException:
+    except BaseException as exc:
         _close_all(list(writers.values()), None)
+        roster.plane.unformed(first_line(exc))
         raise
     rendezvous_s = deadline.left(config.rendezvous_timeout_s)
     common = {

@@ -169,7 +169,7 @@ class Pusher:
 
     def push(
         self,
-        state_dict: StateDict | ShardedSource,
+        state_dict: StateDict | Entries | ShardedSource,
         *,
         rename: Rename | None = None,
         transform: Transform | None = None,
@@ -201,6 +201,9 @@ class Pusher:
         """
         started = time.monotonic()  # the bound runs from the call: checks and the lock count
         check_version(version)
+        if isinstance(state_dict, Entries):  # checked already (a lane's: ``lane_rules.share_of``)
+            assert rename is None and transform is None, "checked entries are mapped already"
+            return self._push(state_dict, state_dict.tensors, partial, False, started, version)
         if not isinstance(state_dict, ShardedSource):
             entries = check_state_dict(state_dict, self._config, rename, transform)
             return self._push(entries, entries.tensors, partial, False, started, version)

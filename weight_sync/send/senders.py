@@ -60,7 +60,7 @@ from weight_sync.wire.lane_rules import (
     share_of,
 )
 from weight_sync.wire.metadata import MAX_FIRST_CHARS, NO_LANE, GroupSpec
-from weight_sync.wire.state_dict import StateDict
+from weight_sync.wire.state_dict import Entries, StateDict
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class Outbound:
 
     def push(
         self,
-        state_dict: StateDict | ShardedSource,
+        state_dict: StateDict | Entries | ShardedSource,
         options: Mapping[str, Any],
         number: int | None = None,
     ) -> PushResult:
@@ -297,7 +297,7 @@ class Senders:
     form, and again whenever the one group does. ``one_group`` (implied by ``invite``): the
     lanes' buckets go over one group of the senders and the members (``form_one_group``), on
     ``config``'s backend. ``lanes`` (default): each lane's own group is a standalone Gloo group
-    (``lane_config``); False -- a launched job's one sender -- its push runs on ``config`` as
+    -- the push's one sender's on the backend ``config`` names (``lane_config``); False -- a launched job's one sender -- its push runs on ``config`` as
     given (``group_mode="job"``: ``new_group`` of the job, NCCL allowed)."""
 
     def __init__(
@@ -589,7 +589,7 @@ def push_share(
     result = PushResult(version, 0, 0, 0.0)
     try:
         if share.sends:
-            sends: StateDict | ShardedSource = share.lane
+            sends: StateDict | Entries | ShardedSource = share.checked or share.lane
             if share.source is not None:
                 assert isinstance(share.source, ShardedSource), "the one source a push gathers"
                 sends = share.source

@@ -38,7 +38,15 @@ from weight_sync.wire.blocks import (
 )
 from weight_sync.wire.mapping import rename as renaming
 from weight_sync.wire.metadata import TensorMeta
-from weight_sync.wire.state_dict import StateDict, check_state_dict, is_dtensor, wire_dtype
+from weight_sync.wire.state_dict import (
+    Entries as Checked,
+)
+from weight_sync.wire.state_dict import (
+    StateDict,
+    check_state_dict,
+    is_dtensor,
+    wire_dtype,
+)
 from weight_sync.wire.versions import agreed_version, check_version, proposed_version
 
 Entries = Sequence[tuple[str, torch.Tensor]]
@@ -184,8 +192,9 @@ class Gathered(Protocol):
 class Share:
     """What one sender brings to a push from many senders: its lane's state dict, the layout
     (None with ``error``: this sender refused its share, which ``error`` says why), the version
-    it names (0: none). ``source``: a ``Gathered`` state dict its lane pushes instead of
-    ``lane`` (with ``rename``), gathering as it sends."""
+    it names (0: none), and the lane as checked (``checked``: what its push sends, not checked
+    again). ``source``: a ``Gathered`` state dict its lane pushes instead (with ``rename``),
+    gathering as it sends."""
 
     lane: dict[str, torch.Tensor]
     layout: BlockLayout | None
@@ -193,6 +202,7 @@ class Share:
     named: int
     source: Gathered | None = None
     rename: Any = None
+    checked: Checked | None = None
 
     @property
     def sends(self) -> bool:
@@ -287,10 +297,10 @@ def share_of(
         if source is not None:  # its lane checks the values as it gathers them
             return Share({}, layout, None, named or 0, source, rename)
         lane = lane_of(entries, layout, sender)
-        check_state_dict(lane, config)
+        checked = check_state_dict(lane, config)
     except Exception as exc:  # raised once the senders agreed: none may skip a collective
         return Share({}, None, exc, 0)
-    return Share(lane, layout, None, named or 0)
+    return Share(lane, layout, None, named or 0, checked=checked)
 
 
 _CASTS: tuple[str | None, ...] = (None, *get_args(CastDtype))
