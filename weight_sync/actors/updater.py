@@ -85,7 +85,8 @@ class WeightUpdater:
     @property
     def workers(self) -> tuple[ActorHandle, ...]:
         """The workers pushes go to: those given and added, minus any dropped after dying or
-        freezing (with ``senders``: rank 0's are those pushed to)."""
+        freezing (with ``senders``: by rank 0 at once, by the others as the next push
+        begins)."""
         return self._pushes.workers
 
     @property

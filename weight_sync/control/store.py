@@ -455,7 +455,10 @@ class ClientPlane:
     def drop(self, members: Sequence[int]) -> None:
         """The members stay: their count is whoever made this plane's (a lane's front renews
         it, ``recount``; vLLM's client calls every engine), so pushes fail until that changes."""
-        logger.warning("member(s) %s failed; pushes fail until they are replaced", list(members))
+        logger.warning(
+            "member(s) %s failed; they are called until whoever counts them renews the count",
+            list(members),
+        )
 
     def fate(self, error: BaseException) -> tuple[Fate, str]:
         if isinstance(error, MemberGone):

@@ -297,8 +297,9 @@ class Senders:
     form, and again whenever the one group does. ``one_group`` (implied by ``invite``): the
     lanes' buckets go over one group of the senders and the members (``form_one_group``), on
     ``config``'s backend. ``lanes`` (default): each lane's own group is a standalone Gloo group
-    -- the push's one sender's on the backend ``config`` names (``lane_config``); False -- a launched job's one sender -- its push runs on ``config`` as
-    given (``group_mode="job"``: ``new_group`` of the job, NCCL allowed)."""
+    -- the push's one sender's on the backend ``config`` names (``lane_config``); False -- a
+    launched job's one sender -- its push runs on ``config`` as given (``group_mode="job"``:
+    ``new_group`` of the job, NCCL allowed)."""
 
     def __init__(
         self,
@@ -393,8 +394,9 @@ class Senders:
         gathered: bool = False,
     ) -> tuple[Share, int]:
         """Begin push ``pushes``, every sender at once, before any lane moves a byte: this
-        rank's share of ``state_dict`` (with ``options`` and ``gathered``: ``lane_rules.share_of``) passes its
-        checks, the senders' layouts are one, the version is past every sender's, and on rank 0
+        rank's share of ``state_dict`` (with ``options`` and ``gathered``:
+        ``lane_rules.share_of``) passes its checks, the senders' layouts are one, the version is
+        past every sender's, and on rank 0
         ``check`` finds nothing the members cannot take at that version (problems by member; a
         ``WeightSyncError`` when it could not ask them all) -- None where the members check the
         push as their lanes open (``Opening``: each refuses on every lane). Returns the share
