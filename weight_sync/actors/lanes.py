@@ -178,11 +178,11 @@ class RayLanes:
         with self._lock:  # pushes from several threads of a rank, one after the other
             if self._closed:
                 raise WeightSyncError("this WeightUpdater is closed")
+            pushed: int | None = None
             try:
                 result = self._push(state_dict, options)
+                pushed = result.version
             except BaseException as exc:
-                if isinstance(state_dict, ShardedSource):  # the other ranks stop serving
-                    state_dict.finish(None)
                 if self._observer is not None:
                     self._observer.failed(exc)
                 if isinstance(exc, PlanMismatchError):  # nothing moved: the group is whole,
@@ -194,8 +194,9 @@ class RayLanes:
                 elif isinstance(exc, WeightSyncError):  # a runtime failure, on every rank (a
                     self._failed = True  # caller's error is not)
                 raise
-        if isinstance(state_dict, ShardedSource):  # (its lane's push did, where it had one)
-            state_dict.finish(result.version)
+            finally:  # the other ranks stop serving (its lane's push did, where it had one)
+                if isinstance(state_dict, ShardedSource):
+                    state_dict.finish(pushed)
         if self._observer is not None and result.buckets:
             phases, gbps = result.phases, result.gbps
             self._observer.pushed(result.version, result.nbytes, result.buckets, phases, gbps)

@@ -84,6 +84,7 @@ def form_group(
     # member of such a group can leave it to a relay.
     relay = config.relay and config.group_mode != "job"
     here = shm.host_key()
+    writers: dict[Route, Ring] = {}
     try:
         routes = choose_routes(
             backend=config.backend,
@@ -100,14 +101,10 @@ def form_group(
         mode = _choose_mode(config, infos, backend)
         group_id = secrets.token_hex(8)
         kinds, writers = _open_rings(config, group_id, list(routes.routes), infos, send_device)
-    except BaseException as exc:  # before any member was told its place
-        roster.plane.unformed(first_line(exc))
-        raise
-    remote = sum(info.ranks for info, kind in zip(infos, kinds, strict=True) if kind == "group")
-    try:
+        remote = sum(i.ranks for i, kind in zip(infos, kinds, strict=True) if kind == "group")
         address = listen_address(config.master_addr, config.interface)
         listener = bind_listener(address) if remote else None
-    except BaseException as exc:
+    except BaseException as exc:  # before any member was told its place
         _close_all(list(writers.values()), None)
         roster.plane.unformed(first_line(exc))
         raise

@@ -591,10 +591,8 @@ def push_share(
     result = PushResult(version, 0, 0, 0.0)
     try:
         if share.sends:
-            sends: StateDict | Entries | ShardedSource = share.checked or share.lane
-            if share.source is not None:
-                assert isinstance(share.source, ShardedSource), "the one source a push gathers"
-                sends = share.source
+            sends = share.source if share.source is not None else share.checked
+            assert isinstance(sends, Entries | ShardedSource), "its share checked, or a source"
             options = {"version": version, "rename": share.rename}
             try:
                 result = lane.push(sends, options, push)
