@@ -94,15 +94,17 @@ class FlakyWorker(ZooWorker.__ray_actor_class__):  # type: ignore[name-defined]
 
     def fail_next_commit(self) -> None:
         """The next commit raises once every worker has received: in its own call, or at the
-        end of a push in one call."""
-        receiver = self._weight_sync_state()
-        commit = receiver.commit
+        end of a push in one call -- one sender's, or a lane's (the K = 1 front's)."""
+        receivers = _receivers(self)
+        commits = [receiver.commit for receiver in receivers]
 
         def failing(*args: Any, **kwargs: Any) -> None:
-            receiver.commit = commit  # type: ignore[method-assign]
+            for receiver, commit in zip(receivers, commits, strict=True):
+                receiver.commit = commit  # type: ignore[method-assign]
             raise RuntimeError("injected commit failure")
 
-        receiver.commit = failing  # type: ignore[method-assign]
+        for receiver in receivers:
+            receiver.commit = failing  # type: ignore[method-assign]
 
     def load_weights(self, weights) -> None:
         if self.fail_after is not None:
@@ -111,6 +113,14 @@ class FlakyWorker(ZooWorker.__ray_actor_class__):  # type: ignore[name-defined]
                 raise RuntimeError("injected load_weights failure")
             self.fail_after -= 1
         super().load_weights(weights)
+
+
+def _receivers(worker: Any) -> list[Any]:
+    """Every receiver a push lands through on ``worker``: one sender's, then each of its lanes'
+    (the many-senders front's, K = 1 included), once it follows any."""
+    member = worker._weight_sync_member()
+    lanes = member.lanes.inbound if member.lanes is not None else []
+    return [member.record, *(lane.member.receiver for lane in lanes)]
 
 
 class _Tampered:
@@ -180,10 +190,17 @@ class SlowWorker(Renewable):
             time.sleep(self.hang_join_s)  # as a worker whose network never lets it connect
         super()._weight_sync_join(spec_json, max_metadata_bytes, timeout_s)
 
+    def _weight_sync_lanes_push(self, *args: Any, **kwargs: Any) -> Any:
+        if self.hang_join_s and self._weight_sync_member().lanes is None:  # joins in this call
+            time.sleep(self.hang_join_s)
+        return super()._weight_sync_lanes_push(*args, **kwargs)
+
     def tamper(self, flip: bool = False, delay_s: float = 0.0) -> None:
-        """Tamper with the current group's transport (see _Tampered)."""
-        state = self._weight_sync_state()
-        state._transport = _Tampered(state.transport, flip, delay_s)
+        """Tamper with the current group's transport (see _Tampered): one sender's, or each
+        lane's."""
+        for receiver in _receivers(self):
+            if receiver._transport is not None:
+                receiver._transport = _Tampered(receiver._transport, flip, delay_s)
 
 
 def mutate(state_dict: dict[str, torch.Tensor], mutation: str) -> dict[str, torch.Tensor]:
@@ -399,20 +416,14 @@ class LMWorker(Counting):  # type: ignore[valid-type,misc]
         self._fail_before_bytes = sender
 
     def fail_assembly(self, on: bool) -> None:
-        """From now (``on``), where a push from many senders lands cannot be had as its lanes
-        are about to begin (after the layout was checked against it): a user's hook that fails
-        on its second call of a push (fault injection)."""
+        """From now (``on``), where a push from many senders lands cannot be had as the push
+        begins: a user's hook that fails as the worker checks the push against it, the one
+        call of it a push makes (fault injection)."""
         self._fail_assembly = on
 
     def _weight_sync_lanes_push(self, *args: Any, **kwargs: Any) -> int | None:
-        if getattr(self, "_fail_assembly", False):  # its first call of the push checks
-            calls, destinations = [0], self.weight_sync_destinations
-
-            def second_fails() -> Any:
-                calls[0] += 1
-                return destinations() if calls[0] == 1 else _injected_failure()
-
-            self.weight_sync_destinations = second_fails  # type: ignore[method-assign]
+        if getattr(self, "_fail_assembly", False):
+            self.weight_sync_destinations = _injected_failure  # type: ignore[method-assign]
         try:
             held = super()._weight_sync_lanes_push(*args, **kwargs)
         finally:

@@ -4,15 +4,13 @@ and a refusal in one call that still stops the push before any byte moves."""
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import ray
 import torch
 
-from tests.ray.actors import BIG, Trainer, ZooWorker
+from tests.ray.actors import BIG, Counting, Trainer, ZooWorker
 from tests.zoo import zoo
 from weight_sync import PlanMismatchError, PushResult
 from weight_sync.wire.checksums import state_dict_digests
@@ -20,36 +18,16 @@ from weight_sync.wire.checksums import state_dict_digests
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("ray_cluster")]
 TIMEOUT = 120
 WORKERS = 3
-CALLS = ("prepare", "receive", "commit", "push")
+CALLS = ("info", "join", "prepare", "receive", "commit", "push", "lanes_push")
 
 
 @ray.remote(num_cpus=0)
-class CountingWorker(ZooWorker.__ray_actor_class__):  # type: ignore[name-defined]
-    """Counts the protocol's calls it is sent."""
-
-    def __init__(self, seed: int) -> None:
-        super().__init__(seed)
-        self.calls: Counter[str] = Counter()
-
-    def _weight_sync_prepare(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls["prepare"] += 1
-        return super()._weight_sync_prepare(*args, **kwargs)
-
-    def _weight_sync_receive(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls["receive"] += 1
-        return super()._weight_sync_receive(*args, **kwargs)
-
-    def _weight_sync_commit(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls["commit"] += 1
-        return super()._weight_sync_commit(*args, **kwargs)
-
-    def _weight_sync_push(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls["push"] += 1
-        return super()._weight_sync_push(*args, **kwargs)
+class CountingWorker(Counting, ZooWorker.__ray_actor_class__):  # type: ignore[misc]
+    """Counts the protocol's calls it is sent (``actors.Counting``)."""
 
     def counted(self) -> dict[str, int]:
-        calls, self.calls = self.calls, Counter()
-        return {name: calls[name] for name in CALLS}
+        calls = self.__dict__.pop("_protocol_calls", {})
+        return {name: calls.get(f"_weight_sync_{name}", 0) for name in CALLS}
 
     def reshape(self, name: str, shape: tuple[int, ...]) -> None:
         """The model's tensor ``name`` takes another shape (the next push no longer fits it)."""
@@ -92,8 +70,9 @@ def assert_holds(workers: list, seed: int, version: int) -> None:
 def test_the_steady_state_costs_one_call_per_worker(fleet: tuple[list, list]) -> None:
     (trainer, *_), workers = fleet
     first: PushResult = ray.get(trainer.push_zoo.remote(1), timeout=TIMEOUT)
-    # The first push sends the plan: a prepare round, then a receive that ends in the commit.
-    assert counted(workers) == [calls(prepare=1, receive=1)] * WORKERS
+    # The first push asks what each worker brings (the probe), forms the group (a join) and
+    # sends the plan: a prepare round, then a receive that ends in the commit.
+    assert counted(workers) == [calls(info=1, join=1, prepare=1, receive=1)] * WORKERS
     assert set(first.phases) == {"group", "prepare", "transfer", "total"}
     for seed in (2, 3, 4):
         result: PushResult = ray.get(trainer.push_zoo.remote(seed), timeout=TIMEOUT)
@@ -162,8 +141,43 @@ def test_checksums_keep_the_commit_round(fleet: tuple[list, list]) -> None:
     ray.get(trainers[0].close.remote(), timeout=TIMEOUT)  # the workers join the new one's group
     trainers.append(Trainer.remote(workers, bucket_bytes=256 << 10, checksum=True))
     counted(workers)
-    for seed in (31, 32):
+    for seed, first in ((31, 1), (32, 0)):  # the first probes and forms the group
         result = ray.get(trainers[-1].push_zoo.remote(seed), timeout=TIMEOUT)
         # The trainer compares every worker's CRCs before anyone commits.
-        assert counted(workers) == [calls(prepare=1, receive=1, commit=1)] * WORKERS
+        every = calls(info=first, join=first, prepare=1, receive=1, commit=1)
+        assert counted(workers) == [every] * WORKERS
         assert_holds(workers, seed, result.version)
+
+
+def test_the_k1_front_costs_one_call_per_worker_too(fleet: tuple[list, list]) -> None:
+    """The many-senders front's K = 1 case (``senders=OneRank()``), which one sender's pushes
+    are becoming: its first push asks each worker what it brings, then takes the push in one
+    call (the layout read from rank 0's store, the lane formed and planned through the
+    sender's); every push after it is one call per worker -- full and partial in turn (two
+    layouts) -- and a refusal stops the push in that call before any byte."""
+    trainers, workers = fleet
+    for trainer in trainers:  # the workers take the new front's lanes
+        ray.get(trainer.close.remote(), timeout=TIMEOUT)
+    trainers.append(Trainer.remote(workers, lanes=True, bucket_bytes=256 << 10))
+    counted(workers)
+    ray.get(trainers[-1].push_zoo.remote(40), timeout=TIMEOUT)
+    assert counted(workers) == [calls(info=1, lanes_push=1)] * WORKERS
+    for seed in (41, 42):
+        full = ray.get(trainers[-1].push_zoo.remote(seed), timeout=TIMEOUT)
+        assert counted(workers) == [calls(lanes_push=1)] * WORKERS
+        assert_holds(workers, seed, full.version)
+        part = ray.get(
+            trainers[-1].push_partial_zoo.remote(seed + 10, ["float32_matrix", "int64_matrix"]),
+            timeout=TIMEOUT,
+        )
+        assert counted(workers) == [calls(lanes_push=1)] * WORKERS
+        assert part.partial and part.version == full.version + 1
+    ray.get(workers[1].reshape.remote("float32_matrix", (13, 7)), timeout=TIMEOUT)
+    with pytest.raises(PlanMismatchError) as info:
+        ray.get(trainers[-1].push_zoo.remote(43), timeout=TIMEOUT)
+    assert list(info.value.problems) == [1] and "float32_matrix" in str(info.value)
+    assert counted(workers) == [calls(lanes_push=1)] * WORKERS
+    ray.get(workers[1].reshape.remote("float32_matrix", (7, 13)), timeout=TIMEOUT)
+    result = ray.get(trainers[-1].push_zoo.remote(44), timeout=TIMEOUT)
+    assert counted(workers) == [calls(lanes_push=1)] * WORKERS
+    assert_holds(workers, 44, result.version)

@@ -230,6 +230,25 @@ def test_assembly_into_a_model_lands_each_lane_in_place_or_copies() -> None:
     assert plan_check  # the lane's plan is checked against its blocks' shapes, not the model's
 
 
+def test_a_lane_plan_accepted_is_not_checked_again_and_any_other_is() -> None:
+    """A lane's plan is checked against its blocks until one is accepted; the same plan (and
+    partial flag) is then taken unchecked on the pushes the assembly serves after, while another
+    plan, another flag or another lane is still checked -- and a refused one never
+    remembered."""
+    assembly = Assembly(_layout(), {"cols": torch.zeros(3, 4), "rows": torch.zeros(4)})
+    blocks = _layout().lane_tensors(0)
+    good = SyncPlan.model_construct(alignment=1, tensors=tuple(blocks.values()), buckets=())
+    wrong = SyncPlan.model_construct(
+        alignment=1, tensors=(TensorMeta(name="cols", dtype="float32", shape=(3, 3)),), buckets=()
+    )
+    check = assembly.check(0)
+    assert check(wrong, False) and check(wrong, False)  # refused, every time
+    assert check(good, False) == [] and check(good, False) == []
+    assert check(wrong, False)  # another plan: checked, not taken for the one accepted
+    assert check(good, True) == []  # another flag: checked (a partial one fits too)
+    assert assembly.check(1)(wrong, False)  # lane 1 remembers nothing of lane 0's
+
+
 def test_assembly_refuses_a_model_the_layout_does_not_fit() -> None:
     model = {"cols": torch.zeros(3, 5), "extra": torch.zeros(1)}
     problems = Assembly(_layout(), model).problems(holding(None))

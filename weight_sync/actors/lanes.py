@@ -107,10 +107,15 @@ class RayLanes:
         self._slots: list[int] = []  # rank 0: each worker's first member slot (1-based)
         self._one_call: list[bool] = []  # rank 0: which workers take a push in one call
         self._sent = 0  # rank 0: the highest version any worker was ever sent
+        # Rank 0 asks the workers what they bring (``_probe``) as the first push begins, as after
+        # any change (``_renew``), so that making this touches no worker -- a frozen one is named
+        # and dropped by that push, as one it freezes in. Over one group it asks them now: the
+        # group forms with them.
+        counted = self._probe if one_group else lambda _: len(self._alike)
         self._lanes = Senders(
             config,
             group,
-            lambda given: self._probe(given.rpc_timeout_s),
+            lambda given: counted(given.rpc_timeout_s),
             "WeightUpdater",
             self._invite if one_group else None,
             call=self._call_workers,
@@ -129,9 +134,10 @@ class RayLanes:
         self._closed = False
         self._lock = threading.Lock()
         self._observer = push_metrics(self.config)
-        # The last push failed, or workers were dropped (rank 0) or added: the next push renews
-        # the lanes (``Senders.renew``), rank 0 counting the workers' members again.
-        self._failed = self._changed = False
+        # The last push failed, or workers were dropped (rank 0) or added -- or none was made
+        # yet: the next push renews the lanes (``Senders.renew``), rank 0 counting the workers'
+        # members again.
+        self._failed, self._changed = False, not one_group
 
     @property
     def version(self) -> int:
@@ -287,7 +293,7 @@ class RayLanes:
         parallelism 2 brings two, taking consecutive slots) and the highest version it was ever
         sent; returns the members in all."""
         calls = [worker._weight_sync_info.remote(timeout_s) for worker in self.workers]
-        infos: list[MemberInfo] = self._answers(calls, "asking the workers", timeout_s)
+        infos: list[MemberInfo] = self._answers(calls, "the probe of the workers", timeout_s)
         ranks = [info.ranks for info in infos]
         if self._over_one_group and any(count != 1 for count in ranks):
             raise ValueError(

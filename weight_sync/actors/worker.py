@@ -206,12 +206,19 @@ class WeightSyncWorker:
                     refuse_unjoined(endpoint, version, slot, [missing], status, dial_s)
             return None
 
+        made: list[Assembly] = []  # the user's hooks, asked once a push: by the check
+
         def problems(layout: BlockLayout) -> list[str]:
-            return self._weight_sync_assembly(layout).problems(member.record)
+            made.append(self._weight_sync_assembly(layout))
+            return made[-1].problems(member.record)
+
+        def target(layout: BlockLayout) -> Assembly:
+            assert made and made[-1].layout is layout, "a push is taken once it was checked"
+            return made[-1]
 
         answered: list[str] = []
         name = f"worker {call.slot - 1}"
-        member.take(call, problems, self._weight_sync_assembly, name, answered.append)
+        member.take(call, problems, target, name, answered.append)
         return answered[0] if answered else None
 
     def _weight_sync_lanes_join(

@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -81,7 +81,6 @@ class Client(Protocol):
 Answers = Mapping[int, "Future[str | None]"]
 
 
-@runtime_checkable
 class OneCallClient(Client, Protocol):
     """A client whose members also take a whole push in one step (``StoreMember.push``): a
     sender's lane (``control.lane_store.Commands``), never vLLM's."""
@@ -412,8 +411,9 @@ class ClientPlane:
 
     def push(self, request: PrepareRequest, timeout_s: float) -> list[Future[PushReply]]:
         # Only members a sender's lane drives offer it (vLLM's workers never do).
-        client = self._client
-        assert isinstance(client, OneCallClient), "one-call pushes come from a OneCallClient"
+        # (A runtime protocol's isinstance costs more than this step's own work.)
+        assert hasattr(self._client, "push_weight_update"), "one-call pushes: a OneCallClient"
+        client = cast(OneCallClient, self._client)
         self._mailbox.abandon("a later push began")
         posted: Future[None] = Future()  # the client posts to its own store: no thread for it
         answers: Answers = {}

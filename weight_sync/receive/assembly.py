@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from weight_sync.receive.buckets import Targets
 from weight_sync.receive.checks import Check, check_layout, check_plan, expecting
 from weight_sync.wire.blocks import Block, BlockLayout, view_of
-from weight_sync.wire.metadata import TensorMeta
+from weight_sync.wire.metadata import SyncPlan, TensorMeta
 
 if TYPE_CHECKING:
     from weight_sync.receive.receiver import Receiver
@@ -51,6 +51,7 @@ class Assembly:
         self._parts: dict[str, tuple[torch.Tensor, int]] = {}  # tensor being put together, left
         self._views: dict[int, dict[str, torch.Tensor]] = {}  # each lane's, made once
         self._targets: Targets | None = None  # what identifies the destinations (``serves``)
+        self._accepted: dict[int, tuple[str, bool]] = {}  # each lane's plan it took last
         # A loader is handed every tensor, those of no element too (no block carries them), as
         # one sender's pushes hand them: with the first tensors it is handed.
         self._empty = [meta for meta in layout.tensors if not math.prod(meta.shape)] if load else []
@@ -78,9 +79,20 @@ class Assembly:
         return check_layout(self.layout, check, record.version)
 
     def check(self, sender: int) -> Check:
-        """A lane's plan must carry exactly the blocks the layout gives its sender."""
+        """A lane's plan must carry exactly the blocks the layout gives its sender: checked
+        once per plan (and partial flag) it accepts, not again on the pushes after it that this
+        assembly serves (``serves``) -- a third of a small push's own work on a member."""
         blocks = self.layout.lane_tensors(sender)
-        return lambda plan, partial: check_plan(plan, blocks, partial)
+
+        def checked(plan: SyncPlan, partial: bool) -> list[str]:
+            if self._accepted.get(sender) == (plan.digest, partial):
+                return []
+            problems = check_plan(plan, blocks, partial)
+            if not problems:
+                self._accepted[sender] = (plan.digest, partial)
+            return problems
+
+        return checked
 
     def destinations(self, sender: int) -> dict[str, torch.Tensor] | None:
         """Each block of the lane as a view of the model's tensor (None for a loader; a whole

@@ -80,7 +80,7 @@ class Member:
         assembly: Assembly | None = None
         if not found and layout is not None:
             try:
-                assembly = target(layout)  # the user's hooks, called again
+                assembly = target(layout)  # the user's hooks (or what ``problems`` had of them)
             except Exception as exc:
                 found = [f"its weights could not be had ({type(exc).__name__}: {first_line(exc)})"]
         if assembly is None:

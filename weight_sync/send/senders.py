@@ -503,9 +503,11 @@ class Senders:
         missing = self._one and self.one_group is None
         if not any_rank(needed or missing, self.control):
             return False
-        logger.info(
-            "push %d: the lanes form again (a push failed, or the members changed)", self.pushes + 1
-        )
+        if self.pushes:  # (a front may count its members as its first push begins)
+            logger.info(
+                "push %d: the lanes form again (a push failed, or the members changed)",
+                self.pushes + 1,
+            )
         if members is not None:
             count = members
             self.members = self.from_rank_0(lambda: count(self.config))

@@ -195,9 +195,12 @@ class BlockLayout(Hashed):
                 raise ValueError(f"the blocks of {meta.name!r} do not tile it exactly")
         return self
 
-    def sent_by(self, sender: int) -> list[Block]:
-        """The blocks ``sender`` sends, in the tensors' order."""
-        return [block for block in self.blocks if block.sender == sender]
+    def sent_by(self, sender: int) -> tuple[Block, ...]:
+        """The blocks ``sender`` sends, in the tensors' order (found once per sender: a front
+        reuses a layout push after push)."""
+        if sender not in self._sent:
+            self._sent[sender] = tuple(block for block in self.blocks if block.sender == sender)
+        return self._sent[sender]
 
     def lane_tensors(self, sender: int) -> dict[str, TensorMeta]:
         """What the plan of ``sender``'s lane must carry: each of its blocks as a tensor of its
@@ -215,6 +218,10 @@ class BlockLayout(Hashed):
 
     @cached_property
     def _lanes(self) -> dict[int, dict[str, TensorMeta]]:
+        return {}
+
+    @cached_property
+    def _sent(self) -> dict[int, tuple[Block, ...]]:
         return {}
 
     def bytes_per_sender(self) -> list[int]:

@@ -92,7 +92,7 @@ class Layouts:
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"{name!r}: a push takes tensors, got {type(tensor).__name__}")
             spread = _spread(name, tensor, index, grids) if is_dtensor(tensor) else None
-            wire = wire_dtype(tensor.dtype, cast_dtype)
+            wire = tensor.dtype if cast_dtype is None else wire_dtype(tensor.dtype, cast_dtype)
             described.append((name, tuple(tensor.shape), wire, spread))
         key = (tuple(described), len(sender_ranks), partial)
         if self._last is not None and self._last[0] == key:
@@ -114,11 +114,11 @@ def lane_of(entries: Entries, layout: BlockLayout, sender: int) -> dict[str, tor
     tensors = dict(entries)
     lane = {}
     for block in layout.sent_by(sender):
-        meta = layout.tensors[block.tensor]
-        tensor = tensors[meta.name]
+        name = layout.tensors[block.tensor].name
+        tensor = tensors[name]
         local = tensor.to_local() if is_dtensor(tensor) else tensor
-        assert tuple(local.shape) == block.size, (meta.name, tuple(local.shape), block.size)
-        lane[meta.name] = local.detach()
+        assert tuple(local.shape) == block.size, (name, tuple(local.shape), block.size)
+        lane[name] = local.detach() if local.requires_grad else local  # (a state dict's are not)
     return lane
 
 
@@ -238,7 +238,10 @@ def share_of(
     layout is read off its stand-ins, and its lane pushes it (``Share.source``)."""
     options = {key: value for key, value in options.items() if value is not None}
     named = options.get("version")
-    source = state_dict if isinstance(state_dict, Gathered) else None
+    source: Gathered | None = None
+    # A state dict is no ``Gathered`` (a runtime protocol's isinstance is slow).
+    if not isinstance(state_dict, Mapping) and isinstance(state_dict, Gathered):
+        source = state_dict
     try:
         if source is not None and not (gathered and senders == 1):
             raise TypeError(
