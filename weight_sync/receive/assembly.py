@@ -193,8 +193,8 @@ def layout_of_push(
 
 
 class Refusal(Assembly):
-    """A push a member cannot take (its check found ``problems``, or the target it checked
-    the layout against could not be had again: a user's hook raised): every lane refuses it
+    """A push a member cannot take (its check found ``problems``: a user's hook that raised is
+    one): every lane refuses it
     as it opens, so nothing moves anywhere and each sender learns why at once -- every member
     refusing every lane alike, the senders all raise the same refusal."""
 

@@ -67,8 +67,9 @@ class Member:
     ) -> int | None:
         """Rank 0's ``call`` in one step: the senders' lanes followed (``follow``), the push
         checked (``checked``: the layout read from rank 0's store if this member lacks it), and
-        taken on every lane at once as each opens (``receive``), into ``target(layout)`` --
-        where the check found problems (or ``target`` raised), refused on every lane with them
+        taken on every lane at once as each opens (``receive``), into ``target(layout)`` (what
+        ``problems`` checked it against: the user's hooks are asked once a push) -- where the
+        check found problems (a hook that raised is one), refused on every lane with them
         (``Refusal``): nothing moves anywhere and every sender raises the refusal. Returns the
         version held; ``name`` names this member in its problems and errors. ``answer``: where
         the call asks for it (``LanePush.answer``), the reply of rank 0's lane, if it committed
@@ -77,13 +78,9 @@ class Member:
         deadline = Deadline(call.wait_s, f"the lanes of push {call.check.push}")
         found = self.checked(lanes.checks, call.check, problems, name)
         layout = self.layout if self.holds(call.check.digest) else None
-        assembly: Assembly | None = None
         if not found and layout is not None:
-            try:
-                assembly = target(layout)  # the user's hooks (or what ``problems`` had of them)
-            except Exception as exc:
-                found = [f"its weights could not be had ({type(exc).__name__}: {first_line(exc)})"]
-        if assembly is None:
+            assembly = target(layout)  # what ``problems`` checked the layout against
+        else:
             unread = BlockLayout(senders=len(call.endpoints), tensors=(), blocks=())
             assembly = Refusal(layout or unread, found)
         left_s = max(1.0, deadline.remaining())
