@@ -54,6 +54,7 @@ def test_a_tensor_the_engine_cannot_place_is_refused_everywhere_before_any_byte(
     before = served_versions(servers.urls)
     reports = run_job("refuse", servers.urls, tmp_path)
     for report in reports:
+        assert len(report["errors"]) == 1, report  # the refusal alone: the next push landed
         (error,) = report["errors"]
         assert error.startswith("PlanMismatchError"), error
     assert "extra" in reports[0]["errors"][0]  # rank 0 names what each worker refused
