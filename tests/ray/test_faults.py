@@ -280,10 +280,11 @@ def test_status_answers_during_a_push(fleet_of: Callable[..., Fleet]) -> None:
     assert after.last is not None and after.last.version == result.version
 
 
+@pytest.mark.parametrize("lanes", [False, True], ids=["one-sender", "k1-front"])
 def test_atomic_staging_serves_the_old_weights_during_a_push(
-    fleet_of: Callable[..., Fleet],
+    fleet_of: Callable[..., Fleet], lanes: bool
 ) -> None:
-    fleet = fleet_of(2, staging="atomic")
+    fleet = fleet_of(2, staging="atomic", lanes=lanes)
     first = ray.get(fleet.trainer.push_zoo.remote(19), timeout=TIMEOUT)
     old = state_dict_digests(zoo(19, big=BIG))
     ray.get(fleet.workers[0].tamper.remote(delay_s=0.05), timeout=TIMEOUT)  # a slow link: ~4 s

@@ -68,7 +68,7 @@ def test_a_sender_proposes_the_version_it_was_given_unless_it_is_stale(
     ([3, 5], [0, 0], 5, None),  # none given: past every sender's
     ([7, 7], [7, 7], 7, None),  # all given one, past every sender's
     ([7, 3], [7, 0], 7, "named versions [0, 7]"),  # given to one sender only
-    ([5, 5], [2, 2], 5, "version 2 is not past what these members were already pushed (up to 4)"),
+    ([5, 5], [2, 2], 5, "version 2 is not past what these workers were already pushed (up to 4)"),
     ([8, 9], [8, 9], 9, "named versions [8, 9]"),  # given two
 ])  # fmt: skip
 def test_many_senders_take_the_highest_proposal_and_one_version_if_given_one(

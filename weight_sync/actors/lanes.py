@@ -41,6 +41,7 @@ from ray.actor import ActorHandle
 
 from weight_sync.actors.members import RayMembers, death_told
 from weight_sync.actors.metrics import push_metrics
+from weight_sync.actors.worker import SYNC_GROUP
 from weight_sync.config import SyncConfig
 from weight_sync.control.deadline import Deadline
 from weight_sync.control.lane_store import NO_ONE_GROUP, Checks
@@ -106,6 +107,7 @@ class RayLanes:
         )
         self._slots: list[int] = []  # rank 0: each worker's first member slot (1-based)
         self._one_call: list[bool] = []  # rank 0: which workers take a push in one call
+        self._concurrent: list[bool] = []  # rank 0: which serve their methods beside a push
         self._sent = 0  # rank 0: the highest version any worker was ever sent
         # Rank 0 asks the workers what they bring (``_probe``) as the first push begins, as after
         # any change (``_renew``), so that making this touches no worker -- a frozen one is named
@@ -308,6 +310,7 @@ class RayLanes:
             )
         self._slots = [1 + sum(ranks[:index]) for index in range(len(ranks))]
         self._one_call = [info.one_call for info in infos]
+        self._concurrent = [info.concurrent for info in infos]
         self._sent = max(info.highest_version for info in infos)
         return sum(ranks)
 
@@ -368,12 +371,21 @@ class RayLanes:
         )
         alone = firsts[0] not in (None, NO_LANE) and all(f == NO_LANE for f in firsts[1:])
         answer = [alone and one_call for one_call in self._one_call]
-        self._calls = [
-            worker._weight_sync_lanes_push.remote(
-                call.model_copy(update={"slot": slot, "answer": asked}).model_dump_json(), **over
-            ).future()
-            for slot, asked, worker in zip(self._slots, answer, self.workers, strict=True)
-        ]
+        # A staged push of one lane is received beside a concurrent worker's own methods, as
+        # one sender's is, and applied in their turn (``_weight_sync_lanes_push``'s ``beside``);
+        # a push of several lanes holds the actor for the whole push, which keeps the lanes'
+        # applies in one turn.
+        beside = self.config.staging == "atomic" and sum(f != NO_LANE for f in firsts) == 1
+        self._calls = []
+        for slot, asked, concurrent, worker in zip(
+            self._slots, answer, self._concurrent, self.workers, strict=True
+        ):
+            method: Any = worker._weight_sync_lanes_push
+            kwargs = dict(over)
+            if beside and concurrent:
+                method, kwargs["beside"] = method.options(concurrency_group=SYNC_GROUP), True
+            made = call.model_copy(update={"slot": slot, "answer": asked}).model_dump_json()
+            self._calls.append(method.remote(made, **kwargs).future())
         return {
             slot: death_told(made)
             for slot, asked, made in zip(self._slots, answer, self._calls, strict=True)

@@ -15,8 +15,10 @@ from typing import Any
 import ray
 import torch
 
+from weight_sync.control.deadline import Deadline
 from weight_sync.control.lane_store import NO_ONE_GROUP
 from weight_sync.control.store import refuse_unjoined
+from weight_sync.errors import WeightSyncError
 from weight_sync.receive.assembly import Assembly
 from weight_sync.receive.inbound import Lanes
 from weight_sync.receive.member import Member
@@ -71,7 +73,7 @@ class WeightSyncWorker:
     """
 
     def __init__(self) -> None:
-        self._weight_sync_holds = Member(Receiver(self.weight_sync_device))
+        self._weight_sync_holds = self._weight_sync_new_member()
 
     # -- the contract --------------------------------------------------------------------------
 
@@ -144,8 +146,8 @@ class WeightSyncWorker:
     # everything runs in this process, and the trainer bounds its wait for the answer.
 
     def _weight_sync_info(self, timeout_s: float | None = None) -> MemberInfo:
-        concurrent = getattr(self, "_weight_sync_concurrent", False)
-        return self._weight_sync_state().info(concurrent, one_call=True)
+        member = self._weight_sync_member()
+        return member.record.info(member.concurrent, one_call=True)
 
     def _weight_sync_join(
         self, spec_json: str, max_metadata_bytes: int, timeout_s: float | None = None
@@ -182,7 +184,11 @@ class WeightSyncWorker:
     # -- a push from many senders (weight_sync.actors.lanes: RayLanes) -------------------------
 
     def _weight_sync_lanes_push(
-        self, call_json: str, timeout_s: float | None = None, one_group: bool = False
+        self,
+        call_json: str,
+        timeout_s: float | None = None,
+        one_group: bool = False,
+        beside: bool = False,
     ) -> str | None:
         """A push from the senders whose stores rank 0's call (``LanePush``, as JSON) names,
         as member ``slot`` of each, in one call (``Member.take``): this worker's check before any
@@ -194,7 +200,9 @@ class WeightSyncWorker:
         members return theirs so too); else None, every reply in its sender's store.
         ``one_group``: their buckets come over the one group this worker joined with them
         (``_weight_sync_lanes_join``); holding none, it refuses the push in every sender's store,
-        and the senders form the group again."""
+        and the senders form the group again. ``beside``: the push is staged (atomic) and this
+        call runs in weight_sync's concurrency group, beside the actor's own methods, which go on
+        serving the old weights; the staged bytes are applied in their turn (``_weight_sync_turn``)."""
         call = LanePush.parse(call_json)
         member = self._weight_sync_member()
         if one_group and (missing := _no_group(member.lanes_from(call.endpoints))):
@@ -218,8 +226,43 @@ class WeightSyncWorker:
 
         answered: list[str] = []
         name = f"worker {call.slot - 1}"
-        member.take(call, problems, target, name, answered.append)
+        turn = self._weight_sync_turn(Deadline(call.wait_s, "the actor's turn")) if beside else None
+        member.take(call, problems, target, name, answered.append, turn)
         return answered[0] if answered else None
+
+    def _weight_sync_turn(self, deadline: Deadline) -> Callable[[Callable[[], None]], None]:
+        """Where a push received beside the actor's own methods applies its staged bytes: in
+        the actor's default concurrency group, through a call the actor makes on itself
+        (``_weight_sync_apply``), so that it runs in turn with those methods -- none sees the
+        weights half-applied -- as one sender's commit call does. The wait for that turn is
+        bounded by what the push has left; a turn not begun by then is withdrawn (the old
+        weights stay) and fails the lane."""
+        me = ray.get_runtime_context().current_actor
+        turns: dict[int, _Turn] = self.__dict__.setdefault("_weight_sync_turns", {})
+
+        def in_turn(apply: Callable[[], None]) -> None:
+            turn = _Turn(apply)
+            turns[id(turn)] = turn
+            applied = me._weight_sync_apply.remote(id(turn))
+            wait_s = max(1.0, deadline.remaining())
+            ready, _ = ray.wait([applied], timeout=wait_s)
+            if not ready and turns.pop(id(turn), None) is turn:  # not begun: withdrawn
+                raise WeightSyncError(
+                    f"the actor's own methods held its default concurrency group for {wait_s:.1f}"
+                    " s: the staged push was not applied -- check for a method that runs for "
+                    "long, or raise SyncConfig.push_timeout_s"
+                )
+            ray.get(applied, timeout=None if ready else wait_s)  # begun: it ends
+            turn.done()
+
+        return in_turn
+
+    def _weight_sync_apply(self, key: int) -> None:
+        """The actor's turn to apply a staged push (``_weight_sync_turn``); a turn withdrawn
+        meanwhile is not run."""
+        turn = self.__dict__.get("_weight_sync_turns", {}).pop(key, None)
+        if turn is not None:
+            turn.run()
 
     def _weight_sync_lanes_join(
         self,
@@ -260,8 +303,12 @@ class WeightSyncWorker:
         # Tolerates a subclass that forgot super().__init__().
         member = self.__dict__.get("_weight_sync_holds")
         if member is None:
-            member = self._weight_sync_holds = Member(Receiver(self.weight_sync_device))
+            member = self._weight_sync_holds = self._weight_sync_new_member()
         return member
+
+    def _weight_sync_new_member(self) -> Member:
+        concurrent = getattr(self, "_weight_sync_concurrent", False)
+        return Member(Receiver(self.weight_sync_device), concurrent)
 
     def _weight_sync_state(self) -> Receiver:
         return self._weight_sync_member().record
@@ -315,6 +362,26 @@ class WeightSyncWorker:
                 "set one in __init__ or override load_weights (and weight_sync_expected)"
             )
         return model
+
+
+class _Turn:
+    """A staged push's apply, handed from the thread that received it to the actor's own
+    (``WeightSyncWorker._weight_sync_turn``): its error goes back to the receiving thread, in
+    this process, unpickled."""
+
+    def __init__(self, apply: Callable[[], None]) -> None:
+        self._apply = apply
+        self._error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._apply()
+        except BaseException as exc:
+            self._error = exc
+
+    def done(self) -> None:
+        if self._error is not None:
+            raise self._error
 
 
 def remote_worker(cls: type | None = None, /, **ray_options: Any) -> Any:

@@ -111,12 +111,14 @@ class StoreMember:
         loader: Callable[[], Loader],
         destinations: Callable[[], Mapping[str, torch.Tensor] | None] = lambda: None,
         one_call: bool = False,
+        concurrent: bool = False,
     ) -> None:
         """``one_call``: this member offers the whole push in one step (``push``; its client
-        posts it, ``OneCallClient``), which ends in the commit: a round, not three."""
+        posts it, ``OneCallClient``), which ends in the commit: a round, not three.
+        ``concurrent``: it receives beside its own use of its weights (``MemberInfo``)."""
         self.receiver = receiver
         self.retarget(check, loader, destinations)
-        self._one_call = one_call
+        self._one_call, self._concurrent = one_call, concurrent
         self._store: Any = None
         self._slot = 0
         self._epoch = 0
@@ -150,7 +152,7 @@ class StoreMember:
         self._store = PrefixStore(PREFIX, open_store(address, port, 1, timeout_s, None))
         self._epoch = epoch
         self._slot = slot if slot is not None else int(self._store.add(f"{epoch}/slots", 1))
-        info = self.receiver.info(one_call=self._one_call)
+        info = self.receiver.info(self._concurrent, self._one_call)
         self._answer(f"info/{epoch}/{self._slot}", info.model_dump_json)
 
         def join() -> None:

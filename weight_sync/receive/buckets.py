@@ -50,12 +50,16 @@ class Loader:
     weights layer by layer (vLLM) opens its reload there, once per push: a reload per bucket would
     process layers whose tensors span buckets half-loaded. ``keeps``: ``load`` may hold on to the
     tensors it is handed after returning (until the window closes), so it must never be handed
-    views into receive buffers that the push reuses.
+    views into receive buffers that the push reuses. ``turn`` runs an atomic push's apply from
+    its staging area (the whole of it, window and all): at once, or where the member's own use
+    of its weights lets it -- a Ray worker's methods, which run on another thread than its
+    receive (``actors.worker``), so that none of them sees the weights half-applied.
     """
 
     load: Apply
     window: Callable[[], AbstractContextManager[object]] = nullcontext
     keeps: bool = False
+    turn: Callable[[Callable[[], None]], None] = lambda apply: apply()
 
 
 @dataclass(frozen=True)

@@ -70,10 +70,12 @@ class Lanes:
         timeout_s: float,
         rounds: Rounds | None = None,
         record: Receiver | None = None,
+        concurrent: bool = False,
     ) -> None:
         """``timeout_s`` bounds dialling each sender's store. ``rounds``: the lanes' buckets
         come over one group, taken in its rounds (each lane's own group then only votes).
-        ``record``: what this member holds (see the class), kept from before these lanes."""
+        ``record``: what this member holds (see the class), kept from before these lanes.
+        ``concurrent``: the member serves its weights beside a push (``MemberInfo``)."""
         self.endpoints, self.slot = list(endpoints), slot
         self.rounds = rounds
         self.record = record if record is not None else Receiver(device)
@@ -85,6 +87,7 @@ class Lanes:
                 device,
                 timeout_s,
                 (rounds, sender) if rounds is not None else None,
+                concurrent,
             )
             for sender, (address, port) in enumerate(endpoints)
         ]
@@ -106,6 +109,7 @@ class Lanes:
         member: str,
         firsts: Sequence[str | None] | None = None,
         answer: Callable[[str], None] | None = None,
+        turn: Callable[[Callable[[], None]], None] | None = None,
     ) -> int | None:
         """Push ``push`` (of ``version``) on every lane the layout gives blocks to, each on a
         thread of its own (one lane: on the caller's), landing where ``assembly`` says. Returns
@@ -116,7 +120,10 @@ class Lanes:
         moves nothing: the version stays, and is not spent. ``firsts``: how each lane opens, as
         rank 0's call says (``LanePush.firsts``: which senders have a lane, and the one-step
         pushes it carries). ``answer``: where rank 0's lane commits here in the step carried,
-        its reply goes there (the call returns it: ``LanePush.answer``), not into its store."""
+        its reply goes there (the call returns it: ``LanePush.answer``), not into its store.
+        ``turn``: the push is staged (atomic), and each lane applies its bytes in this turn
+        (``buckets.Loader.turn``); the member holds the version it held until the first does
+        (else it holds none from the first byte)."""
         if firsts is None:
             firsts = [
                 None if assembly.layout.sent_by(s) else NO_LANE for s in range(len(self.inbound))
@@ -127,15 +134,19 @@ class Lanes:
         self.record.saw(version)  # spent here from now, landed or not: never sent again
         if self.record.changes != self._synced:
             self._adopt(self.record.status())
+        # From the first byte the lanes land apart (staged: from the first apply): this member
+        # holds neither the version it held nor, until every lane commits, a whole one (as a
+        # one-sender receiver's state).
+        if turn is None:
+            before = self.record.changing()
+        else:
+            before, turn = self.record.status(), functools.partial(_changing, self.record, turn)
         for sender, lane in active.items():
             lane.member.retarget(
                 assembly.check(sender),
-                functools.partial(_loader, assembly, sender),
+                functools.partial(_loader, assembly, sender, turn),
                 functools.partial(assembly.destinations, sender),
             )
-        # From the first byte the lanes land apart: this member holds neither the version it
-        # held nor, until every lane commits, a whole one (as a one-sender receiver's state).
-        before = self.record.changing()
         self._receiving = True
         versions = {sender: lane.member.receiver.version for sender, lane in active.items()}
         if self.rounds is not None:
@@ -286,9 +297,10 @@ class Inbound:
         device: Callable[[], torch.device],
         timeout_s: float,
         over: tuple[Rounds, int] | None = None,
+        concurrent: bool = False,
     ) -> None:
         """``over``: the lane's buckets come over one group, taken in these rounds as this
-        lane (its own group then only votes: ``ReceiveLane``)."""
+        lane (its own group then only votes: ``ReceiveLane``). ``concurrent``: as ``Lanes``."""
         self.slot = slot
         self.raw_store = open_store(address, port, 1, timeout_s, None)
         self.store = dist.PrefixStore(PREFIX, self.raw_store)
@@ -302,6 +314,7 @@ class Inbound:
             expecting(lambda: None),
             lambda: Loader(_unset),
             one_call=over is None,
+            concurrent=concurrent,
         )
         self._next = 0  # the next command's number
 
@@ -448,8 +461,24 @@ class Inbound:
         return str(command["op"]), dict(command["arg"])
 
 
-def _loader(assembly: Assembly, sender: int) -> Loader:
-    return Loader(assembly.loader(sender))
+def _loader(
+    assembly: Assembly, sender: int, turn: Callable[[Callable[[], None]], None] | None
+) -> Loader:
+    if turn is None:
+        return Loader(assembly.loader(sender))
+    return Loader(assembly.loader(sender), turn=turn)
+
+
+def _changing(
+    record: Receiver, turn: Callable[[Callable[[], None]], None], apply: Callable[[], None]
+) -> None:
+    """``apply`` a lane's staged bytes in ``turn``, the member's record changing first."""
+
+    def changing() -> None:
+        record.changing()
+        apply()
+
+    turn(changing)
 
 
 def _together(reports: Sequence[ReceiveReport | None]) -> ReceiveReport | None:

@@ -26,8 +26,10 @@ from weight_sync.wire.versions import past_sent
 class Member:
     """What one member holds and the lanes it follows; ``record``: its one-sender receiver."""
 
-    def __init__(self, record: Receiver) -> None:
-        self.record = record
+    def __init__(self, record: Receiver, concurrent: bool = False) -> None:
+        """``concurrent``: this member serves its weights beside a push (a Ray worker made
+        with ``remote_worker``): its lanes tell their senders so (``MemberInfo``)."""
+        self.record, self.concurrent = record, concurrent
         self.lanes: Lanes | None = None
         self.layout: BlockLayout | None = None  # the last layout checked here
 
@@ -64,6 +66,7 @@ class Member:
         target: Callable[[BlockLayout], Assembly],
         name: str,
         answer: Callable[[str], None] | None = None,
+        turn: Callable[[Callable[[], None]], None] | None = None,
     ) -> int | None:
         """Rank 0's ``call`` in one step: the senders' lanes followed (``follow``), the push
         checked (``checked``: the layout read from rank 0's store if this member lacks it), and
@@ -73,7 +76,8 @@ class Member:
         (``Refusal``): nothing moves anywhere and every sender raises the refusal. Returns the
         version held; ``name`` names this member in its problems and errors. ``answer``: where
         the call asks for it (``LanePush.answer``), the reply of rank 0's lane, if it committed
-        in the step the call carried, goes there (``Lanes.receive``)."""
+        in the step the call carried, goes there (``Lanes.receive``); ``turn``: a staged push's
+        bytes are applied in it (``Lanes.receive``)."""
         lanes = self.follow(call.endpoints, call.slot, min(call.wait_s, 60.0))
         deadline = Deadline(call.wait_s, f"the lanes of push {call.check.push}")
         found = self.checked(lanes.checks, call.check, problems, name)
@@ -86,7 +90,8 @@ class Member:
         left_s = max(1.0, deadline.remaining())
         answered = answer if call.answer else None
         push, version = call.check.push, call.check.version
-        return self.receive(assembly, push, version, left_s, name, call.firsts, answered)
+        firsts = call.firsts
+        return self.receive(assembly, push, version, left_s, name, firsts, answered, turn)
 
     def answer(
         self,
@@ -144,7 +149,8 @@ class Member:
             lambda: self.record.device,
             timeout_s,
             rounds,
-            record=self.record,
+            self.record,
+            self.concurrent,
         )
         self.close()
         self.lanes = lanes
@@ -165,12 +171,13 @@ class Member:
         name: str,
         firsts: Sequence[str | None] | None = None,
         answer: Callable[[str], None] | None = None,
+        turn: Callable[[Callable[[], None]], None] | None = None,
     ) -> int | None:
         """Take push ``push`` (of ``version``) on every lane at once, landing where
-        ``assembly`` says (``Lanes.receive``, with ``firsts`` and ``answer``); ``name`` names
-        this member in errors."""
+        ``assembly`` says (``Lanes.receive``, with ``firsts``, ``answer`` and ``turn``);
+        ``name`` names this member in errors."""
         assert self.lanes is not None, "follow the senders' lanes first"
-        return self.lanes.receive(assembly, push, version, wait_s, name, firsts, answer)
+        return self.lanes.receive(assembly, push, version, wait_s, name, firsts, answer, turn)
 
     def close(self) -> None:
         """Leave the lanes (and the one group their buckets came over, if they did)."""

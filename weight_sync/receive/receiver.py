@@ -9,6 +9,7 @@ receiving, staging and applying the bytes). What it may load is ``weight_sync.re
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -494,13 +495,14 @@ class Receiver:
     ) -> None:
         """The trainer saw every worker receive ``version``: claim it (atomic: apply it first,
         in one ``loader`` window, from the staging area -- through the GPU, on the receive side
-        stream, for a GPU worker)."""
+        stream, for a GPU worker -- in the loader's ``turn``)."""
         loader = _as_loader(loader)
         push, staged = self._state.take_received(version)
         if staged is not None:
             self._state.applying()
             try:
-                self._inbound.apply_staged(staged, destinations, loader)
+                apply = functools.partial(self._inbound.apply_staged, staged, destinations, loader)
+                loader.turn(apply)
             except BaseException as exc:
                 self._fail(exc)
                 raise

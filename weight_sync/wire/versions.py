@@ -88,7 +88,7 @@ def agreed_version(proposed: Sequence[int], named: Sequence[int]) -> tuple[int, 
             f"every sender's ({version})"
         )
     (one,) = given
-    return version, _stale(one, version, "members") if one not in (0, version) else None
+    return version, _stale(one, version, "workers") if one not in (0, version) else None
 
 
 def _stale(named: int, lowest: int, who: str) -> str:
