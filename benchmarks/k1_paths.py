@@ -4,8 +4,11 @@ many-senders front (``RayLanes`` -- what ``WeightUpdater(workers, senders=group)
 ``OneRank``, a trainer of one process with no torch.distributed: the agreement, rank 0's store,
 one lane of store commands).
 
-Issue 63 asks that one sender's push become the K = 1 case of a push from many; this measures
-what that costs today, before it is done. Three paths, on one host (Ray, CPU):
+Issue 63 asked that one sender's push become the K = 1 case of a push from many; this measured
+what that would cost, before it was done. Since session 30 it is done: ``WeightUpdater(workers)``
+is that front, so in this tree the first and last paths below are one protocol (the ring, and
+Gloo lanes); run the script in a tree before the switch (``f4b3f64``) and in this one for the
+before and after. Three paths, on one host (Ray, CPU):
 
 * ``one sender`` -- the default: a worker on the trainer's host takes the shared-memory ring;
 * ``one sender, group`` -- the same with ``SyncConfig(same_host="group")``: every worker a rank

@@ -33,7 +33,7 @@ class Renewable(WeightSyncWorker):
     this process as ``__init__(**init)`` would in a new actor, its group let go of first."""
 
     def renew(self, **init: Any) -> None:
-        self._weight_sync_leave()
+        self._weight_sync_member().close()
         start_over(self, **init)
 
 
@@ -78,24 +78,21 @@ class FlakyWorker(ZooWorker.__ray_actor_class__):  # type: ignore[name-defined]
     def fail_next_push(self, after_calls: int) -> None:
         self.fail_after = after_calls
 
-    def fail_destinations(self, after_calls: int) -> None:
-        """``weight_sync_destinations`` raises once, after ``after_calls`` more calls: a user's
-        hook that fails as a push's bytes are about to flow (its one call in a push in one
-        call; the second, at the receive, of a push prepared first)."""
-        self.destinations_after = after_calls
+    def fail_destinations(self) -> None:
+        """``weight_sync_destinations`` raises once, the next time it is asked: a user's hook
+        that fails as a push begins (a worker asks its hooks once a push, in its check)."""
+        self.destinations_fail = True
 
     def weight_sync_destinations(self) -> Any:
-        after = getattr(self, "destinations_after", None)
-        if after is not None:
-            self.destinations_after = None if after == 0 else after - 1
-            if after == 0:
-                raise RuntimeError("injected weight_sync_destinations failure")
+        if self.__dict__.pop("destinations_fail", False):
+            raise RuntimeError("injected weight_sync_destinations failure")
         return super().weight_sync_destinations()
 
     def fail_next_commit(self) -> None:
-        """The next commit raises once every worker has received: in its own call, or at the
-        end of a push in one call -- one sender's, or a lane's (the K = 1 front's)."""
+        """The next commit of its lane raises once every worker has received: in a step of
+        its own, or at the end of a push in one step (after a push: it follows a lane)."""
         receivers = _receivers(self)
+        assert receivers, "push once first: the worker follows no lane yet"
         commits = [receiver.commit for receiver in receivers]
 
         def failing(*args: Any, **kwargs: Any) -> None:
@@ -116,11 +113,11 @@ class FlakyWorker(ZooWorker.__ray_actor_class__):  # type: ignore[name-defined]
 
 
 def _receivers(worker: Any) -> list[Any]:
-    """Every receiver a push lands through on ``worker``: one sender's, then each of its lanes'
-    (the many-senders front's, K = 1 included), once it follows any."""
+    """Every receiver a push lands through on ``worker``: each of its lanes' (one a sender),
+    once it follows any."""
     member = worker._weight_sync_member()
     lanes = member.lanes.inbound if member.lanes is not None else []
-    return [member.record, *(lane.member.receiver for lane in lanes)]
+    return [lane.member.receiver for lane in lanes]
 
 
 class _Tampered:
@@ -183,21 +180,13 @@ class SlowWorker(Renewable):
     def hang_in_next_join(self, seconds: float) -> None:
         self.hang_join_s = seconds
 
-    def _weight_sync_join(
-        self, spec_json: str, max_metadata_bytes: int, timeout_s: float | None = None
-    ) -> None:
-        if self.hang_join_s:
-            time.sleep(self.hang_join_s)  # as a worker whose network never lets it connect
-        super()._weight_sync_join(spec_json, max_metadata_bytes, timeout_s)
-
     def _weight_sync_lanes_push(self, *args: Any, **kwargs: Any) -> Any:
         if self.hang_join_s and self._weight_sync_member().lanes is None:  # joins in this call
-            time.sleep(self.hang_join_s)
+            time.sleep(self.hang_join_s)  # as a worker whose network never lets it connect
         return super()._weight_sync_lanes_push(*args, **kwargs)
 
     def tamper(self, flip: bool = False, delay_s: float = 0.0) -> None:
-        """Tamper with the current group's transport (see _Tampered): one sender's, or each
-        lane's."""
+        """Tamper with each lane's group's transport (see _Tampered)."""
         for receiver in _receivers(self):
             if receiver._transport is not None:
                 receiver._transport = _Tampered(receiver._transport, flip, delay_s)
@@ -236,12 +225,9 @@ def mutate(state_dict: dict[str, torch.Tensor], mutation: str) -> dict[str, torc
 
 @ray.remote(num_cpus=0)
 class Trainer:
-    def __init__(self, workers: list, lanes: bool = False, **config: Any) -> None:
-        """``lanes``: pushes through the many-senders protocol as its K = 1 case (``senders=
-        OneRank()``: no torch.distributed), rather than one sender's ``Pusher``."""
+    def __init__(self, workers: list, **config: Any) -> None:
         torch.set_num_threads(1)
-        senders = OneRank() if lanes else None
-        self.updater = WeightUpdater(workers, SyncConfig(**config), senders=senders)
+        self.updater = WeightUpdater(workers, SyncConfig(**config))
 
     def push_zoo(self, seed: int, mutation: str = "none", version: int | None = None) -> PushResult:
         # Built here, so the non-contiguous views really are non-contiguous at the sender.
@@ -364,9 +350,8 @@ class LMTrainer:
 # The methods a trainer calls on a worker (the rest of ``WeightSyncWorker``'s are its own).
 PROTOCOL = tuple(
     f"_weight_sync_{step}"
-    for step in ("info", "join", "prepare", "push", "cancel", "receive", "commit", "leave",
-                 "lanes_push", "lanes_join", "lanes_leave")
-)  # fmt: skip
+    for step in ("info", "lanes_push", "lanes_join", "lanes_leave", "apply")
+)
 
 
 def _counting(name: str) -> Any:
@@ -495,10 +480,9 @@ class ShardedTrainer:
         return self.listener.getsockname()[1]
 
     def setup(
-        self, port: int, workers: list | None, lanes: bool = False, **config: Any
+        self, port: int, workers: list | None, **config: Any
     ) -> None:
-        """``workers``: this rank owns a one-sender ``WeightUpdater`` over them (``lanes``: over
-        the many-senders protocol, its K = 1 case: ``senders=OneRank()``)."""
+        """``workers``: this rank owns a one-sender ``WeightUpdater`` over them."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -514,10 +498,7 @@ class ShardedTrainer:
         self.model = TinyLM(fused=False, seed=0)
         fully_shard(self.model, mesh=mesh)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.5)
-        senders = OneRank() if lanes else None
-        self.updater = (
-            WeightUpdater(workers, SyncConfig(**config), senders=senders) if workers else None
-        )
+        self.updater = WeightUpdater(workers, SyncConfig(**config)) if workers else None
 
     def step(self, poison: bool = False) -> None:
         """One real FSDP training step (its all-gathers and reduce-scatters run on the same

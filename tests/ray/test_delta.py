@@ -12,12 +12,12 @@ import pytest
 import ray
 import torch
 
-from tests.ray.actors import _Tampered
+from tests.ray.actors import _receivers, _Tampered
 from tests.ray.pool import Lease, start_over
 from weight_sync import PushResult, SyncConfig, WeightUpdater
 from weight_sync.adapters.hf import HFWorker, load_model
-from weight_sync.wire.checksums import state_dict_digests
 from weight_sync.errors import WeightSyncError
+from weight_sync.wire.checksums import state_dict_digests
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("ray_cluster")]
 TIMEOUT = 120
@@ -78,7 +78,7 @@ class Policy:
 
     def baseline_bytes(self) -> int:
         """Bytes of the trainer's copy of the weights (SyncConfig.delta)."""
-        return self.updater._pushes._wire.baseline_bytes
+        return self.updater._pushes._lanes.out.pusher._wire.baseline_bytes
 
     def add_workers(self, workers: list) -> None:
         self.updater.add_workers(workers)
@@ -103,7 +103,7 @@ class Worker(HFWorker):
 
     def damage_next_push(self) -> None:
         """Flip a byte of the first bucket after the delta header (see tests/ray/actors.py)."""
-        state = self._weight_sync_state()
+        state = _receivers(self)[-1]  # its lane's
         inner = _Tampered(state.transport, flip=False, delay_s=0.0)
         outer = self
 

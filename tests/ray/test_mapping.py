@@ -51,7 +51,7 @@ def test_partial_push_updates_a_subset_and_says_so(fleet: tuple) -> None:
     trainer, workers = fleet
     with pytest.raises(PlanMismatchError, match="push the full state dict first"):
         ray.get(trainer.push.remote(prefix="adapter.", partial=True), timeout=TIMEOUT)
-    ray.get(trainer.push.remote(), timeout=TIMEOUT)
+    whole = ray.get(trainer.push.remote(), timeout=TIMEOUT)
     before = digests(workers)[0]
     ray.get(trainer.step.remote(), timeout=TIMEOUT)
     # A subset not announced as partial is refused: the worker would mix versions unannounced.
@@ -68,7 +68,10 @@ def test_partial_push_updates_a_subset_and_says_so(fleet: tuple) -> None:
         assert {n: d for n, d in got.items() if not n.startswith("adapter.")} == {
             n: d for n, d in before.items() if not n.startswith("adapter.")
         }
-    assert [(s.version, s.full_version) for s in statuses(workers)] == [(result.version, 1)] * 2
+    # The refusals spent versions too: the partial push completes the full one it follows.
+    assert [(s.version, s.full_version) for s in statuses(workers)] == [
+        (result.version, whole.version)
+    ] * 2
     full = ray.get(trainer.push.remote(), timeout=TIMEOUT)
     assert all(got == want for got in digests(workers))
     assert [(s.version, s.full_version) for s in statuses(workers)] == [(full.version,) * 2] * 2

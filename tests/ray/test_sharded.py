@@ -14,17 +14,17 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("ray_cluster")]
 TIMEOUT = 120
 
 
-@pytest.fixture(params=[False, True], ids=["one_sender", "lanes"])
-def trainers(ray_cluster: None, request: pytest.FixtureRequest) -> Iterator[tuple[list, list]]:
-    """Rank 0 pushes through one sender's protocol, or (``lanes``) through the many-senders
-    protocol as its K = 1 case (``senders=OneRank()``): the same gathers, the same checks."""
+@pytest.fixture
+def trainers(ray_cluster: None) -> Iterator[tuple[list, list]]:
+    """Rank 0 pushes as the one sender (``WeightUpdater(workers)``: the K = 1 case of the
+    protocol), gathering every DTensor from the other rank."""
     workers = [LMWorker.remote(fused=False) for _ in range(2)]
     ranks = [ShardedTrainer.remote(rank, 2) for rank in range(2)]
     port = ray.get(ranks[0].port.remote(), timeout=TIMEOUT)
     config = {"bucket_bytes": 1024, "check_finite": True}
     ray.get(
         [
-            ranks[0].setup.remote(port, workers, lanes=request.param, **config),
+            ranks[0].setup.remote(port, workers, **config),
             ranks[1].setup.remote(port, None),
         ],
         timeout=TIMEOUT,

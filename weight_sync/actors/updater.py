@@ -1,16 +1,15 @@
 """``WeightUpdater``: pushes to Ray actors, from one trainer process or from every rank of a
-sharded trainer.
+sharded trainer, by one protocol: each sending rank's share over a lane of its own
+(``weight_sync.actors.lanes.RayLanes``), a trainer of one process being its K = 1 case. This
+is the public face: the arguments checked, the options named.
 
-One sender: the push protocol (``weight_sync.send.pusher``) over Ray actors (``RayPusher``);
-the protocol itself -- plan, prepare, transfer, commit, blame -- lives in ``Pusher``, this adds
-what is Ray's: members given as actor handles (``RayMembers``), replacements for dropped ones,
-and per-push figures through Ray's metrics. Many senders (``senders=group``): every rank's own
-lane (``weight_sync.actors.lanes``).
+One exception remains: a trainer of one process pushing to ``VLLMEngine`` actors alone runs
+one sender's protocol (``RayPusher``: ``Pusher`` over ``RayMembers``), since an engine's lanes
+take whole pushes only (no ``partial=True``) -- docs/engines/vllm.md.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 import torch.distributed as dist
@@ -30,8 +29,6 @@ from weight_sync.transport.base import Transport
 from weight_sync.wire.mapping import Transform
 from weight_sync.wire.state_dict import Rename, StateDict
 
-logger = logging.getLogger(__name__)
-
 
 class WeightUpdater:
     """Pushes named tensors to ``workers`` (``WeightSyncWorker`` actors, or engines such as
@@ -43,14 +40,13 @@ class WeightUpdater:
     ``push`` at the same point; ``one_group`` then moves every lane's buckets over one group of
     the senders and the workers, in rounds (the NCCL design).
 
-    ``senders=OneRank()`` (``weight_sync.send.collectives``): a trainer of one process pushing
-    through the many-senders protocol, its K = 1 case, with no torch.distributed at all -- what
-    one sender's pushes are becoming (docs/many-senders.md).
+    Without ``senders`` this process is the one sender (``senders=OneRank()``, the same): the
+    K = 1 case of the same protocol, with no torch.distributed of its own.
 
-    The group (the lanes) is formed lazily on the first push and reused. A failed push tears it
-    down, drops the workers that died or froze (with ``senders``: rank 0 does, and the next push
-    renews every lane), and the next push forms a new group over the rest. ``push`` calls from
-    several threads are serialised (one sender's).
+    The lanes are formed lazily on the first push and reused. A failed push leaves them to be
+    renewed, drops the workers that died or froze (with ``senders``: rank 0 does, and the other
+    ranks as the next push begins), and the next push renews the lanes over the rest. ``push``
+    calls from several threads are serialised.
     """
 
     def __init__(
@@ -67,11 +63,12 @@ class WeightUpdater:
                 "sender's push has one group already"
             )
         handles = _check_handles(workers, [])
-        self._pushes: RayPusher | RayLanes = (
-            RayPusher(handles, config)
-            if senders is None
-            else RayLanes(handles, config, group=senders, one_group=one_group)
-        )
+        self._pushes: RayLanes | RayPusher
+        if senders is None and not any(_takes_lanes(handle) for handle in handles):
+            self._pushes = RayPusher(handles, config)  # vLLM engines (see the module)
+            return
+        group = senders if senders is not None else OneRank()
+        self._pushes = RayLanes(handles, config, group=group, one_group=one_group)
 
     @property
     def config(self) -> SyncConfig:
@@ -91,15 +88,14 @@ class WeightUpdater:
 
     @property
     def group(self) -> Transport | None:
-        """The group this process sends over (it is rank 0), None until a push forms it; see
-        ``Pusher.group``. Many senders: this rank's lane's."""
+        """The group this rank's lane sends over (this rank is its rank 0), None until a push
+        forms it; see ``Pusher.group``."""
         return self._pushes.group
 
     @property
     def routes(self) -> list[Route]:
         """How each worker receives through that group (``Pusher.routes``; empty while none is
-        formed). Many senders: this rank's lane's, chosen as one sender's are (over one group:
-        ``"group"``)."""
+        formed; over one group: ``"group"``)."""
         return self._pushes.routes
 
     def push(
@@ -111,11 +107,11 @@ class WeightUpdater:
         partial: bool = False,
         version: int | None = None,
     ) -> PushResult:
-        """Send every tensor to every worker; returns once all of them hold it (see
-        ``Pusher.push``: the options, the errors). With ``senders``, this rank's shards of the
-        state dict while every other rank pushes its own (``transform`` on whole tensors
-        only; a ``ShardedSource`` is one sender's); ``SenderFailedError`` names the trainer
-        ranks whose lanes did not land."""
+        """Send every tensor to every worker; returns once all of them hold it (``RayLanes.push``:
+        the options, the errors). With ``senders``, this rank's shards of the state dict while
+        every other rank pushes its own (``transform`` on whole tensors only; a
+        ``ShardedSource`` is one sender's); ``SenderFailedError`` names the trainer ranks whose
+        lanes did not land."""
         if isinstance(self._pushes, RayPusher):
             return self._pushes.push(
                 state_dict, rename=rename, transform=transform, partial=partial, version=version
@@ -124,16 +120,16 @@ class WeightUpdater:
         return self._pushes.push(state_dict, options)
 
     def add_workers(self, workers: Sequence[ActorHandle]) -> None:
-        """Add workers (e.g. replacements for dropped ones). The current group is left; the next
-        push forms one over everybody and sends the newcomers the full weights. With
-        ``senders``: on every rank, the same workers (``RayLanes.add_workers``)."""
+        """Add workers (e.g. replacements for dropped ones): the next push renews the lanes over
+        everybody and sends the newcomers the full weights. With ``senders``: on every rank, the
+        same workers (``RayLanes.add_workers``)."""
         if isinstance(self._pushes, RayPusher):
             self._pushes.add_workers(workers)
             return
         self._pushes.add_workers(_check_handles(workers, self.workers))
 
     def close(self) -> None:
-        """Leave (see ``Pusher.close``; many senders: ``RayLanes.close``). Idempotent."""
+        """Leave (``RayLanes.close``). Idempotent."""
         self._pushes.close()
 
     def __enter__(self) -> Self:
@@ -144,7 +140,7 @@ class WeightUpdater:
 
 
 class RayPusher(Pusher):
-    """One sender's pushes: ``Pusher`` over ``RayMembers``."""
+    """One sender's pushes to ``VLLMEngine`` actors: ``Pusher`` over ``RayMembers``."""
 
     def __init__(self, workers: Sequence[ActorHandle], config: SyncConfig | None = None) -> None:
         self._members = RayMembers(workers)
@@ -159,9 +155,19 @@ class RayPusher(Pusher):
         with self._lock:
             self._check_open()
             added = _check_handles(workers, self.workers)
+            if any(_takes_lanes(handle) for handle in added):
+                raise ValueError(
+                    "this WeightUpdater pushes to vLLM engines alone (one sender's protocol); "
+                    "make a WeightUpdater over every worker to add WeightSyncWorker actors"
+                )
             self._teardown()
             self._members.add(added)
-            logger.info("added %d worker(s); %d in all", len(added), len(self._members))
+
+
+def _takes_lanes(worker: ActorHandle) -> bool:
+    """Whether ``worker`` takes pushes by lanes alone: a ``WeightSyncWorker`` (a ``VLLMEngine``
+    takes one sender's protocol too)."""
+    return hasattr(worker, "_weight_sync_lanes_join")
 
 
 def _check_handles(

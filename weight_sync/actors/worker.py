@@ -22,7 +22,7 @@ from weight_sync.errors import WeightSyncError
 from weight_sync.receive.assembly import Assembly
 from weight_sync.receive.inbound import Lanes
 from weight_sync.receive.member import Member
-from weight_sync.receive.receiver import Check, Receiver, expecting
+from weight_sync.receive.receiver import Receiver
 from weight_sync.transport import TorchGroup
 from weight_sync.transport.devices import CPU, module_device
 from weight_sync.transport.rounds import Rounds, lane_paths_over
@@ -33,9 +33,6 @@ from weight_sync.wire.metadata import (
     GroupSpec,
     LanePush,
     MemberInfo,
-    PrepareReply,
-    PushReply,
-    ReceiveReport,
     SyncStatus,
     TensorMeta,
 )
@@ -43,19 +40,15 @@ from weight_sync.wire.metadata import (
 SYNC_GROUP = "weight_sync"  # the protocol's calls; one at a time
 STATUS_GROUP = "weight_sync_status"  # health: answers while a push runs
 CONCURRENCY_GROUPS = {SYNC_GROUP: 1, STATUS_GROUP: 2}
-# Which methods run in which group on a worker made with ``remote_worker``. Receiving is routed
-# per call by the updater: with atomic staging it runs in SYNC_GROUP, beside the actor's own
-# methods (the model is untouched until commit); streaming, every commit, and a push in one
-# call, run in the actor's default group, in turn with its own methods, since they write into
-# the model.
+# Which methods run in which group on a worker made with ``remote_worker``. A push's call is
+# routed per call by the updater: a staged push of one lane runs in SYNC_GROUP, beside the
+# actor's own methods (the model is untouched until its apply, which takes their turn:
+# ``_weight_sync_turn``); any other runs in the actor's default group, in turn with them, since
+# it writes into the model.
 _METHOD_GROUPS = {
     "weights_version": STATUS_GROUP,
     "sync_status": STATUS_GROUP,
     "_weight_sync_info": STATUS_GROUP,
-    "_weight_sync_join": SYNC_GROUP,
-    "_weight_sync_prepare": SYNC_GROUP,
-    "_weight_sync_cancel": SYNC_GROUP,
-    "_weight_sync_leave": SYNC_GROUP,
     # Form and leave groups, touching no weight: they must not wait for the actor's own
     # methods (the senders' rendezvous is bounded), unlike the lanes' receives, which write.
     "_weight_sync_lanes_join": SYNC_GROUP,
@@ -140,48 +133,11 @@ class WeightSyncWorker:
         """SHA-256 of every tensor of ``self.model``'s state dict, to compare with the trainer's."""
         return state_dict_digests(self._weight_sync_model().state_dict())
 
-    # -- protocol, called by WeightUpdater -------------------------------------------------------
-    # Every call carries ``timeout_s``, what the push has left for it: a member that forwards the
-    # call elsewhere (a vLLM engine to its worker processes) bounds its own wait with it. Here
-    # everything runs in this process, and the trainer bounds its wait for the answer.
+    # -- protocol, called by WeightUpdater (weight_sync.actors.lanes: RayLanes) -----------------
 
     def _weight_sync_info(self, timeout_s: float | None = None) -> MemberInfo:
         member = self._weight_sync_member()
         return member.record.info(member.concurrent, one_call=True)
-
-    def _weight_sync_join(
-        self, spec_json: str, max_metadata_bytes: int, timeout_s: float | None = None
-    ) -> None:
-        self._weight_sync_state().join_json(spec_json, max_metadata_bytes)
-
-    def _weight_sync_prepare(
-        self, request_json: str, timeout_s: float | None = None
-    ) -> PrepareReply:
-        check, destinations, _ = self._weight_sync_targets()
-        return self._weight_sync_state().prepare(request_json, check, lambda: destinations)
-
-    def _weight_sync_push(self, request_json: str, timeout_s: float | None = None) -> PushReply:
-        state = self._weight_sync_state()
-        check, destinations, own = state.or_leave(self._weight_sync_targets)  # the user's hooks
-        return state.push(request_json, check, self.load_weights, destinations, own)
-
-    def _weight_sync_cancel(self, version: int, timeout_s: float | None = None) -> None:
-        self._weight_sync_state().cancel(version)
-
-    def _weight_sync_receive(self, version: int, timeout_s: float | None = None) -> ReceiveReport:
-        state = self._weight_sync_state()
-        destinations = state.or_leave(self.weight_sync_destinations)
-        return state.receive(version, self.load_weights, destinations)
-
-    def _weight_sync_commit(self, version: int, timeout_s: float | None = None) -> None:
-        state = self._weight_sync_state()
-        destinations = self.weight_sync_destinations() if state.staged else None
-        state.commit(version, self.load_weights, destinations)
-
-    def _weight_sync_leave(self, timeout_s: float | None = None) -> None:
-        self._weight_sync_state().leave()
-
-    # -- a push from many senders (weight_sync.actors.lanes: RayLanes) -------------------------
 
     def _weight_sync_lanes_push(
         self,
@@ -196,8 +152,8 @@ class WeightSyncWorker:
         read in rank 0's store if it lacks it), then every lane at once (a thread each), each
         opening as the call says -- refused on every lane where the check found problems.
         Returns the reply of rank 0's lane where the call asks for it (``LanePush.answer``) and
-        it committed here in the step the call carried (a ``WorkerReply``, JSON: one sender's
-        members return theirs so too); else None, every reply in its sender's store.
+        it committed here in the step the call carried (a ``WorkerReply``, JSON); else None,
+        every reply in its sender's store.
         ``one_group``: their buckets come over the one group this worker joined with them
         (``_weight_sync_lanes_join``); holding none, it refuses the push in every sender's store,
         and the senders form the group again. ``beside``: the push is staged (atomic) and this
@@ -234,7 +190,7 @@ class WeightSyncWorker:
         """Where a push received beside the actor's own methods applies its staged bytes: in
         the actor's default concurrency group, through a call the actor makes on itself
         (``_weight_sync_apply``), so that it runs in turn with those methods -- none sees the
-        weights half-applied -- as one sender's commit call does. The wait for that turn is
+        weights half-applied. The wait for that turn is
         bounded by what the push has left; a turn not begun by then is withdrawn (the old
         weights stay) and fails the lane."""
         me = ray.get_runtime_context().current_actor
@@ -298,8 +254,8 @@ class WeightSyncWorker:
     # -- internals -----------------------------------------------------------------------------
 
     def _weight_sync_member(self) -> Member:
-        """What this worker holds -- one record, whichever senders pushed it (the ``Receiver``
-        of one sender's pushes) -- and the lanes it follows from many."""
+        """What this worker holds -- one record (a ``Receiver``), whichever senders pushed it --
+        and the lanes it follows."""
         # Tolerates a subclass that forgot super().__init__().
         member = self.__dict__.get("_weight_sync_holds")
         if member is None:
@@ -312,18 +268,6 @@ class WeightSyncWorker:
 
     def _weight_sync_state(self) -> Receiver:
         return self._weight_sync_member().record
-
-    def _weight_sync_targets(self) -> tuple[Check, Mapping[str, torch.Tensor] | None, bool]:
-        """What a push is checked against, where it may land, and whether those are one: with
-        neither hook overridden both are the model's state dict, taken once and checked tensor
-        by tensor (on a model of thousands of tensors, a second state_dict() and a TensorMeta
-        each cost more than the push's own work per tensor)."""
-        destinations = self.weight_sync_destinations()
-        if destinations is not None and not self._weight_sync_overrides(
-            "weight_sync_expected", "weight_sync_destinations"
-        ):
-            return expecting(lambda: destinations), destinations, True
-        return expecting(self.weight_sync_expected), destinations, False
 
     def _weight_sync_assembly(self, layout: BlockLayout) -> Assembly:
         """Where a push from many senders lands: in this worker's destinations -- the last

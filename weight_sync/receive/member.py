@@ -22,6 +22,11 @@ from weight_sync.wire.blocks import BlockLayout
 from weight_sync.wire.metadata import LaneCheck, LanePush, SyncStatus
 from weight_sync.wire.versions import past_sent
 
+# The lanes of the last fronts that pushed, kept by their senders: a worker that takes pushes
+# from two updaters in turn (one process's, and every rank's of the same trainer) keeps both
+# lane sets, their groups formed, as one sender's group and the lanes once were.
+KEPT_LANES = 2
+
 
 class Member:
     """What one member holds and the lanes it follows; ``record``: its one-sender receiver."""
@@ -30,7 +35,8 @@ class Member:
         """``concurrent``: this member serves its weights beside a push (a Ray worker made
         with ``remote_worker``): its lanes tell their senders so (``MemberInfo``)."""
         self.record, self.concurrent = record, concurrent
-        self.lanes: Lanes | None = None
+        self.lanes: Lanes | None = None  # the lanes of the last push
+        self._kept: dict[tuple[tuple[str, int], ...], Lanes] = {}  # by senders, oldest first
         self.layout: BlockLayout | None = None  # the last layout checked here
 
     def status(self) -> SyncStatus:
@@ -123,10 +129,9 @@ class Member:
             return [f"{name} could not check the push: {first_line(exc)}"]
 
     def lanes_from(self, endpoints: Sequence[Sequence[Any]]) -> Lanes | None:
-        """This member's lanes, if they are from the senders at ``endpoints`` (else None: it
-        has none, or other senders' took their place)."""
-        lanes = self.lanes
-        return lanes if lanes is not None and lanes.endpoints == addresses(endpoints) else None
+        """This member's lanes from the senders at ``endpoints``, if it keeps them (else None:
+        it has none, or lanes of ``KEPT_LANES`` other fronts took their place)."""
+        return self._kept.get(tuple(addresses(endpoints)))
 
     def follow(
         self,
@@ -137,30 +142,32 @@ class Member:
     ) -> Lanes:
         """Follow the lanes of the senders at ``endpoints`` as member ``slot`` of each (dialled
         again only when either changed), their buckets over ``rounds`` of one group, if given
-        (then always anew: it is a new group). ``timeout_s`` bounds dialling each sender's
-        store. The new lanes are made before the old are left: where they cannot be, this
+        (then always anew: it is a new group); they are ``lanes`` from now. ``timeout_s`` bounds
+        dialling each sender's store. The lanes of the last ``KEPT_LANES`` fronts are kept,
+        the oldest left; new lanes are made before any are left: where they cannot be, this
         member keeps the lanes it had."""
-        held = self.lanes_from(endpoints)
+        key = tuple(addresses(endpoints))
+        held = self._kept.pop(key, None)
         if held is not None and held.slot == slot and rounds is None:
+            self._kept[key] = self.lanes = held  # the most recent last
             return held
-        lanes = Lanes(
-            addresses(endpoints),
-            slot,
-            lambda: self.record.device,
-            timeout_s,
-            rounds,
-            self.record,
-            self.concurrent,
-        )
-        self.close()
-        self.lanes = lanes
+        device, record = (lambda: self.record.device), self.record
+        lanes = Lanes(list(key), slot, device, timeout_s, rounds, record, self.concurrent)
+        if held is not None:
+            held.close()
+        while len(self._kept) >= KEPT_LANES:
+            self._kept.pop(next(iter(self._kept))).close()
+        self._kept[key] = self.lanes = lanes
         return lanes
 
     def leave(self, endpoints: Sequence[Sequence[Any]]) -> None:
-        """The senders at ``endpoints`` left: let go of their lanes, unless lanes from other
-        senders took their place. What they landed stays in ``record``."""
-        if self.lanes_from(endpoints) is not None:
-            self.close()
+        """The senders at ``endpoints`` left: let go of their lanes, if it keeps them. What they
+        landed stays in ``record``."""
+        lanes = self._kept.pop(tuple(addresses(endpoints)), None)
+        if lanes is not None:
+            lanes.close()
+            if self.lanes is lanes:
+                self.lanes = None
 
     def receive(
         self,
@@ -180,9 +187,9 @@ class Member:
         return self.lanes.receive(assembly, push, version, wait_s, name, firsts, answer, turn)
 
     def close(self) -> None:
-        """Leave the lanes (and the one group their buckets came over, if they did)."""
-        lanes, self.lanes = self.lanes, None
-        if lanes is not None:
+        """Leave every lane kept (and the one group their buckets came over, if they did)."""
+        kept, self._kept, self.lanes = list(self._kept.values()), {}, None
+        for lanes in kept:
             lanes.close()
 
 

@@ -591,11 +591,13 @@ def push_share(
     deadline = Deadline(timeout_s, "the senders' reports", started)
     assert share.layout is not None and share.layout.blocks, "an empty push moves nothing"
     result = PushResult(version, 0, 0, 0.0)
+    begun = started
     try:
         if share.sends:
             sends = share.source if share.source is not None else share.checked
             assert isinstance(sends, Entries | ShardedSource), "its share checked, or a source"
             options = {"version": version, "rename": share.rename}
+            begun = time.monotonic()
             try:
                 result = lane.push(sends, options, push)
             except Exception as exc:
@@ -629,6 +631,7 @@ def push_share(
         sums = verdicts.settle(push, sender, landed, deadline)
     finally:  # spent whatever happens: members take note of it before any byte moves
         lane.pusher.spent(version)
+    seconds = time.monotonic() - started
     return dataclasses.replace(
         result,
         nbytes=sums["nbytes"],
@@ -636,8 +639,18 @@ def push_share(
         wire_bytes=sums["wire"],
         tensors=len(share.layout.tensors),
         partial=share.layout.partial,
-        seconds=time.monotonic() - started,
+        seconds=seconds,
+        phases=_phases(result.phases, begun - started, seconds),
     )
+
+
+def _phases(lane: Mapping[str, float], agreed_s: float, seconds: float) -> dict[str, float]:
+    """A sender's phases of a push: the senders' agreement before its lane's push (``agree``),
+    the lane's own phases, the senders settling it after (``settle``) -- together this call's
+    ``seconds``, its ``total``."""
+    steps = {name: spent for name, spent in lane.items() if name != "total"}
+    settled_s = seconds - agreed_s - lane.get("total", 0.0)
+    return {"agree": agreed_s, **steps, "settle": settled_s, "total": seconds}
 
 
 def agree(

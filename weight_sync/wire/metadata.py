@@ -16,7 +16,14 @@ from functools import cached_property
 from typing import Annotated, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from weight_sync.errors import SyncTimeoutError, TransportError, WeightSyncError
 
@@ -407,10 +414,18 @@ class LanePush(_Wire):
 
     @classmethod
     def parse(cls, raw: str) -> LanePush:
-        """A call as it arrived (JSON), its size bounded before it is parsed."""
+        """A call as it arrived (JSON), its size bounded before it is parsed; a malformed one
+        raises ``ValueError`` saying what is wrong (a plain one: it crosses Ray to the caller)."""
         if len(raw) > _MAX_LANE_PUSH_CHARS:
             raise ValueError(f"a lanes push of {len(raw)} characters is over the bound")
-        return cls.model_validate_json(raw)
+        try:
+            return cls.model_validate_json(raw)
+        except ValidationError as exc:
+            where = ".".join(str(part) for part in exc.errors()[0]["loc"]) or "the call"
+            raise ValueError(
+                f"malformed lanes push ({exc.error_count()} errors): {where}: "
+                f"{exc.errors()[0]['msg']}"
+            ) from None
 
 
 # Every sender's store address and first step, and a little more.

@@ -192,7 +192,10 @@ class BenchWorker(WeightSyncWorker):
         self.load_weights(state_dict.items())
 
     def _group(self) -> TorchGroup:
-        return _group_of(self._weight_sync_state().transport)
+        """The group of this worker's lane from the bench's one trainer (its first push formed
+        it): the raw baselines broadcast over the very group the push does."""
+        lanes = self._weight_sync_member().lanes
+        return _group_of(lanes.inbound[0].member.receiver.transport if lanes else None)
 
 
 @ray.remote(num_cpus=0)
