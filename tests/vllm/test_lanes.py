@@ -105,3 +105,27 @@ def test_a_refusal_changes_nothing_and_a_dead_rank_leaves_no_version(
     targets = [engines["qwen2"], engines["qwen2_tp2_bf16"]]
     for status in ray.get([e.sync_status.remote() for e in targets], timeout=TIMEOUT):
         assert status.dirty and status.full_version is None and status.last_error, status
+
+
+def test_buckets_far_smaller_than_a_layer_land_whole(engines: dict[str, Any]) -> None:
+    """4 KiB buckets, streamed: each lane's receive buffers are reused bucket after bucket,
+    while an engine's worker gathers the whole push for one reload -- so its lanes must hand it
+    tensors of its own (``Assembly.keeps``), never views a later bucket overwrites (they did:
+    the engine's logprobs were 2.4 off the trainer's)."""
+    ranks = [LaneTrainer.remote(QWEN2, rank, RANKS) for rank in range(RANKS)]
+    try:
+        port = ray.get(ranks[0].port.remote(), timeout=TIMEOUT)
+        small = {"bucket_bytes": 4096, "direct_min_bytes": None, "push_timeout_s": 60}
+        ray.get([rank.setup.remote(port, [engines["qwen2"]], **small) for rank in ranks],
+                timeout=TIMEOUT)  # fmt: skip
+        for _ in range(2):
+            ray.get([rank.step.remote() for rank in ranks], timeout=TIMEOUT)
+            results = _push(ranks)
+            assert all(not isinstance(r, tuple) for r in results), results
+            assert results[0].buckets > 50, results[0]
+            assert assert_matches(engines["qwen2"], ranks[0]) == results[0].version
+    finally:
+        for rank in ranks:
+            with contextlib.suppress(Exception):
+                ray.get(rank.close.remote(), timeout=30)
+            ray.kill(rank)

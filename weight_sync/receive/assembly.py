@@ -35,16 +35,20 @@ Load = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
 class Assembly:
     """The lanes of one layout into one target: ``destinations`` (the model's tensors by name,
     written in place) or, without them, ``load`` (handed each tensor whole, once all its blocks
-    have come, from whichever lane's thread completed it: calls are serialised)."""
+    have come, from whichever lane's thread completed it: calls are serialised). ``keeps``:
+    ``load`` holds on to what it is handed past the call (a vLLM worker gathers the whole push
+    for one reload), so its lanes must hand it tensors of its own, never views into receive
+    buffers a later bucket reuses (``buckets.Loader.keeps``)."""
 
     def __init__(
         self,
         layout: BlockLayout,
         destinations: Mapping[str, torch.Tensor] | None,
         load: Load | None = None,
+        keeps: bool = False,
     ) -> None:
         assert (destinations is None) != (load is None), "a model's tensors, or a load_weights"
-        self.layout = layout
+        self.layout, self.keeps = layout, keeps
         self._destinations = destinations
         self._load = load
         self._lock = threading.Lock()

@@ -465,8 +465,8 @@ def _loader(
     assembly: Assembly, sender: int, turn: Callable[[Callable[[], None]], None] | None
 ) -> Loader:
     if turn is None:
-        return Loader(assembly.loader(sender))
-    return Loader(assembly.loader(sender), turn=turn)
+        return Loader(assembly.loader(sender), keeps=assembly.keeps)
+    return Loader(assembly.loader(sender), keeps=assembly.keeps, turn=turn)
 
 
 def _changing(

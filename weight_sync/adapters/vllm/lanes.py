@@ -408,7 +408,10 @@ class LaneMember:
         name = f"vLLM worker {call.slot - 1}"
         whole: list[tuple[str, torch.Tensor]] = []
         held = self.member.take(
-            call, self._problems, lambda layout: Assembly(layout, None, whole.extend), name
+            call,
+            self._problems,
+            lambda layout: Assembly(layout, None, whole.extend, keeps=True),
+            name,
         )
         return self._load(whole, held, call.check.version, name)
 
@@ -437,7 +440,7 @@ class LaneMember:
         assert layout is not None, "connect and check first"
         whole: list[tuple[str, torch.Tensor]] = []
         held = self.member.receive(
-            Assembly(layout, None, whole.extend), push, version, wait_s, name
+            Assembly(layout, None, whole.extend, keeps=True), push, version, wait_s, name
         )
         return self._load(whole, held, version, name)
 
