@@ -59,7 +59,7 @@ class Loader:
     load: Apply
     window: Callable[[], AbstractContextManager[object]] = nullcontext
     keeps: bool = False
-    turn: Callable[[Callable[[], None]], None] = lambda apply: apply()
+    turn: Callable[[Callable[[], None]], None] = lambda apply: apply()  # at once
 
 
 @dataclass(frozen=True)

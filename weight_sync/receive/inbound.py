@@ -6,6 +6,7 @@ there; one that saw a sender's store close reports for it, so the verdict comes 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -464,9 +465,8 @@ class Inbound:
 def _loader(
     assembly: Assembly, sender: int, turn: Callable[[Callable[[], None]], None] | None
 ) -> Loader:
-    if turn is None:
-        return Loader(assembly.loader(sender), keeps=assembly.keeps)
-    return Loader(assembly.loader(sender), keeps=assembly.keeps, turn=turn)
+    loader = Loader(assembly.loader(sender), keeps=assembly.keeps)
+    return loader if turn is None else dataclasses.replace(loader, turn=turn)
 
 
 def _changing(

@@ -29,7 +29,8 @@ KEPT_LANES = 2
 
 
 class Member:
-    """What one member holds and the lanes it follows; ``record``: its one-sender receiver."""
+    """What one member holds (``record``, a ``Receiver``, whichever front pushed) and the
+    lanes it follows."""
 
     def __init__(self, record: Receiver, concurrent: bool = False) -> None:
         """``concurrent``: this member serves its weights beside a push (a Ray worker made
