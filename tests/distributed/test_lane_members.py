@@ -16,18 +16,20 @@ import torch.distributed as dist
 from tests.distributed.harness import RankContext, run_ranks
 from weight_sync import SyncConfig
 from weight_sync.control.deadline import Deadline
-from weight_sync.transport.devices import CPU
+from weight_sync.control.lane_store import BEGIN, COMMAND, Verdicts
+from weight_sync.control.store import PREFIX
 from weight_sync.errors import (
     SenderFailedError,
     TransportError,
     WeightSyncError,
     WorkerFailedError,
 )
-from weight_sync.control.lane_store import BEGIN, COMMAND, Verdicts
 from weight_sync.receive.inbound import Inbound
+from weight_sync.receive.member import Member
+from weight_sync.receive.receiver import Receiver
 from weight_sync.send.senders import Outbound, Senders
-from weight_sync.control.store import PREFIX
 from weight_sync.transport import bind_listener
+from weight_sync.transport.devices import CPU
 from weight_sync.transport.rendezvous import open_store
 
 pytestmark = pytest.mark.timeout(120)
@@ -284,3 +286,29 @@ def test_senders_made_after_others_closed_form_their_own_group() -> None:
     """A closed ``Senders`` leaves its control group registered: unregistering it would name
     the next group made from these ranks like one still alive ("already created")."""
     assert run_ranks(_senders_after_one_closed, 2, timeout_s=60) == [7, 7]
+
+
+def test_a_member_keeps_the_lanes_of_the_last_two_fronts() -> None:
+    """A worker pushed to by two fronts in turn (one process's updater, every rank's) keeps
+    both lane sets, each dialled once; a third front's lanes take the place of the least
+    recently used, which are left; the senders' leaving lets theirs go."""
+    listeners = [bind_listener("127.0.0.1") for _ in range(3)]
+    ports = [listener.getsockname()[1] for listener in listeners]
+    stores = [open_store("127.0.0.1", p, 1, 30, lis) for p, lis in zip(ports, listeners)]
+    a, b, c = ([("127.0.0.1", port)] for port in ports)
+    member = Member(Receiver(CPU))
+    try:
+        first = member.follow(a, 1, 30)
+        second = member.follow(b, 1, 30)
+        assert member.lanes is second and member.lanes_from(a) is first
+        assert member.follow(a, 1, 30) is first and member.lanes is first  # not dialled again
+        third = member.follow(c, 1, 30)  # b's lanes were the least recently used
+        assert member.lanes_from(b) is None and second._closed and not first._closed
+        assert member.lanes_from(a) is first and member.lanes_from(c) is third
+        member.leave(a)  # a's senders closed
+        assert member.lanes_from(a) is None and first._closed and member.lanes is third
+        member.close()
+        assert member.lanes is None and member.lanes_from(c) is None and third._closed
+    finally:
+        member.close()
+        del stores
