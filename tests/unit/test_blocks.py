@@ -257,8 +257,8 @@ def test_assembly_refuses_a_model_the_layout_does_not_fit() -> None:
 
 
 def test_a_layout_taken_into_the_same_tensors_is_not_checked_again_and_others_are() -> None:
-    """The record remembers the layout it last accepted into the very same tensors (as it does
-    one sender's plan): a check asked again for it is skipped, and asked for another layout
+    """The record remembers the layout it last accepted into the very same tensors: a check
+    asked again for it is skipped, and asked for another layout
     (which, refused, leaves nothing remembered), another partial flag or other tensors; a tensor
     replaced by one of another shape is found."""
     model = {"cols": torch.zeros(3, 4), "rows": torch.zeros(4)}

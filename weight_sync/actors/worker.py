@@ -190,9 +190,8 @@ class WeightSyncWorker:
         """Where a push received beside the actor's own methods applies its staged bytes: in
         the actor's default concurrency group, through a call the actor makes on itself
         (``_weight_sync_apply``), so that it runs in turn with those methods -- none sees the
-        weights half-applied. The wait for that turn is
-        bounded by what the push has left; a turn not begun by then is withdrawn (the old
-        weights stay) and fails the lane."""
+        weights half-applied. The wait for that turn is bounded by what the push has left; a
+        turn not begun by then is withdrawn (the old weights stay) and fails the lane."""
         me = ray.get_runtime_context().current_actor
         turns: dict[int, _Turn] = self.__dict__.setdefault("_weight_sync_turns", {})
 

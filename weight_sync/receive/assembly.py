@@ -198,9 +198,9 @@ def layout_of_push(
 
 class Refusal(Assembly):
     """A push a member cannot take (its check found ``problems``: a user's hook that raised is
-    one): every lane refuses it
-    as it opens, so nothing moves anywhere and each sender learns why at once -- every member
-    refusing every lane alike, the senders all raise the same refusal."""
+    one): every lane refuses it as it opens, so nothing moves anywhere and each sender learns
+    why at once -- every member refusing every lane alike, the senders all raise the same
+    refusal."""
 
     def __init__(self, layout: BlockLayout, problems: Sequence[str]) -> None:
         super().__init__(layout, None, _refused)

@@ -148,14 +148,14 @@ class Member:
         the oldest left; new lanes are made before any are left: where they cannot be, this
         member keeps the lanes it had."""
         key = tuple(addresses(endpoints))
-        held = self._kept.pop(key, None)
+        held = self._kept.get(key)
         if held is not None and held.slot == slot and rounds is None:
-            self._kept[key] = self.lanes = held  # the most recent last
+            self._kept[key] = self.lanes = self._kept.pop(key)  # the most recent last
             return held
         device, record = (lambda: self.record.device), self.record
         lanes = Lanes(list(key), slot, device, timeout_s, rounds, record, self.concurrent)
-        if held is not None:
-            held.close()
+        if held is not None:  # replaced, once the new ones stand
+            self._kept.pop(key).close()
         while len(self._kept) >= KEPT_LANES:
             self._kept.pop(next(iter(self._kept))).close()
         self._kept[key] = self.lanes = lanes

@@ -61,6 +61,7 @@ from weight_sync.wire.metadata import (
     ReceiveReport,
     SyncPlan,
     SyncStatus,
+    malformed,
 )
 
 __all__ = [
@@ -264,9 +265,7 @@ class Receiver:
             spoken = _wire_of(request_json)
             if spoken not in (None, WIRE_VERSION):  # another release's fields: say so
                 return _refuse(_other_release(spoken))
-            return _refuse(
-                f"malformed metadata ({exc.error_count()} errors): {exc.errors()[0]['msg']}"
-            )
+            return _refuse(malformed("metadata", exc))
         named = "wire" in request.model_fields_set  # a trainer before wire versions names none
         if request.wire != WIRE_VERSION or not named:  # (and the field's default would pass)
             return _refuse(_other_release(request.wire if named else None))
@@ -323,16 +322,11 @@ class Receiver:
         check: Check,
         loader: Loader | Apply,
         destinations: Destinations | None,
-        checks_destinations: bool = False,
     ) -> PushReply:
         """A whole push in one call -- the trainer's steady state, where this worker holds the
         plan: ``prepare``, then a vote over the group on every member's verdict before any byte
         moves (so one refusal still stops the push everywhere, as a prepare round would), then
-        ``receive``, which ends in the commit (the request asks ``commit_on_receipt``).
-
-        ``checks_destinations``: ``check`` checks against ``destinations`` themselves (a default
-        ``WeightSyncWorker``), so a plan it accepted last time into the very same tensors is not
-        checked again -- on a model of thousands of tensors, that is most of a push's own work."""
+        ``receive``, which ends in the commit (the request asks ``commit_on_receipt``)."""
         transport = self._transport
         if transport is None:
             raise WeightSyncError(
@@ -340,8 +334,6 @@ class Receiver:
                 "the group at its next push"
             )
         key = self.targets(destinations)
-        if checks_destinations:
-            check = self.remembered(check, key)
         try:
             reply = self.prepare(request_json, check, lambda: destinations)
         except BaseException:
@@ -367,16 +359,15 @@ class Receiver:
         tensors): the key of ``remembered``, and of the unpacker a push reuses."""
         return self._inbound.targets(destinations)
 
-    def remembered(self, check: Check, key: Targets, digest: str | None = None) -> Check:
+    def remembered(self, check: Check, key: Targets, digest: str) -> Check:
         """``check`` (against the destinations ``key`` identifies: ``targets``), skipped for the
         push it last accepted, with the same partial flag, into the very same tensors: named by
-        ``digest`` (a layout from many senders, checked as a plan of its whole tensors:
-        ``checks.check_layout``), else by the plan's own. On a model of thousands of tensors
-        checking them is most of a push's own work; on a small push, a tenth of a member's time
-        before its vote."""
+        ``digest`` (its layout's, checked as a plan of its whole tensors:
+        ``checks.check_layout``). On a model of thousands of tensors checking them is most of a
+        push's own work; on a small push, a tenth of a member's time before its vote."""
 
         def remembered(plan: SyncPlan, partial: bool) -> Sequence[str]:
-            accepted = (digest or plan.digest, partial, key)
+            accepted = (digest, partial, key)
             if self._accepted == accepted:
                 return []
             problems = list(check(plan, partial))

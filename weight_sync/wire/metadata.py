@@ -421,11 +421,14 @@ class LanePush(_Wire):
         try:
             return cls.model_validate_json(raw)
         except ValidationError as exc:
-            where = ".".join(str(part) for part in exc.errors()[0]["loc"]) or "the call"
-            raise ValueError(
-                f"malformed lanes push ({exc.error_count()} errors): {where}: "
-                f"{exc.errors()[0]['msg']}"
-            ) from None
+            raise ValueError(malformed("lanes push", exc)) from None
+
+
+def malformed(what: str, exc: ValidationError) -> str:
+    """Why metadata that arrived could not be read, in one line: where its first error is."""
+    first = exc.errors()[0]
+    where = ".".join(str(part) for part in first["loc"]) or "the whole"
+    return f"malformed {what} ({exc.error_count()} errors): {where}: {first['msg']}"
 
 
 # Every sender's store address and first step, and a little more.
