@@ -1,6 +1,6 @@
 """The vLLM engine-side member's own logic, against fake engines (pure: no vLLM, no Ray calls):
-bounded calls, errors raised as weight_sync's types, pause / clear / label / resume around a
-push. The real engine is exercised in tests/vllm."""
+bounded calls, errors raised as weight_sync's types, check / pause / clear / label / resume
+around a push. The real engine is exercised in tests/vllm."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from weight_sync import SyncTimeoutError, TransportError, WeightSyncError
 from weight_sync.adapters.vllm.engine import NO_VERSION, VLLMEngine
 from weight_sync.adapters.vllm.reload import DryRun, problems
-from weight_sync.wire.metadata import PrepareReply, ReceiveReport, SyncStatus, WorkerReply
+from weight_sync.wire.metadata import LaneCheck, LanePush, SyncStatus, WorkerReply
 
 
 def reply(value: str | None = None, version: int | None = None, dirty: bool = False,
@@ -34,11 +34,14 @@ class FakeLLM:
         self.events: list[str] = []
         self.clears = True
         self.delay_s = 0.0
+        self.during: dict[str, Any] = {}  # method -> what to note while it runs
 
     def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
                        kwargs: dict | None = None) -> list[str]:  # fmt: skip
         self.events.append(method)
         time.sleep(self.delay_s)
+        if method in self.during:
+            self.events.append(self.during[method]())
         answer = self.answers.get(method, reply())
         return answer if isinstance(answer, list) else [answer] * self.workers
 
@@ -57,6 +60,8 @@ class FakeAsyncLLM(FakeLLM):
                              kwargs: dict | None = None) -> list[str]:  # fmt: skip
         self.events.append(method)
         await asyncio.sleep(self.delay_s)
+        if method in self.during:
+            self.events.append(self.during[method]())
         answer = self.answers.get(method, reply())
         return answer if isinstance(answer, list) else [answer] * self.workers
 
@@ -78,64 +83,57 @@ def run(coroutine: Any) -> Any:
     return asyncio.run(coroutine)
 
 
-ACCEPT = PrepareReply(accepted=True).model_dump_json()
-REPORT = ReceiveReport(version=3, nbytes=1, buckets=1, seconds=0.0).model_dump_json()
+CALL = LanePush(
+    endpoints=(("127.0.0.1", 1),), slot=1, wait_s=5.0, firsts=(None,),
+    check=LaneCheck(push=1, version=3, digest="0" * 64, max_metadata_bytes=1 << 20),
+).model_dump_json()  # fmt: skip
 
 
-async def push(engine: VLLMEngine, fake: FakeLLM, version: int = 3) -> None:
-    fake.answers["weight_sync_prepare"] = reply(ACCEPT, version=version - 1)
-    fake.answers["weight_sync_receive"] = reply(REPORT, dirty=True)
-    fake.answers["weight_sync_commit"] = reply(version=version)
-    assert (await engine._weight_sync_prepare("{}", timeout_s=5)).accepted
-    await engine._weight_sync_receive(version, timeout_s=5)
-    assert engine.weights_version() is None  # receiving: no version claimed
-    await engine._weight_sync_commit(version, timeout_s=5)
+async def push(engine: VLLMEngine, fake: FakeLLM, version: int = 3) -> int | None:
+    fake.answers["weight_sync_lanes_check"] = reply("[]", version=version - 1)
+    fake.answers["weight_sync_lanes_push"] = reply(str(version), version=version)
+    fake.during["weight_sync_lanes_push"] = lambda: f"claims {engine.weights_version()}"
+    return await engine._weight_sync_lanes_push(CALL, timeout_s=5)
 
 
-def test_a_push_pauses_clears_labels_and_resumes_in_that_order() -> None:
+def test_a_push_checks_then_pauses_loads_clears_labels_and_resumes_in_that_order() -> None:
     fake = FakeAsyncLLM()
     engine = VLLMEngine(fake, pause_mode="wait")
-
-    async def scenario() -> None:
-        await push(engine, fake)
-
-    run(scenario())
+    assert run(push(engine, fake)) == 3
     assert engine.weights_version() == 3
     assert fake.events == [
-        "weight_sync_prepare", "label 2", "pause wait clear=True", "weight_sync_receive",
-        f"label {NO_VERSION}", "weight_sync_commit", "label 3", "reset_prefix_cache", "resume",
+        "weight_sync_lanes_check", "label 2", "pause wait clear=True", "weight_sync_lanes_push",
+        "claims None", "label 3", "reset_prefix_cache", "resume",
     ]  # fmt: skip
 
 
 def test_the_offline_engine_needs_no_pause_but_gets_its_cache_cleared() -> None:
     fake = FakeLLM()
     engine = VLLMEngine(fake)
-    run(push(engine, fake))
-    assert engine.weights_version() == 3
+    assert run(push(engine, fake)) == 3
     assert [e for e in fake.events if not e.startswith("weight_sync")] == [
         "label 2",
-        f"label {NO_VERSION}",
+        "claims None",
         "label 3",
         "reset_prefix_cache",
     ]
 
 
-def test_a_refused_push_does_not_pause_and_a_cancelled_one_resumes() -> None:
+def test_a_push_one_worker_refused_never_pauses_and_keeps_the_version() -> None:
+    """Every worker is still called to push (each refuses every lane as it opens, so the
+    senders learn why); the engine neither paused nor cleared anything."""
     fake = FakeAsyncLLM(workers=2)
     engine = VLLMEngine(fake)
-    refused = PrepareReply(accepted=False, problems=("bad shape",)).model_dump_json()
-    fake.answers["weight_sync_prepare"] = [reply(ACCEPT), reply(refused)]
-
-    async def scenario() -> None:
-        result = await engine._weight_sync_prepare("{}", timeout_s=5)
-        assert not result.accepted and result.problems == ("bad shape",)
-        assert not any(e.startswith("pause") for e in fake.events)
-        fake.answers["weight_sync_prepare"] = reply(ACCEPT)
-        await engine._weight_sync_prepare("{}", timeout_s=5)  # accepted by all: pauses
-        await engine._weight_sync_cancel(3, timeout_s=5)  # refused elsewhere: resumes
-
-    run(scenario())
-    assert fake.events[-3:] == ["pause keep clear=True", "weight_sync_cancel", "resume"]
+    run(push(engine, fake, version=2))  # the engine holds version 2
+    fake.events.clear()
+    fake.answers["weight_sync_lanes_check"] = [reply("[]", version=2),
+                                               reply('["bad shape"]', version=2)]  # fmt: skip
+    refusal = WeightSyncError("vLLM worker 1: bad shape")
+    fake.answers["weight_sync_lanes_push"] = reply(error=refusal, version=2)
+    with pytest.raises(WeightSyncError, match="bad shape"):
+        run(engine._weight_sync_lanes_push(CALL, timeout_s=5))
+    assert fake.events == ["weight_sync_lanes_check", "weight_sync_lanes_push", "claims 2"]
+    assert engine.weights_version() == 2
 
 
 def test_a_cache_that_cannot_be_cleared_fails_the_push_and_claims_no_version() -> None:
@@ -153,23 +151,24 @@ def test_every_call_is_bounded_by_the_time_the_push_gives_it(fake: FakeLLM) -> N
     fake.delay_s = 3.0  # a worker that does not answer in time
     engine = VLLMEngine(fake)
     start = time.monotonic()
-    with pytest.raises(SyncTimeoutError, match="weight_sync_prepare within"):
-        run(engine._weight_sync_prepare("{}", timeout_s=1.5))
+    with pytest.raises(SyncTimeoutError, match="weight_sync_lanes_check within"):
+        run(engine._weight_sync_lanes_push(CALL, timeout_s=1.5))
     assert time.monotonic() - start < 1.5  # inside the caller's bound, so it hears of it
 
 
 @pytest.mark.parametrize(("error", "kind"), [
     (TransportError("peer closed"), TransportError),  # a lost collective: collateral
     (SyncTimeoutError("broadcast timed out"), SyncTimeoutError),
-    (WeightSyncError("receive without prepare"), WeightSyncError),
+    (WeightSyncError("the lanes of push 1 were called off"), WeightSyncError),
     (AssertionError("shape"), WeightSyncError),  # anything else: ours, naming it
 ])  # fmt: skip
 def test_a_worker_error_is_raised_as_weight_syncs_own_type(error: Exception, kind: type) -> None:
     fake = FakeLLM(workers=2)
-    fake.answers["weight_sync_receive"] = [reply(REPORT), reply(error=error)]
+    fake.answers["weight_sync_lanes_check"] = reply("[]")
+    fake.answers["weight_sync_lanes_push"] = [reply("3"), reply(error=error)]
     engine = VLLMEngine(fake)
     with pytest.raises(kind, match=str(error)) as raised:
-        run(engine._weight_sync_receive(3, timeout_s=5))
+        run(engine._weight_sync_lanes_push(CALL, timeout_s=5))
     assert type(raised.value) is kind
 
 

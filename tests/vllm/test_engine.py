@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from typing import Any
 
@@ -19,7 +20,8 @@ import pytest
 import ray
 
 from tests.vllm.models import LLAMA, LONG, QWEN2, Trainer
-from weight_sync import PlanMismatchError, WeightSyncError
+from weight_sync import PlanMismatchError, SyncTimeoutError, TransportError, WeightSyncError
+from weight_sync.wire.metadata import LaneCheck, LanePush
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("ray_cluster")]
 TIMEOUT = 120
@@ -237,7 +239,15 @@ def test_a_request_in_flight_finishes_with_the_new_weights(llama: Any, trainer_o
 
 
 def test_errors_from_a_worker_keep_their_type(qwen2: Any) -> None:
-    """A protocol step out of order fails on vLLM's worker; the engine raises it as
-    weight_sync's own error, not as vLLM's RuntimeError."""
-    with pytest.raises(WeightSyncError, match="without a matching prepare"):
-        ray.get(qwen2._weight_sync_receive.remote(10**9, timeout_s=30), timeout=TIMEOUT)
+    """A push whose sender's store the engine's workers cannot reach fails on vLLM's worker;
+    the engine raises it as weight_sync's own error, not as vLLM's RuntimeError."""
+    with socket.socket() as bound:  # bound, never listening: nobody answers there
+        bound.bind(("127.0.0.1", 0))
+        check = LaneCheck(push=1, version=10**9, digest="0" * 64, max_metadata_bytes=1 << 20)
+        call = LanePush(endpoints=(bound.getsockname(),), slot=1, check=check, wait_s=3.0,
+                        firsts=(None,)).model_dump_json()  # fmt: skip
+        with pytest.raises(WeightSyncError, match="cannot reach the rendezvous store") as raised:
+            ray.get(qwen2._weight_sync_lanes_push.remote(call, timeout_s=30), timeout=TIMEOUT)
+    assert isinstance(raised.value, (TransportError, SyncTimeoutError)), raised.value
+
+

@@ -2,10 +2,6 @@
 sharded trainer, by one protocol: each sending rank's share over a lane of its own
 (``weight_sync.actors.lanes.RayLanes``), a trainer of one process being its K = 1 case. This
 is the public face: the arguments checked, the options named.
-
-One exception remains: a trainer of one process pushing to ``VLLMEngine`` actors alone runs
-one sender's protocol (``RayPusher``: ``Pusher`` over ``RayMembers``), since an engine's lanes
-take whole pushes only (no ``partial=True``) -- docs/engines/vllm.md.
 """
 
 from __future__ import annotations
@@ -17,12 +13,9 @@ from ray.actor import ActorHandle
 from typing_extensions import Self
 
 from weight_sync.actors.lanes import RayLanes
-from weight_sync.actors.members import RayMembers
-from weight_sync.actors.metrics import push_metrics
 from weight_sync.config import SyncConfig
 from weight_sync.result import PushResult
 from weight_sync.send.collectives import OneRank
-from weight_sync.send.pusher import Pusher
 from weight_sync.send.routes import Route
 from weight_sync.send.sharded import ShardedSource
 from weight_sync.transport.base import Transport
@@ -62,12 +55,8 @@ class WeightUpdater:
                 "one_group is for a push from many senders (senders=the trainers' group); one "
                 "sender's push has one group already"
             )
-        handles = _check_handles(workers, [])
-        self._pushes: RayLanes | RayPusher
-        if senders is None and not any(_takes_lanes(handle) for handle in handles):
-            self._pushes = RayPusher(handles, config)  # vLLM engines (see the module)
-            return
         group = senders if senders is not None else OneRank()
+        handles = _check_handles(workers, [])
         self._pushes = RayLanes(handles, config, group=group, one_group=one_group)
 
     @property
@@ -112,10 +101,6 @@ class WeightUpdater:
         every other rank pushes its own (``transform`` on whole tensors only; a
         ``ShardedSource`` is one sender's); ``SenderFailedError`` names the trainer ranks whose
         lanes did not land."""
-        if isinstance(self._pushes, RayPusher):
-            return self._pushes.push(
-                state_dict, rename=rename, transform=transform, partial=partial, version=version
-            )
         options = {"rename": rename, "transform": transform, "version": version, "partial": partial}
         return self._pushes.push(state_dict, options)
 
@@ -123,9 +108,6 @@ class WeightUpdater:
         """Add workers (e.g. replacements for dropped ones): the next push renews the lanes over
         everybody and sends the newcomers the full weights. With ``senders``: on every rank, the
         same workers (``RayLanes.add_workers``)."""
-        if isinstance(self._pushes, RayPusher):
-            self._pushes.add_workers(workers)
-            return
         self._pushes.add_workers(_check_handles(workers, self.workers))
 
     def close(self) -> None:
@@ -137,37 +119,6 @@ class WeightUpdater:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-class RayPusher(Pusher):
-    """One sender's pushes to ``VLLMEngine`` actors: ``Pusher`` over ``RayMembers``."""
-
-    def __init__(self, workers: Sequence[ActorHandle], config: SyncConfig | None = None) -> None:
-        self._members = RayMembers(workers)
-        config = config if config is not None else SyncConfig()
-        super().__init__(self._members, config, push_metrics(config))
-
-    @property
-    def workers(self) -> tuple[ActorHandle, ...]:
-        return self._members.handles
-
-    def add_workers(self, workers: Sequence[ActorHandle]) -> None:
-        with self._lock:
-            self._check_open()
-            added = _check_handles(workers, self.workers)
-            if any(_takes_lanes(handle) for handle in added):
-                raise ValueError(
-                    "this WeightUpdater pushes to vLLM engines alone (one sender's protocol); "
-                    "make a WeightUpdater over every worker to add WeightSyncWorker actors"
-                )
-            self._teardown()
-            self._members.add(added)
-
-
-def _takes_lanes(worker: ActorHandle) -> bool:
-    """Whether ``worker`` takes pushes by lanes alone: a ``WeightSyncWorker`` (a ``VLLMEngine``
-    takes one sender's protocol too)."""
-    return hasattr(worker, "_weight_sync_lanes_join")
 
 
 def _check_handles(

@@ -6,15 +6,15 @@ prepare (and cancel, when someone refused), receive, commit, leave -- or, in the
 members that offer it, one round (push) for prepare, receive and commit. A ``ControlPlane``
 starts one round's call on the members it is asked to and returns a future per member;
 ``collect`` waits for them, bounded, and sorts what came back into ``Outcomes``, from which the
-protocol blames and drops (the rules: ``wire.blame``). Two planes exist, one file each:
+protocol blames and drops (the rules: ``wire.blame``). One plane carries a lane's rounds:
 
-* ``actors.members.RayMembers`` -- ``WeightSyncWorker`` / ``VLLMEngine`` Ray actors, one actor
-  call per member per round;
 * ``control.store.ClientPlane`` -- a client that reaches every member at once (vLLM's own
   weight-transfer clients through ``adapters.vllm.backend``, several ``vllm serve`` processes
   through ``adapters.vllm.servers``, the ranks of a torchrun job through ``launch.job_sync``): one
   client call per round, the members' answers coming back through the sync group's store.
 
+Ray actors (``WeightSyncWorker``, ``VLLMEngine``) take a whole push in one call each, from
+``actors.lanes.RayLanes``, which sorts those calls with ``collect`` too (``actors.members``).
 (SGLang servers are driven by a push of their own, ``adapters.sglang.pusher``, over their HTTP
 endpoints: SGLang runs the receiving side itself.)
 
@@ -40,7 +40,14 @@ from weight_sync.wire.metadata import (
 )
 
 
-class ControlPlane(Protocol):
+class Fates(Protocol):
+    """Members whose calls ``collect`` sorts: how a call that raised ended."""
+
+    def fate(self, error: BaseException) -> tuple[Fate, str]:
+        """How a member's call that raised ``error`` ended, and a one-line reason."""
+
+
+class ControlPlane(Fates, Protocol):
     """The members of a push, in a fixed order (their index is what errors name)."""
 
     def __len__(self) -> int: ...
@@ -89,11 +96,8 @@ class ControlPlane(Protocol):
     def drop(self, members: Sequence[int]) -> None:
         """Forget ``members`` (dead or frozen): later rounds go to the others."""
 
-    def fate(self, error: BaseException) -> tuple[Fate, str]:
-        """How a member's call that raised ``error`` ended, and a one-line reason."""
 
-
-def collect(plane: ControlPlane, calls: Sequence[Future[Any]], timeout_s: float) -> Outcomes:
+def collect(plane: Fates, calls: Sequence[Future[Any]], timeout_s: float) -> Outcomes:
     """Wait up to ``timeout_s`` in total for every call; never raises for a member's failure."""
     outcomes = Outcomes(results=[None] * len(calls))
     gather(calls, timeout_s)

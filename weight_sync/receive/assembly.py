@@ -36,9 +36,9 @@ class Assembly:
     """The lanes of one layout into one target: ``destinations`` (the model's tensors by name,
     written in place) or, without them, ``load`` (handed each tensor whole, once all its blocks
     have come, from whichever lane's thread completed it: calls are serialised). ``keeps``:
-    ``load`` holds on to what it is handed past the call (a vLLM worker gathers the whole push
-    for one reload), so its lanes must hand it tensors of its own, never views into receive
-    buffers a later bucket reuses (``buckets.Loader.keeps``)."""
+    ``load`` holds on to what it is handed past the call (a vLLM reload keeps a layer's tensors
+    until the layer is complete), so its lanes must hand it tensors of its own, never views
+    into receive buffers a later bucket reuses (``buckets.Loader.keeps``)."""
 
     def __init__(
         self,

@@ -29,7 +29,9 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import json
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, Literal
@@ -41,8 +43,6 @@ from weight_sync.errors import SyncTimeoutError, WeightSyncError
 from weight_sync.wire.metadata import (
     LanePush,
     MemberInfo,
-    PrepareReply,
-    ReceiveReport,
     SyncStatus,
     WorkerReply,
 )
@@ -126,7 +126,7 @@ class VLLMEngine:
             logger.warning("leaving the sync group on shutdown: %s", exc)
         await self._driver.shutdown()
 
-    # -- protocol, called by WeightUpdater ----------------------------------------------------
+    # -- protocol, called by WeightUpdater (``weight_sync.actors.lanes.RayLanes``) -------------
 
     async def _weight_sync_info(self, timeout_s: float | None = None) -> MemberInfo:
         infos = [
@@ -150,84 +150,32 @@ class VLLMEngine:
             }
         )
 
-    async def _weight_sync_join(
-        self, spec_json: str, max_metadata_bytes: int, timeout_s: float | None = None
-    ) -> None:
-        await self._call("weight_sync_join", timeout_s, spec_json, max_metadata_bytes)
-
-    async def _weight_sync_prepare(
-        self, request_json: str, timeout_s: float | None = None
-    ) -> PrepareReply:
-        """Every worker checks the push; once all accept, generation pauses (here, before the
-        broadcast: draining requests must not stall it)."""
-        replies = [
-            PrepareReply.model_validate_json(r)
-            for r in await self._call("weight_sync_prepare", timeout_s, request_json)
-        ]
-        reply = PrepareReply(
-            accepted=all(r.accepted for r in replies),
-            need_plan=any(r.need_plan for r in replies),
-            problems=tuple(dict.fromkeys(p for r in replies for p in r.problems)),
-        )
-        if reply.accepted and not self._paused:
-            await self._driver.pause()
-            self._paused = True
-        return reply
-
-    async def _weight_sync_cancel(self, version: int, timeout_s: float | None = None) -> None:
-        try:
-            await self._call("weight_sync_cancel", timeout_s, version)
-        finally:
-            await self._resume()
-
-    async def _weight_sync_receive(
-        self, version: int, timeout_s: float | None = None
-    ) -> ReceiveReport:
-        self._version = None  # whatever the staging, no version is claimed while receiving
-        try:
-            reports = [
-                ReceiveReport.model_validate_json(r)
-                for r in await self._call("weight_sync_receive", timeout_s, version)
-            ]
-        except BaseException:
-            await self._settle()  # streaming: the weights may be part-new; the caches must go
-            raise
-        # Any worker's damaged bytes must reach the trainer's checksum comparison.
-        return next((r for r in reports if r.checksums != reports[0].checksums), reports[0])
-
-    async def _weight_sync_commit(self, version: int, timeout_s: float | None = None) -> None:
-        try:
-            await self._call("weight_sync_commit", timeout_s, version)
-        finally:
-            await self._settle()
-
-    async def _weight_sync_leave(self, timeout_s: float | None = None) -> None:
-        try:
-            await self._call("weight_sync_leave", timeout_s)
-        finally:
-            if self._paused:
-                await self._settle()
-
-    # -- a push from many senders (weight_sync.actors.lanes.RayLanes) -----------------------
-
     async def _weight_sync_lanes_push(
         self, call_json: str, timeout_s: float | None = None
     ) -> int | None:
         """Rank 0's call (``LanePush``, as JSON) on every worker of the engine, each as member
-        ``slot`` plus its rank: its check before any byte moves (the engine's own loader on meta
-        tensors of the whole tensors), then every lane, loaded whole -- or refused on every lane
-        where the check found problems (``LaneMember.push``); generation paused from before the
-        check until the caches are cleared after it."""
+        ``slot`` plus its rank: first the check alone (the engine's own loader on meta tensors
+        of the whole tensors); where every worker takes the push, generation pauses, then every
+        lane is received and loaded (``LaneMember.push``), and the caches are cleared before
+        generation resumes. Where a worker refused it, the push is still called on every
+        worker, each refusing every lane as it opens (nothing moves; the senders learn why),
+        and generation never paused."""
         wait_s = LanePush.parse(call_json).wait_s
-        if not self._paused:
-            await self._driver.pause()
-            self._paused = True
-        self._version = None
+        bound = wait_s + 2 * _MARGIN_S if timeout_s is None else timeout_s
+        deadline = time.monotonic() + bound
+        answers = await self._call("weight_sync_lanes_check", bound, call_json)
+        taken = not any(json.loads(problems) for problems in answers)
+        if taken:
+            self._version = None  # whatever the staging, no version is claimed while receiving
+            if not self._paused:
+                await self._driver.pause()
+                self._paused = True
         try:
-            bound = wait_s + 2 * _MARGIN_S if timeout_s is None else timeout_s
-            await self._call("weight_sync_lanes_push", bound, call_json)
+            left_s = max(deadline - time.monotonic(), 2 * _MARGIN_S)
+            await self._call("weight_sync_lanes_push", left_s, call_json)
         finally:
-            await self._settle()
+            if taken:
+                await self._settle()
         return self._version
 
     async def _weight_sync_lanes_leave(

@@ -2,11 +2,11 @@
 
 Pass ``worker_extension_cls="weight_sync.adapters.vllm.WeightSyncExtension"`` when building the
 engine; vLLM appends this class to its worker's bases, and the engine-side member
-(``VLLMEngine``) reaches it through ``collective_rpc``. Each method is one step of a push on
-this worker: it joins the sync group, checks a push against the engine's model before any byte
-moves, receives buckets and reloads them into the model (``reload.ReloadTarget``: one reload
-per push), commits. A push from every rank of a sharded trainer (``RayLanes``) takes one
-step instead: the layout checked, then every lane received and loaded (``lanes.LaneMember``).
+(``VLLMEngine``) reaches it through ``collective_rpc``. A push, from one sender or from every
+rank of a sharded trainer (``RayLanes``), takes two steps on each worker: the check of the
+push's layout against the engine's model before any byte moves, then every lane received and
+loaded into the model as it completes, in one reload (``lanes.LaneMember``,
+``reload.Streamed``).
 
 Every method answers with a ``WorkerReply`` in JSON and never raises: vLLM turns a worker's
 exception into a plain ``RuntimeError`` (and, with several workers, loses the others' answers),
@@ -17,6 +17,7 @@ trainer's validated messages did not say.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +25,7 @@ import torch
 
 from weight_sync.adapters.vllm.lanes import LaneMember
 from weight_sync.adapters.vllm.reload import ReloadTarget
-from weight_sync.receive.receiver import Loader, Receiver
+from weight_sync.receive.receiver import Receiver
 from weight_sync.wire.metadata import LanePush, SyncStatus, WorkerReply
 
 EXTENSION = "weight_sync.adapters.vllm.WeightSyncExtension"
@@ -39,50 +40,26 @@ class WeightSyncExtension:
             lambda: self._weight_sync_state()[0].info().model_dump_json()
         )
 
-    def weight_sync_join(self, spec_json: str, max_metadata_bytes: int) -> str:
-        """Join as the engine's first rank plus this worker's rank within the engine."""
-        receiver, _ = self._weight_sync_state()
-        local_rank = int(getattr(self, "rank", 0))
-        return self._weight_sync_reply(
-            lambda: receiver.join_json(spec_json, max_metadata_bytes, local_rank)
-        )
-
-    def weight_sync_prepare(self, request_json: str) -> str:
-        receiver, target = self._weight_sync_state()
-        return self._weight_sync_reply(
-            lambda: receiver.prepare(request_json, target.check).model_dump_json()
-        )
-
-    def weight_sync_cancel(self, version: int) -> str:
-        return self._weight_sync_reply(lambda: self._weight_sync_state()[0].cancel(version))
-
-    def weight_sync_receive(self, version: int) -> str:
-        receiver, target = self._weight_sync_state()
-        return self._weight_sync_reply(
-            lambda: receiver.receive(version, _loader(target)).model_dump_json()
-        )
-
-    def weight_sync_commit(self, version: int) -> str:
-        receiver, target = self._weight_sync_state()
-        return self._weight_sync_reply(lambda: receiver.commit(version, _loader(target)))
-
     def weight_sync_leave(self) -> str:
-        return self._weight_sync_reply(self._weight_sync_state()[0].leave)
+        """Let go of every lane (the engine shuts down). What they landed stays this worker's."""
+        member = self.__dict__.get("_weight_sync_lane_member")
+        return self._weight_sync_reply(member.close if member is not None else lambda: None)
 
     def weight_sync_status(self) -> str:
         return self._weight_sync_reply(lambda: None)
 
-    def weight_sync_lanes_push(self, call_json: str) -> str:
-        """Rank 0's call (``LanePush``, as JSON: ``LaneMember.push``), as member ``slot`` plus
-        this worker's rank within the engine (the engine's workers are consecutive members)."""
+    def weight_sync_lanes_check(self, call_json: str) -> str:
+        """Rank 0's call (``LanePush``, as JSON), its check alone (``LaneMember.check``): this
+        worker's problems with the push, as a JSON list (empty: it takes all of it)."""
         member = self._weight_sync_lanes()
+        return self._weight_sync_reply(
+            lambda: json.dumps(member.check(self._weight_sync_call(call_json)))
+        )
 
-        def push() -> str:
-            call = LanePush.parse(call_json)
-            slot = call.slot + int(getattr(self, "rank", 0))
-            return str(member.push(call.model_copy(update={"slot": slot})))
-
-        return self._weight_sync_reply(push)
+    def weight_sync_lanes_push(self, call_json: str) -> str:
+        """Rank 0's call (``LanePush``, as JSON: ``LaneMember.push``); the version held."""
+        member = self._weight_sync_lanes()
+        return self._weight_sync_reply(lambda: str(member.push(self._weight_sync_call(call_json))))
 
     def weight_sync_lanes_leave(self, endpoints: list[list[Any]]) -> str:
         """The senders at ``endpoints`` left: let go of their lanes, unless other senders' took
@@ -97,6 +74,12 @@ class WeightSyncExtension:
         return self._weight_sync_reply(leave)
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _weight_sync_call(self, call_json: str) -> LanePush:
+        """Rank 0's call as this worker takes it: as member ``slot`` plus its rank within the
+        engine (the engine's workers are consecutive members)."""
+        call = LanePush.parse(call_json)
+        return call.model_copy(update={"slot": call.slot + int(getattr(self, "rank", 0))})
 
     def _weight_sync_reply(self, step: Callable[[], Any]) -> str:
         reply, _ = WorkerReply.of(step, self._weight_sync_status)
@@ -124,9 +107,3 @@ class WeightSyncExtension:
             receiver = Receiver(device if isinstance(device, torch.device) else None)
             state = self.__dict__["_weight_sync"] = (receiver, target)
         return state
-
-
-def _loader(target: ReloadTarget) -> Loader:
-    # vLLM keeps a layer's tensors until the layer is complete: they must not be views into
-    # buffers a later bucket overwrites.
-    return Loader(target.load, target.reload, keeps=True)

@@ -23,8 +23,8 @@ vLLM's weight-transfer API carries it, one HTTP call per server per step, made b
   every sender;
 * ``update_weights`` runs every lane at once in the worker; the blocks are put together into
   whole tensors (vLLM's loader stacks and shards whole checkpoint tensors itself, tensor
-  parallelism included), and once every lane committed they are loaded in one layerwise
-  reload: a push that failed on any lane loads nothing;
+  parallelism included), each loaded as soon as it is whole, in one layerwise reload
+  (``reload.Streamed``): a push that fails part-way leaves the worker holding no version;
 * ``finish_weight_update`` labels the outputs with the version; or, after a failure, the
   servers are labelled ``"none"`` and resumed, as ``VLLMServers`` does.
 
@@ -40,14 +40,13 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from weight_sync.adapters.vllm.reload import ReloadTarget
+from weight_sync.adapters.vllm.reload import ReloadTarget, Streamed
 from weight_sync.adapters.vllm.servers import (
     PauseMode,
     ServersClient,
@@ -366,10 +365,10 @@ def load_outcomes(words: Sequence[Mapping[str, Any]]) -> Outcomes:
 
 
 class LaneMember:
-    """One vLLM worker's end of pushes from every rank of a sharded trainer, however they are
-    driven (over HTTP by ``ServerLanes``: ``StoreLaneMember``; over Ray by ``RayLanes``,
-    through ``VLLMEngine``): the push's layout checked against the engine, every sender's lane
-    followed at once, and the whole tensors loaded in one reload once every lane committed.
+    """One vLLM worker's end of pushes from one sender or from every rank of a sharded trainer,
+    however they are driven (over HTTP by ``ServerLanes``: ``StoreLaneMember``; over Ray by
+    ``RayLanes``, through ``VLLMEngine``): the push's layout checked against the engine, every
+    sender's lane followed at once, each tensor loaded as soon as it is whole, in one reload.
     ``single``: the worker's receiver of one-sender pushes, the record of what it holds
     (``receive.member.Member``)."""
 
@@ -400,66 +399,82 @@ class LaneMember:
     def holds(self, digest: str) -> bool:
         return self.member.holds(digest)
 
+    def check(self, call: LanePush) -> list[str]:
+        """Rank 0's ``call``, its check alone (``Member.checked``, the senders' lanes followed
+        first): what of the push this engine cannot take -- asked before ``push``, so that the
+        engine pauses generation only for a push every worker takes."""
+        lanes = self.member.follow(call.endpoints, call.slot, min(call.wait_s, 60.0))
+        return self.member.checked(lanes.checks, call.check, self._problems, self._name(call.slot))
+
     def push(self, call: LanePush) -> int | None:
         """Rank 0's ``call`` in one step (over Ray, through ``VLLMEngine``): this worker's
         check and every lane at once (``Member.take``: refused on every lane where the check
-        found problems), the blocks put together into whole tensors, loaded in one reload once
-        every lane committed. Returns the version held."""
-        name = f"vLLM worker {call.slot - 1}"
-        whole: list[tuple[str, torch.Tensor]] = []
-        held = self.member.take(
-            call,
-            self._problems,
-            lambda layout: Assembly(layout, None, whole.extend, keeps=True),
+        found problems), each tensor loaded as soon as every lane brought its blocks, in one
+        reload (``Streamed``). Returns the version held."""
+        name, stream = self._name(call.slot), Streamed(self._target, self.member.record.device)
+        take = self.member.take
+        return self._streamed(
+            stream,
+            lambda: take(call, self._problems, lambda layout: self._into(layout, stream), name),
             name,
         )
-        return self._load(whole, held, call.check.version, name)
 
     def answer(self, checks: Checks, slot: int, check: LaneCheck) -> None:
         """Answer ``check`` in rank 0's store as member ``slot`` (``Member.answer``): what of
         the push this engine cannot take -- told to by ``vllm serve``'s
         ``start_weight_update`` (``StoreLaneMember``)."""
-        self.member.answer(checks, slot, check, self._problems, f"vLLM worker {slot - 1}")
+        self.member.answer(checks, slot, check, self._problems, self._name(slot))
+
+    def receive(self, push: int, version: int, wait_s: float, name: str) -> int:
+        """Take push ``push`` (of ``version``) on every lane at once, each tensor loaded as
+        soon as every lane brought its blocks, in one reload; the version held here, else
+        raises (and this worker holds none where bytes reached the engine). ``name`` names
+        this worker in errors."""
+        layout = self.member.layout
+        assert layout is not None, "connect and check first"
+        stream = Streamed(self._target, self.member.record.device)
+        assembly = self._into(layout, stream)
+        held = self._streamed(
+            stream, lambda: self.member.receive(assembly, push, version, wait_s, name), name
+        )
+        assert held == version, (held, version)
+        return held
 
     def _problems(self, layout: BlockLayout) -> list[str]:
         replicas = self._target.data_parallel_size
         if replicas > 1:  # slots are counted per engine core; its replicas' workers would clash
             why = f"a data-parallel engine (data_parallel_size={replicas}) cannot take a push"
             return [f"{why} from many senders yet: start one server or engine per replica"]
-        if layout.partial:
-            why = "a vLLM engine takes a push from many senders whole (one reload of every tensor)"
-            return [f"{why}: push the full state dict, without partial=True"]
         # vLLM's loader takes whole checkpoint tensors: the layout's, whole.
         return check_layout(layout, self._target.check, self.member.record.version)
 
-    def receive(self, push: int, version: int, wait_s: float, name: str) -> int:
-        """Take push ``push`` (of ``version``) on every lane at once, then load it whole in one
-        reload; the version held here, else raises (and this worker holds none). ``name``
-        names this worker in errors."""
-        layout = self.member.layout
-        assert layout is not None, "connect and check first"
-        whole: list[tuple[str, torch.Tensor]] = []
-        held = self.member.receive(
-            Assembly(layout, None, whole.extend, keeps=True), push, version, wait_s, name
-        )
-        return self._load(whole, held, version, name)
+    @staticmethod
+    def _into(layout: BlockLayout, stream: Streamed) -> Assembly:
+        # The reload may hold a layer's tensors until the layer is complete (``keeps``).
+        return Assembly(layout, None, stream.load, keeps=True)
 
-    def _load(
-        self, whole: list[tuple[str, torch.Tensor]], held: int | None, version: int, name: str
-    ) -> int:
-        """Load the whole tensors every lane brought (``version`` committed on each) in one
-        reload; the version held here, else raises (and this worker holds none)."""
-        lanes = self.member.lanes
-        assert lanes is not None, "the lanes just committed"
+    def _streamed(self, stream: Streamed, take: Callable[[], int | None], name: str) -> int | None:
+        """``take`` the push into ``stream``, then finish its reload; where the push fails, the
+        reload is left as a failed push leaves it. Where the lanes committed but the reload
+        failed, this worker holds no version either."""
         try:
-            with self._target.reload():
-                self._target.load(whole)
+            held = take()
+        except BaseException as exc:
+            stream.abort(exc)
+            raise
+        try:
+            stream.close()
         except Exception as exc:
             why = f"{name} received every lane but its engine did not load them: {first_line(exc)}"
+            lanes = self.member.lanes
+            assert lanes is not None, "the lanes just committed"
             lanes.lost(why)
             raise WeightSyncError(why) from exc
-        assert held == version, (held, version)
         return held
+
+    @staticmethod
+    def _name(slot: int) -> str:
+        return f"vLLM worker {slot - 1}"
 
     def close(self) -> None:
         self.member.close()

@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import torch
 
 from weight_sync.wire.metadata import SyncPlan, TensorMeta
-from weight_sync.wire.packing import NamedTensors
 
 logger = logging.getLogger(__name__)
 
@@ -67,14 +66,20 @@ class ReloadTarget:
         parallel = getattr(self._vllm_config, "parallel_config", None)
         return int(getattr(parallel, "data_parallel_size", 1) or 1)
 
+    @contextmanager
+    def configured(self) -> Iterator[None]:
+        """vLLM's config current, as its loaders and layers read it."""
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self._vllm_config):
+            yield
+
     def check(self, plan: SyncPlan, partial: bool) -> list[str]:
         """What of ``plan`` this engine cannot load (see the module doc). Cached per plan:
         a training loop pushes the same layout every step."""
         key = (plan.digest, partial)
         if key not in self._checks:
-            from vllm.config import set_current_vllm_config
-
-            with set_current_vllm_config(self._vllm_config), torch.no_grad():
+            with self.configured(), torch.no_grad():
                 self._checks[key] = problems(
                     dry_run(self.model, list(plan.metas().values())), partial
                 )
@@ -87,14 +92,13 @@ class ReloadTarget:
         """One reload of the whole model: every ``load`` inside lands, layer by layer, when the
         window closes normally; a window left by an exception undoes the layers not yet
         rebuilt."""
-        from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,
         )
 
         model, vllm_config = self.model, self._vllm_config
-        with set_current_vllm_config(vllm_config), torch.no_grad():
+        with self.configured(), torch.no_grad():
             initialize_layerwise_reload(model)
             try:
                 yield
@@ -105,10 +109,54 @@ class ReloadTarget:
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             getattr(self._runner, reset, lambda: None)()
 
-    def load(self, weights: NamedTensors) -> None:
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hand tensors to the engine's own loader (which stacks and shards them). Only inside
         ``reload``; vLLM may keep them until their layer is complete."""
         self.model.load_weights(weights)  # type: ignore[operator]
+
+
+class Streamed:
+    """One reload of ``target`` for a push whose tensors arrive from the lanes of its senders:
+    each lane's thread hands the tensors it completed to ``load`` (one call at a time: the
+    ``Assembly`` serialises them), the first opening the reload -- so a push refused or called
+    off before any byte moves never touches the model -- and each loaded at once, layer after
+    layer rebuilt as its tensors are complete, as one sender's streamed push loads: the memory
+    of a layer's tensors, never of the whole push. ``close`` finishes the reload; ``abort``
+    leaves it as a failed push does (``ReloadTarget.reload``: layers not yet rebuilt keep their
+    old tensors)."""
+
+    def __init__(self, target: ReloadTarget, device: torch.device | None) -> None:
+        self._target, self._device = target, device
+        self._window: ExitStack | None = None
+
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # A lane's thread has no grad mode, vLLM config or CUDA device of the worker's own.
+        if self._window is None:
+            window = ExitStack()
+            with _on(self._device):
+                window.enter_context(self._target.reload())
+            self._window = window
+        with _on(self._device), torch.no_grad(), self._target.configured():
+            self._target.load(weights)
+
+    def close(self) -> None:
+        window, self._window = self._window, None
+        if window is not None:
+            with _on(self._device):
+                window.close()
+
+    def abort(self, error: BaseException) -> None:
+        window, self._window = self._window, None
+        if window is not None:
+            with _on(self._device):
+                window.__exit__(type(error), error, error.__traceback__)
+
+
+def _on(device: torch.device | None) -> AbstractContextManager[object]:
+    """``device`` current on this thread, where it is a GPU."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.device(device)
+    return nullcontext()
 
 
 class DryRun:
