@@ -209,15 +209,11 @@ class Receiver:
         transport = _join(spec, self.device)
         self._transport = self._wrap(transport) if self._wrap is not None else transport
 
-    def join_json(self, spec_json: str, max_metadata_bytes: int, rank_offset: int = 0) -> None:
-        """Join the group described by ``spec_json`` as it arrived (bounded, validated), as
-        its rank plus ``rank_offset`` (a member's further ranks: an engine's other workers)."""
+    def join_json(self, spec_json: str, max_metadata_bytes: int) -> None:
+        """Join the group described by ``spec_json`` as it arrived (bounded, validated)."""
         if len(spec_json) > _MAX_SPEC_CHARS:
             raise ValueError("group spec too large")
-        spec = GroupSpec.model_validate_json(spec_json)
-        if rank_offset:
-            spec = GroupSpec.model_validate({**spec.model_dump(), "rank": spec.rank + rank_offset})
-        self.join(spec, max_metadata_bytes)
+        self.join(GroupSpec.model_validate_json(spec_json), max_metadata_bytes)
 
     def leave(self) -> None:
         """Leave the group, dropping any push not yet committed (atomic: the old weights stay;
