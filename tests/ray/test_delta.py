@@ -78,7 +78,8 @@ class Policy:
 
     def baseline_bytes(self) -> int:
         """Bytes of the trainer's copy of the weights (SyncConfig.delta)."""
-        return self.updater._pushes._lanes.out.pusher._wire.baseline_bytes
+        baseline = self.updater._pushes._lanes.out.pusher._wire._baseline
+        return 0 if baseline is None else baseline.nbytes
 
     def add_workers(self, workers: list) -> None:
         self.updater.add_workers(workers)

@@ -74,11 +74,6 @@ class Wire:
         self._choice = DeltaChoice(config.delta)
         self._far = False  # some member of the current group receives across a network link
 
-    @property
-    def baseline_bytes(self) -> int:
-        """Bytes of the trainer's copy of the members' weights (0 without one)."""
-        return 0 if self._baseline is None else self._baseline.nbytes
-
     def reached(self, far: bool) -> None:
         """A group was formed whose members are ``far`` (or not): where that changed, what was
         timed no longer holds."""

@@ -224,12 +224,6 @@ class BlockLayout(Hashed):
     def _sent(self) -> dict[int, tuple[Block, ...]]:
         return {}
 
-    def bytes_per_sender(self) -> list[int]:
-        sizes = [0] * self.senders
-        for block in self.blocks:
-            sizes[block.sender] += block.numel * self.tensors[block.tensor].itemsize
-        return sizes
-
 
 def assign(
     tensors: Sequence[TensorMeta], spreads: Sequence[Spread], senders: int, partial: bool = False
