@@ -411,7 +411,8 @@ class LaneMember:
         check and every lane at once (``Member.take``: refused on every lane where the check
         found problems), each tensor loaded as soon as every lane brought its blocks, in one
         reload (``Streamed``). Returns the version held."""
-        name, stream = self._name(call.slot), Streamed(self._target, self.member.record.device)
+        name, senders = self._name(call.slot), len(call.endpoints)
+        stream = Streamed(self._target, self.member.record.device, senders)
         take = self.member.take
         return self._streamed(
             stream,
@@ -432,7 +433,7 @@ class LaneMember:
         this worker in errors."""
         layout = self.member.layout
         assert layout is not None, "connect and check first"
-        stream = Streamed(self._target, self.member.record.device)
+        stream = Streamed(self._target, self.member.record.device, layout.senders)
         assembly = self._into(layout, stream)
         held = self._streamed(
             stream, lambda: self.member.receive(assembly, push, version, wait_s, name), name
@@ -459,8 +460,8 @@ class LaneMember:
         failed, this worker holds no version either."""
         try:
             held = take()
-        except BaseException as exc:
-            stream.abort(exc)
+        except BaseException:
+            stream.abort()
             raise
         try:
             stream.close()

@@ -29,11 +29,12 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
+from weight_sync.errors import WeightSyncError, first_line
 from weight_sync.wire.metadata import SyncPlan, TensorMeta
 
 logger = logging.getLogger(__name__)
@@ -92,71 +93,123 @@ class ReloadTarget:
         """One reload of the whole model: every ``load`` inside lands, layer by layer, when the
         window closes normally; a window left by an exception undoes the layers not yet
         rebuilt."""
-        from vllm.model_executor.model_loader.reload import (
-            finalize_layerwise_reload,
-            initialize_layerwise_reload,
-        )
+        self.open()
+        try:
+            yield
+        except BaseException:
+            self.undo()
+            raise
+        self.finish()
 
-        model, vllm_config = self.model, self._vllm_config
+    def open(self) -> None:
+        """Begin a reload: every layer back on the meta device in checkpoint form (undone where
+        that fails part-way)."""
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
         with self.configured(), torch.no_grad():
-            initialize_layerwise_reload(model)
             try:
-                yield
-                finalize_layerwise_reload(model, vllm_config.model_config)
+                initialize_layerwise_reload(self.model)
             except BaseException:
-                _undo_reload(model)
+                _undo_reload(self.model)
                 raise
-        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
-            getattr(self._runner, reset, lambda: None)()
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hand tensors to the engine's own loader (which stacks and shards them). Only inside
-        ``reload``; vLLM may keep them until their layer is complete."""
-        self.model.load_weights(weights)  # type: ignore[operator]
+        a reload; vLLM may keep them until their layer is complete."""
+        with self.configured(), torch.no_grad():
+            self.model.load_weights(weights)  # type: ignore[operator]
+
+    def finish(self) -> None:
+        """End a reload: the layers that received nothing restored, every layer processed for
+        the engine's kernels (where that fails, the layers not yet rebuilt are undone)."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        with self.configured(), torch.no_grad():
+            try:
+                finalize_layerwise_reload(self.model, self._vllm_config.model_config)
+            except BaseException:
+                _undo_reload(self.model)
+                raise
+        self._reset_runner()
+
+    def undo(self) -> None:
+        """Leave a reload cut short: the layers not yet rebuilt get their old tensors back."""
+        with self.configured(), torch.no_grad():
+            _undo_reload(self.model)
+        self._reset_runner()  # some layers may have been rebuilt with new weights
+
+    def _reset_runner(self) -> None:
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+            getattr(self._runner, reset, lambda: None)()
 
 
 class Streamed:
-    """One reload of ``target`` for a push whose tensors arrive from the lanes of its senders:
-    each lane's thread hands the tensors it completed to ``load`` (one call at a time: the
-    ``Assembly`` serialises them), the first opening the reload -- so a push refused or called
-    off before any byte moves never touches the model -- and each loaded at once, layer after
-    layer rebuilt as its tensors are complete, as one sender's streamed push loads: the memory
-    of a layer's tensors, never of the whole push. ``close`` finishes the reload; ``abort``
-    leaves it as a failed push does (``ReloadTarget.reload``: layers not yet rebuilt keep their
-    old tensors)."""
+    """One reload of ``target`` for a push whose tensors arrive from the lanes of its
+    ``senders``: each lane's thread hands the tensors it completed to ``load`` (one call at a
+    time: the ``Assembly`` serialises them), the first opening the reload -- so a push refused
+    or called off before any byte moves never touches the model -- and each loaded at once,
+    layer after layer rebuilt as its tensors are complete, as one sender's streamed push loads:
+    the memory of a layer's tensors, never of the whole push. ``close`` finishes the reload;
+    ``abort`` undoes what it has not rebuilt (``ReloadTarget.undo``).
 
-    def __init__(self, target: ReloadTarget, device: torch.device | None) -> None:
+    On a GPU, one lane's loads run on its receive stream, as one sender's do. Several lanes
+    copy into a tensor on their own streams, and vLLM keeps a layer's tensors to read them on
+    whichever lane's thread completes the layer: there every load waits for the device (every
+    lane's copies done) and runs on a stream of the reload's own, which each tensor it is handed
+    is recorded on, so that none is freed for reuse while the reload may still read it."""
+
+    def __init__(self, target: ReloadTarget, device: torch.device | None, senders: int) -> None:
         self._target, self._device = target, device
-        self._window: ExitStack | None = None
+        on_gpu = device is not None and device.type == "cuda"
+        self._stream = torch.cuda.Stream(device) if on_gpu and senders > 1 else None
+        self._opened = False
+        self._broken: str | None = None  # why the reload could not open: later loads say so
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        # A lane's thread has no grad mode, vLLM config or CUDA device of the worker's own.
-        if self._window is None:
-            window = ExitStack()
-            with _on(self._device):
-                window.enter_context(self._target.reload())
-            self._window = window
-        with _on(self._device), torch.no_grad(), self._target.configured():
+        if self._broken is not None:
+            raise WeightSyncError(f"the engine's reload could not begin: {self._broken}")
+        weights = list(weights)
+        with self._scope(weights):
+            if not self._opened:
+                try:
+                    self._target.open()
+                except Exception as exc:
+                    self._broken = first_line(exc)
+                    raise
+                self._opened = True
             self._target.load(weights)
 
     def close(self) -> None:
-        window, self._window = self._window, None
-        if window is not None:
-            with _on(self._device):
-                window.close()
+        if self._opened:
+            self._opened = False
+            with self._scope([]):
+                self._target.finish()
 
-    def abort(self, error: BaseException) -> None:
-        window, self._window = self._window, None
-        if window is not None:
-            with _on(self._device):
-                window.__exit__(type(error), error, error.__traceback__)
+    def abort(self) -> None:
+        if self._opened:
+            self._opened = False
+            with self._scope([]):
+                self._target.undo()
 
-
-def _on(device: torch.device | None) -> AbstractContextManager[object]:
-    """``device`` current on this thread, where it is a GPU."""
-    if device is not None and device.type == "cuda":
-        return torch.cuda.device(device)
-    return nullcontext()
+    @contextmanager
+    def _scope(self, weights: Sequence[tuple[str, torch.Tensor]]) -> Iterator[None]:
+        """Where the reload's work runs: on a lane's thread (no CUDA device of the worker's
+        own), on the worker's device; with several lanes, on the reload's stream (see the
+        class), the device settled again after."""
+        if self._device is None or self._device.type != "cuda":
+            yield
+            return
+        with torch.cuda.device(self._device):
+            if self._stream is None:
+                yield
+                return
+            torch.cuda.synchronize(self._device)
+            for _, tensor in weights:
+                tensor.record_stream(self._stream)
+            with torch.cuda.stream(self._stream):
+                yield
+            if not weights:  # the reload's end: the engine's own stream reads what it left
+                torch.cuda.synchronize(self._device)
 
 
 class DryRun:
