@@ -85,7 +85,7 @@ class Member:
         the call asks for it (``LanePush.answer``), the reply of rank 0's lane, if it committed
         in the step the call carried, goes there (``Lanes.receive``); ``turn``: a staged push's
         bytes are applied in it (``Lanes.receive``)."""
-        lanes = self.follow(call.endpoints, call.slot, min(call.wait_s, 60.0))
+        lanes = self.follow_call(call)
         deadline = Deadline(call.wait_s, f"the lanes of push {call.check.push}")
         found = self.checked(lanes.checks, call.check, problems, name)
         layout = self.layout if self.holds(call.check.digest) else None
@@ -128,6 +128,11 @@ class Member:
             return self.check(layout, digest, check.version, limit, problems)
         except Exception as exc:  # a refusal like any other
             return [f"{name} could not check the push: {first_line(exc)}"]
+
+    def follow_call(self, call: LanePush) -> Lanes:
+        """``follow`` the lanes rank 0's ``call`` names, as its member ``slot``, dialling each
+        sender's store within what the call may wait (at most a minute)."""
+        return self.follow(call.endpoints, call.slot, min(call.wait_s, 60.0))
 
     def lanes_from(self, endpoints: Sequence[Sequence[Any]]) -> Lanes | None:
         """This member's lanes from the senders at ``endpoints``, if it keeps them (else None:

@@ -375,6 +375,10 @@ class LaneMember:
     def __init__(self, target: ReloadTarget, single: Receiver) -> None:
         self._target = target
         self.member = Member(single)
+        # The last layout's problems, by its digest and whether this worker held a version: a
+        # push over Ray is checked twice (``check``, then ``push``), and each check builds and
+        # hashes a plan of every tensor.
+        self._found: tuple[tuple[str, bool], list[str]] | None = None
 
     @property
     def held(self) -> int | None:
@@ -403,7 +407,7 @@ class LaneMember:
         """Rank 0's ``call``, its check alone (``Member.checked``, the senders' lanes followed
         first): what of the push this engine cannot take -- asked before ``push``, so that the
         engine pauses generation only for a push every worker takes."""
-        lanes = self.member.follow(call.endpoints, call.slot, min(call.wait_s, 60.0))
+        lanes = self.member.follow_call(call)
         return self.member.checked(lanes.checks, call.check, self._problems, self._name(call.slot))
 
     def push(self, call: LanePush) -> int | None:
@@ -446,8 +450,12 @@ class LaneMember:
         if replicas > 1:  # slots are counted per engine core; its replicas' workers would clash
             why = f"a data-parallel engine (data_parallel_size={replicas}) cannot take a push"
             return [f"{why} from many senders yet: start one server or engine per replica"]
-        # vLLM's loader takes whole checkpoint tensors: the layout's, whole.
-        return check_layout(layout, self._target.check, self.member.record.version)
+        held = self.member.record.version
+        key = (layout.digest, held is None)
+        if self._found is None or self._found[0] != key:
+            # vLLM's loader takes whole checkpoint tensors: the layout's, whole.
+            self._found = key, check_layout(layout, self._target.check, held)
+        return list(self._found[1])
 
     @staticmethod
     def _into(layout: BlockLayout, stream: Streamed) -> Assembly:
