@@ -16,8 +16,8 @@ import torch.distributed as dist
 from tests.distributed.harness import RankContext, run_ranks
 from weight_sync import SyncConfig
 from weight_sync.control.deadline import Deadline
-from weight_sync.control.lane_store import BEGIN, COMMAND, Verdicts
-from weight_sync.control.store import PREFIX
+from weight_sync.control.lane_store import BEGIN, COMMAND, Commands, Deaths, Verdicts
+from weight_sync.control.store import PREFIX, ClientPlane
 from weight_sync.errors import (
     SenderFailedError,
     TransportError,
@@ -31,6 +31,7 @@ from weight_sync.send.senders import Outbound, Senders
 from weight_sync.transport import bind_listener
 from weight_sync.transport.devices import CPU
 from weight_sync.transport.rendezvous import open_store
+from weight_sync.wire.blame import MemberGone
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -162,6 +163,39 @@ def test_a_lane_broken_by_a_worker_found_dead_on_another_raises_that_worker() ->
             other.result(timeout=10)
     assert blamed.value.senders == [0]
     assert raised.value.workers == [1] and "worker 1: died" in str(raised.value)
+
+
+def test_a_member_rank_0_found_dead_is_told_to_the_lane_of_another_sender() -> None:
+    """Rank 0's call on a member found it dead (``Deaths.tell``): the lane of another sender,
+    watching that push, fails what the member owes it at once, naming why (its own store cannot
+    tell a dead member from a slow one); a death told of another push changes nothing there."""
+    rank_0, other = [_lane_plane() for _ in range(2)]
+    told = Deaths(rank_0)
+    watching = Deaths(other, rank_0.address, 30)
+    try:
+        watching.watch(7)
+        awaited = other.receive(3, atomic=False, timeout_s=30)  # its lane's round of push 7
+        told.tell(6, [1], "actor died (an older push's)")
+        time.sleep(0.5)  # several looks
+        assert not any(answer.done() for answer in awaited)
+        started = time.monotonic()
+        told.tell(7, [2], "actor died (fault injection)")
+        with pytest.raises(MemberGone, match="fault injection"):
+            awaited[1].result(timeout=10)
+        print(f"told in {time.monotonic() - started:.3f}s")
+        assert not awaited[0].done()
+        watching.watch(None)
+    finally:
+        watching.close()
+        for plane in (rank_0, other):
+            plane.close()
+
+
+def _lane_plane() -> ClientPlane:
+    """A sender's lane's plane, as ``Outbound`` makes it."""
+    commands = Commands()
+    commands.plane = plane = ClientPlane(commands, 2, SyncConfig())
+    return plane
 
 
 def _one_replica_pushes(ctx: RankContext) -> dict[str, object]:

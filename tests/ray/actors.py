@@ -309,7 +309,7 @@ class TinyLM(torch.nn.Module):
 
 def _die_on_second_bucket(group: Any) -> None:
     """End this process (no cleanup) as ``group`` starts its second broadcast of a push, once
-    the first has reached every member: a sender dying while its lane's bytes flow."""
+    the first has completed here: a sender, or a worker, dying while a lane's bytes flow."""
     assert group is not None, "push once first: a lane's group forms in its first push"
     broadcast, started = group.broadcast, []
 
@@ -431,6 +431,14 @@ class LMWorker(Counting):  # type: ignore[valid-type,misc]
 
             assembly.destinations = destinations
         return assembly
+
+    def die_mid_push(self, sender: int) -> None:
+        """End this process (no cleanup) as the next push's second bucket from trainer rank
+        ``sender`` is to arrive, its first already here: a worker killed while the bytes flow
+        (its lane's group formed: push once first)."""
+        lanes = self._weight_sync_member().lanes
+        assert lanes is not None, "push once first: a worker follows the lanes in a push"
+        _die_on_second_bucket(lanes.inbound[sender].member.receiver.transport)
 
     def fail_after_join(self) -> None:
         """From now, joining one group raises once joined: a worker that fails after the group

@@ -354,6 +354,48 @@ def test_a_worker_that_dies_is_dropped_on_every_rank_and_a_replacement_takes_eve
     assert on_all(ranks, "lanes_workers") == [2, 2]
 
 
+# A worker killed mid-push: 1 KiB buckets (each lane sends several), and bounds long enough that
+# a wait for the dead worker's answers to them would show.
+MID = {"bucket_bytes": 1024, "direct_min_bytes": None, "rpc_timeout_s": 60}
+
+
+@pytest.mark.parametrize(
+    "lanes",
+    [((False, False), MID), ((False, False), {**MID, **ONE_GROUP})],
+    ids=["lanes", "one_group"],
+    indirect=True,
+)
+def test_a_worker_killed_while_the_bytes_flow_is_named_at_once_on_every_rank(
+    lanes: tuple[list, list], take: Lease
+) -> None:
+    """Worker 1's process ends as rank 1's second bucket is to reach it, the first already
+    there: every rank raises at once, naming worker 1 dead -- rank 0 from its call on it, rank
+    1 told by rank 0 (its own store cannot tell a dead member from a slow one: its lane waited
+    for worker 1's answers until its bound, 60 s here) -- rank 0 drops it, worker 0, which took
+    part of the push, claims no version, and the next push lands on it."""
+    ranks, workers = lanes
+    first = on_all(ranks, "lanes_push")[0].version
+    take.spoil(workers[1])
+    ray.get(workers[1].die_mid_push.remote(1), timeout=TIMEOUT)
+    on_all(ranks, "step")
+    started = time.monotonic()
+    (kind, why), (other, said) = on_all(ranks, "lanes_push")
+    seconds = time.monotonic() - started
+    print(f"{seconds:.2f}s: {kind}: {why} / {other}: {said}")
+    assert kind == "WorkerFailedError" and "worker 1: actor died" in why, why
+    assert "dropped worker(s) [1]" in why, why
+    assert other == "WorkerFailedError" and "worker 1: actor died" in said, said
+    assert seconds < 10, seconds  # 0.1-0.2 s here; the bound it waited for before, 60 s
+    held = ray.get(workers[0].weights_version.remote(), timeout=TIMEOUT)
+    assert held is None or held == first, held
+    on_all(ranks, "step")
+    pushed = on_all(ranks, "lanes_push")
+    assert pushed[0].version == pushed[1].version > first, pushed
+    assert on_all(ranks, "lanes_workers") == [1, 1]
+    want = on_all(ranks, "full_digests")[0]
+    assert ray.get(workers[0].weight_sync_digests.remote(), timeout=TIMEOUT) == want
+
+
 @LANES_AND_ONE_GROUP
 def test_a_worker_that_fails_as_the_bytes_begin_fails_the_push_at_once(
     lanes: tuple[list, list],

@@ -16,6 +16,7 @@ from weight_sync.control.futures import joined, resolve
 from weight_sync.control.http import collect_answers
 from weight_sync.control.store import ClientPlane
 from weight_sync.errors import ServerError, WeightSyncError
+from weight_sync.wire.blame import MemberGone
 from weight_sync.wire.metadata import (
     GroupSpec,
     PrepareReply,
@@ -261,6 +262,35 @@ def test_a_member_that_returns_its_reply_in_its_call_is_not_read_from_the_store(
             plane.post(f"pushed/1/{slot}", raw)
         assert [a.result(timeout=10) for a in answers[1:]] == [reply, reply]
         assert not plane._mailbox._store.check(["pushed/1/1"])  # never posted, never read
+    finally:
+        plane.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_member_found_gone_fails_what_it_owes_the_push_now_and_in_its_later_rounds() -> None:
+    """A member whose caller found it dead mid-push (``ClientPlane.gone``: rank 0's Ray call,
+    or rank 0's word on another sender's lane): its answer awaited fails at once with
+    ``MemberGone`` (judged dead, not silent at the bound), and so does its answer to a later
+    round of the same push; the others' are read as ever; the next push asks it afresh."""
+    plane = ClientPlane(_OneCallClient(), 2, SyncConfig())
+    try:
+        request = PrepareRequest(version=1, plan_digest="a" * 64, commit_on_receipt=True)
+        answers = plane.push(request, timeout_s=10)
+        time.sleep(0.1)  # awaited, looked for
+        plane.gone(2, MemberGone("actor died (fault injection)"))
+        with pytest.raises(MemberGone, match="fault injection"):
+            answers[1].result(timeout=5)
+        assert not answers[0].done()
+        reply, raw = _pushed(1)
+        plane.post("pushed/1/1", raw)
+        assert answers[0].result(timeout=10) == reply
+        later = plane.receive(1, atomic=False, timeout_s=10)  # a later round of the push
+        with pytest.raises(MemberGone):
+            later[1].result(timeout=5)
+        again = plane.push(request.model_copy(update={"version": 2}), timeout_s=10)
+        time.sleep(0.1)
+        assert not any(answer.done() for answer in again)  # a new push: nobody known gone
+        assert plane.fate(MemberGone("actor died"))[0] == "died"
     finally:
         plane.close()
 

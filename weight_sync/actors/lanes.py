@@ -27,6 +27,7 @@ The Ray glue stays thin: what a lane is and the verdict are ``send.senders``' an
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -39,7 +40,7 @@ import torch
 import torch.distributed as dist
 from ray.actor import ActorHandle
 
-from weight_sync.actors.members import RayMembers, death_told
+from weight_sync.actors.members import RayMembers
 from weight_sync.actors.metrics import push_metrics
 from weight_sync.actors.worker import SYNC_GROUP
 from weight_sync.config import SyncConfig
@@ -351,7 +352,9 @@ class RayLanes:
         cannot take the push (``Member.take``). Where this rank's lane is the push's only one,
         opened in the call, a worker that takes a push in one call (``MemberInfo.one_call``)
         answers that lane in its call's result, as one sender's workers do -- no reply through
-        the store, no wait for the poller that reads it: returns those calls, by slot."""
+        the store, no wait for the poller that reads it: returns those calls, by slot. A call
+        that finds its worker dead tells every lane at once (``Senders.gone``): their waits
+        for its answers end then, not at their bounds."""
         assert self._agreed is not None, "the senders agreed on the push"
         layout, version, started = self._agreed
         self._checks.post_layout(layout)
@@ -377,8 +380,9 @@ class RayLanes:
         # applies in one turn.
         beside = self.config.staging == "atomic" and sum(f != NO_LANE for f in firsts) == 1
         self._calls = []
-        for slot, asked, concurrent, worker in zip(
-            self._slots, answer, self._concurrent, self.workers, strict=True
+        ends = [*self._slots[1:], self._lanes.members + 1]
+        for slot, end, asked, concurrent, worker in zip(
+            self._slots, ends, answer, self._concurrent, self.workers, strict=True
         ):
             method: Any = worker._weight_sync_lanes_push
             kwargs = dict(over)
@@ -386,11 +390,21 @@ class RayLanes:
                 method, kwargs["beside"] = method.options(concurrency_group=SYNC_GROUP), True
             made = call.model_copy(update={"slot": slot, "answer": asked}).model_dump_json()
             self._calls.append(method.remote(made, **kwargs).future())
+            told = functools.partial(self._told_dead, check.push, range(slot, end))
+            self._calls[-1].add_done_callback(told)
         return {
-            slot: death_told(made)
+            slot: made
             for slot, asked, made in zip(self._slots, answer, self._calls, strict=True)
             if asked
         }
+
+    def _told_dead(self, push: int, slots: range, call: Future[Any]) -> None:
+        """Rank 0: where ``call`` found its worker dead, its members (``slots``) are told gone
+        to every lane of push ``push``."""
+        if (error := call.exception()) is not None:
+            fate, why = self._plane.fate(error)
+            if fate == "died":
+                self._lanes.gone(push, list(slots), why)
 
     def _blame_workers(
         self, calls: Sequence[Future[Any]], error: Exception | None, started: float

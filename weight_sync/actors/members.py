@@ -7,15 +7,12 @@ processes) can bound its own wait by it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import Future
-from typing import Any
 
 from ray.actor import ActorHandle
 from ray.exceptions import RayActorError, RayTaskError
 
-from weight_sync.control.futures import resolve
 from weight_sync.errors import first_line
-from weight_sync.wire.blame import Fate, MemberGone, is_collateral
+from weight_sync.wire.blame import Fate, is_collateral
 
 
 class RayMembers:
@@ -47,19 +44,3 @@ class RayMembers:
             error.cause if isinstance(error, RayTaskError) and error.cause is not None else error
         )
         return ("collateral" if is_collateral(cause) else "raised"), first_line(cause)
-
-
-def death_told(call: Future[Any]) -> Future[Any]:
-    """``call`` (an actor call carrying a push), its actor's death told as ``MemberGone``: a
-    store plane that takes its answer from it (``ClientPlane.push``'s ``Answers``) then fails
-    what that member owes at once, judged dead, rather than waiting for it to the bound."""
-    told: Future[Any] = Future()
-
-    def settle(done: Future[Any]) -> None:
-        error = done.exception()
-        if isinstance(error, RayActorError):
-            error = MemberGone(f"actor died ({first_line(error)})")
-        resolve(told, result=None if error is not None else done.result(), error=error)
-
-    call.add_done_callback(settle)
-    return told

@@ -12,8 +12,11 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import torch.distributed as dist
 
 from weight_sync.control.deadline import Deadline
 from weight_sync.control.keys import (
@@ -25,7 +28,7 @@ from weight_sync.control.keys import (
     wait_all,
     wait_one,
 )
-from weight_sync.control.store import Answers, ClientPlane
+from weight_sync.control.store import PREFIX, Answers, ClientPlane
 from weight_sync.errors import (
     PlanMismatchError,
     SenderFailedError,
@@ -33,7 +36,9 @@ from weight_sync.errors import (
     WorkerFailedError,
     first_line,
 )
-from weight_sync.wire.blame import judge
+from weight_sync.transport import teardown
+from weight_sync.transport.rendezvous import open_store
+from weight_sync.wire.blame import MemberGone, judge
 from weight_sync.wire.blocks import BlockLayout
 
 logger = logging.getLogger(__name__)
@@ -45,6 +50,9 @@ VERDICTS = "lanes/"  # + push/sender: how each lane ended; + push/verdict: rank 
 # Beside the verdicts, each push's check before any byte moves (``Checks``):
 LAYOUT = "layout/"  # + digest: a layout, posted once for every member that lacks it
 CHECKED = "checked/"  # + push/slot: a member's problems with the push (JSON list; empty: none)
+# In rank 0's lane's store, under the plane's prefix: + push/n, the n-th death of members that
+# rank 0's calls found in push ``push`` (``Deaths``).
+GONE = "gone/"
 # A member's refusal of a push over one group it holds none of (it restarted, or lanes from
 # other senders took its place): the senders form the group again before their next push.
 NO_ONE_GROUP = "this worker holds no one group with these senders"
@@ -253,6 +261,105 @@ class Verdicts:
             raise SenderFailedError(
                 f"trainer rank 0 died or left{gone} ({first_line(exc)})", [0]
             ) from exc
+
+
+class Deaths:
+    """Members that rank 0's calls found dead mid-push (Ray workers, which only rank 0 calls),
+    told to every sender's lane: rank 0's own at once, the others' through rank 0's store.
+    Another sender has no way of its own to learn it -- its store cannot tell a member's closed
+    connection from a slow one -- and its lane would wait for the dead member's answers until
+    its bound while rank 0 waits for its report.
+
+    Rank 0 posts each death in its lane's store (``tell``, from whichever thread saw the call
+    fail; kept for the last pushes, ``Retention``). Every other sender watches the push under
+    way (``watch``) from a thread of its own, on a client of its own to rank 0's store (a
+    client serves one call at a time, and the verdicts' client waits in rank 0's store), and
+    fails what each member told dead owes its lane (``ClientPlane.gone``). It looks every
+    ``_DEATHS_S`` rather than waiting in the store: a store wait that times out logs a warning of
+    torch's own each time."""
+
+    def __init__(
+        self, plane: ClientPlane, rank_0: tuple[str, int] | None = None, timeout_s: float = 60.0
+    ) -> None:
+        """``plane``: this sender's lane's. ``rank_0``: where rank 0's store listens, on every
+        other sender (None: rank 0 itself), dialled within ``timeout_s``."""
+        self._plane = plane
+        self._lock = threading.Condition()
+        self._told = (0, 0)  # rank 0: the last push a death was told of, and how many
+        self._kept = Retention(plane.post, plane.forget)  # rank 0's, by push
+        self._push: int | None = None  # another sender: the push watched (None: between)
+        self._closed = False
+        self._store: Any = None
+        if rank_0 is not None:
+            self._store = dist.PrefixStore(PREFIX, open_store(*rank_0, 1, timeout_s, None))
+            teardown.start("weight-sync-deaths", self._watch, self.close)
+
+    def tell(self, push: int, slots: Sequence[int], why: str) -> None:
+        """Rank 0: members ``slots`` died during push ``push``, as its call on them found."""
+        error = MemberGone(why)
+        for slot in slots:
+            self._plane.gone(slot, error)
+        told = json.dumps({"slots": list(slots), "why": why[:_MOST_WHY]})
+        with self._lock:
+            number = self._told[1] if self._told[0] == push else 0
+            self._told = (push, number + 1)
+            self._kept.post(push, f"{GONE}{push}/{number}", told)
+
+    def watch(self, push: int | None) -> None:
+        """Another sender: watch push ``push`` from now (None: none, between pushes)."""
+        with self._lock:
+            self._push = push
+            self._lock.notify_all()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+
+    def _watch(self) -> None:
+        """Another sender's thread: each death rank 0 tells of the push watched, in order,
+        until closed or rank 0's store is gone (its lane's members then say so)."""
+        push, read = None, 0  # the push watched, and how many of its deaths were read
+        try:
+            while (watched := self._watched()) is not None:
+                if watched != push:
+                    push, read = watched, 0
+                key = f"{GONE}{push}/{read}"
+                if self._store.check([key]):
+                    read += 1
+                    self._heard(push, self._store.get(key))
+                else:
+                    time.sleep(_DEATHS_S)
+        except RuntimeError:  # rank 0's store is gone: its lane's members say so
+            pass
+        finally:
+            self._store = None
+
+    def _watched(self) -> int | None:
+        """The push to watch, once there is one; None once closed."""
+        with self._lock:
+            while self._push is None and not self._closed:
+                self._lock.wait()
+            return None if self._closed else self._push
+
+    def _heard(self, push: int, raw: bytes) -> None:
+        """Fail what the members a death of push ``push`` names owe this lane, if it is still
+        the push under way."""
+        try:
+            told = json.loads(raw[: 2 * _MOST_WHY])
+            slots, why = [int(slot) for slot in told["slots"]], str(told["why"])
+        except (ValueError, KeyError, TypeError) as exc:
+            logger.warning("a death rank 0 told cannot be read: %s", exc)
+            return
+        with self._lock:
+            if self._push != push:  # that push is over
+                return
+        for slot in slots:
+            self._plane.gone(slot, MemberGone(why))
+
+
+_MOST_WHY = 1000  # characters of why a member died, as rank 0 tells the other senders
+_DEATHS_S = 0.05  # another sender looks this often for the deaths rank 0 told mid-push
 
 
 class Checks:

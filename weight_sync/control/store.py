@@ -334,6 +334,7 @@ class ClientPlane:
         self._pushing: int | None = None  # prepared, neither committed nor cancelled
         self._ending: Future[None] | None = None  # a cancelled push's session, being ended
         self._asked: int | None = None  # the version whose prepare was asked last
+        self._dead: dict[int, MemberGone] = {}  # members found gone in the push under way
 
     def __len__(self) -> int:
         return self._workers
@@ -349,7 +350,7 @@ class ClientPlane:
         return self._address, self._port
 
     def probe(self, timeout_s: float) -> list[Future[MemberInfo]]:
-        self._mailbox.abandon("the members were asked to join afresh")
+        self._begin("the members were asked to join afresh")
         self._epoch += 1
         info = {
             "address": self._address,
@@ -394,7 +395,7 @@ class ClientPlane:
             # push's bound).
             self._mailbox.purge([_prepared(request.version, s) for s in range(1, len(self) + 1)])
         self._asked = request.version
-        self._mailbox.abandon("a later push began")
+        self._begin("a later push began")
         if plan.digest not in self._plans:
             self._plans.post(plan.digest, f"plan/{plan.digest}", plan.wire)
         self._mailbox.post(f"prepare/{self._epoch}", request.model_dump_json())
@@ -416,7 +417,7 @@ class ClientPlane:
         # (A runtime protocol's isinstance costs more than this step's own work.)
         assert hasattr(self._client, "push_weight_update"), "one-call pushes: a OneCallClient"
         client = cast(OneCallClient, self._client)
-        self._mailbox.abandon("a later push began")
+        self._begin("a later push began")
         posted: Future[None] = Future()  # the client posts to its own store: no thread for it
         answers: Answers = {}
         try:
@@ -462,6 +463,15 @@ class ClientPlane:
             list(members),
         )
 
+    def gone(self, slot: int, error: MemberGone) -> None:
+        """Member ``slot`` is gone, as a call of whoever calls it found (rank 0's Ray call on a
+        worker that died; on another sender's lane, rank 0's word: ``lane_store.Deaths``): what
+        it owes the push under way -- the answers awaited now and those of the push's later
+        rounds -- fails with ``error`` at once, so that it is judged dead now rather than silent
+        at the bound. From any thread; forgotten as the next push begins."""
+        self._dead[slot] = error
+        self._mailbox.fail(f"/{slot}", error)
+
     def fate(self, error: BaseException) -> tuple[Fate, str]:
         if isinstance(error, MemberGone):
             return "died", str(error)
@@ -478,6 +488,12 @@ class ClientPlane:
 
     def close(self) -> None:
         self._mailbox.close()
+
+    def _begin(self, why: str) -> None:
+        """A new push or probe: the answers still awaited are nobody's (``abandon``), and no
+        member is known gone."""
+        self._mailbox.abandon(why)
+        self._dead = {}
 
     def _verdict(self, version: int, word: str) -> None:
         """Post the verdict on push ``version`` (every member reads it during its push: the
@@ -517,7 +533,8 @@ class ClientPlane:
     ) -> list[Future[Any]]:
         """One future per worker: its answer under ``step/key/slot``, or the client call's error
         if that call fails before the worker answered -- or, for a worker ``given`` names, the
-        reply its own call returned, if it did (the store is then not read for it)."""
+        reply its own call returned, if it did (the store is then not read for it); a worker
+        found gone in this push (``gone``) fails at once."""
         given = given or {}
         answers = [
             self._mailbox.expect(f"{step}/{key}/{slot}", _RETURNED_S if slot in given else 0.0)
@@ -530,6 +547,9 @@ class ClientPlane:
                     resolve(answer, error=done.exception())
 
         call.add_done_callback(failed)
+        for slot, error in list(self._dead.items()):  # (``gone`` fails those awaited already)
+            if slot <= len(answers):
+                resolve(answers[slot - 1], error=error)
         for slot, returned in given.items():
             returned.add_done_callback(functools.partial(_returned, answers[slot - 1]))
         return [then(answer, lambda raw: _parse(raw, kind)) for answer in answers]
@@ -582,6 +602,15 @@ class _Mailbox:
                 self._thread = teardown.start("weight-sync-replies", self._poll, self.close)
         self._awaited.set()
         return future
+
+    def fail(self, suffix: str, error: BaseException) -> None:
+        """Fail every answer awaited under a key ending in ``suffix`` (one member's) with
+        ``error``: the poller drops them as it finds them done."""
+        with self._waiting:
+            failing = [future for key, (future, _) in self._pending.items() if key.endswith(suffix)]
+        for future in failing:
+            resolve(future, error=error)
+        self._awaited.set()
 
     def purge(self, keys: Sequence[str]) -> None:
         """Delete ``keys`` now, whether read or not, and not again later: answers of an earlier
@@ -681,15 +710,11 @@ class _Mailbox:
 
 
 def _returned(answer: Future[str], call: Future[str | None]) -> None:
-    """A member's reply where its call returned it (the poller then stops looking for it); a
-    call that found the member gone (``MemberGone``) fails the answer with that at once. A call
-    that returned none, or failed otherwise, leaves the answer to the store (or to the failure
-    of the client call): a member that did not commit answers there (``StoreMember.push``),
-    and one that raised may have answered there first (a refusal)."""
-    error = call.exception()
-    if isinstance(error, MemberGone):
-        resolve(answer, error=error)
-    elif error is None and (reply := call.result()) is not None:
+    """A member's reply where its call returned it (the poller then stops looking for it). A
+    call that returned none, or failed, leaves the answer to the store (or to the failure of
+    the client call, or to ``ClientPlane.gone``): a member that did not commit answers there
+    (``StoreMember.push``), and one that raised may have answered there first (a refusal)."""
+    if call.exception() is None and (reply := call.result()) is not None:
         resolve(answer, result=reply)
 
 

@@ -14,14 +14,14 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
 
 from weight_sync.config import SyncConfig
 from weight_sync.control.deadline import Deadline
-from weight_sync.control.lane_store import CLOSE, VERDICTS, Commands, Verdicts
+from weight_sync.control.lane_store import CLOSE, VERDICTS, Commands, Deaths, Verdicts
 from weight_sync.control.store import Answers, ClientPlane
 from weight_sync.errors import (
     PlanMismatchError,
@@ -331,6 +331,7 @@ class Senders:
         self.one_group: TorchGroup | None = None  # with ``one_group``: every lane's buckets
         self.paths: list[LanePath] = []  # and each lane's way to the members over it
         self._out: Outbound | None = None
+        self.deaths: Deaths | None = None  # where rank 0 calls the members (``call``)
         try:
             self.members = self.from_rank_0(lambda: members(self.config))
             wrap = self._over_one_group if self._one else None  # once the lane forms
@@ -357,11 +358,18 @@ class Senders:
             raise
         self.pushes = 0
         self.layouts = Layouts()  # this rank's shares' layouts, the last one kept
-        # Where rank 0 calls the members (``call``): each push's lanes open through its call.
+        # Where rank 0 calls the members (``call``): each push's lanes open through its call,
+        # and a member it finds dead is told to every lane (``gone``).
         self.opening: Opening | None = None
         if call is not None:
             self.opening = Opening(self.control, self.senders, self.rank, call)
             self.out.commands.carry = self.opening.carry
+            rank_0 = self.endpoints[0] if self.rank else None
+            try:
+                self.deaths = Deaths(self.out.plane, rank_0, self.config.rendezvous_timeout_s)
+            except BaseException:
+                self.close()
+                raise
 
     @property
     def out(self) -> Outbound:
@@ -465,17 +473,31 @@ class Senders:
         if self.opening is not None:
             assert share.layout is not None, "an agreed push has a layout"
             self.opening.begin(share.layout)
-        return push_share(
-            self.out,
-            share,
-            version,
-            self.verdicts,
-            self.pushes,
-            self.rank,
-            started,
-            self.config.push_timeout_s,
-            self.opening,
-        )
+        if self.deaths is not None:
+            self.deaths.watch(self.pushes)
+        try:
+            return push_share(
+                self.out,
+                share,
+                version,
+                self.verdicts,
+                self.pushes,
+                self.rank,
+                started,
+                self.config.push_timeout_s,
+                self.opening,
+            )
+        finally:
+            if self.deaths is not None:
+                self.deaths.watch(None)
+
+    def gone(self, push: int, slots: Sequence[int], why: str) -> None:
+        """Rank 0, from any thread: members ``slots`` died during push ``push``, as its call on
+        them found. Every lane stops waiting for them (``Deaths``), if that push is still under
+        way."""
+        assert self.deaths is not None and self.rank == 0, "rank 0 calls the members"
+        if push == self.pushes:
+            self.deaths.tell(push, slots, why)
 
     def close(self) -> None:
         """Leave this rank's lane and the one group, whatever of them formed (a receiving
@@ -484,6 +506,8 @@ class Senders:
         ranks and the count of groups alive on this rank, so destroying one would name a later
         group like one still alive (refused), or -- destroyed on some ranks only -- differently
         from rank to rank (a hang)."""
+        if self.deaths is not None:
+            self.deaths.close()
         if self._out is not None:
             self._out.close()
         group, self.one_group = self.one_group, None
