@@ -13,13 +13,17 @@ Scenarios:
 * ``refuse`` -- a state dict with a tensor the engine has no place for: refused on every rank
   before any byte moves; then the right one lands;
 * ``kill`` -- a push lands, then rank 1 dies in the second one, right after telling the
-  servers' workers to take its lane (its bytes never come).
+  servers' workers to take its lane (its bytes never come);
+* ``lose`` -- a push lands, then in the second one, its lanes' tiny buckets slowed, rank 0
+  SIGKILLs the server whose process group ``OUT/victim.pid`` names as its lane's third bucket
+  goes (a server crashing mid-push); each rank records how long its failed push took.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -46,6 +50,10 @@ def run(scenario: str, urls: list[str], out: Path) -> None:
     trainer = Trainer(QWEN2, seed=11)
     record: dict[str, Any] = {"rank": rank, "versions": [], "errors": []}
     config = SyncConfig(push_timeout_s=TIMEOUT_S, bucket_bytes=64 << 10)
+    if scenario == "lose":  # ~50 buckets a lane over its group, each slowed (``_lose_mid_push``);
+        # an rpc bound long enough that a wait for a dead server's workers until it would show.
+        config = SyncConfig(push_timeout_s=TIMEOUT_S, rpc_timeout_s=60, bucket_bytes=4096,
+                            direct_min_bytes=None, same_host="group")  # fmt: skip
 
     def sharded(extra: bool = False) -> dict[str, torch.Tensor]:
         state = {name: t.detach() for name, t in trainer.state().items()}
@@ -63,11 +71,15 @@ def run(scenario: str, urls: list[str], out: Path) -> None:
             trainer.step()
             if scenario == "kill" and step == 1:
                 _die_after_update(servers)
+            if scenario == "lose" and step == 1:
+                _lose_mid_push(servers, out)
+            began = time.monotonic()
             try:
                 result = servers.push(sharded())
             except Exception as exc:
                 record["errors"].append(f"{type(exc).__name__}: {exc}")
                 record["senders"] = list(getattr(exc, "senders", []))
+                record["seconds"] = time.monotonic() - began
                 break
             record["versions"].append(result.version)
             record["nbytes"] = result.nbytes
@@ -96,6 +108,25 @@ def _die_after_update(servers: VLLMServers) -> None:
 
     commands.update_weights = update_then_die  # type: ignore[method-assign]
     commands.push_weight_update = push_then_die  # type: ignore[method-assign]
+
+
+def _lose_mid_push(servers: VLLMServers, out: Path) -> None:
+    """Slow this rank's lane (each bucket 20 ms later); on rank 0, SIGKILL the victim server's
+    process group as the lane's third bucket goes (fault injection)."""
+    assert servers._lanes is not None
+    group = servers._lanes._lanes.out.pusher.group  # formed by the first push
+    assert group is not None, "push once first"
+    broadcast, sent = group.broadcast, [0]
+    victim = int((out / "victim.pid").read_text()) if dist.get_rank() == 0 else None
+
+    def slowed(tensor: torch.Tensor, src: int, timeout_s: float | None = None) -> Any:
+        sent[0] += 1
+        if sent[0] == 3 and victim is not None:
+            os.killpg(victim, signal.SIGKILL)
+        time.sleep(0.02)
+        return broadcast(tensor, src, timeout_s)
+
+    group.broadcast = slowed
 
 
 def spawned(index: int, world_size: int, scenario: str, urls: list[str], out: str) -> None:

@@ -67,6 +67,13 @@ def call(
         raise _failed(url, f"{verb} /{path}: not JSON: {raw[:200]!r}") from exc
 
 
+def unanswered(error: BaseException) -> bool:
+    """Whether ``error`` (a ``call``'s) is one the server never answered -- refused, reset,
+    closed, timed out: its process gone or stuck -- rather than an HTTP error it answered."""
+    cause = error.__cause__
+    return isinstance(cause, OSError) and not isinstance(cause, urllib.error.HTTPError)
+
+
 def _failed(url: str, reason: str) -> ServerError:
     return ServerError(f"server {url} failed: {reason}", {url: reason})
 

@@ -264,8 +264,9 @@ class Verdicts:
 
 
 class Deaths:
-    """Members that rank 0's calls found dead mid-push (Ray workers, which only rank 0 calls),
-    told to every sender's lane: rank 0's own at once, the others' through rank 0's store.
+    """Members that rank 0's calls found dead mid-push (a Ray worker's actor call, a ``vllm
+    serve`` server's ``update_weights``: only rank 0 calls them), told to every sender's lane:
+    rank 0's own at once, the others' through rank 0's store.
     Another sender has no way of its own to learn it -- its store cannot tell a member's closed
     connection from a slow one -- and its lane would wait for the dead member's answers until
     its bound while rank 0 waits for its report.

@@ -299,7 +299,9 @@ class Senders:
     ``config``'s backend. ``lanes`` (default): each lane's own group is a standalone Gloo group
     -- the push's one sender's on the backend ``config`` names (``lane_config``); False -- a
     launched job's one sender -- its push runs on ``config`` as given (``group_mode="job"``:
-    ``new_group`` of the job, NCCL allowed)."""
+    ``new_group`` of the job, NCCL allowed). ``call``: rank 0 calls the members as each push's
+    lanes open (``Opening``). ``deaths`` (implied by ``call``): rank 0 learns of members that
+    died mid-push from its calls on them, and tells every lane (``gone``)."""
 
     def __init__(
         self,
@@ -314,6 +316,7 @@ class Senders:
         follow: Follow | None = None,
         lanes: bool = True,
         call: Callable[[list[str | None]], Answers] | None = None,
+        deaths: bool = False,
     ) -> None:
         if config is not None and not isinstance(config, SyncConfig):
             raise TypeError(f"config must be a SyncConfig, got {type(config).__name__}")
@@ -358,12 +361,12 @@ class Senders:
             raise
         self.pushes = 0
         self.layouts = Layouts()  # this rank's shares' layouts, the last one kept
-        # Where rank 0 calls the members (``call``): each push's lanes open through its call,
-        # and a member it finds dead is told to every lane (``gone``).
+        # Where rank 0 calls the members (``call``): each push's lanes open through its call.
         self.opening: Opening | None = None
         if call is not None:
             self.opening = Opening(self.control, self.senders, self.rank, call)
             self.out.commands.carry = self.opening.carry
+        if call is not None or deaths:  # rank 0 tells every lane of the members it found dead
             rank_0 = self.endpoints[0] if self.rank else None
             try:
                 self.deaths = Deaths(self.out.plane, rank_0, self.config.rendezvous_timeout_s)

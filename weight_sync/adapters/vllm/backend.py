@@ -161,6 +161,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
                     lanes,
                     init_info.timeout_s,
                     LaneMember(self._target, self._member.receiver),
+                    init_info.server_url or "",
                 )
 
             _answered(follow, "join")

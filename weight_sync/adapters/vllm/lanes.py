@@ -37,6 +37,7 @@ follow the lanes); one sender's forms its group again by itself. The worker's ha
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -81,7 +82,9 @@ _EPOCH = 1  # a ServerLanes forms its lanes once
 _CHECK = "check"  # a LaneCheck (JSON): the push the workers check now
 _LANDED = "landed/"  # + push/slot: how a push ended at a worker (JSON {"version"} or {"error"})
 _SLOTS = "slots/"  # + epoch: the counter each worker takes its slot from
-_SENT = "sent/"  # + epoch/slot: the highest version a worker was ever sent
+# + epoch/slot: a worker's word as it joins (JSON): the highest version it was ever sent, and
+# its server's URL (where rank 0 tells the lanes which workers a server that died took along)
+_SENT = "sent/"
 _CHECK_BYTES = 256
 
 
@@ -109,6 +112,7 @@ class ServerLanes:
             group,
             lambda given: count_workers(self.urls, given.rpc_timeout_s),
             "VLLMServers",
+            deaths=True,
         )
         self._client = ServersClient(self.urls, self._lanes.config.push_timeout_s)
         self.config = self._lanes.config
@@ -119,6 +123,8 @@ class ServerLanes:
         self._session = False  # the servers' update session was opened (start_weight_update)
         self._committed = 0
         self._closed = False
+        self._slots_of: dict[str, list[int]] = {}  # rank 0: each server's workers, by slot
+        self._gone: dict[str, str] = {}  # rank 0: the servers lost in the push under way
         # Every worker joins, and says the highest version it was ever sent (by any trainer):
         # this trainer's versions go on past it.
         try:
@@ -165,12 +171,19 @@ class ServerLanes:
                 "push": self._lanes.pushes,
                 "wait_s": self._lanes.wait_s(started),
             }
-            update = in_thread(lambda: self._client.update_weights(info))
+            lost = functools.partial(self._lost, self._lanes.pushes)
+            update = in_thread(lambda: self._client.update_weights(info, lost))
         try:
             result = self._lanes.push(share, chosen, started)
         except BaseException as exc:
             if update is not None:
                 self._failed(update, exc, started)
+                if self._gone:  # named by URL, as one sender's VLLMServers names them
+                    named = "; ".join(f"{url}: {why}" for url, why in self._gone.items())
+                    raise ServerError(
+                        f"server(s) stopped answering mid-push, their workers gone: {named}",
+                        dict(self._gone),
+                    ) from exc
             raise
 
         def landed() -> None:  # rank 0, which made the servers' calls
@@ -201,7 +214,8 @@ class ServerLanes:
         self._lanes.close()
 
     def _join(self) -> int:
-        """Rank 0: every worker follows the lanes from now; the highest version any was sent."""
+        """Rank 0: every worker follows the lanes from now; the highest version any was sent.
+        Learns each worker's server (``_slots_of``)."""
         address, port = self._lanes.endpoints[0]
         self._client.init_weight_transfer_engine(
             {
@@ -218,9 +232,20 @@ class ServerLanes:
         found = wait_all(self._lanes.store, keys, deadline)
         delete(self._lanes.store, list(found))  # read once
         words = [json.loads(found[key]) if key in found else None for key in keys]
-        return max(int(sent) for sent in self._every_worker(words, "joining", deadline))
+        joined = self._every_worker(words, "joining", deadline)
+        for slot, word in enumerate(joined, start=1):
+            self._slots_of.setdefault(str(word["server"]), []).append(slot)
+        return max(int(word["sent"]) for word in joined)
 
     # -- rank 0: the HTTP calls around the lanes ---------------------------------------------------
+
+    def _lost(self, push: int, url: str, why: str) -> None:
+        """Rank 0, from the thread of ``url``'s update call: the server stopped answering
+        mid-push, its process gone or stuck -- its workers are told gone to every lane at once
+        (``Senders.gone``), which would otherwise wait for their answers until their bounds."""
+        self._gone[url] = why
+        slots = self._slots_of.get(url, [])
+        self._lanes.gone(push, slots, f"its server {url} stopped answering mid-push ({why})")
 
     def _check(self, layout: BlockLayout, version: int, started: float) -> dict[int, list[str]]:
         """Pause the servers and have every worker check the layout and ``version``
@@ -232,6 +257,7 @@ class ServerLanes:
         deadline = Deadline(self.config.push_timeout_s, "the workers' layout checks", started)
         rpc_s = deadline.left(self.config.rpc_timeout_s)
         self._client.failures.clear()
+        self._gone = {}
         try:
             self._paused = True  # some servers may be paused even if one fails to
             pause(self.urls, self.pause_mode, rpc_s)
@@ -491,8 +517,9 @@ class LaneMember:
 
 class StoreLaneMember:
     """A ``LaneMember`` driven by ``ServerLanes`` over HTTP: it takes a slot in rank 0's
-    store (``address``, ``port``), says there the highest version this worker was sent, follows
-    every sender's lane (``lanes``: their stores), and answers each check in that store."""
+    store (``address``, ``port``), says there the highest version this worker was sent and its
+    server (``server_url``), follows every sender's lane (``lanes``: their stores), and answers
+    each check in that store."""
 
     def __init__(
         self,
@@ -502,11 +529,13 @@ class StoreLaneMember:
         lanes: Sequence[Sequence[Any]],
         timeout_s: float,
         member: LaneMember,
+        server_url: str = "",
     ) -> None:
         self._store = dist.PrefixStore(VERDICTS, open_store(address, port, 1, timeout_s, None))
         self._checks = Checks(self._store)
         self.slot = int(self._store.add(f"{_SLOTS}{epoch}", 1))
-        self._store.set(f"{_SENT}{epoch}/{self.slot}", str(member.sent))
+        joined = {"sent": member.sent, "server": server_url}
+        self._store.set(f"{_SENT}{epoch}/{self.slot}", json.dumps(joined))
         member.connect(lanes, self.slot, timeout_s)
         self.member = member
 

@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from typing_extensions import Self
 
 from weight_sync.config import SyncConfig
-from weight_sync.control.http import call, check_urls, fan_out
-from weight_sync.errors import PlanMismatchError, ServerError, WeightSyncError
+from weight_sync.control.http import call, check_urls, fan_out, unanswered
+from weight_sync.errors import PlanMismatchError, ServerError, WeightSyncError, first_line
 from weight_sync.result import PushResult
 from weight_sync.send.sharded import ShardedSource
 from weight_sync.wire.blame import blame_servers
@@ -92,8 +92,13 @@ class ServersClient:
     def start_weight_update(self) -> None:
         self._each("start_weight_update", lambda url: None)
 
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        self._each("update_weights", lambda url: {"update_info": update_info}, settle=False)
+    def update_weights(
+        self, update_info: dict[str, Any], lost: Callable[[str, str], None] | None = None
+    ) -> None:
+        """``lost(url, why)``: told at once of each server that stopped answering mid-call (its
+        workers, which take the bytes in the call, are gone with it)."""
+        body = {"update_info": update_info}
+        self._each("update_weights", lambda url: body, settle=False, lost=lost)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         body = None if weight_version is None else {"weight_version": weight_version}
@@ -103,15 +108,24 @@ class ServersClient:
         self._each("shutdown_weight_transfer_engine", lambda url: None)
 
     def _each(
-        self, path: str, body: Callable[[str], Mapping[str, Any] | None], settle: bool = True
+        self,
+        path: str,
+        body: Callable[[str], Mapping[str, Any] | None],
+        settle: bool = True,
+        lost: Callable[[str, str], None] | None = None,
     ) -> None:
         """``settle`` (see ``fan_out``): the steps each server takes alone (opening, closing a
         session; leaving the group) -- a late one would land after the release that follows,
         a session opened then, or a version set over its "none". Not the steps that wait on the
-        group (forming it, the bytes)."""
+        group (forming it, the bytes). ``lost``: as ``update_weights``'."""
 
         def step(url: str) -> Any:
-            return call(url, path, body(url), timeout_s=self.timeout_s, method="POST")
+            try:
+                return call(url, path, body(url), timeout_s=self.timeout_s, method="POST")
+            except ServerError as exc:
+                if lost is not None and unanswered(exc):
+                    lost(url, exc.servers.get(url, first_line(exc)))
+                raise
 
         try:
             fan_out(self.urls, step, self.timeout_s + 1.0, path, settle=settle)
