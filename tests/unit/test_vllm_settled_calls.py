@@ -93,3 +93,49 @@ def test_a_quiet_resume_waits_for_every_server_even_after_one_refused(
     refusing, slow = servers
     resume([refusing.url, slow.url], quiet=True)  # logs the refusal, raises nothing
     assert slow.answered.is_set()  # before the next push's pause could reach it
+
+
+class Cut(BaseHTTPRequestHandler):
+    """Answers each call as its server's ``how`` says: an HTTP error, or no answer at all."""
+
+    how = "refuses"
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.how == "refuses":
+            self.send_response(500)
+            self.end_headers()
+        self.close_connection = True  # "hangs up": closed with no answer at all
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("how", "lost"),
+    [("refuses", False), ("hangs up", True), ("is gone", True)],
+)
+def test_an_update_call_tells_of_a_server_that_never_answered(how: str, lost: bool) -> None:
+    """``update_weights``' ``lost`` hears of a server whose call ended with no answer -- the
+    connection closed, nobody listening: its process gone -- and not of
+    one that answered with an HTTP error (alive); either way the call raises ``ServerError``
+    naming it."""
+    handler = type("Handler", (Cut,), {"how": how})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    if how == "is gone":
+        server.shutdown()
+        server.server_close()
+    told: list[str] = []
+    try:
+        with pytest.raises(ServerError) as raised:
+            ServersClient([url], 5.0).update_weights({}, lambda url, why: told.append(url))
+    finally:
+        if how != "is gone":
+            server.shutdown()
+            server.server_close()
+    assert list(raised.value.servers) == [url]
+    assert told == ([url] if lost else []), raised.value

@@ -4,8 +4,9 @@ The trainer is the test process itself: a ``transformers`` model pushed with ``V
 over HTTP. Two servers start together once for this folder (``local_servers``), the second with
 two tensor-parallel workers (``helpers.server_args``): a start is three processes (four with
 two workers), each importing vLLM, ~25 CPU-seconds alone. Every test begins with a full push
-of its own and never relies on what an earlier one left. A test that kills a server starts it
-again at the same URL, with the same flags, before it ends (``Servers.restart``).
+of its own and never relies on what an earlier one left. A server a test killed is started
+again at the same URL, with the same flags, as the next test that takes ``servers`` begins
+(``Servers.restart``): a start is paid only where a later test needs the server.
 """
 
 from __future__ import annotations
@@ -30,8 +31,17 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return save(QWEN2, tmp_path_factory.mktemp("models") / "qwen2", seed=0)
 
 
+@pytest.fixture
+def servers(started: Servers) -> Servers:
+    """The folder's servers, every one up: one a test before killed starts again first."""
+    for index, process in enumerate(started.processes):
+        if not process.alive():
+            started.restart(index)
+    return started
+
+
 @pytest.fixture(scope="package")  # stopped once the folder is done: others need the memory
-def servers(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+def started(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     logs = Path(os.environ.get("WEIGHT_SYNC_SERVE_LOGS") or tmp_path_factory.mktemp("logs"))
     logs.mkdir(parents=True, exist_ok=True)
     held = Servers(model_dir, logs)

@@ -5,7 +5,8 @@ The executor runs each weight-transfer call as a ``collective_rpc`` that reads t
 replies in order and raises at the first failed one, leaving the other's queued: had a worker
 raised, the server's next calls would read the reply left behind as their own and fail
 (``pause`` answering with ``finish_weight_update``'s error). Here each push after a failure
-must land, bit for bit, and the server must keep serving.
+must land, bit for bit, and the server must keep serving. Last, the other server is killed
+while two trainer ranks push into both: the tensor-parallel one serves on.
 """
 
 from __future__ import annotations
@@ -76,3 +77,34 @@ def test_a_trainer_rank_killed_mid_push_then_the_sharded_trainer_lands(
     assert not reports[0]["errors"] and reports[0]["versions"][0] > report["versions"][0] + 1
     assert served_versions(urls) == [reports[0]["versions"][-1]] and all_resumed(urls)
     assert_matches(server.url, model_dir, pushed_model(tmp_path / "after", 1))
+
+
+def test_a_server_killed_mid_push_is_named_at_once_on_every_rank(
+    servers: Servers, tmp_path: Path
+) -> None:
+    """The server of one worker is SIGKILLed while two trainer ranks push into both servers:
+    rank 0 names it by URL (``ServerError``) from its update call on it, and rank 1, told by
+    rank 0 (its own store cannot tell a dead worker from a slow one: its lane waited for that
+    worker's answers until its bound, 60 s here), names it too -- both within seconds. The
+    other server serves on, claiming no version, resumed. The victim is left dead: a test after
+    that takes ``servers`` starts it again first."""
+    dead = 1 - TENSOR_PARALLEL
+    victim, survivor = servers.urls[dead], servers.urls[TENSOR_PARALLEL]
+    out = tmp_path / "lose"
+    out.mkdir()
+    (out / "victim.pid").write_text(str(servers.processes[dead].pid))
+    try:
+        reports = run_job("lose", servers.urls, out)
+    finally:
+        servers.processes[dead].kill()  # (reaped: rank 0 killed it)
+    print([(report["errors"], round(report["seconds"], 2)) for report in reports])
+    (first,) = reports[0]["versions"]
+    for report in reports:
+        (error,) = report["errors"]
+        assert victim in error, error
+        assert report["seconds"] < 20, report  # the ranks' rpc bound is 60 s
+    assert reports[0]["errors"][0].startswith("ServerError"), reports[0]
+    assert reports[1]["errors"][0].startswith("WorkerFailedError"), reports[1]
+    assert "stopped answering mid-push" in reports[1]["errors"][0], reports[1]
+    assert served_versions([survivor]) == [None] and all_resumed([survivor])
+    assert first > 0

@@ -10,6 +10,7 @@ cluster-internal addresses through a proxy that cannot reach them.
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.parse
@@ -56,7 +57,7 @@ def call(
     except urllib.error.HTTPError as exc:
         detail = exc.read(500).decode(errors="replace").strip().replace("\n", " ")
         raise _failed(url, f"{verb} /{path}: HTTP {exc.code} {detail}") from exc
-    except (urllib.error.URLError, OSError) as exc:  # refused, reset, timed out
+    except (OSError, http.client.HTTPException) as exc:  # refused, reset, timed out, garbled
         reason = getattr(exc, "reason", exc)
         raise _failed(url, f"{verb} /{path}: {type(reason).__name__}: {reason}") from exc
     if text:
@@ -71,7 +72,8 @@ def unanswered(error: BaseException) -> bool:
     """Whether ``error`` (a ``call``'s) is one the server never answered -- refused, reset,
     closed, timed out: its process gone or stuck -- rather than an HTTP error it answered."""
     cause = error.__cause__
-    return isinstance(cause, OSError) and not isinstance(cause, urllib.error.HTTPError)
+    answered = isinstance(cause, urllib.error.HTTPError)
+    return isinstance(cause, OSError | http.client.HTTPException) and not answered
 
 
 def _failed(url: str, reason: str) -> ServerError:
