@@ -3,7 +3,8 @@ second push: ``python -m tests.vllm_serve.dying_trainer URL WHERE``. It prints `
 the first push and ``striking`` once the second one is where the test should kill it (WHERE):
 
 * ``broadcast`` -- its bytes are moving (over the broadcast group, each bucket slowed: ~5 s);
-* ``commit`` -- every worker received it, the commit not yet sent (held for 30 s).
+* ``commit`` -- every worker received it, the verdict each waits for to commit not yet posted
+  (held for 30 s).
 
 It ends itself after ``LIFETIME_S`` whatever happens."""
 
@@ -33,9 +34,9 @@ def main(url: str, where: str) -> None:
                         push_timeout_s=60)  # fmt: skip
     servers = VLLMServers([url], config)
     print(f"pushed {servers.push(model.state_dict()).version}", flush=True)
-    # Test hooks on the group and the plane of the push that just ran (kept for the next).
+    # Test hooks on the lane's group and verdicts, formed by the push that just ran.
     if where == "broadcast":
-        group = servers._pusher.group
+        group = servers._lanes._lanes.out.pusher.group
         broadcast = group.broadcast
 
         def slow(tensor: torch.Tensor, src: int, timeout_s: float | None = None) -> Any:
@@ -44,16 +45,16 @@ def main(url: str, where: str) -> None:
             return broadcast(tensor, src, timeout_s)
 
         group.broadcast = slow
-    else:
-        plane = servers._plane
-        commit = plane.commit
+    else:  # the lane's verdict, which each worker waits for before it commits
+        verdicts = servers._lanes._lanes.verdicts
+        settle = verdicts.settle
 
-        def held(version: int, timeout_s: float) -> Any:
+        def held(*args: Any, **kwargs: Any) -> Any:
             print("striking", flush=True)
             time.sleep(30)
-            return commit(version, timeout_s)
+            return settle(*args, **kwargs)
 
-        plane.commit = held
+        verdicts.settle = held  # type: ignore[method-assign]
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(0.01)

@@ -94,7 +94,6 @@ def _die_after_update(servers: VLLMServers) -> None:
     injection)."""
     if dist.get_rank() != 1:
         return
-    assert servers._lanes is not None
     commands = servers._lanes._lanes.out.commands
     update, push = commands.update_weights, commands.push_weight_update
 
@@ -113,7 +112,6 @@ def _die_after_update(servers: VLLMServers) -> None:
 def _lose_mid_push(servers: VLLMServers, out: Path) -> None:
     """Slow this rank's lane (each bucket 20 ms later); on rank 0, SIGKILL the victim server's
     process group as the lane's third bucket goes (fault injection)."""
-    assert servers._lanes is not None
     group = servers._lanes._lanes.out.pusher.group  # formed by the first push
     assert group is not None, "push once first"
     broadcast, sent = group.broadcast, [0]

@@ -213,6 +213,23 @@ def test_a_new_trainer_continues_past_what_the_server_served_and_a_named_version
         assert push(pushing, trainer) == step + 1
 
 
+def test_a_server_another_trainer_pushed_to_meanwhile_is_joined_again(
+    servers: Servers, model_dir: str
+) -> None:
+    """Two trainers' ``VLLMServers`` on one server, taking turns: each push of the other
+    trainer has the server's workers follow that trainer's lane. The first trainer's next push
+    finds the server reporting another version than its last one and has its workers join its
+    lane again before anything moves, then lands past both (as after a restart at the URL)."""
+    url = servers.urls[0]
+    first, second = Trainer(QWEN2, seed=12), Trainer(QWEN2, seed=13)
+    with VLLMServers([url]) as mine, VLLMServers([url]) as theirs:
+        push(mine, first)
+        pushed = push(theirs, second)
+        first.step()
+        assert push(mine, first) > pushed
+        assert_matches(url, model_dir, first)
+
+
 @pytest.mark.parametrize("where", ["broadcast", "commit"])
 def test_the_trainer_killed_mid_push_leaves_the_server_serving(
     where: str, servers: Servers, model_dir: str
@@ -249,7 +266,7 @@ def test_a_server_killed_mid_push_or_between_pushes_fails_fast_and_rejoins_when_
     )
     with VLLMServers(servers.urls, config) as pushing:
         push(pushing, trainer)
-        group = pushing._pusher.group  # a test hook: slow the link so the kill lands mid-push
+        group = pushing._lanes._lanes.out.pusher.group  # a test hook: slow the link mid-push
         broadcast, started = group.broadcast, threading.Event()
 
         def slow(tensor: torch.Tensor, src: int, timeout_s: float | None = None) -> Any:

@@ -215,8 +215,12 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         self._member.shutdown()
 
     def _holds_version(self) -> bool:
+        """Whether the server's label names what this worker holds, for its watchdog. Over
+        lanes the worker commits within ``update_weights``, before the trainer labels the
+        version (``finish_weight_update``): while the update session is open, the label is
+        not its own."""
         if self._lanes is not None:
-            return self._lanes.member.held is not None
+            return self._lanes.member.held is not None and not self._session
         return self._member.receiver.version is not None
 
     def _close_lanes(self) -> None:

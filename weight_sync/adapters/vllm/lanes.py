@@ -1,9 +1,12 @@
-"""Pushes from every rank of a sharded trainer into running ``vllm serve`` processes.
+"""Pushes into running ``vllm serve`` processes, from one trainer process or from every rank
+of a sharded trainer.
 
-``ServerLanes`` is what ``VLLMServers(urls, senders=group)`` runs for a trainer sharded over K
-ranks (FSDP2, DTensor): made on every trainer rank, each pushing its own shards over a lane of
-its own (an ordinary push over the store plane, ``send.senders``) while every vLLM worker
-process of every server follows all K lanes at once::
+``ServerLanes`` is what ``VLLMServers(urls)`` runs, and ``VLLMServers(urls, senders=group)``
+for a trainer sharded over K ranks (FSDP2, DTensor): made on every trainer rank, each pushing
+its own shards over a lane of its own (an ordinary push over the store plane, ``send.senders``)
+while every vLLM worker process of every server follows all K lanes at once. One trainer
+process is the K = 1 case (``OneRank``), the same protocol, pushing its whole state dict (or a
+``ShardedSource`` it gathers)::
 
     # on every rank of the trainers' torch.distributed group
     urls = ["http://10.0.0.2:8000", "http://10.0.0.3:8000"]
@@ -28,9 +31,10 @@ vLLM's weight-transfer API carries it, one HTTP call per server per step, made b
 * ``finish_weight_update`` labels the outputs with the version; or, after a failure, the
   servers are labelled ``"none"`` and resumed, as ``VLLMServers`` does.
 
-Pausing, resetting the prefix cache and resuming are ``VLLMServers``' (``servers.py``), on rank
-0. A server that restarted needs new ``VLLMServers`` on every rank (its workers no longer
-follow the lanes); one sender's forms its group again by itself. The worker's half,
+Pausing, resetting the prefix cache and resuming are ``servers.py``'s, called by rank 0. The
+workers join as the first push begins, and again after a push that failed once the servers
+were called or when a server reports other than the version last committed: a server
+restarted at the same URL rejoins, sent every tensor. The worker's half,
 ``LaneMember``, is also what each worker of a ``VLLMEngine`` on Ray runs for a
 ``WeightUpdater`` with ``senders`` (``extension.py``).
 """
@@ -52,6 +56,7 @@ from weight_sync.adapters.vllm.servers import (
     PauseMode,
     ServersClient,
     count_workers,
+    labels,
     pause,
     release,
     reset_caches,
@@ -62,22 +67,29 @@ from weight_sync.control.deadline import Deadline
 from weight_sync.control.futures import in_thread
 from weight_sync.control.keys import delete, read_bounded, take, wait_all
 from weight_sync.control.lane_store import VERDICTS, Checks
-from weight_sync.errors import ServerError, WeightSyncError, WorkerFailedError, first_line
+from weight_sync.errors import (
+    PlanMismatchError,
+    ServerError,
+    WeightSyncError,
+    WorkerFailedError,
+    first_line,
+)
 from weight_sync.receive.assembly import Assembly
 from weight_sync.receive.checks import check_layout
 from weight_sync.receive.member import Member
 from weight_sync.receive.receiver import Receiver
 from weight_sync.result import PushResult
+from weight_sync.send.collectives import OneRank
 from weight_sync.send.senders import Senders, nothing_moves
+from weight_sync.send.sharded import ShardedSource
 from weight_sync.transport.rendezvous import open_store
-from weight_sync.wire.blame import Outcomes
+from weight_sync.wire.blame import Outcomes, blame_servers
 from weight_sync.wire.blocks import BlockLayout
 from weight_sync.wire.metadata import LaneCheck, LanePush
 from weight_sync.wire.state_dict import StateDict
 
 logger = logging.getLogger(__name__)
 
-_EPOCH = 1  # a ServerLanes forms its lanes once
 # In rank 0's store, beside the verdicts and the checks (``control.lane_store``):
 _CHECK = "check"  # a LaneCheck (JSON): the push the workers check now
 _LANDED = "landed/"  # + push/slot: how a push ended at a worker (JSON {"version"} or {"error"})
@@ -89,50 +101,42 @@ _CHECK_BYTES = 256
 
 
 class ServerLanes:
-    """This trainer rank's end of pushes from every rank of a sharded trainer into ``vllm
-    serve`` processes at ``urls`` (the same list on every rank; see the module doc): what
-    ``VLLMServers(urls, senders=group)`` runs, which checks the arguments first.
+    """This trainer rank's end of pushes into ``vllm serve`` processes at ``urls`` (the same
+    list on every rank; see the module doc): what ``VLLMServers`` runs, which checks the
+    arguments first.
 
     Made on every rank of ``group`` (the trainers' torch.distributed group) at once: a
     collective. Its ranks ``0..n-1`` are the senders; the DTensors pushed must lie on meshes of
-    them (docs/many-senders.md). ``config`` and ``pause_mode`` as ``VLLMServers``'; rank 0 makes
-    every HTTP call."""
+    them (docs/many-senders.md). ``OneRank()``: a trainer of one process, the K = 1 case.
+    ``config`` and ``pause_mode`` as ``VLLMServers``'; rank 0 makes every HTTP call."""
 
     def __init__(
         self,
         urls: Sequence[str],
         config: SyncConfig | None,
-        group: dist.ProcessGroup,
+        group: dist.ProcessGroup | OneRank,
         pause_mode: PauseMode,
     ) -> None:
         self.urls = list(urls)
         self.pause_mode = pause_mode
-        self._lanes = Senders(
-            config,
-            group,
-            lambda given: count_workers(self.urls, given.rpc_timeout_s),
-            "VLLMServers",
-            deaths=True,
-        )
+        # The servers' workers are counted, and join, as the first push begins (``_renew``):
+        # making this touches no server.
+        self._lanes = Senders(config, group, lambda _: len(self.urls), "VLLMServers", deaths=True)
         self._client = ServersClient(self.urls, self._lanes.config.push_timeout_s)
         self.config = self._lanes.config
         self.rank, self.senders = self._lanes.rank, self._lanes.senders
-        self.members = self._lanes.members  # every vLLM worker process of every server
         self._checks = Checks(self._lanes.store)  # rank 0's: each push's check, in its store
         self._paused = False
         self._session = False  # the servers' update session was opened (start_weight_update)
         self._committed = 0
         self._closed = False
+        self._epoch = 0  # how many times the workers joined (their slots are counted per join)
+        # No worker joined yet, or the last push failed once the servers were called: the next
+        # push has every worker join anew (``_renew``).
+        self._stale = True
         self._slots_of: dict[str, list[int]] = {}  # rank 0: each server's workers, by slot
         self._gone: dict[str, str] = {}  # rank 0: the servers lost in the push under way
-        # Every worker joins, and says the highest version it was ever sent (by any trainer):
-        # this trainer's versions go on past it.
-        try:
-            self._lanes.out.pusher.spent(self._lanes.from_rank_0(self._join))
-        except BaseException:
-            self._lanes.close()
-            raise
-        logger.info("sender %d of %d, to %d vLLM worker(s)", self.rank, self.senders, self.members)
+        logger.info("sender %d of %d, to %d vLLM server(s)", self.rank, self.senders, len(urls))
 
     @property
     def version(self) -> int:
@@ -141,9 +145,10 @@ class ServerLanes:
 
     def push(self, state_dict: StateDict | object, options: Mapping[str, Any]) -> PushResult:
         """Push this rank's shards of ``state_dict`` while every other trainer rank pushes its
-        own; returns once every server serves the version, its prefix cache reset, resumed.
-        ``options``: ``rename`` and ``version`` as ``VLLMServers.push`` (the same on every rank;
-        any other is refused, ``lane_rules.share_of``).
+        own -- or, the one sender, its whole state dict or a ``ShardedSource`` it gathers --;
+        returns once every server serves the version, its prefix cache reset, resumed.
+        ``options``: ``rename``, ``transform`` and ``version`` as ``VLLMServers.push`` (the
+        same on every rank; any other is refused, ``lane_rules.share_of``).
 
         Raises, on every rank and before any byte moves: ``TypeError``/``ValueError`` for a
         state dict some rank refused, ``PlanMismatchError`` where a server's engine cannot load
@@ -153,10 +158,28 @@ class ServerLanes:
         version and serve again, until a push repairs them."""
         if self._closed:
             raise WeightSyncError("these VLLMServers are closed; create new ones on every rank")
-        started = time.monotonic()
+        pushed: int | None = None
+        try:
+            result = self._push(state_dict, options)
+            pushed = result.version
+        except WeightSyncError as exc:  # a runtime failure, on every rank (not a refusal, and
+            if not isinstance(exc, PlanMismatchError):  # not a caller's mistake): the
+                self._stale = True  # workers join anew at the next push
+            raise
+        finally:
+            if isinstance(state_dict, ShardedSource):  # the other ranks stop serving its gathers
+                state_dict.finish(pushed)
+        return result
+
+    def _push(self, state_dict: StateDict | object, options: Mapping[str, Any]) -> PushResult:
+        self._renew()
+        started = time.monotonic()  # after the joins, bounded by their own rendezvous
         try:
             share, chosen = self._lanes.agree(
-                state_dict, options, lambda layout, v: self._check(layout, v, started)
+                state_dict,
+                options,
+                lambda layout, v: self._check(layout, v, started),
+                gathered=True,
             )
         except BaseException:
             self._end_session()  # rank 0, where its check paused the servers
@@ -176,15 +199,12 @@ class ServerLanes:
         try:
             result = self._lanes.push(share, chosen, started)
         except BaseException as exc:
-            if update is not None:
-                self._failed(update, exc, started)
-                if self._gone:  # named by URL, as one sender's VLLMServers names them
-                    named = "; ".join(f"{url}: {why}" for url, why in self._gone.items())
-                    raise ServerError(
-                        f"server(s) stopped answering mid-push, their workers gone: {named}",
-                        dict(self._gone),
-                    ) from exc
-            raise
+            if update is None:
+                raise
+            named = self._failed(update, exc, started)
+            if named is exc:
+                raise
+            raise named from exc
 
         def landed() -> None:  # rank 0, which made the servers' calls
             assert update is not None
@@ -206,35 +226,73 @@ class ServerLanes:
         if self._closed:
             return
         self._closed = True
-        if self.rank == 0:
+        if self.rank == 0 and self._epoch:
             try:
                 self._client.shutdown_weight_transfer_engine()
             except ServerError as exc:
                 logger.warning("leaving the servers: %s", exc)
         self._lanes.close()
 
+    def _renew(self) -> None:
+        """Every rank at once, as a push begins: where no worker joined yet, the last push
+        failed once the servers were called, or -- rank 0 asks them -- a server reports other
+        than the version last committed (it restarted, or its worker released it after a
+        trainer died), the lanes renew (``Senders.renew``): rank 0 counts every server's
+        workers and has each join anew (``_join``), a restarted server's sent every tensor.
+        One small all-reduce otherwise."""
+        self._stale = self._stale or (self.rank == 0 and self._relabelled())
+        if self._lanes.renew(self._stale, self._count):
+            self._lanes.out.pusher.spent(self._lanes.from_rank_0(self._join))
+        self._stale = False
+
+    def _relabelled(self) -> bool:
+        """Rank 0: whether a server does not report the version last committed (or did not
+        answer: the count that follows names it)."""
+        if not self._committed:
+            return False
+        try:
+            held = labels(self.urls, self.config.rpc_timeout_s)
+        except ServerError as exc:
+            logger.warning("asking the servers' versions: %s", exc)
+            return True
+        moved = {url: label for url, label in held.items() if label != str(self._committed)}
+        if moved:
+            logger.warning(
+                "server(s) %s do not hold version %d (restarted?): every worker joins anew",
+                moved,
+                self._committed,
+            )
+        return bool(moved)
+
+    def _count(self, config: SyncConfig) -> int:
+        """Rank 0, as the lanes renew: every server's worker processes (``count_workers``)."""
+        return count_workers(self.urls, config.rpc_timeout_s)
+
     def _join(self) -> int:
-        """Rank 0: every worker follows the lanes from now; the highest version any was sent.
-        Learns each worker's server (``_slots_of``)."""
+        """Rank 0: every worker follows the lanes from now, as the slot it takes in this join;
+        returns the highest version any was sent. Learns each worker's server (``_slots_of``)."""
+        self._epoch += 1
+        self._slots_of = {}
         address, port = self._lanes.endpoints[0]
         self._client.init_weight_transfer_engine(
             {
                 "address": address,
                 "port": port,
-                "epoch": _EPOCH,
+                "epoch": self._epoch,
                 "timeout_s": self.config.rendezvous_timeout_s,
                 "max_metadata_bytes": self.config.max_metadata_bytes,
                 "lanes": [list(endpoint) for endpoint in self._lanes.endpoints],
             }
         )
         deadline = Deadline(self.config.rendezvous_timeout_s, "the vLLM workers' joining")
-        keys = self._worker_keys(f"{_SENT}{_EPOCH}/")
+        keys = self._worker_keys(f"{_SENT}{self._epoch}/")
         found = wait_all(self._lanes.store, keys, deadline)
         delete(self._lanes.store, list(found))  # read once
         words = [json.loads(found[key]) if key in found else None for key in keys]
         joined = self._every_worker(words, "joining", deadline)
         for slot, word in enumerate(joined, start=1):
             self._slots_of.setdefault(str(word["server"]), []).append(slot)
+        logger.info("%d vLLM worker(s) of %d server(s) joined", len(joined), len(self.urls))
         return max(int(word["sent"]) for word in joined)
 
     # -- rank 0: the HTTP calls around the lanes ---------------------------------------------------
@@ -271,13 +329,14 @@ class ServerLanes:
             self._lanes.store.set(_CHECK, check.model_dump_json())
             self._session = True
             self._client.start_weight_update()
-            words = self._checks.answers(self._lanes.pushes, self.members, deadline)
+            words = self._checks.answers(self._lanes.pushes, self._lanes.members, deadline)
             answers = self._every_worker(words, "layout check", deadline)
         except Exception as exc:  # a store error too: rank 0 must still give the word
             self._end_session()
+            named = exc.servers if isinstance(exc, ServerError) else self._client.failures
             raise ServerError(
                 f"a server did not check the push ({first_line(exc)}); nothing was sent",
-                dict(self._client.failures) or {url: first_line(exc) for url in self.urls},
+                dict(named) or {url: first_line(exc) for url in self.urls},
             ) from exc
         problems = {member: list(found) for member, found in enumerate(answers) if found}
         if problems:
@@ -324,7 +383,7 @@ class ServerLanes:
     def _worker_keys(self, prefix: str) -> list[str]:
         """Each vLLM worker's key under ``prefix``, in order (a worker writes under its slot,
         counted from 1)."""
-        return [f"{prefix}{slot}" for slot in range(1, self.members + 1)]
+        return [f"{prefix}{slot}" for slot in range(1, self._lanes.members + 1)]
 
     def _every_worker(self, words: list[Any], what: str, deadline: Deadline) -> list[Any]:
         """``words``, every vLLM worker's answer in order, where none is missing (None); else
@@ -337,16 +396,26 @@ class ServerLanes:
             raise outcomes.error(f"the vLLM workers' {what}", deadline.seconds)
         return words
 
-    def _failed(self, update: Future[None], error: BaseException, started: float) -> None:
-        """The push failed: the servers claim no version and serve again (the push's error is
-        the one raised)."""
+    def _failed(self, update: Future[None], error: BaseException, started: float) -> BaseException:
+        """Rank 0, the push failed: the servers claim no version and serve again. Returns the
+        error to raise: the push's, or a ``ServerError`` naming the servers to blame -- those
+        that stopped answering mid-push, else those unreachable after it, else those whose
+        calls failed (``wire.blame.blame_servers``)."""
         try:
             self._wait(update, started)
         except BaseException as exc:
             logger.info("push %d: the servers' update failed too: %s", self._lanes.pushes, exc)
+        failed = dict(self._client.failures)  # the push's, not the release's
         self._finish_quietly()
-        release(self.urls, error)
+        unreachable = release(self.urls, error)
         self._paused = False
+        if self._gone:
+            named = "; ".join(f"{url}: {why}" for url, why in self._gone.items())
+            return ServerError(
+                f"server(s) stopped answering mid-push, their workers gone: {named}",
+                dict(self._gone),
+            )
+        return blame_servers(error, failed, unreachable, "server(s)")
 
     def _end_session(self) -> None:
         """Before any byte moved: end the update session (if one is open) and resume."""

@@ -2,25 +2,28 @@
 
 A server started with ``--weight-transfer-config '{"backend": "weight_sync"}'`` and
 ``VLLM_SERVER_DEV_MODE=1`` (which mounts vLLM's RL routes) is driven through the same push
-protocol as every other member (``weight_sync.send.pusher``), over the control plane vLLM's own
-weight-transfer clients use (``ClientPlane``): one HTTP call per round per server, the workers'
-answers coming back through the trainer's small control store. Nothing here imports vLLM: the
-trainer side of an HTTP deployment needs only the standard library's HTTP client::
+protocol as every other member: one sender's lane (``lanes.ServerLanes`` over ``OneRank``; a
+sharded trainer's ranks each push one, ``senders``), its workers following it from the
+trainer's small store, over vLLM's own weight-transfer API -- one HTTP call per server per
+step. Nothing here imports vLLM: the trainer side of an HTTP deployment needs only the standard
+library's HTTP client::
 
     with VLLMServers(["http://10.0.0.2:8000", "http://10.0.0.3:8000"]) as servers:
         for step in range(steps):
             ...  # generate over /v1/completions, train
             result = servers.push(model.state_dict())   # every server now serves result.version
 
-Two pieces:
+Here:
 
 * ``ServersClient`` -- the five calls of vLLM's ``VLLMWeightSyncClient`` (init, start, update,
-  finish, shutdown), each sent to every server at once: ``init_weight_transfer_engine`` on one
-  server returns only once every server's workers have joined the group, so the calls must run
-  concurrently. A call that fails anywhere raises ``ServerError`` naming the server(s).
-* ``VLLMServers`` -- the short API: what vLLM leaves to the caller of its client done around
-  each push -- pause, reset the prefix cache (its entries were computed with the old weights),
-  label, resume -- and a server that died or restarted handled by forming the group again.
+  finish, shutdown), each sent to every server at once: a call that waits on the workers of
+  every server (their joining, the bytes) returns only once all of them are there, so the calls
+  must run concurrently. A call that fails anywhere raises ``ServerError`` naming the
+  server(s).
+* the calls vLLM leaves to the caller of its client, made around each push -- pause, reset the
+  prefix cache (its entries were computed with the old weights), label, resume -- and the
+  release after a failure;
+* ``VLLMServers`` -- the short API.
 
 Versions: vLLM's OpenAI completions do not say which weights produced them. A caller learns it
 from ``GET /weight_info`` (``versions()``; before and after its requests, or with no push in
@@ -40,18 +43,16 @@ from typing_extensions import Self
 
 from weight_sync.config import SyncConfig
 from weight_sync.control.http import call, check_urls, fan_out, unanswered
-from weight_sync.errors import PlanMismatchError, ServerError, WeightSyncError, first_line
+from weight_sync.errors import ServerError, WeightSyncError, first_line
 from weight_sync.result import PushResult
+from weight_sync.send.collectives import OneRank
 from weight_sync.send.sharded import ShardedSource
-from weight_sync.wire.blame import blame_servers
 from weight_sync.wire.mapping import Transform
 from weight_sync.wire.state_dict import Rename, StateDict
-from weight_sync.wire.versions import NO_VERSION, check_version, label_version
+from weight_sync.wire.versions import NO_VERSION, label_version
 
 if TYPE_CHECKING:
     import torch.distributed as dist
-
-    from weight_sync.adapters.vllm.lanes import ServerLanes
 
 __all__ = [
     "NO_VERSION",
@@ -162,13 +163,6 @@ def release_server(
     threading.Thread(target=release, name="weight-sync-release", daemon=True).start()
 
 
-def _client_plane(client: ServersClient, workers: int, config: SyncConfig) -> Any:
-    """The trainer's control plane over vLLM clients (imported here: it needs torch)."""
-    from weight_sync.control.store import ClientPlane
-
-    return ClientPlane(client, workers, config)
-
-
 def pause(urls: Sequence[str], mode: PauseMode, timeout_s: float) -> None:
     """Pause generation on every server (``mode``: what happens to requests in flight)."""
     fan_out(
@@ -267,14 +261,16 @@ class VLLMServers:
     freezes them (recomputed with the new weights on resume), ``"wait"`` lets them finish with
     the old weights first, ``"abort"`` ends them. ``senders``: the trainers' torch.distributed
     group (``dist.group.WORLD``, or a subgroup), every rank of which makes ``VLLMServers`` over
-    the same URLs at once and pushes its own shards at the same point (``lanes.py``,
-    docs/many-senders.md); rank 0 makes every HTTP call. None: this process pushes alone.
+    the same URLs at once and pushes its own shards at the same point (docs/many-senders.md);
+    rank 0 makes every HTTP call. None: this process pushes alone -- the same protocol, one
+    sender (``lanes.ServerLanes`` either way).
 
-    One sender's group forms at the first push, over every worker of every server (a server
-    with tensor parallelism 2 is two members, counted by ``GET /get_world_size``). It is formed
-    again after a push failed other than by a refusal, and whenever a server reports a version
-    other than the last one pushed (it restarted, or its worker released it after a trainer
-    died): a restarted server at the same URL rejoins with full weights at the next push.
+    Every worker of every server (a server with tensor parallelism 2 is two, counted by
+    ``GET /get_world_size``) joins as the first push begins -- making this touches no server --
+    and again after a push that failed other than by a refusal, and whenever a server reports a
+    version other than the last one pushed (it restarted, or its worker released it after a
+    trainer died): a restarted server at the same URL rejoins with full weights at the next
+    push.
     """
 
     def __init__(
@@ -283,35 +279,25 @@ class VLLMServers:
         config: SyncConfig | None = None,
         *,
         pause_mode: PauseMode = "keep",
-        senders: dist.ProcessGroup | None = None,
+        senders: dist.ProcessGroup | OneRank | None = None,
     ) -> None:
         self.urls = check_urls(urls, "vLLM")
         if config is not None and not isinstance(config, SyncConfig):
             raise TypeError(f"config must be a SyncConfig, got {type(config).__name__}")
         if pause_mode not in ("keep", "wait", "abort"):
             raise ValueError(f"pause_mode must be 'keep', 'wait' or 'abort', got {pause_mode!r}")
-        self.config = config or SyncConfig()
-        self.pause_mode = pause_mode
-        self._lanes: ServerLanes | None = None  # many senders: every rank's lane
-        if senders is not None:
-            from weight_sync.adapters.vllm.lanes import ServerLanes  # it builds on this module
+        from weight_sync.adapters.vllm.lanes import ServerLanes  # it builds on this module
 
-            self._lanes = ServerLanes(self.urls, config, senders, pause_mode)
-            self.config = self._lanes.config
-        self._client = ServersClient(self.urls, self.config.push_timeout_s)
-        self._plane: Any = None
-        self._pusher: Any = None
-        self._version: int | None = None
-        self._first_version = 1  # for the next pusher: what the discarded ones spent
+        group = senders if senders is not None else OneRank()
+        self._lanes = ServerLanes(self.urls, config, group, pause_mode)
+        self.config = self._lanes.config
+        self.pause_mode = pause_mode
         self._lock = threading.Lock()
-        self._closed = False
 
     @property
     def version(self) -> int | None:
         """The last version committed on every server by this object (None before the first)."""
-        if self._lanes is not None:
-            return self._lanes.version or None
-        return self._version
+        return self._lanes.version or None
 
     def versions(self) -> list[int | None]:
         """Each server's committed version as it reports it (``GET /weight_info``): None where
@@ -329,9 +315,10 @@ class VLLMServers:
         version: int | None = None,
     ) -> PushResult:
         """Push every tensor of ``state_dict`` (or a ``ShardedSource``, gathered with the other
-        trainer ranks) to every server, as ``Pusher.push``; when it returns, every server serves
-        ``result.version``, its prefix cache reset, and is resumed. ``version``: as
-        ``Pusher.push`` (past every version a server's workers were ever sent, or refused).
+        trainer ranks) to every server, as ``WeightUpdater.push``; when it returns, every server
+        serves ``result.version``, its prefix cache reset, and is resumed. ``version``: as
+        ``WeightUpdater.push`` (past every version a server's workers were ever sent, or
+        refused).
 
         Raises ``TypeError``/``ValueError`` for a bad state dict and ``PlanMismatchError`` when
         the servers refused it, both before any byte moved (the servers keep their weights and
@@ -343,56 +330,14 @@ class VLLMServers:
         With ``senders``: this rank's shards of the state dict while every other rank pushes
         its own (``transform`` and a ``ShardedSource`` are one sender's), each error raised on
         every rank; ``SenderFailedError`` names the trainer ranks whose lanes did not land."""
-        if self._lanes is not None:  # a caller's mistake raises once every rank agreed
-            options = {"rename": rename, "transform": transform, "version": version}
+        options = {"rename": rename, "transform": transform, "version": version}
+        with self._lock:  # pushes from several threads, one after the other
             return self._lanes.push(state_dict, options)
-        check_version(version)
-        with self._lock:
-            if self._closed:
-                raise WeightSyncError("these VLLMServers are closed; create new ones")
-            self._client.failures.clear()
-            rpc_s = self.config.rpc_timeout_s
-            paused: list[str] = []
-            try:
-                paused = self._pause(rpc_s)
-                if self._pusher is not None and any(
-                    label != str(self._version) for label in labels(self.urls, rpc_s).values()
-                ):
-                    logger.warning(
-                        "a server does not hold version %s (restarted?): forming the group again",
-                        self._version,
-                    )
-                    self._discard()
-                if self._pusher is None:
-                    self._build(rpc_s)
-                result = self._pusher.push(
-                    state_dict, rename=rename, transform=transform, version=version
-                )
-                reset_caches(self.urls, rpc_s)
-            except (PlanMismatchError, TypeError, ValueError):
-                # Refused before any byte moved (by the servers, or the state dict's checks):
-                # nothing changed, the group is kept.
-                resume(paused, quiet=True)
-                raise
-            except BaseException as exc:
-                failed = dict(self._client.failures)  # the push's, not the teardown's
-                self._discard()
-                named = blame_servers(exc, failed, release(self.urls, exc), "server(s)")
-                if named is exc:
-                    raise
-                raise named from exc
-            self._version = result.version
-            resume(self.urls, quiet=False)
-            return result
 
     def close(self) -> None:
-        """Leave the group on every reachable server (they keep serving their weights) and stop
-        the trainer's control store. Idempotent."""
+        """Leave: every reachable server's workers stop following this trainer (they keep
+        serving their weights), and the trainer's control store stops. Idempotent."""
         with self._lock:
-            if not self._closed:
-                self._closed = True
-                self._discard()
-        if self._lanes is not None:
             self._lanes.close()
 
     def __enter__(self) -> Self:
@@ -400,37 +345,3 @@ class VLLMServers:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # -- around a push ---------------------------------------------------------------------------
-
-    def _pause(self, timeout_s: float) -> list[str]:
-        try:
-            pause(self.urls, self.pause_mode, timeout_s)
-        except ServerError as exc:
-            # A dead server: the members the group holds for it are gone, so form it again.
-            self._client.failures.update(exc.servers)
-            self._discard()
-            raise
-        return self.urls
-
-    def _build(self, timeout_s: float) -> None:
-        """A new control plane and pusher over every worker of every server."""
-        from weight_sync.send.pusher import Pusher
-
-        workers = count_workers(self.urls, timeout_s)
-        self._plane = _client_plane(self._client, workers, self.config)
-        self._pusher = Pusher(self._plane, self.config, first_version=self._first_version)
-        logger.info("pushing to %d server(s), %d worker(s)", len(self.urls), workers)
-
-    def _discard(self) -> None:
-        """Leave the group (bounded) and stop the control store: a worker still blocked on it
-        fails at once, freeing its engine for the next calls."""
-        pusher, plane, self._pusher, self._plane = self._pusher, self._plane, None, None
-        if pusher is not None:
-            self._first_version = max(self._first_version, pusher.next_version)
-            try:
-                pusher.close()
-            except Exception as exc:
-                logger.warning("leaving the group: %s", exc)
-        if plane is not None:
-            plane.close()
