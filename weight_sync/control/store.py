@@ -3,14 +3,10 @@
 The trainer listens (a ``TCPStore`` on a socket it bound: loopback unless ``SyncConfig`` names an
 address); every member dials it, takes a slot, and answers each step of a push under
 ``step/key/slot`` with a ``WorkerReply`` -- the step's result or its typed error. What *tells* the
-members to run a step is a ``Client``, the five calls of vLLM's weight-transfer API:
-
-* vLLM's own clients (``RayVLLMWeightSyncClient``, ``HTTPVLLMWeightSyncClient``) and ours over
-  several ``vllm serve`` processes (``adapters.vllm.servers``): each call reaches every engine,
-  whose workers run ``StoreMember`` (``adapters.vllm.backend``); such a call returns nothing, and
-  with several engines loses which one failed, hence the answers through the store;
-* the ranks of one launched job (``weight_sync.launch.job_sync``): each call is a command in the same
-  store, which every rank reads in order.
+members to run a step is a ``Client``, the five calls of vLLM's weight-transfer API -- each a
+command in the same store (``control.lane_store.Commands``), which every member of a sender's
+lane reads in order (``receive.inbound.Inbound``, driving a ``StoreMember``), whatever front
+carries the lanes (Ray calls, vLLM's weight-transfer API over HTTP or Ray, a launched job).
 
 ``ClientPlane`` is the trainer's ``ControlPlane`` over any of them; ``StoreMember`` the member's
 end. Only JSON crosses the store, bounded in size; nothing is unpickled.

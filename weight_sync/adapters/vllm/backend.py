@@ -20,12 +20,13 @@ moves, versions that never repeat, two-phase commit, bounded waits -- without ca
     )
     engine.send_weights()          # after every optimizer step; returns the PushResult
 
-The push is the same protocol as ``WeightUpdater``'s (``weight_sync.send.pusher``) over a control
-plane over a store, ``weight_sync.control.store.ClientPlane``: vLLM's client carries each round to every engine at once
-(``init_weight_transfer_engine`` forms the group, ``start_weight_update`` prepares,
-``update_weights`` receives, ``finish_weight_update`` commits or cancels, labelling the outputs
-with the version), and since vLLM's client returns nothing, each worker answers through a small
-store the trainer listens on (loopback unless ``SyncConfig`` names an address). Every vLLM worker
+The push is the same protocol as ``WeightUpdater``'s and ``VLLMServers``': one sender's lane
+(``lanes.ClientLanes`` over ``OneRank``), which vLLM's client carries to every engine at once --
+``init_weight_transfer_engine`` has each worker join (as the first push begins),
+``start_weight_update`` has it check the push against its model, ``update_weights`` takes the
+lane, each tensor loaded as soon as it is whole, and ``finish_weight_update`` labels the outputs
+with the version. Since vLLM's client returns nothing, each worker answers through a small store
+the trainer listens on (loopback unless ``SyncConfig`` names an address). Every vLLM worker
 process is a member of its own: an engine with tensor parallelism 2 is two members.
 
 What stays the caller's, as with vLLM's own engines: pausing generation and clearing the prefix
@@ -40,7 +41,6 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -61,15 +61,14 @@ from vllm.distributed.weight_transfer.factory import (
     WeightTransferTrainerFactory,
 )
 
-from weight_sync.adapters.vllm.lanes import LaneMember, StoreLaneMember
+from weight_sync.adapters.vllm.lanes import ClientLanes, LaneMember, StoreLaneMember
 from weight_sync.adapters.vllm.reload import ReloadTarget
 from weight_sync.adapters.vllm.servers import release_server
 from weight_sync.config import SyncConfig
-from weight_sync.control.store import ClientPlane, StoreMember
-from weight_sync.errors import first_line
-from weight_sync.receive.receiver import Loader, Receiver
+from weight_sync.errors import WeightSyncError, first_line
+from weight_sync.receive.receiver import Receiver
 from weight_sync.result import PushResult
-from weight_sync.send.pusher import Pusher
+from weight_sync.send.collectives import OneRank
 from weight_sync.transport.rendezvous import open_store
 
 logger = logging.getLogger(__name__)
@@ -93,26 +92,24 @@ def register() -> None:
 
 @dataclass
 class WeightSyncInitInfo(WeightTransferInitInfo):
-    """Where the trainer's control store listens, and which group formation this is."""
+    """Where the trainer's stores listen, and which join this is."""
 
-    address: str
+    address: str  # rank 0's store: the worker's slot, its answers, the verdicts
     port: int
-    epoch: int
+    epoch: int  # the join's number (a worker's slot is counted per join)
     timeout_s: float
-    max_metadata_bytes: int
+    # Every sender's store (one, or each rank's of a sharded trainer): the lanes to follow.
+    lanes: list[list[Any]]
     # The worker's own server (``vllm serve``), where the trainer drives it over HTTP: if the
     # trainer dies, the worker's watchdog releases that server (see ``_Watchdog``).
     server_url: str | None = None
-    # Every sender's store, where a sharded trainer pushes from each rank (``VLLMServers`` with
-    # ``senders``): ``address``/``port`` are then rank 0's.
-    lanes: list[list[Any]] | None = None
 
 
 @dataclass
 class WeightSyncUpdateInfo(WeightTransferUpdateInfo):
     version: int
-    push: int = 0  # with lanes: the push's number, and how long its lanes may take
-    wait_s: float = 0.0
+    push: int  # the push's number, and how long its lanes may take
+    wait_s: float
 
 
 class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdateInfo]):
@@ -126,19 +123,18 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module
     ) -> None:
         super().__init__(config, vllm_config, device, model)
-        self._target = target = ReloadTarget(lambda: self.model, vllm_config)
-        # vLLM's device for this worker, never a thread's; vLLM keeps a layer's tensors until the
-        # layer is complete, so they must not be views into buffers a later bucket overwrites.
-        self._member = StoreMember(
-            Receiver(device), target.check, lambda: Loader(target.load, target.reload, keeps=True)
-        )
+        self._target = ReloadTarget(lambda: self.model, vllm_config)
+        # What this worker holds, whichever trainer pushed it: kept across joins. vLLM's device
+        # for this worker, never a thread's.
+        self._record = Receiver(device)
         self._watchdog: _Watchdog | None = None
-        self._lanes: StoreLaneMember | None = None  # pushed to by every rank of a sharded trainer
+        self._lanes: StoreLaneMember | None = None  # the lanes of the trainer that joined last
         self._session = False  # vLLM's update session is open (none of its steps raises here)
 
     def init_transfer_engine(self, init_info: WeightSyncInitInfo) -> None:
-        """Register with the trainer's control store, answer its probe, and join the group it
-        then describes. Given its server's URL, watch the trainer from now until shutdown."""
+        """Take a slot in the trainer's store and follow its senders' lanes (leaving those of a
+        trainer joined before). Given its server's URL, watch the trainer from now until
+        shutdown."""
         self._stop_watchdog()
         if init_info.server_url:  # from before the join: a trainer may die while it waits
             self._watchdog = _Watchdog(
@@ -150,78 +146,53 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
                 releases=not dist.is_initialized() or dist.get_rank() == 0,
             )
         self._close_lanes()
-        if init_info.lanes:
-            lanes = init_info.lanes
 
-            def follow() -> None:
-                self._lanes = StoreLaneMember(
-                    init_info.address,
-                    init_info.port,
-                    init_info.epoch,
-                    lanes,
-                    init_info.timeout_s,
-                    LaneMember(self._target, self._member.receiver),
-                    init_info.server_url or "",
-                )
+        def follow() -> None:
+            self._lanes = StoreLaneMember(
+                init_info.address,
+                init_info.port,
+                init_info.epoch,
+                init_info.lanes,
+                init_info.timeout_s,
+                LaneMember(self._target, self._record),
+                init_info.server_url or "",
+            )
 
-            _answered(follow, "join")
-            return
-        join = partial(
-            self._member.init,
-            init_info.address,
-            init_info.port,
-            init_info.epoch,
-            init_info.timeout_s,
-            init_info.max_metadata_bytes,
-        )
-        _answered(join, "join")
+        _answered(follow, "join")
 
     def start_weight_update(self) -> None:
-        _answered(self._lanes.check if self._lanes is not None else self._member.start, "check")
+        _answered(self._joined().check, "check")
         self._session = True
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # vLLM's default synchronizes an accelerator, which a CPU worker does not have.
         self.receive_weights(self.parse_update_info(update_info))
-        device = self._member.receiver.device
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        if self._record.device.type == "cuda":
+            torch.cuda.synchronize(self._record.device)
 
     def receive_weights(self, update_info: WeightSyncUpdateInfo) -> None:
-        info, lanes = update_info, self._lanes
-        if lanes is not None:
-            _answered(partial(lanes.receive, info.push, info.version, info.wait_s), "receive")
-        else:
-            _answered(partial(self._member.receive, info.version), "receive")
+        info = update_info
+        _answered(lambda: self._joined().receive(info.push, info.version, info.wait_s), "receive")
 
     def finish_weight_update(self) -> None:
+        # The lanes committed in update_weights: nothing is left but vLLM's own label.
         self._session = False
-        if self._lanes is not None:  # the lanes committed in update_weights: nothing is left
-            return
-        version = self._member.pushing
-        gone = self._watchdog is not None and self._watchdog.fired.is_set()
-        if not gone and _answered(self._member.finish, "commit"):
-            return
-        # The trainer died mid-push (a worker's watchdog released the server, which calls this)
-        # or its verdict could not be read: none will come, and vLLM keeps its update session
-        # open -- refusing every later trainer -- unless this returns. The push is dropped here.
-        self._member.pushing = None
-        if version is not None:
-            _answered(partial(self._member.receiver.cancel, version), "drop")
 
     def shutdown(self) -> None:
         self._stop_watchdog()
         self._close_lanes()
-        self._member.shutdown()
+
+    def _joined(self) -> StoreLaneMember:
+        if self._lanes is None:
+            raise WeightSyncError("no trainer joined this worker (init_weight_transfer_engine)")
+        return self._lanes
 
     def _holds_version(self) -> bool:
-        """Whether the server's label names what this worker holds, for its watchdog. Over
-        lanes the worker commits within ``update_weights``, before the trainer labels the
-        version (``finish_weight_update``): while the update session is open, the label is
-        not its own."""
-        if self._lanes is not None:
-            return self._lanes.member.held is not None and not self._session
-        return self._member.receiver.version is not None
+        """Whether the server's label names what this worker holds, for its watchdog. The
+        worker commits within ``update_weights``, before the trainer labels the version
+        (``finish_weight_update``): while the update session is open, the label is not its
+        own."""
+        return self._record.version is not None and not self._session
 
     def _close_lanes(self) -> None:
         lanes, self._lanes = self._lanes, None
@@ -361,9 +332,67 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
             raise TypeError(f"config must be a SyncConfig, got {type(self.config).__name__}")
 
 
+class OwnClient:
+    """One of vLLM's own clients (``VLLMWeightSyncClient``: Ray handles, HTTP to one server) as
+    ``lanes.ClientLanes`` calls it. Each of its calls reaches every engine and says nothing of
+    which one failed: the workers' answers come through the trainer's store."""
+
+    def __init__(self, client: VLLMWeightSyncClient) -> None:
+        self._client = client
+        self.failures: dict[str, str] = {}
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._client.init_weight_transfer_engine(init_info)
+
+    def start_weight_update(self) -> None:
+        self._client.start_weight_update()
+
+    def update_weights(
+        self, update_info: dict[str, Any], lost: Callable[[str, str], None] | None = None
+    ) -> None:
+        self._client.update_weights(update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._client.finish_weight_update(weight_version)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        shutdown = getattr(self._client, "shutdown_weight_transfer_engine", None)
+        if shutdown is not None:  # not every client can release the engines
+            shutdown()
+
+
+class LeftToCaller:
+    """Around a push through vLLM's own clients, nothing: pausing, the prefix cache and the
+    version label after a failure are its caller's, as with vLLM's own engines. Its engines'
+    workers are ``workers`` in all, as the caller counted them."""
+
+    def __init__(self, workers: int) -> None:
+        self._workers = workers
+        self.names = ["the vLLM engines"]
+
+    def count(self, timeout_s: float) -> int:
+        return self._workers
+
+    def relabelled(self, committed: int, timeout_s: float) -> bool:
+        return False  # the caller replaces an engine, and the trainer engine with it
+
+    def pause(self, timeout_s: float) -> None:
+        pass
+
+    def loaded(self, timeout_s: float) -> None:
+        pass
+
+    def resume(self, quiet: bool) -> None:
+        pass
+
+    def release(self, error: BaseException) -> dict[str, str]:
+        return {}
+
+
 class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitInfo]):
-    """The trainer's end: a ``Pusher`` over a ``ClientPlane``. Only rank 0 sends; other trainer
-    ranks only iterate the source (which may gather shards with them)."""
+    """The trainer's end: one sender's lane (``lanes.ClientLanes`` over ``OneRank``), its
+    engines' workers joining as the first push begins. Only rank 0 sends; other trainer ranks
+    only iterate the source (which may gather shards with them)."""
 
     init_info_cls = WeightSyncTrainerInitInfo
 
@@ -377,8 +406,10 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         workers: int = 1,
     ) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
-        self.plane = ClientPlane(client, workers, config or SyncConfig()) if is_sender else None
-        self.pusher = Pusher(self.plane, config) if self.plane is not None else None
+        self.lanes: ClientLanes | None = None
+        if is_sender:
+            around = LeftToCaller(workers)
+            self.lanes = ClientLanes(OwnClient(client), around, config, OneRank(), BACKEND)
 
     @classmethod
     def trainer_init(
@@ -388,8 +419,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         client: VLLMWeightSyncClient,
         source: WeightSource | None = None,
     ) -> WeightSyncTrainerEngine:
-        """Ready to push; the group forms with the first push (when the weights' device, and so
-        the backend, is known)."""
+        """Ready to push; the engines' workers join as the first push begins."""
         return cls(
             client=client,
             source=source,
@@ -408,17 +438,15 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         pairs = weights if weights is not None else self.source
         if pairs is None:
             raise ValueError("no weights: pass a WeightSource at trainer_init, or weights here")
-        if self.pusher is None:
+        if self.lanes is None:
             for _ in pairs:  # this rank only takes part in the source's gathers
                 pass
             return None
-        return self.pusher.push(list(pairs))
+        return self.lanes.push(list(pairs), {})
 
     def shutdown(self) -> None:
-        if self.pusher is not None:
-            self.pusher.close()
-        if self.plane is not None:
-            self.plane.close()
+        if self.lanes is not None:
+            self.lanes.close()
 
 
 register()

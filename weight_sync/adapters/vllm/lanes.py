@@ -1,12 +1,15 @@
-"""Pushes into running ``vllm serve`` processes, from one trainer process or from every rank
-of a sharded trainer.
+"""Pushes into vLLM engines driven through vLLM's weight-transfer API, from one trainer process
+or from every rank of a sharded trainer.
 
-``ServerLanes`` is what ``VLLMServers(urls)`` runs, and ``VLLMServers(urls, senders=group)``
-for a trainer sharded over K ranks (FSDP2, DTensor): made on every trainer rank, each pushing
-its own shards over a lane of its own (an ordinary push over the store plane, ``send.senders``)
-while every vLLM worker process of every server follows all K lanes at once. One trainer
-process is the K = 1 case (``OneRank``), the same protocol, pushing its whole state dict (or a
-``ShardedSource`` it gathers)::
+``ClientLanes`` is what ``VLLMServers(urls)`` runs over ``vllm serve``'s HTTP routes, and
+``VLLMServers(urls, senders=group)`` for a trainer sharded over K ranks (FSDP2, DTensor); it
+is also what vLLM's own trainer-side API runs with weight_sync as its backend
+(``backend.WeightSyncTrainerEngine``, over ``RayVLLMWeightSyncClient`` or
+``HTTPVLLMWeightSyncClient``). Made on every trainer rank, each pushing its own shards over a
+lane of its own (an ordinary push over the store plane, ``send.senders``) while every vLLM
+worker process of every engine follows all K lanes at once. One trainer process is the K = 1
+case (``OneRank``), the same protocol, pushing its whole state dict (or a ``ShardedSource`` it
+gathers)::
 
     # on every rank of the trainers' torch.distributed group
     urls = ["http://10.0.0.2:8000", "http://10.0.0.3:8000"]
@@ -15,7 +18,8 @@ process is the K = 1 case (``OneRank``), the same protocol, pushing its whole st
         ...  # train
         servers.push(model.state_dict())      # this rank's shards; every rank at once
 
-vLLM's weight-transfer API carries it, one HTTP call per server per step, made by rank 0 only:
+vLLM's weight-transfer API carries it, one call per engine per step (an HTTP call to each
+``vllm serve``), made by rank 0 only:
 
 * ``init_weight_transfer_engine`` hands each worker every sender's store address (the
   ``lanes`` of ``WeightSyncInitInfo``); the worker takes a slot in rank 0's store and dials
@@ -31,10 +35,11 @@ vLLM's weight-transfer API carries it, one HTTP call per server per step, made b
 * ``finish_weight_update`` labels the outputs with the version; or, after a failure, the
   servers are labelled ``"none"`` and resumed, as ``VLLMServers`` does.
 
-Pausing, resetting the prefix cache and resuming are ``servers.py``'s, called by rank 0. The
-workers join as the first push begins, and again after a push that failed once the servers
-were called or when a server reports other than the version last committed: a server
-restarted at the same URL rejoins, sent every tensor. The worker's half,
+Pausing, resetting the prefix cache and resuming are the front's (``Around``): rank 0 makes
+``vllm serve``'s (``servers.py``); vLLM's own API leaves them to its caller. The workers join as
+the first push begins, and again after a push that failed once the engines were called or when
+a server reports other than the version last committed: a server restarted at the same URL
+rejoins, sent every tensor. The worker's half,
 ``LaneMember``, is also what each worker of a ``VLLMEngine`` on Ray runs for a
 ``WeightUpdater`` with ``senders`` (``extension.py``).
 """
@@ -47,21 +52,11 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
 from weight_sync.adapters.vllm.reload import ReloadTarget, Streamed
-from weight_sync.adapters.vllm.servers import (
-    PauseMode,
-    ServersClient,
-    count_workers,
-    labels,
-    pause,
-    release,
-    reset_caches,
-    resume,
-)
 from weight_sync.config import SyncConfig
 from weight_sync.control.deadline import Deadline
 from weight_sync.control.futures import in_thread
@@ -100,29 +95,77 @@ _SENT = "sent/"
 _CHECK_BYTES = 256
 
 
-class ServerLanes:
-    """This trainer rank's end of pushes into ``vllm serve`` processes at ``urls`` (the same
-    list on every rank; see the module doc): what ``VLLMServers`` runs, which checks the
-    arguments first.
+class Client(Protocol):
+    """The weight-transfer calls of vLLM's ``VLLMWeightSyncClient``, each reaching every engine
+    at once: ``servers.ServersClient`` over ``vllm serve``, or vLLM's own clients
+    (``backend.OwnClient``). ``failures``: the engines whose calls failed, by name, until the
+    caller clears it."""
+
+    failures: dict[str, str]
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
+
+    def start_weight_update(self) -> None: ...
+
+    def update_weights(
+        self, update_info: dict[str, Any], lost: Callable[[str, str], None] | None = None
+    ) -> None:
+        """``lost(name, why)``: told at once of each engine that stopped answering mid-call."""
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None: ...
+
+    def shutdown_weight_transfer_engine(self) -> None: ...
+
+
+class Around(Protocol):
+    """What rank 0 does around each push into the engines: ``vllm serve``'s pause, prefix cache
+    reset, resume and release (``servers.Around``), or nothing where vLLM's API leaves them to
+    its caller (``backend.LeftToCaller``). ``names``: the engines, as errors name them."""
+
+    names: list[str]
+
+    def count(self, timeout_s: float) -> int:
+        """Every engine's worker processes: the members of a push."""
+
+    def relabelled(self, committed: int, timeout_s: float) -> bool:
+        """Whether an engine no longer reports version ``committed`` (it restarted, or another
+        trainer pushed to it): its workers must join again."""
+
+    def pause(self, timeout_s: float) -> None: ...
+
+    def loaded(self, timeout_s: float) -> None:
+        """Every engine committed and was labelled: what it must do before serving again."""
+
+    def resume(self, quiet: bool) -> None: ...
+
+    def release(self, error: BaseException) -> dict[str, str]:
+        """After a failed push: every engine reachable claims no version and serves again.
+        Returns those that could not be reached, with why."""
+
+
+class ClientLanes:
+    """This trainer rank's end of pushes into the vLLM engines that ``client`` calls (see the
+    module doc), ``around`` what rank 0 does around each push; ``owner`` names the front in
+    what it tells a caller to change (``VLLMServers``, which checks the arguments first).
 
     Made on every rank of ``group`` (the trainers' torch.distributed group) at once: a
     collective. Its ranks ``0..n-1`` are the senders; the DTensors pushed must lie on meshes of
     them (docs/many-senders.md). ``OneRank()``: a trainer of one process, the K = 1 case.
-    ``config`` and ``pause_mode`` as ``VLLMServers``'; rank 0 makes every HTTP call."""
+    Rank 0 makes every call on the engines."""
 
     def __init__(
         self,
-        urls: Sequence[str],
+        client: Client,
+        around: Around,
         config: SyncConfig | None,
         group: dist.ProcessGroup | OneRank,
-        pause_mode: PauseMode,
+        owner: str,
     ) -> None:
-        self.urls = list(urls)
-        self.pause_mode = pause_mode
-        # The servers' workers are counted, and join, as the first push begins (``_renew``):
-        # making this touches no server.
-        self._lanes = Senders(config, group, lambda _: len(self.urls), "VLLMServers", deaths=True)
-        self._client = ServersClient(self.urls, self._lanes.config.push_timeout_s)
+        self._client, self._around = client, around
+        # The engines' workers are counted, and join, as the first push begins (``_renew``):
+        # making this touches no engine.
+        engines = len(around.names)
+        self._lanes = Senders(config, group, lambda _: engines, owner, deaths=True)
         self.config = self._lanes.config
         self.rank, self.senders = self._lanes.rank, self._lanes.senders
         self._checks = Checks(self._lanes.store)  # rank 0's: each push's check, in its store
@@ -136,7 +179,7 @@ class ServerLanes:
         self._stale = True
         self._slots_of: dict[str, list[int]] = {}  # rank 0: each server's workers, by slot
         self._gone: dict[str, str] = {}  # rank 0: the servers lost in the push under way
-        logger.info("sender %d of %d, to %d vLLM server(s)", self.rank, self.senders, len(urls))
+        logger.info("sender %d of %d, to %d vLLM engine(s)", self.rank, self.senders, engines)
 
     @property
     def version(self) -> int:
@@ -246,27 +289,15 @@ class ServerLanes:
         self._stale = False
 
     def _relabelled(self) -> bool:
-        """Rank 0: whether a server does not report the version last committed (or did not
+        """Rank 0: whether an engine does not report the version last committed (or did not
         answer: the count that follows names it)."""
-        if not self._committed:
-            return False
-        try:
-            held = labels(self.urls, self.config.rpc_timeout_s)
-        except ServerError as exc:
-            logger.warning("asking the servers' versions: %s", exc)
-            return True
-        moved = {url: label for url, label in held.items() if label != str(self._committed)}
-        if moved:
-            logger.warning(
-                "server(s) %s do not hold version %d (restarted?): every worker joins anew",
-                moved,
-                self._committed,
-            )
-        return bool(moved)
+        return bool(self._committed) and self._around.relabelled(
+            self._committed, self.config.rpc_timeout_s
+        )
 
     def _count(self, config: SyncConfig) -> int:
-        """Rank 0, as the lanes renew: every server's worker processes (``count_workers``)."""
-        return count_workers(self.urls, config.rpc_timeout_s)
+        """Rank 0, as the lanes renew: every engine's worker processes."""
+        return self._around.count(config.rpc_timeout_s)
 
     def _join(self) -> int:
         """Rank 0: every worker follows the lanes from now, as the slot it takes in this join;
@@ -280,7 +311,6 @@ class ServerLanes:
                 "port": port,
                 "epoch": self._epoch,
                 "timeout_s": self.config.rendezvous_timeout_s,
-                "max_metadata_bytes": self.config.max_metadata_bytes,
                 "lanes": [list(endpoint) for endpoint in self._lanes.endpoints],
             }
         )
@@ -292,7 +322,7 @@ class ServerLanes:
         joined = self._every_worker(words, "joining", deadline)
         for slot, word in enumerate(joined, start=1):
             self._slots_of.setdefault(str(word["server"]), []).append(slot)
-        logger.info("%d vLLM worker(s) of %d server(s) joined", len(joined), len(self.urls))
+        logger.info("%d vLLM worker(s) joined", len(joined))
         return max(int(word["sent"]) for word in joined)
 
     # -- rank 0: the HTTP calls around the lanes ---------------------------------------------------
@@ -318,7 +348,7 @@ class ServerLanes:
         self._gone = {}
         try:
             self._paused = True  # some servers may be paused even if one fails to
-            pause(self.urls, self.pause_mode, rpc_s)
+            self._around.pause(rpc_s)
             self._checks.post_layout(layout)
             check = LaneCheck(
                 push=self._lanes.pushes,
@@ -336,7 +366,7 @@ class ServerLanes:
             named = exc.servers if isinstance(exc, ServerError) else self._client.failures
             raise ServerError(
                 f"a server did not check the push ({first_line(exc)}); nothing was sent",
-                dict(named) or {url: first_line(exc) for url in self.urls},
+                dict(named) or {name: first_line(exc) for name in self._around.names},
             ) from exc
         problems = {member: list(found) for member, found in enumerate(answers) if found}
         if problems:
@@ -351,18 +381,19 @@ class ServerLanes:
             self._loaded_everywhere()
             self._session = False
             self._client.finish_weight_update(str(version))
-            reset_caches(self.urls, self.config.rpc_timeout_s)
+            self._around.loaded(self.config.rpc_timeout_s)
         except BaseException as exc:
             self._finish_quietly()  # the session is open unless its finish ran
-            release(self.urls, exc)
+            self._around.release(exc)
             self._paused = False
             if isinstance(exc, ServerError):
                 raise
             raise ServerError(
                 f"the lanes committed, but a server did not load them ({first_line(exc)})",
-                dict(self._client.failures) or {url: first_line(exc) for url in self.urls},
+                dict(self._client.failures)
+                or {name: first_line(exc) for name in self._around.names},
             ) from exc
-        resume(self.urls, quiet=False)
+        self._around.resume(quiet=False)
         self._paused = False
 
     def _loaded_everywhere(self) -> None:
@@ -407,7 +438,7 @@ class ServerLanes:
             logger.info("push %d: the servers' update failed too: %s", self._lanes.pushes, exc)
         failed = dict(self._client.failures)  # the push's, not the release's
         self._finish_quietly()
-        unreachable = release(self.urls, error)
+        unreachable = self._around.release(error)
         self._paused = False
         if self._gone:
             named = "; ".join(f"{url}: {why}" for url, why in self._gone.items())
@@ -422,7 +453,7 @@ class ServerLanes:
         if not self._paused:
             return
         self._finish_quietly()
-        resume(self.urls, quiet=True)
+        self._around.resume(quiet=True)
         self._paused = False
 
     def _finish_quietly(self) -> None:
@@ -461,11 +492,11 @@ def load_outcomes(words: Sequence[Mapping[str, Any]]) -> Outcomes:
 
 class LaneMember:
     """One vLLM worker's end of pushes from one sender or from every rank of a sharded trainer,
-    however they are driven (over HTTP by ``ServerLanes``: ``StoreLaneMember``; over Ray by
-    ``RayLanes``, through ``VLLMEngine``): the push's layout checked against the engine, every
-    sender's lane followed at once, each tensor loaded as soon as it is whole, in one reload.
-    ``single``: the worker's receiver of one-sender pushes, the record of what it holds
-    (``receive.member.Member``)."""
+    however they are driven (through vLLM's weight-transfer API by ``ClientLanes``:
+    ``StoreLaneMember``; over Ray by ``RayLanes``, through ``VLLMEngine``): the push's layout
+    checked against the engine, every sender's lane followed at once, each tensor loaded as
+    soon as it is whole, in one reload. ``single``: the record of what the worker holds, kept
+    across the trainers it follows (``receive.member.Member``)."""
 
     def __init__(self, target: ReloadTarget, single: Receiver) -> None:
         self._target = target
@@ -585,7 +616,8 @@ class LaneMember:
 
 
 class StoreLaneMember:
-    """A ``LaneMember`` driven by ``ServerLanes`` over HTTP: it takes a slot in rank 0's
+    """A ``LaneMember`` driven by ``ClientLanes`` (vLLM's weight-transfer API, inside the
+    weight_sync backend): it takes a slot in rank 0's
     store (``address``, ``port``), says there the highest version this worker was sent and its
     server (``server_url``), follows every sender's lane (``lanes``: their stores), and answers
     each check in that store."""

@@ -2,7 +2,7 @@
 
 A server started with ``--weight-transfer-config '{"backend": "weight_sync"}'`` and
 ``VLLM_SERVER_DEV_MODE=1`` (which mounts vLLM's RL routes) is driven through the same push
-protocol as every other member: one sender's lane (``lanes.ServerLanes`` over ``OneRank``; a
+protocol as every other member: one sender's lane (``lanes.ClientLanes`` over ``OneRank``; a
 sharded trainer's ranks each push one, ``senders``), its workers following it from the
 trainer's small store, over vLLM's own weight-transfer API -- one HTTP call per server per
 step. Nothing here imports vLLM: the trainer side of an HTTP deployment needs only the standard
@@ -252,6 +252,46 @@ def release(urls: Sequence[str], error: BaseException) -> dict[str, str]:
     return unreachable
 
 
+class ServersAround:
+    """What rank 0 does around each push into ``vllm serve`` processes at ``urls``
+    (``lanes.Around``): the calls vLLM leaves to the caller of its client."""
+
+    def __init__(self, urls: Sequence[str], pause_mode: PauseMode) -> None:
+        self.names = list(urls)
+        self.pause_mode = pause_mode
+
+    def count(self, timeout_s: float) -> int:
+        return count_workers(self.names, timeout_s)
+
+    def relabelled(self, committed: int, timeout_s: float) -> bool:
+        """Whether a server does not report version ``committed`` (or did not answer)."""
+        try:
+            held = labels(self.names, timeout_s)
+        except ServerError as exc:
+            logger.warning("asking the servers' versions: %s", exc)
+            return True
+        moved = {url: label for url, label in held.items() if label != str(committed)}
+        if moved:
+            logger.warning(
+                "server(s) %s do not hold version %d (restarted?): every worker joins anew",
+                moved,
+                committed,
+            )
+        return bool(moved)
+
+    def pause(self, timeout_s: float) -> None:
+        pause(self.names, self.pause_mode, timeout_s)
+
+    def loaded(self, timeout_s: float) -> None:
+        reset_caches(self.names, timeout_s)
+
+    def resume(self, quiet: bool) -> None:
+        resume(self.names, quiet=quiet)
+
+    def release(self, error: BaseException) -> dict[str, str]:
+        return release(self.names, error)
+
+
 class VLLMServers:
     """Pushes a trainer's weights into running ``vllm serve`` processes (see the module doc).
 
@@ -263,7 +303,7 @@ class VLLMServers:
     group (``dist.group.WORLD``, or a subgroup), every rank of which makes ``VLLMServers`` over
     the same URLs at once and pushes its own shards at the same point (docs/many-senders.md);
     rank 0 makes every HTTP call. None: this process pushes alone -- the same protocol, one
-    sender (``lanes.ServerLanes`` either way).
+    sender (``lanes.ClientLanes`` either way).
 
     Every worker of every server (a server with tensor parallelism 2 is two, counted by
     ``GET /get_world_size``) joins as the first push begins -- making this touches no server --
@@ -286,10 +326,12 @@ class VLLMServers:
             raise TypeError(f"config must be a SyncConfig, got {type(config).__name__}")
         if pause_mode not in ("keep", "wait", "abort"):
             raise ValueError(f"pause_mode must be 'keep', 'wait' or 'abort', got {pause_mode!r}")
-        from weight_sync.adapters.vllm.lanes import ServerLanes  # it builds on this module
+        from weight_sync.adapters.vllm.lanes import ClientLanes  # it builds on this module
 
         group = senders if senders is not None else OneRank()
-        self._lanes = ServerLanes(self.urls, config, group, pause_mode)
+        client = ServersClient(self.urls, (config or SyncConfig()).push_timeout_s)
+        around = ServersAround(self.urls, pause_mode)
+        self._lanes = ClientLanes(client, around, config, group, "VLLMServers")
         self.config = self._lanes.config
         self.pause_mode = pause_mode
         self._lock = threading.Lock()
