@@ -293,7 +293,7 @@ def test_a_data_parallel_vllm_engine_refuses_a_push_from_many_senders(
     import torch
     import torch.distributed as dist
 
-    from weight_sync.adapters.vllm.lanes import LaneMember
+    from weight_sync.adapters.vllm.member import LaneMember
     from weight_sync.control.lane_store import CHECKED, Checks
     from weight_sync.receive.receiver import Receiver
     from weight_sync.wire.lane_rules import layout_of

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import torch
 
@@ -79,7 +79,7 @@ Answers = Mapping[int, "Future[str | None]"]
 
 class OneCallClient(Client, Protocol):
     """A client whose members also take a whole push in one step (``StoreMember.push``): a
-    sender's lane (``control.lane_store.Commands``), never vLLM's."""
+    sender's lane (``control.lane_store.Commands``), the client every plane has."""
 
     def push_weight_update(self, request_json: str) -> Answers:
         """Have every member take the push ``request_json`` (a ``PrepareRequest``) in one step;
@@ -305,10 +305,10 @@ def _as_verdict(reply: PrepareReply) -> PrepareReply | None:
 
 
 class ClientPlane:
-    """``ControlPlane`` over a ``Client`` (see the module doc). Members are the processes that
-    answer, in the order they took their slots."""
+    """``ControlPlane`` over a ``OneCallClient`` (see the module doc). Members are the processes
+    that answer, in the order they took their slots."""
 
-    def __init__(self, client: Client, workers: int, config: SyncConfig) -> None:
+    def __init__(self, client: OneCallClient, workers: int, config: SyncConfig) -> None:
         from torch.distributed import PrefixStore
 
         self._client = client
@@ -409,10 +409,7 @@ class ClientPlane:
         return [self._ending] * len(members)
 
     def push(self, request: PrepareRequest, timeout_s: float) -> list[Future[PushReply]]:
-        # Only members a sender's lane drives offer it (vLLM's workers never do).
-        # (A runtime protocol's isinstance costs more than this step's own work.)
-        assert hasattr(self._client, "push_weight_update"), "one-call pushes: a OneCallClient"
-        client = cast(OneCallClient, self._client)
+        client = self._client
         self._begin("a later push began")
         posted: Future[None] = Future()  # the client posts to its own store: no thread for it
         answers: Answers = {}
@@ -453,7 +450,7 @@ class ClientPlane:
 
     def drop(self, members: Sequence[int]) -> None:
         """The members stay: their count is whoever made this plane's (a lane's front renews
-        it, ``recount``; vLLM's client calls every engine), so pushes fail until that changes."""
+        it, ``recount``), so pushes fail until that changes."""
         logger.warning(
             "member(s) %s failed; they are called until whoever counts them renews the count",
             list(members),

@@ -61,7 +61,8 @@ from vllm.distributed.weight_transfer.factory import (
     WeightTransferTrainerFactory,
 )
 
-from weight_sync.adapters.vllm.lanes import ClientLanes, LaneMember, StoreLaneMember
+from weight_sync.adapters.vllm.lanes import ClientLanes
+from weight_sync.adapters.vllm.member import LaneMember, StoreLaneMember
 from weight_sync.adapters.vllm.reload import ReloadTarget
 from weight_sync.adapters.vllm.servers import release_server
 from weight_sync.config import SyncConfig
@@ -248,7 +249,6 @@ class _Watchdog:
         interval_s: float = 1.0,
     ) -> None:
         self._stopped = threading.Event()
-        self.fired = threading.Event()  # the trainer was found dead
         release = (holds_version, session_open) if releases else None
         self._thread = threading.Thread(
             target=self._watch,
@@ -276,7 +276,6 @@ class _Watchdog:
         except Exception as exc:  # the trainer's store is gone: it died, or closed it
             if self._stopped.is_set():
                 return
-            self.fired.set()
             logger.warning(
                 "the trainer's store at %s:%s stopped answering (%s)%s",
                 address,

@@ -5,7 +5,7 @@ engine; vLLM appends this class to its worker's bases, and the engine-side membe
 (``VLLMEngine``) reaches it through ``collective_rpc``. A push, from one sender or from every
 rank of a sharded trainer (``RayLanes``), takes two steps on each worker: the check of the
 push's layout against the engine's model before any byte moves, then every lane received and
-loaded into the model as it completes, in one reload (``lanes.LaneMember``,
+loaded into the model as it completes, in one reload (``member.LaneMember``,
 ``reload.Streamed``).
 
 Every method answers with a ``WorkerReply`` in JSON and never raises: vLLM turns a worker's
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from weight_sync.adapters.vllm.lanes import LaneMember
+from weight_sync.adapters.vllm.member import LaneMember
 from weight_sync.adapters.vllm.reload import ReloadTarget
 from weight_sync.receive.receiver import Receiver
 from weight_sync.wire.metadata import LanePush, SyncStatus, WorkerReply

@@ -39,9 +39,7 @@ Pausing, resetting the prefix cache and resuming are the front's (``Around``): r
 ``vllm serve``'s (``servers.py``); vLLM's own API leaves them to its caller. The workers join as
 the first push begins, and again after a push that failed once the engines were called or when
 a server reports other than the version last committed: a server restarted at the same URL
-rejoins, sent every tensor. The worker's half,
-``LaneMember``, is also what each worker of a ``VLLMEngine`` on Ray runs for a
-``WeightUpdater`` with ``senders`` (``extension.py``).
+rejoins, sent every tensor. The worker's half is ``member.py``'s.
 """
 
 from __future__ import annotations
@@ -56,12 +54,12 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from weight_sync.adapters.vllm.reload import ReloadTarget, Streamed
+from weight_sync.adapters.vllm.member import CHECK, LANDED, SENT
 from weight_sync.config import SyncConfig
 from weight_sync.control.deadline import Deadline
 from weight_sync.control.futures import in_thread
-from weight_sync.control.keys import delete, read_bounded, take, wait_all
-from weight_sync.control.lane_store import VERDICTS, Checks
+from weight_sync.control.keys import delete, take, wait_all
+from weight_sync.control.lane_store import Checks
 from weight_sync.errors import (
     PlanMismatchError,
     ServerError,
@@ -69,30 +67,16 @@ from weight_sync.errors import (
     WorkerFailedError,
     first_line,
 )
-from weight_sync.receive.assembly import Assembly
-from weight_sync.receive.checks import check_layout
-from weight_sync.receive.member import Member
-from weight_sync.receive.receiver import Receiver
 from weight_sync.result import PushResult
 from weight_sync.send.collectives import OneRank
 from weight_sync.send.senders import Senders, nothing_moves
 from weight_sync.send.sharded import ShardedSource
-from weight_sync.transport.rendezvous import open_store
 from weight_sync.wire.blame import Outcomes, blame_servers
 from weight_sync.wire.blocks import BlockLayout
-from weight_sync.wire.metadata import LaneCheck, LanePush
+from weight_sync.wire.metadata import LaneCheck
 from weight_sync.wire.state_dict import StateDict
 
 logger = logging.getLogger(__name__)
-
-# In rank 0's store, beside the verdicts and the checks (``control.lane_store``):
-_CHECK = "check"  # a LaneCheck (JSON): the push the workers check now
-_LANDED = "landed/"  # + push/slot: how a push ended at a worker (JSON {"version"} or {"error"})
-_SLOTS = "slots/"  # + epoch: the counter each worker takes its slot from
-# + epoch/slot: a worker's word as it joins (JSON): the highest version it was ever sent, and
-# its server's URL (where rank 0 tells the lanes which workers a server that died took along)
-_SENT = "sent/"
-_CHECK_BYTES = 256
 
 
 class Client(Protocol):
@@ -315,7 +299,7 @@ class ClientLanes:
             }
         )
         deadline = Deadline(self.config.rendezvous_timeout_s, "the vLLM workers' joining")
-        keys = self._worker_keys(f"{_SENT}{self._epoch}/")
+        keys = self._worker_keys(f"{SENT}{self._epoch}/")
         found = wait_all(self._lanes.store, keys, deadline)
         delete(self._lanes.store, list(found))  # read once
         words = [json.loads(found[key]) if key in found else None for key in keys]
@@ -356,7 +340,7 @@ class ClientLanes:
                 digest=layout.digest,
                 max_metadata_bytes=self.config.max_metadata_bytes,
             )
-            self._lanes.store.set(_CHECK, check.model_dump_json())
+            self._lanes.store.set(CHECK, check.model_dump_json())
             self._session = True
             self._client.start_weight_update()
             words = self._checks.answers(self._lanes.pushes, self._lanes.members, deadline)
@@ -399,7 +383,7 @@ class ClientLanes:
     def _loaded_everywhere(self) -> None:
         """Every worker's word on the push (``StoreLaneMember.receive``, which never raises):
         ``ServerError`` naming those that did not load it, by ``wire.blame``'s rules."""
-        keys = self._worker_keys(f"{_LANDED}{self._lanes.pushes}/")
+        keys = self._worker_keys(f"{LANDED}{self._lanes.pushes}/")
         found = take(self._lanes.store, keys)
         outcomes = load_outcomes([json.loads(found[key]) if key in found else {} for key in keys])
         if outcomes.ok:
@@ -485,188 +469,3 @@ def load_outcomes(words: Sequence[Mapping[str, Any]]) -> Outcomes:
             if "version" not in word
         },
     )
-
-
-# -- inside each vLLM worker process --------------------------------------------------------------
-
-
-class LaneMember:
-    """One vLLM worker's end of pushes from one sender or from every rank of a sharded trainer,
-    however they are driven (through vLLM's weight-transfer API by ``ClientLanes``:
-    ``StoreLaneMember``; over Ray by ``RayLanes``, through ``VLLMEngine``): the push's layout
-    checked against the engine, every sender's lane followed at once, each tensor loaded as
-    soon as it is whole, in one reload. ``single``: the record of what the worker holds, kept
-    across the trainers it follows (``receive.member.Member``)."""
-
-    def __init__(self, target: ReloadTarget, single: Receiver) -> None:
-        self._target = target
-        self.member = Member(single)
-        # The last layout's problems, by its digest and whether this worker held a version: a
-        # push over Ray is checked twice (``check``, then ``push``), and each check builds and
-        # hashes a plan of every tensor.
-        self._found: tuple[tuple[str, bool], list[str]] | None = None
-
-    @property
-    def held(self) -> int | None:
-        """The version every lane committed and the engine loaded here (None without lanes)."""
-        return self.member.record.version if self.member.lanes is not None else None
-
-    @property
-    def sent(self) -> int:
-        """The highest version this worker was ever sent, by one sender or many."""
-        return self.member.record.highest_version
-
-    def connect(self, endpoints: Sequence[Sequence[Any]], slot: int, timeout_s: float) -> None:
-        """Follow the lanes of the senders whose stores are at ``endpoints``, as member
-        ``slot`` of each (dialled again only when either changed)."""
-        self.member.follow(endpoints, slot, timeout_s)
-
-    def leave(self, endpoints: Sequence[Sequence[Any]]) -> None:
-        """The senders at ``endpoints`` left: let go of their lanes, unless lanes from other
-        senders took their place."""
-        self.member.leave(endpoints)
-
-    def holds(self, digest: str) -> bool:
-        return self.member.holds(digest)
-
-    def check(self, call: LanePush) -> list[str]:
-        """Rank 0's ``call``, its check alone (``Member.checked``, the senders' lanes followed
-        first): what of the push this engine cannot take -- asked before ``push``, so that the
-        engine pauses generation only for a push every worker takes."""
-        lanes = self.member.follow_call(call)
-        return self.member.checked(lanes.checks, call.check, self._problems, self._name(call.slot))
-
-    def push(self, call: LanePush) -> int | None:
-        """Rank 0's ``call`` in one step (over Ray, through ``VLLMEngine``): this worker's
-        check and every lane at once (``Member.take``: refused on every lane where the check
-        found problems), each tensor loaded as soon as every lane brought its blocks, in one
-        reload (``Streamed``). Returns the version held."""
-        name, senders = self._name(call.slot), len(call.endpoints)
-        stream = Streamed(self._target, self.member.record.device, senders)
-        take = self.member.take
-        return self._streamed(
-            stream,
-            lambda: take(call, self._problems, lambda layout: self._into(layout, stream), name),
-            name,
-        )
-
-    def answer(self, checks: Checks, slot: int, check: LaneCheck) -> None:
-        """Answer ``check`` in rank 0's store as member ``slot`` (``Member.answer``): what of
-        the push this engine cannot take -- told to by ``vllm serve``'s
-        ``start_weight_update`` (``StoreLaneMember``)."""
-        self.member.answer(checks, slot, check, self._problems, self._name(slot))
-
-    def receive(self, push: int, version: int, wait_s: float, name: str) -> int:
-        """Take push ``push`` (of ``version``) on every lane at once, each tensor loaded as
-        soon as every lane brought its blocks, in one reload; the version held here, else
-        raises (and this worker holds none where bytes reached the engine). ``name`` names
-        this worker in errors."""
-        layout = self.member.layout
-        assert layout is not None, "connect and check first"
-        stream = Streamed(self._target, self.member.record.device, layout.senders)
-        assembly = self._into(layout, stream)
-        held = self._streamed(
-            stream, lambda: self.member.receive(assembly, push, version, wait_s, name), name
-        )
-        assert held == version, (held, version)
-        return held
-
-    def _problems(self, layout: BlockLayout) -> list[str]:
-        replicas = self._target.data_parallel_size
-        if replicas > 1:  # slots are counted per engine core; its replicas' workers would clash
-            why = f"a data-parallel engine (data_parallel_size={replicas}) cannot take a push"
-            return [f"{why} from many senders yet: start one server or engine per replica"]
-        held = self.member.record.version
-        key = (layout.digest, held is None)
-        if self._found is None or self._found[0] != key:
-            # vLLM's loader takes whole checkpoint tensors: the layout's, whole.
-            self._found = key, check_layout(layout, self._target.check, held)
-        return list(self._found[1])
-
-    @staticmethod
-    def _into(layout: BlockLayout, stream: Streamed) -> Assembly:
-        # The reload may hold a layer's tensors until the layer is complete (``keeps``).
-        return Assembly(layout, None, stream.load, keeps=True)
-
-    def _streamed(self, stream: Streamed, take: Callable[[], int | None], name: str) -> int | None:
-        """``take`` the push into ``stream``, then finish its reload; where the push fails, the
-        reload is left as a failed push leaves it. Where the lanes committed but the reload
-        failed, this worker holds no version either."""
-        try:
-            held = take()
-        except BaseException:
-            stream.abort()
-            raise
-        try:
-            stream.close()
-        except Exception as exc:
-            why = f"{name} received every lane but its engine did not load them: {first_line(exc)}"
-            lanes = self.member.lanes
-            assert lanes is not None, "the lanes just committed"
-            lanes.lost(why)
-            raise WeightSyncError(why) from exc
-        return held
-
-    @staticmethod
-    def _name(slot: int) -> str:
-        return f"vLLM worker {slot - 1}"
-
-    def close(self) -> None:
-        self.member.close()
-
-
-class StoreLaneMember:
-    """A ``LaneMember`` driven by ``ClientLanes`` (vLLM's weight-transfer API, inside the
-    weight_sync backend): it takes a slot in rank 0's
-    store (``address``, ``port``), says there the highest version this worker was sent and its
-    server (``server_url``), follows every sender's lane (``lanes``: their stores), and answers
-    each check in that store."""
-
-    def __init__(
-        self,
-        address: str,
-        port: int,
-        epoch: int,
-        lanes: Sequence[Sequence[Any]],
-        timeout_s: float,
-        member: LaneMember,
-        server_url: str = "",
-    ) -> None:
-        self._store = dist.PrefixStore(VERDICTS, open_store(address, port, 1, timeout_s, None))
-        self._checks = Checks(self._store)
-        self.slot = int(self._store.add(f"{_SLOTS}{epoch}", 1))
-        joined = {"sent": member.sent, "server": server_url}
-        self._store.set(f"{_SENT}{epoch}/{self.slot}", json.dumps(joined))
-        member.connect(lanes, self.slot, timeout_s)
-        self.member = member
-
-    # Neither step raises: each answers in rank 0's store (why: backend._answered).
-
-    def check(self) -> None:
-        """``start_weight_update``: answer rank 0 with what of the push this engine cannot
-        take (empty: all of it; a check that failed is one problem). A request it cannot read
-        goes unanswered: rank 0 stops waiting at its store's timeout."""
-        try:
-            check = LaneCheck.model_validate_json(read_bounded(self._store, _CHECK, _CHECK_BYTES))
-        except Exception as exc:
-            logger.error("%s cannot read the push to check: %s", self.name, exc)
-            return
-        self.member.answer(self._checks, self.slot, check)
-
-    def receive(self, push: int, version: int, wait_s: float) -> None:
-        """``update_weights``: see ``LaneMember.receive``; how it ended, in rank 0's store."""
-        try:
-            outcome: dict[str, Any] = {
-                "version": self.member.receive(push, version, wait_s, self.name)
-            }
-        except Exception as exc:
-            logger.warning("push %d: %s", push, exc)
-            outcome = {"error": first_line(exc)}
-        self._store.set(f"{_LANDED}{push}/{self.slot}", json.dumps(outcome))
-
-    @property
-    def name(self) -> str:
-        return f"vLLM worker {self.slot - 1}"
-
-    def close(self) -> None:
-        self.member.close()
