@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from typing_extensions import Self
 
+from weight_sync.adapters.vllm.lanes import ClientLanes
 from weight_sync.config import SyncConfig
 from weight_sync.control.http import call, check_urls, fan_out, unanswered
 from weight_sync.errors import ServerError, WeightSyncError, first_line
@@ -326,8 +327,6 @@ class VLLMServers:
             raise TypeError(f"config must be a SyncConfig, got {type(config).__name__}")
         if pause_mode not in ("keep", "wait", "abort"):
             raise ValueError(f"pause_mode must be 'keep', 'wait' or 'abort', got {pause_mode!r}")
-        from weight_sync.adapters.vllm.lanes import ClientLanes  # it builds on this module
-
         group = senders if senders is not None else OneRank()
         client = ServersClient(self.urls, (config or SyncConfig()).push_timeout_s)
         around = ServersAround(self.urls, pause_mode)
