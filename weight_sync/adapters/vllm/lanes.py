@@ -103,7 +103,7 @@ class Client(Protocol):
 
 class Around(Protocol):
     """What rank 0 does around each push into the engines: ``vllm serve``'s pause, prefix cache
-    reset, resume and release (``servers.Around``), or nothing where vLLM's API leaves them to
+    reset, resume and release (``servers.ServersAround``), or nothing where vLLM's API leaves them to
     its caller (``backend.LeftToCaller``). ``names``: the engines, as errors name them."""
 
     names: list[str]
